@@ -1,0 +1,157 @@
+"""MBPP throughput: every reference solution evaluated through a running node over HTTP.
+
+Each task is one whole episode: create (a fresh interpreter process), step
+(submit_solution), evaluate (the hidden tests in a second, fresh interpreter), release.
+N concurrent clients share the task list. Prints tasks/s and p50/p99 latency per call,
+and writes the figures as JSON.
+
+    python bench/mbpp_throughput.py                      # starts its own node
+    python bench/mbpp_throughput.py --url http://127.0.0.1:8000 --api-key K
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
+
+
+def start_node(data: Path, capacity: int) -> tuple[subprocess.Popen, str, tempfile.TemporaryDirectory]:
+    tmp = tempfile.TemporaryDirectory(prefix="envhub-bench-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
+    proc = subprocess.Popen([sys.executable, "-m", "envhub", "serve", "--role", "node", "--port", str(port),
+                             "--data-dir", tmp.name, "--capacity", str(capacity),
+                             "--set", f"environments.mbpp.path={data}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp.name) / "node.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url, tmp
+        except httpx.TransportError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("node did not start")
+
+
+async def run(url: str, api_key: str | None, task_ids: list[str], clients: int) -> dict:
+    timings: dict[str, list[float]] = {"create": [], "step": [], "evaluate": [], "release": []}
+    rewards: dict[str, float] = {}
+    errors: list[str] = []
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for t in task_ids:
+        queue.put_nowait(t)
+    headers = {"X-API-Key": api_key} if api_key else {}
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits) as http:
+        references = {t: _DATA[t] for t in task_ids}
+
+        async def call(kind: str, method: str, path: str, body: dict | None = None) -> dict:
+            t0 = time.perf_counter()
+            r = await http.request(method, path, json=body)
+            timings[kind].append(time.perf_counter() - t0)
+            if r.status_code >= 400:
+                raise RuntimeError(f"{kind} {path}: {r.status_code} {r.text[:200]}")
+            return r.json()
+
+        async def worker() -> None:
+            while not queue.empty():
+                task_id = queue.get_nowait()
+                try:
+                    created = await call("create", "POST", "/instances",
+                                         {"environment": "mbpp", "task_id": task_id, "trial": "bench"})
+                    iid = created["instance_id"]
+                    await call("step", "POST", f"/instances/{iid}/step",
+                               {"action": {"tool": "submit_solution", "arguments": {"code": references[task_id]}}})
+                    ev = await call("evaluate", "POST", f"/instances/{iid}/evaluate")
+                    rewards[task_id] = ev["reward"]
+                    await call("release", "POST", f"/instances/{iid}/release")
+                except Exception as e:  # noqa: BLE001 - a benchmark counts errors instead of stopping
+                    errors.append(f"{task_id}: {e}")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        elapsed = time.perf_counter() - t0
+
+    return {
+        "tasks": len(task_ids), "clients": clients, "elapsed_s": round(elapsed, 3),
+        "tasks_per_s": round(len(task_ids) / elapsed, 1),
+        "full_reward": sum(1 for r in rewards.values() if r == 1.0),
+        "not_full_reward": sorted((t for t, r in rewards.items() if r != 1.0), key=int),
+        "errors": errors[:20], "error_count": len(errors),
+        "latency_ms": {k: {"p50": round(pct(v, 0.5), 2), "p99": round(pct(v, 0.99), 2),
+                           "mean": round(statistics.fmean(v) * 1000, 2) if v else None}
+                       for k, v in timings.items()},
+    }
+
+
+_DATA: dict[str, str] = {}  # task id -> reference solution, filled by main()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MBPP jsonl (default: ../shared copy)")
+    ap.add_argument("--url", help="a running node; default: start one")
+    ap.add_argument("--api-key")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("--limit", type=int, help="only the first N problems")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "mbpp_throughput.json")
+    args = ap.parse_args()
+
+    for line in args.data.read_text().splitlines():
+        if line.strip():
+            p = json.loads(line)
+            _DATA[str(p["task_id"])] = p["code"]
+    task_ids = list(_DATA)[: args.limit] if args.limit else list(_DATA)
+
+    proc = tmp = None
+    url = args.url
+    if url is None:
+        proc, url, tmp = start_node(args.data, args.capacity)
+    try:
+        result = asyncio.run(run(url, args.api_key, task_ids, args.clients))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+            tmp.cleanup()
+    result.update(machine={"cpus": os.cpu_count(), "python": platform.python_version(),
+                           "platform": platform.platform()}, node=url if args.url else "started by the bench")
+    print(f"{result['tasks']} tasks, {result['clients']} clients: {result['tasks_per_s']} tasks/s "
+          f"({result['elapsed_s']} s), full reward {result['full_reward']}, errors {result['error_count']}")
+    for kind, lat in result["latency_ms"].items():
+        print(f"  {kind:9s} p50 {lat['p50']:8.2f} ms   p99 {lat['p99']:8.2f} ms")
+    if result["not_full_reward"]:
+        print("  below 1.0:", ", ".join(result["not_full_reward"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""envhub: an environment service for agentic RL.
+
+This module is the surface for plugin authors: the ``hookimpl`` marker, the base
+classes whose docstrings are the plugin contract, and the error types a plugin raises.
+"""
+
+from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
+from envhub.errors import (
+    CapacityExceeded,
+    Conflict,
+    EnvhubError,
+    InvalidRequest,
+    NotFound,
+    SandboxError,
+    StartupError,
+)
+from envhub.hookspecs import hookimpl
+from envhub.network import NetworkMode
+from envhub.sandbox import ExecResult, Limits, Sandbox, SandboxSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action",
+    "CapacityExceeded",
+    "Conflict",
+    "Environment",
+    "EnvhubError",
+    "Episode",
+    "Evaluation",
+    "ExecResult",
+    "InvalidRequest",
+    "Limits",
+    "NetworkMode",
+    "NotFound",
+    "Sandbox",
+    "SandboxError",
+    "SandboxSpec",
+    "StartupError",
+    "StepResult",
+    "Task",
+    "hookimpl",
+]

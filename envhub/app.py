@@ -1,0 +1,155 @@
+"""create_app(): wire the parts together and nothing else.
+
+Each ``setup_*`` owns its listeners. Startup order: the store opens and migrates the
+database (highest priority), then the plugins' environments load and their sandboxes
+start, then the node core is built. Shutdown runs in reverse: live instances are
+released, sandboxes stopped, the database closed last.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import pluggy
+from sanic import Sanic
+from sanic.config import Config
+
+from envhub.environment import Environment
+from envhub.errors import StartupError
+from envhub.network import NetworkMode
+from envhub.node import NodeService
+from envhub.plugins import Registry, collect, get_plugin_manager
+from envhub.sandbox import Sandbox
+from envhub.settings import Settings
+from envhub.store.db import Database, migrate
+from envhub.web import environments, health, instances
+from envhub.web.auth import setup_auth
+from envhub.web.errors import setup_errors
+
+log = logging.getLogger("envhub")
+
+
+@dataclass
+class AppContext:
+    settings: Settings
+    pm: pluggy.PluginManager | None = None
+    registries: dict[str, Registry] = field(default_factory=dict)
+    db: Database | None = None
+    node: NodeService | None = None
+    environments: dict[str, Environment] = field(default_factory=dict)
+    sandboxes: dict[str, Sandbox] = field(default_factory=dict)
+    network: NetworkMode | None = None
+
+
+EnvhubApp: TypeAlias = "Sanic[Config, AppContext]"
+
+_app_counter = itertools.count()
+
+
+def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | None = None) -> Any:
+    """Build the Sanic app for ``settings.role``. Raises ``StartupError`` on a bad plugin set."""
+    settings = settings or Settings.from_env()  # keeps `sanic envhub.app:create_app --factory` working
+    name = "envhub" if not Sanic.test_mode else f"envhub_{next(_app_counter)}"
+    app: Any = Sanic(name, ctx=AppContext(settings=settings))
+    app.config.ACCESS_LOG = settings.access_log
+    app.config.KEEP_ALIVE_TIMEOUT = 75  # trainers hold pooled connections between steps
+    setup_errors(app)
+    setup_plugins(app, pm)
+    setup_store(app)
+    setup_auth(app)
+    setup_node(app)
+    for bp in blueprints_for(settings.role):
+        app.blueprint(bp)
+    return app
+
+
+def blueprints_for(role: str) -> list[Any]:
+    if role == "node":
+        return [health.bp, environments.bp, instances.bp]
+    raise StartupError(f"role {role!r} is not implemented yet")
+
+
+def setup_plugins(app: Any, pm: pluggy.PluginManager | None) -> None:
+    settings: Settings = app.ctx.settings
+    pm = pm or get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
+    app.ctx.pm = pm
+    app.ctx.registries = {
+        "environment": collect(pm, "register_environments", "environment"),
+        "sandbox": collect(pm, "register_sandboxes", "sandbox"),
+        "network_mode": collect(pm, "register_network_modes", "network mode"),
+    }
+
+
+def setup_store(app: Any) -> None:
+    @app.before_server_start(priority=1000)
+    async def open_store(app: Any) -> None:
+        app.ctx.db = await Database.open(app.ctx.settings.db_path)
+        try:
+            await migrate(app.ctx.db)
+        except BaseException:
+            await app.ctx.db.close()
+            app.ctx.db = None
+            raise
+
+    @app.listener("after_server_stop", priority=-1000)
+    async def close_store(app: Any) -> None:
+        if app.ctx.db is not None:
+            await app.ctx.db.close()
+            app.ctx.db = None
+
+
+def build_environments(settings: Settings, registry: Registry) -> dict[str, Environment]:
+    unknown = sorted(set(settings.environments) - set(registry.classes))
+    if unknown:
+        raise StartupError(f"config names unknown environment(s): {', '.join(unknown)} "
+                           f"(known: {', '.join(sorted(registry.classes))})")
+    envs = {}
+    for name, cls in registry.classes.items():
+        config = dict(settings.environments.get(name) or {})
+        if config.pop("enabled", True) is False:
+            continue
+        env = cls(config)
+        env.load()
+        envs[name] = env
+    return envs
+
+
+def setup_node(app: Any) -> None:
+    @app.before_server_start(priority=500)
+    async def start_node(app: Any) -> None:
+        settings: Settings = app.ctx.settings
+        registries = app.ctx.registries
+        envs = build_environments(settings, registries["environment"])
+        app.ctx.environments = envs
+        for name in sorted({env.sandbox for env in envs.values()}):
+            cls = registries["sandbox"].get(name)
+            sandbox = cls(settings.sandboxes.get(name) or {}, settings)
+            await sandbox.start()
+            app.ctx.sandboxes[name] = sandbox
+        mode_cls = registries["network_mode"].get(settings.network_mode)
+        app.ctx.network = mode_cls(settings.network.get(settings.network_mode) or {})
+        await app.ctx.network.start()
+        node = NodeService(settings, app.ctx.db, envs, app.ctx.sandboxes)
+        lost = await node.mark_orphans_lost()
+        if lost:
+            log.warning("marked %d instance(s) of a previous run as lost", lost)
+        app.ctx.node = node
+
+    @app.after_server_start
+    async def start_loops(app: Any) -> None:
+        app.add_task(app.ctx.node.reap_forever(), name="node.reaper")
+
+    @app.before_server_stop
+    async def stop_node(app: Any) -> None:
+        if app.ctx.node is not None:
+            await app.ctx.node.shutdown()
+        for sandbox in app.ctx.sandboxes.values():
+            try:
+                await sandbox.stop()
+            except Exception:
+                log.exception("stopping sandbox %s", sandbox.name)
+        if app.ctx.network is not None:
+            await app.ctx.network.stop()

@@ -1,0 +1,70 @@
+"""Slot accounting for one node: a fixed number of concurrent episodes.
+
+Invariants: ``used <= capacity``; a waiter is woken in FIFO order and receives the
+slot that was released (``used`` does not drop and rise again, so a new arrival can
+never overtake the queue); at most ``queue_size`` callers wait, each at most
+``queue_timeout`` seconds, after which they get ``CapacityExceeded`` (HTTP 429 with
+Retry-After). A waiter cancelled after it was handed a slot passes the slot on, so a
+disconnecting client never leaks one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from envhub.errors import CapacityExceeded
+
+
+class Slots:
+    def __init__(self, capacity: int, *, queue_size: int, queue_timeout: float, retry_after: float = 2.0) -> None:
+        self.capacity = capacity
+        self.queue_size = queue_size
+        self.queue_timeout = queue_timeout
+        self.retry_after = retry_after
+        self.used = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def _full(self, why: str) -> CapacityExceeded:
+        return CapacityExceeded(
+            f"node is at capacity ({self.used}/{self.capacity} slots in use); {why}",
+            retry_after=self.retry_after, extra={"capacity": self.capacity, "queued": self.queued})
+
+    async def acquire(self) -> None:
+        if self.used < self.capacity and not self._waiters:
+            self.used += 1
+            return
+        if len(self._waiters) >= self.queue_size or self.queue_timeout <= 0:
+            raise self._full("the wait queue is full")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout)
+        except BaseException as e:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot in the same tick we gave up: pass it on
+            else:
+                fut.cancel()
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            if isinstance(e, asyncio.TimeoutError):
+                raise self._full(f"waited {self.queue_timeout:g} s for a free slot") from None
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot moves to the waiter; used stays the same
+                return
+        self.used = max(0, self.used - 1)

@@ -1,0 +1,135 @@
+"""The ``envhub`` command line. Each command parses options and makes one library call.
+
+``main()`` builds the plugin manager, lets plugins add commands (``register_commands``)
+and runs the group; none of that happens at import.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import sys
+from typing import Any
+
+import click
+
+from envhub.errors import EnvhubError
+from envhub.settings import Settings, _deep_merge, parse_assignment
+
+log = logging.getLogger("envhub")
+
+
+@click.group()
+@click.version_option(package_name="envhub")
+def cli() -> None:
+    """envhub: sandboxed RL environments served over HTTP."""
+
+
+def _settings(config: str | None, sets: tuple[str, ...], **flags: Any) -> Settings:
+    overrides: dict[str, Any] = {k: v for k, v in flags.items() if v not in (None, ())}
+    if "api_keys" in overrides:
+        overrides["api_keys"] = list(overrides["api_keys"])
+    for assignment in sets:
+        _deep_merge(overrides, parse_assignment(assignment))
+    return Settings.load(config, overrides=overrides)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@cli.command()
+@click.option("--role", type=click.Choice(["node", "scheduler"]), envvar="ENVHUB_ROLE", help="What this process is.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), envvar="ENVHUB_CONFIG", help="YAML config file.")
+@click.option("--host", envvar="ENVHUB_HOST", help="Address to bind (default 127.0.0.1).")
+@click.option("--port", type=int, envvar="ENVHUB_PORT", help="Port to bind (default 8000).")
+@click.option("--data-dir", type=click.Path(file_okay=False), envvar="ENVHUB_DATA_DIR",
+              help="Folder for the SQLite database and trial logs (default ./envhub-data).")
+@click.option("--capacity", type=int, envvar="ENVHUB_CAPACITY", help="Concurrent episodes (slots) on this node.")
+@click.option("--api-key", "api_keys", multiple=True, envvar="ENVHUB_API_KEY",
+              help="Accepted API key; repeat for several.")
+@click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE",
+              help="Set any option, e.g. --set environments.mbpp.path=mbpp.jsonl")
+def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
+    """Run a node or a scheduler until SIGTERM or Ctrl-C."""
+    from sanic import Sanic
+
+    from envhub.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = _settings(config, sets, **flags)
+        if not settings.api_keys and not _is_loopback(settings.host):
+            log.warning("envhub is bound to %s with no API key: anyone who reaches this port can run code",
+                        settings.host)
+        app = create_app(settings)
+        app.prepare(host=settings.host, port=settings.port, single_process=True, motd=False,
+                    access_log=settings.access_log)
+        Sanic.serve_single(app)
+    except EnvhubError as e:
+        raise click.ClickException(e.message) from None
+
+
+@cli.command()
+@click.option("--config", "config", type=click.Path(dir_okay=False), envvar="ENVHUB_CONFIG", help="YAML config file.")
+@click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE", help="Set any option.")
+def plugins(config: str | None, sets: tuple[str, ...]) -> None:
+    """List every plugin, its version and what it registers, as JSON."""
+    from envhub.plugins import collect, describe_plugins, get_plugin_manager
+
+    try:
+        settings = _settings(config, sets)
+        pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
+        for hook, kind in (("register_environments", "environment"), ("register_sandboxes", "sandbox"),
+                           ("register_network_modes", "network mode")):
+            collect(pm, hook, kind)  # a duplicate name fails here as it would at serve
+    except EnvhubError as e:
+        raise click.ClickException(e.message) from None
+    click.echo(json.dumps(describe_plugins(pm), indent=2))
+
+
+@cli.group()
+def db() -> None:
+    """Database maintenance."""
+
+
+@db.command("migrate")
+@click.option("--config", "config", type=click.Path(dir_okay=False), envvar="ENVHUB_CONFIG", help="YAML config file.")
+@click.option("--data-dir", type=click.Path(file_okay=False), envvar="ENVHUB_DATA_DIR", help="Data folder.")
+def db_migrate(config: str | None, data_dir: str | None) -> None:
+    """Apply pending migrations and print the schema version."""
+    import asyncio
+
+    from envhub.store.db import Database, migrate
+
+    async def run(settings: Settings) -> int:
+        database = await Database.open(settings.db_path)
+        try:
+            return await migrate(database)
+        finally:
+            await database.close()
+
+    try:
+        settings = _settings(config, (), data_dir=data_dir)
+        click.echo(f"{settings.db_path}: schema version {asyncio.run(run(settings))}")
+    except EnvhubError as e:
+        raise click.ClickException(e.message) from None
+
+
+def main() -> None:
+    from envhub.plugins import get_plugin_manager
+
+    try:
+        settings = Settings.load()
+        pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
+    except EnvhubError as e:
+        click.echo(f"Error: {e.message}", err=True)
+        sys.exit(1)
+    pm.hook.register_commands(cli=cli)
+    cli()

@@ -1,0 +1,229 @@
+"""The environment contract: what a task is, what an episode sees, how it is graded.
+
+An environment plugin never manages slots, persistence or HTTP: the node does. It
+turns a task and a sandbox into observations, rewards and an evaluation. Everything
+an environment keeps about an episode between calls lives in ``Episode.state``, a
+JSON-serialisable dict the node persists after every call, so that a restarted node
+still knows what was submitted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
+
+from envhub.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+
+
+@dataclass
+class Task:
+    """One task of an environment.
+
+    ``id`` is unique within the environment. ``split`` names the split it belongs to.
+    ``public`` is what listing routes may show; ``private`` (hidden tests, reference
+    solution) is never sent to a client.
+    """
+
+    id: str
+    split: str
+    title: str = ""
+    public: dict[str, Any] = field(default_factory=dict)
+    private: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "split": self.split, "title": self.title, **self.public}
+
+
+@dataclass
+class Action:
+    """One tool call from the model: ``tool`` names it, ``arguments`` are its inputs.
+
+    Built with :meth:`parse` from any of the shapes clients send:
+    ``{"tool": "run_python", "arguments": {...}}``, OpenAI's
+    ``{"name": ..., "arguments": "<json string>"}`` or
+    ``{"type": "function", "function": {"name": ..., "arguments": ...}}``.
+    """
+
+    tool: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: Any) -> "Action":
+        if not isinstance(raw, Mapping):
+            raise InvalidRequest("'action' must be an object with 'tool' and 'arguments'", field="action")
+        if isinstance(raw.get("function"), Mapping):
+            raw = raw["function"]
+        tool = raw.get("tool", raw.get("name"))
+        if not isinstance(tool, str) or not tool:
+            raise InvalidRequest("'action.tool' must be a non-empty string", field="action.tool")
+        args = raw.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise InvalidRequest(f"'action.arguments' is not valid JSON: {e}", field="action.arguments") from None
+        if not isinstance(args, Mapping):
+            raise InvalidRequest("'action.arguments' must be an object", field="action.arguments")
+        return cls(tool=tool, arguments=dict(args))
+
+    def require_str(self, key: str) -> str:
+        value = self.arguments.get(key)
+        if not isinstance(value, str):
+            raise InvalidRequest(f"tool '{self.tool}' needs a string argument '{key}'",
+                                 field=f"action.arguments.{key}")
+        return value
+
+
+@dataclass
+class StepResult:
+    """What one step returns: the observation the model sees next, the step reward,
+    whether the episode is over, and extra ``info`` for the trainer."""
+
+    observation: dict[str, Any]
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Evaluation:
+    """The grade of an episode: ``reward`` and environment-specific ``details``
+    (per-test results, output tails)."""
+
+    reward: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """One running instance, as an environment sees it.
+
+    ``sandbox`` and ``handle`` address the episode's sandbox; ``state`` is the
+    environment's own JSON-serialisable memory of the episode. An environment may open
+    extra sandboxes (a fresh one for grading) through :meth:`fresh_sandbox`; the node
+    destroys them when the episode ends even if the environment forgets to.
+    """
+
+    instance_id: str
+    task: Task
+    params: dict[str, Any]
+    sandbox: "Sandbox"
+    handle: str
+    spec: "SandboxSpec"
+    state: dict[str, Any] = field(default_factory=dict)
+    _extra_handles: list[str] = field(default_factory=list)
+
+    async def exec(self, code: str, *, timeout: float) -> "ExecResult":
+        return await self.sandbox.exec(self.handle, code, timeout=timeout)
+
+    async def run_fresh(self, code: str, *, timeout: float) -> "ExecResult":
+        """Run ``code`` in a new sandbox of the same spec, then destroy it."""
+        from dataclasses import replace
+
+        suffix = f"{self.instance_id}.fresh{len(self._extra_handles)}"
+        spec = replace(self.spec, instance_id=suffix)
+        handle = await self.sandbox.create(spec)
+        self._extra_handles.append(handle)
+        try:
+            return await self.sandbox.exec(handle, code, timeout=timeout)
+        finally:
+            await self.sandbox.destroy(handle)
+            self._extra_handles.remove(handle)
+
+
+class Environment:
+    """Base class for environment plugins. Subclass it and register it with
+    ``register_environments``.
+
+    Class attributes:
+
+    - ``name``: unique id clients pass as ``environment`` (``"mbpp"``).
+    - ``description``: one line for listings.
+    - ``sandbox``: the name of the sandbox plugin episodes run in (``"process"``).
+
+    The node builds one instance per process with the environment's config section
+    (``environments: {<name>: {...}}``) and calls :meth:`load` once at start; a bad
+    config raises ``StartupError`` there. Methods that take an :class:`Episode` are
+    coroutines and must not block the event loop.
+
+    Invariants: :meth:`tasks` and :meth:`task` never expose ``Task.private`` to the
+    caller's client; :meth:`reset` returns a JSON-serialisable initial observation with
+    at least ``system_prompt``, ``instruction`` and ``tools`` (OpenAI function
+    schemas); :meth:`step` raises ``InvalidRequest`` for an unknown tool or bad
+    arguments and never for a failure of the model's code, which is an observation.
+
+    Example (the plugin author's guide, docs/plugins.md, grows this into a package)::
+
+        class Echo(envhub.Environment):
+            name = "echo"
+            description = "Repeats what the model says"
+            sandbox = "process"
+
+            def load(self):
+                self._tasks = {"hello": envhub.Task(id="hello", split="train")}
+
+            def tasks(self, split=None):
+                return list(self._tasks.values())
+
+            async def reset(self, episode):
+                return {"system_prompt": "Say something.", "instruction": "Say hello.",
+                        "tools": []}
+
+            async def step(self, episode, action):
+                return envhub.StepResult({"content": action.arguments.get("text", "")})
+
+            async def evaluate(self, episode):
+                return envhub.Evaluation(1.0)
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    sandbox: ClassVar[str] = "process"
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        self.config = dict(config or {})
+
+    def load(self) -> None:
+        """Read the dataset. Called once at node start."""
+
+    def splits(self) -> list[str]:
+        """The split names, in a stable order."""
+        return sorted({t.split for t in self.tasks()})
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        """Every task of ``split`` (all tasks when ``None``), in a stable order."""
+        raise NotImplementedError
+
+    def task(self, task_id: str) -> Task:
+        """The task with this id; raises ``NotFound`` when there is none."""
+        from envhub.errors import NotFound
+
+        for t in self.tasks():
+            if t.id == task_id:
+                return t
+        raise NotFound(f"environment '{self.name}' has no task '{task_id}'", extra={"task_id": task_id})
+
+    def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: "SandboxSpec") -> "SandboxSpec":
+        """Adjust the sandbox spec the node proposes (image, limits) for ``task``."""
+        return spec
+
+    async def reset(self, episode: Episode) -> dict[str, Any]:
+        """Prepare the episode and return its initial observation."""
+        raise NotImplementedError
+
+    async def step(self, episode: Episode, action: Action) -> StepResult:
+        """Apply one action."""
+        raise NotImplementedError
+
+    async def evaluate(self, episode: Episode) -> Evaluation:
+        """Grade the episode."""
+        raise NotImplementedError
+
+
+def task_page(tasks: Iterable[Task], offset: int, limit: int) -> tuple[list[Task], int]:
+    items = list(tasks)
+    return items[offset: offset + limit], len(items)

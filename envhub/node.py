@@ -1,0 +1,329 @@
+"""The node's core: episodes from create to release, in plain Python.
+
+HTTP handlers are thin wrappers over :class:`NodeService`; tests and the reaper call
+it directly. Invariants:
+
+- Every live instance holds exactly one slot, from before its sandbox starts until
+  its sandbox is destroyed; ``slots.used == len(self._live) + creates in flight``.
+- Every sandbox that :meth:`NodeService.create` started is destroyed on release, on
+  idle expiry, on shutdown, or at once when the create fails or is cancelled.
+- Calls on one instance are serialised by its lock; calls on different instances run
+  concurrently.
+- A create with a client-chosen id is idempotent: a retry returns the first result
+  (200 instead of 201) and concurrent duplicates wait for the one in flight.
+- SQLite is written before a call returns, so a restart knows every instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from envhub.capacity import Slots
+from envhub.environment import Action, Environment, Episode
+from envhub.errors import Conflict, EnvhubError, InvalidRequest, NotFound, Unavailable
+from envhub.sandbox import Sandbox, SandboxSpec
+from envhub.settings import Settings
+from envhub.store import instances
+from envhub.store.db import Database
+from envhub.trial_log import TrialLog
+
+log = logging.getLogger("envhub.node")
+
+_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
+
+
+@dataclass
+class Live:
+    """What the node keeps in memory for one live instance."""
+
+    row: instances.InstanceRow
+    env: Environment
+    episode: Episode
+    log: TrialLog
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_active: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+
+def validate_instance_id(value: Any) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= 128 or not set(value) <= _ID_CHARS:
+        raise InvalidRequest("'instance_id' must be 1-128 characters of letters, digits and . _ - :",
+                             field="instance_id")
+    return value
+
+
+class NodeService:
+    def __init__(self, settings: Settings, db: Database, environments: Mapping[str, Environment],
+                 sandboxes: Mapping[str, Sandbox]) -> None:
+        self.settings = settings
+        self.db = db
+        self.environments = dict(environments)
+        self.sandboxes = dict(sandboxes)
+        self.slots = Slots(settings.capacity, queue_size=settings.queue_size, queue_timeout=settings.queue_timeout)
+        self._live: dict[str, Live] = {}
+        self._creating: dict[str, asyncio.Future[tuple[dict[str, Any], bool]]] = {}
+        self._accepting = True
+
+    # -- lookups ---------------------------------------------------------------------
+
+    def environment(self, name: Any) -> Environment:
+        if not isinstance(name, str):
+            raise InvalidRequest("'environment' must be a string", field="environment")
+        try:
+            return self.environments[name]
+        except KeyError:
+            known = ", ".join(sorted(self.environments))
+            raise NotFound(f"no environment {name!r} (this node serves: {known})",
+                           extra={"environment": name}) from None
+
+    async def _live_or_raise(self, instance_id: str) -> Live:
+        live = self._live.get(instance_id)
+        if live is not None:
+            return live
+        row = await instances.get(self.db, instance_id)  # NotFound for unknown ids
+        if row.state == "creating":
+            raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
+        raise Conflict(f"instance {instance_id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
+                       extra={"state": row.state, "instance_id": instance_id})
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "role": "node",
+            "node_id": self.settings.node_id,
+            "capacity": self.slots.capacity,
+            "active": self.slots.used,
+            "free": self.slots.free,
+            "queued": self.slots.queued,
+            "accepting": self._accepting,
+            "environments": sorted(self.environments),
+        }
+
+    # -- create ----------------------------------------------------------------------
+
+    async def create(self, environment: Any, task_id: Any, params: Any = None, *,
+                     instance_id: Any = None, trial: Any = None) -> tuple[dict[str, Any], bool]:
+        """Start an episode. Returns ``(reply, created)``; ``created`` is False for a replay."""
+        env = self.environment(environment)
+        if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+            raise InvalidRequest("'task_id' must be a string", field="task_id")
+        task = env.task(str(task_id))
+        params = {} if params is None else params
+        if not isinstance(params, dict):
+            raise InvalidRequest("'params' must be an object", field="params")
+        trial = self.settings.default_trial if trial is None else trial
+        if not isinstance(trial, str) or not trial.strip():
+            raise InvalidRequest("'trial' must be a non-empty string", field="trial")
+        if instance_id is None:
+            instance_id = f"{env.name}-{secrets.token_hex(8)}"
+        instance_id = validate_instance_id(instance_id)
+
+        inflight = self._creating.get(instance_id)
+        if inflight is not None:
+            reply, _ = await asyncio.shield(inflight)
+            return reply, False
+        # Registered before the first await, so a concurrent duplicate always finds it.
+        fut: asyncio.Future[tuple[dict[str, Any], bool]] = asyncio.get_running_loop().create_future()
+        self._creating[instance_id] = fut
+        try:
+            existing = await instances.find(self.db, instance_id)
+            if existing is not None:
+                result = self._replay(existing, env.name, task.id), False
+            elif not self._accepting:
+                raise Unavailable("node is shutting down and takes no new instances")
+            else:
+                result = await self._create(env, task, params, instance_id, trial)
+            fut.set_result(result)
+            return result
+        except BaseException as e:
+            fut.set_exception(e if isinstance(e, Exception) else EnvhubError("create was cancelled"))
+            fut.exception()  # mark retrieved: waiters may not exist
+            raise
+        finally:
+            del self._creating[instance_id]
+
+    def _replay(self, row: instances.InstanceRow, environment: str, task_id: str) -> dict[str, Any]:
+        if (row.environment, row.task_id) != (environment, task_id):
+            raise Conflict(f"instance id {row.id!r} already names an instance of {row.environment}/{row.task_id}",
+                           extra={"instance_id": row.id})
+        if row.observation is None:
+            raise Conflict(f"instance {row.id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
+                           extra={"instance_id": row.id, "state": row.state})
+        return self._create_reply(row.id, row.environment, row.task_id, row.trial, row.observation, row.state)
+
+    def _create_reply(self, instance_id: str, environment: str, task_id: str, trial: str,
+                      observation: dict[str, Any], state: str) -> dict[str, Any]:
+        return {"instance_id": instance_id, "environment": environment, "task_id": task_id,
+                "trial": trial, "state": state, "observation": observation}
+
+    async def _create(self, env: Environment, task: Any, params: dict[str, Any], instance_id: str,
+                      trial: str) -> tuple[dict[str, Any], bool]:
+        sandbox = self.sandboxes[env.sandbox]
+        await self.slots.acquire()
+        handle: str | None = None
+        try:
+            row = await instances.insert(self.db, id=instance_id, environment=env.name, task_id=task.id,
+                                         trial=trial, node_id=self.settings.node_id, sandbox=sandbox.name,
+                                         params=params)
+            spec = env.sandbox_spec(task, params, SandboxSpec(
+                instance_id=instance_id, environment=env.name, task_id=task.id,
+                labels={"envhub.node": self.settings.node_id, "envhub.instance": instance_id,
+                        "envhub.task": f"{env.name}/{task.id}"}))
+            handle = await sandbox.create(spec)
+            episode = Episode(instance_id=instance_id, task=task, params=params, sandbox=sandbox,
+                              handle=handle, spec=spec)
+            observation = await env.reset(episode)
+            trial_log = TrialLog(self.settings.trials_dir, trial, instance_id)
+            trial_log.write_json("instance.json", {
+                "instance_id": instance_id, "environment": env.name, "task_id": task.id, "trial": trial,
+                "node_id": self.settings.node_id, "params": params, "created_at": row.created_at,
+                "observation": observation})
+            await instances.activate(self.db, instance_id, handle=handle, observation=observation,
+                                     env_state=episode.state)
+            row.state, row.sandbox_handle, row.observation = "active", handle, observation
+            self._live[instance_id] = Live(row=row, env=env, episode=episode, log=trial_log)
+        except BaseException as e:
+            # Nothing of a failed create may outlive it: sandbox, slot and row are settled
+            # even when the client went away and this task is being cancelled.
+            await asyncio.shield(self._abort_create(instance_id, sandbox, handle, e))
+            raise
+        return self._create_reply(instance_id, env.name, task.id, trial, observation, "active"), True
+
+    async def _abort_create(self, instance_id: str, sandbox: Sandbox, handle: str | None,
+                            error: BaseException) -> None:
+        try:
+            if handle is not None:
+                await sandbox.destroy(handle)
+            if not isinstance(error, EnvhubError) or error.code != "conflict":
+                await instances.end(self.db, instance_id, "failed", error=_describe(error))
+        except Exception:
+            log.exception("cleaning up the failed create of %s", instance_id)
+        finally:
+            self.slots.release()
+
+    # -- step, evaluate, release -------------------------------------------------------
+
+    async def step(self, instance_id: str, raw_action: Any) -> dict[str, Any]:
+        live = await self._live_or_raise(instance_id)
+        action = Action.parse(raw_action)
+        async with live.lock:
+            self._ensure_still_live(live)
+            if live.done:
+                raise Conflict(f"instance {instance_id!r} is done; evaluate or release it",
+                               extra={"state": "done"})
+            started = time.monotonic()
+            result = await live.env.step(live.episode, action)
+            live.last_active = time.monotonic()
+            live.row.step_count += 1
+            live.done = live.done or result.done
+            await instances.record_step(self.db, instance_id, step_count=live.row.step_count, done=result.done,
+                                        env_state=live.episode.state, reward=result.reward if result.done else None)
+            reply = {"observation": result.observation, "reward": result.reward, "done": result.done,
+                     "info": result.info}
+            live.log.append("steps.jsonl", {
+                "step": live.row.step_count, "time": time.time(), "duration_s": live.last_active - started,
+                "action": {"tool": action.tool, "arguments": action.arguments}, **reply})
+            return {"instance_id": instance_id, "step": live.row.step_count, **reply}
+
+    async def evaluate(self, instance_id: str) -> dict[str, Any]:
+        live = await self._live_or_raise(instance_id)
+        async with live.lock:
+            self._ensure_still_live(live)
+            evaluation = await live.env.evaluate(live.episode)
+            live.last_active = time.monotonic()
+            reply = {"instance_id": instance_id, "reward": evaluation.reward, "details": evaluation.details}
+            await instances.record_evaluation(self.db, instance_id, reward=evaluation.reward,
+                                              evaluation=reply, env_state=live.episode.state)
+            live.log.write_json("evaluation.json", {**reply, "time": time.time()})
+            return reply
+
+    async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
+        """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op."""
+        live = self._live.get(instance_id)
+        if live is None:
+            row = await instances.get(self.db, instance_id)
+            if row.state == "creating":
+                raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
+            return {"instance_id": instance_id, "released": False, "state": row.state}
+        async with live.lock:
+            if self._live.get(instance_id) is not live:  # released while we waited for the lock
+                row = await instances.get(self.db, instance_id)
+                return {"instance_id": instance_id, "released": False, "state": row.state}
+            await asyncio.shield(self._end(live, reason))
+        return {"instance_id": instance_id, "released": True, "state": reason}
+
+    async def _end(self, live: Live, state: str, error: str | None = None) -> None:
+        instance_id = live.row.id
+        self._live.pop(instance_id, None)
+        try:
+            await live.episode.sandbox.destroy(live.episode.handle)
+        finally:
+            self.slots.release()
+            await instances.end(self.db, instance_id, state, error=error)
+            live.log.append("steps.jsonl", {"event": state, "time": time.time(), **({"error": error} if error else {})})
+
+    def _ensure_still_live(self, live: Live) -> None:
+        if self._live.get(live.row.id) is not live:
+            raise Conflict(f"instance {live.row.id!r} was released while this call waited",
+                           extra={"instance_id": live.row.id})
+
+    async def get(self, instance_id: str) -> dict[str, Any]:
+        row = await instances.get(self.db, instance_id)
+        out = row.to_public()
+        live = self._live.get(instance_id)
+        if live is not None:
+            out["idle_s"] = round(time.monotonic() - live.last_active, 3)
+        return out
+
+    # -- background ------------------------------------------------------------------
+
+    async def reap_idle(self, *, now: float | None = None) -> list[str]:
+        """Expire every live instance idle for longer than ``idle_ttl``; returns their ids."""
+        now = time.monotonic() if now is None else now
+        reaped = []
+        for instance_id, live in list(self._live.items()):
+            if live.lock.locked() or now - live.last_active < self.settings.idle_ttl:
+                continue
+            async with live.lock:
+                if self._live.get(instance_id) is not live:
+                    continue
+                await self._end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
+            reaped.append(instance_id)
+            log.info("expired idle instance %s", instance_id)
+        return reaped
+
+    async def reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reap_interval)
+            try:
+                await self.reap_idle()
+            except Exception:
+                log.exception("idle reaper")
+
+    async def mark_orphans_lost(self) -> int:
+        """At start: instances a previous process left live cannot be resumed by this
+        sandbox set (process sandboxes die with their node), so they are marked lost."""
+        rows, _ = await instances.list_(self.db, states=instances.LIVE_STATES, limit=1_000_000)
+        for row in rows:
+            await instances.end(self.db, row.id, "lost", error="the node restarted and the sandbox is gone")
+        return len(rows)
+
+    async def shutdown(self) -> None:
+        """Stop taking creates and release every live instance."""
+        self._accepting = False
+        for live in list(self._live.values()):
+            try:
+                await self._end(live, "released", error="node shut down")
+            except Exception:
+                log.exception("releasing %s at shutdown", live.row.id)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, asyncio.CancelledError):
+        return "create was cancelled (client went away or the node is stopping)"
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,78 @@
+"""The MBPP grader, sent as source into a fresh sandbox interpreter (never imported by the node).
+
+Order, as the data requires: the submitted code, then ``test_setup_code`` (tasks 367 and
+927 build objects only the solution defines), then each hidden test on its own. An
+``assert X[, msg]`` is rewritten to evaluate ``X``, so a false result (``failed``) is
+told apart from an exception (``error``) and a runaway test (``timeout``, CPU time).
+Tests are compiled and the builtins the grader needs are bound before the submission
+runs, so a submission that rebinds ``eval`` or ``ast`` cannot change how it is graded.
+"""
+
+
+def grade(solution, setup, tests, per_test_cpu):
+    import ast
+    import contextlib
+    import io
+    import signal
+    import traceback
+
+    _eval, _exec, _bool, _compile = eval, exec, bool, compile
+
+    class _TestTimeout(BaseException):
+        pass
+
+    def _on_alarm(signum, frame):
+        raise _TestTimeout()
+
+    def _run(code, ns):
+        sink = io.StringIO()
+        signal.setitimer(signal.ITIMER_PROF, per_test_cpu)
+        try:
+            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                return _eval(code, ns)
+        finally:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+
+    def _error(e):
+        return "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
+
+    compiled = []
+    for text in tests:
+        try:
+            tree = ast.parse(text)
+            if len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert):
+                code = _compile(ast.Expression(tree.body[0].test), "<test>", "eval")
+                compiled.append((text, code, True))
+            else:
+                compiled.append((text, _compile(tree, "<test>", "exec"), False))
+        except SyntaxError as e:
+            compiled.append((text, None, _error(e)))
+
+    signal.signal(signal.SIGPROF, _on_alarm)
+    ns = {"__name__": "__main__"}
+    for stage, source in (("solution", solution), ("setup", setup)):
+        if not source:
+            continue
+        try:
+            _run(_compile(source, f"<{stage}>", "exec"), ns)
+        except _TestTimeout:
+            return {"stage": stage, "error": f"the {stage} code ran past {per_test_cpu} s of CPU time"}
+        except BaseException as e:
+            return {"stage": stage, "error": _error(e)}
+
+    results = []
+    for text, code, is_expr in compiled:
+        if code is None:
+            results.append({"test": text, "status": "error", "error": is_expr})
+            continue
+        try:
+            value = _run(code, ns)
+            passed = _bool(value) if is_expr else True
+            results.append({"test": text, "status": "passed" if passed else "failed"})
+        except AssertionError as e:
+            results.append({"test": text, "status": "failed", "error": _error(e)})
+        except _TestTimeout:
+            results.append({"test": text, "status": "timeout", "error": f"ran past {per_test_cpu} s of CPU time"})
+        except BaseException as e:
+            results.append({"test": text, "status": "error", "error": _error(e)})
+    return {"stage": "tests", "results": results}

@@ -1,0 +1,694 @@
+"""Fork server of the "process" sandbox: one per node, one forked interpreter per sandbox.
+
+:mod:`envhub.plugins.process_sandbox` starts this file as a script (``python -I -B
+_process_zygote.py CONFIG_JSON``), so it never imports the ``envhub``
+package and only needs the standard library. The node may import it for the shared
+helpers (framing, :func:`read_capped`); nothing runs at import.
+
+Invariants:
+
+- The zygote is single-threaded: ``os.fork()`` of a threaded process is unsafe.
+- Every process it forks is either a sandbox interpreter, tracked in ``live`` until the
+  node's ``kill`` request, or a short-lived helper it waits for at once.
+- A tracked interpreter is reaped by the zygote only; its pid is never signalled after
+  it was reaped, because by then the number may belong to someone else.
+- An interpreter never returns into the zygote's loop: every path ends in ``os._exit``.
+  A copy of it made by ``os.fork()`` in user code never writes to the channel.
+- As root, the zygote lives in its own network namespace (no network for sandboxes) and
+  mount namespace (see :func:`open_up`); the node's view of the host never changes.
+- The zygote dies with the node (``PR_SET_PDEATHSIG``) and interpreters die with the
+  zygote. When the node closes the control socket, the zygote kills every sandbox,
+  removes their working dirs and exits.
+
+Control protocol (``SOCK_SEQPACKET``, one JSON object per message, requests carry an
+``id`` that the reply echoes): ``spawn`` forks an interpreter and answers with its pid and
+working dir, passing as SCM_RIGHTS one end of a fresh socketpair and the two memfds that
+capture the interpreter's fd 1 and 2 (so the node can still read the output of an
+interpreter it had to kill); ``kill`` kills a sandbox (as root: every process of its uid)
+and answers how the interpreter had ended if it died on its own. Channel protocol to an interpreter (``SOCK_STREAM``): 4-byte big-endian
+length + JSON, first a ``ready`` frame, then one reply per ``exec`` request.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import ctypes
+import fcntl
+import io
+import json
+import linecache
+import os
+import resource
+import select
+import shutil
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+import types
+from typing import Any
+
+# Modules that solutions commonly import: loaded once here so every child starts warm.
+PRELOAD = (
+    "array", "ast", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal",
+    "enum", "fractions", "functools", "heapq", "io", "itertools", "json", "math",
+    "operator", "os", "random", "re", "statistics", "string", "sys", "time",
+    "traceback", "typing",
+)
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+VALUE_REPR_LIMIT = 4096
+CELL_PREFIX = "<cell-"
+_HEADER = struct.Struct(">I")
+MAX_FRAME = 256 << 20
+REAP_INTERVAL = 0.05
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+# --- helpers shared with the node --------------------------------------------------
+
+def encode_frame(obj: Any) -> bytes:
+    body = json.dumps(obj).encode()
+    return _HEADER.pack(len(body)) + body
+
+
+def split_frame(buf: bytearray) -> Any:
+    """Pop one complete frame off ``buf`` and return its object, or ``None`` if incomplete.
+
+    Raises ``ValueError`` on a frame no interpreter would send: user code can write to the
+    channel too.
+    """
+    if len(buf) < 4:
+        return None
+    (n,) = _HEADER.unpack_from(buf)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes")
+    if len(buf) < 4 + n:
+        return None
+    body = bytes(buf[4:4 + n])
+    del buf[:4 + n]
+    return json.loads(body)
+
+
+def read_capped(fd: int, limit: int) -> tuple[str, bool]:
+    """Decode the file behind ``fd``; past ``limit`` bytes keep its head and tail only."""
+    size = os.fstat(fd).st_size
+    if size <= limit:
+        return _pread_all(fd, size, 0).decode("utf-8", "replace"), False
+    head, tail = limit // 2, limit - limit // 2
+    return (
+        _pread_all(fd, head, 0).decode("utf-8", "replace")
+        + f"\n[... {size - limit} bytes truncated ...]\n"
+        + _pread_all(fd, tail, size - tail).decode("utf-8", "replace")
+    ), True
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    chunks = []
+    while n > 0:
+        chunk = os.pread(fd, n, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        n -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        return f"killed by signal {name}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def _prctl(option: int, arg: int) -> None:
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return None
+            raise EOFError("channel closed inside a frame")
+        got += k
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> Any:
+    header = _recv_exact(sock, 4)
+    if header is None:
+        return None
+    body = _recv_exact(sock, _HEADER.unpack(header)[0])
+    if body is None:
+        raise EOFError("channel closed inside a frame")
+    return json.loads(body)
+
+
+# --- the zygote ----------------------------------------------------------------------
+
+def kill_uid(uid: int, killer_uid: int) -> None:
+    """Kill every process running as ``uid``, escaped fork-bomb children included.
+
+    ``kill(-1)`` reaches the processes whose real or saved uid equals the caller's real or
+    effective uid, so the zygote briefly takes effective uid ``uid`` (dropping CAP_KILL)
+    and real uid ``killer_uid``, which no process runs as. Sandbox processes cannot
+    signal it meanwhile: the kernel checks the target's real and saved uids, ``killer_uid``
+    and 0. The kernel holds the task list while it signals, so no process forks past it.
+    Forking a helper instead costs a millisecond on a VM.
+    """
+    os.setresuid(killer_uid, uid, 0)
+    try:
+        os.kill(-1, signal.SIGKILL)
+    finally:
+        os.setresuid(0, 0, 0)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a credential change cleared it
+
+
+class Zygote:
+    def __init__(self, ctl: socket.socket, killer_uid: int | None) -> None:
+        self.ctl = ctl
+        self.killer_uid = killer_uid
+        self.root = os.geteuid() == 0
+        self.pid = os.getpid()
+        self.live: dict[int, tuple[int | None, str]] = {}  # pid -> (uid, workdir)
+        self.exited: dict[int, int] = {}  # tracked pids that died on their own -> status
+
+    def serve(self) -> None:
+        # SIGCHLD keeps its default disposition: ignoring it would lose the exit statuses
+        # the node reports, and a handler would cost every child a reset. Zombies wait at
+        # most one poll interval; the node's kill request reaps its interpreter directly.
+        while True:
+            if select.select([self.ctl], [], [], REAP_INTERVAL)[0]:
+                data = self.ctl.recv(1 << 20)
+                if not data:
+                    break
+                self.handle(json.loads(data))
+            self.reap()
+        self.shutdown()
+
+    def handle(self, req: dict[str, Any]) -> None:
+        try:
+            if req["op"] == "spawn":
+                self.spawn(req)  # replies itself: the reply carries an fd
+                return
+            if req["op"] == "kill":
+                reply = {"status": self.kill(req)}
+            else:
+                reply = {"error": f"unknown op {req['op']!r}"}
+        except Exception as e:  # the node turns it into SandboxError; the zygote stays up
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        reply["id"] = req.get("id")
+        self.ctl.send(json.dumps(reply).encode())
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            info = self.live.get(pid)
+            if info is None:
+                continue  # an orphan of user code, reparented to us as subreaper
+            self.exited[pid] = status
+            if info[0] is None:
+                # Without a uid, the process group is the sandbox; kill it now, while the
+                # group id cannot have been reused yet.
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def spawn(self, req: dict[str, Any]) -> None:
+        uid = req.get("uid")
+        if uid is not None and req.get("purge"):
+            kill_uid(uid, self.killer_uid)  # leftovers of a node that died uncleanly
+        workdir = req.get("workdir")
+        created = workdir is None
+        theirs, fds = None, []  # fds: the node's channel end, then the stdout/stderr memfds
+        try:
+            if created:
+                workdir = _make_workdir(req["work_root"], req["prefix"], uid)
+            ours, theirs = socket.socketpair()
+            fds.append(ours.detach())
+            for name in ("envhub-stdout", "envhub-stderr"):
+                fds.append(os.memfd_create(name, os.MFD_CLOEXEC))
+                # O_APPEND: after the child truncates, writers (subprocesses too) restart at 0.
+                fcntl.fcntl(fds[-1], fcntl.F_SETFL, os.O_APPEND)
+            pid = os.fork()
+        except Exception as e:
+            for fd in fds:
+                os.close(fd)
+            if theirs is not None:
+                theirs.close()
+            if created and workdir:
+                remove_tree(workdir)
+            self.ctl.send(json.dumps({"id": req.get("id"), "error": f"{type(e).__name__}: {e}"}).encode())
+            return
+        if pid == 0:
+            try:
+                os.close(self.ctl.detach())
+                os.close(fds[0])
+                Interpreter(theirs, req, workdir, (fds[1], fds[2]), self.pid).run()
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(70)
+        self.live[pid] = (uid, workdir)
+        reply = {"id": req.get("id"), "pid": pid, "workdir": workdir}
+        try:
+            socket.send_fds(self.ctl, [json.dumps(reply).encode()], fds)
+        finally:
+            theirs.close()
+            for fd in fds:
+                os.close(fd)
+
+    def kill(self, req: dict[str, Any]) -> str | None:
+        """Kill a sandbox; return how its interpreter ended if it died on its own.
+
+        Only with ``wait`` does it wait for the interpreter to be gone; otherwise reap()
+        collects it later, which keeps destroy cheap.
+        """
+        pid, uid, workdir = req.get("pid"), req.get("uid"), req.get("workdir")
+        info = self.live.pop(pid, None) if pid is not None else None
+        own_death = self.exited.pop(pid, None) if info is not None else None
+        if info is not None and own_death is None:
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    own_death = status
+            except ChildProcessError:
+                pass
+        if uid is not None:
+            kill_uid(uid, self.killer_uid)
+        if info is not None and own_death is None:
+            # Still our unreaped child, so the pid (and its group id) are still its own.
+            for send in (os.killpg, os.kill):
+                try:
+                    send(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if req.get("wait"):
+                # It may have been exiting on its own already (the node saw its channel
+                # close): SIGKILL does not change the status of a process past that point.
+                try:
+                    _, status = os.waitpid(pid, 0)
+                    if not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL):
+                        own_death = status
+                except ChildProcessError:
+                    pass
+        if workdir and req.get("remove"):
+            remove_tree(workdir)
+        return describe_status(own_death) if own_death is not None else None
+
+    def shutdown(self) -> None:
+        for pid, (uid, workdir) in list(self.live.items()):
+            self.kill({"pid": pid, "uid": uid, "workdir": workdir, "remove": True})
+        # Reap what the kills left as zombies; without a uid a setsid() escapee may
+        # outlive us, so give up after a moment rather than hang the node's stop().
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                time.sleep(0.01)
+
+
+def _make_workdir(root: str, prefix: str, uid: int | None) -> str:
+    while True:  # like tempfile.mkdtemp, for a fraction of the work in this hot path
+        path = os.path.join(root, prefix + os.urandom(6).hex())
+        try:
+            os.mkdir(path, 0o700)
+            break
+        except FileExistsError:
+            continue
+    if uid is not None:
+        os.chown(path, uid, uid)
+    return path
+
+
+def remove_tree(path: str) -> None:
+    try:
+        os.rmdir(path)  # the usual case, and much cheaper than rmtree's walk
+        return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass
+
+    def retry_writable(func, p, _exc):  # user code may have made a dir read-only
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=retry_writable)
+
+
+# --- one sandbox interpreter (runs in a forked child) --------------------------------
+
+class CellTimeout(BaseException):
+    """Raised into user code by SIGALRM; a BaseException so ``except Exception`` lets it by."""
+
+
+class Interpreter:
+    def __init__(self, chan: socket.socket, req: dict[str, Any], workdir: str,
+                 output_fds: tuple[int, int], zygote_pid: int) -> None:
+        self.chan = chan
+        self.req = req
+        self.workdir = workdir
+        self.out_fd, self.err_fd = output_fds
+        self.zygote_pid = zygote_pid
+        self.output_limit = int(req["output_limit"])
+        self.cells = 0
+        self.armed = False
+        self.fired = False
+
+    def run(self) -> None:
+        try:
+            self.setup()
+        except BaseException as e:
+            self.send({"error": "".join(traceback.format_exception_only(type(e), e)).strip()})
+            return
+        self.send({"ready": True})
+        while True:
+            req = _recv_frame(self.chan)
+            if req is None:
+                return
+            self.send(self.run_cell(req["code"], float(req["timeout"])))
+
+    def send(self, obj: Any) -> None:
+        self.chan.sendall(encode_frame(obj))
+
+    def setup(self) -> None:
+        req, uid = self.req, self.req.get("uid")
+        os.setsid()
+        os.chdir(self.workdir)
+        limits = req["limits"]
+        _set_limit(resource.RLIMIT_AS, limits["as_bytes"], limits["as_bytes"])
+        _set_limit(resource.RLIMIT_CPU, limits["cpu_seconds"], limits["cpu_seconds"] + 5)
+        _set_limit(resource.RLIMIT_FSIZE, limits["fsize_bytes"], limits["fsize_bytes"])
+        _set_limit(resource.RLIMIT_CORE, 0, 0)
+        if limits.get("nproc") is not None:
+            _set_limit(resource.RLIMIT_NPROC, limits["nproc"], limits["nproc"])
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries would escape the uid kill
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+        if os.getppid() != self.zygote_pid:
+            raise RuntimeError("the zygote died while the sandbox started")
+        os.dup2(self.out_fd, 1)  # sys.stdout and sys.stderr already write to fds 1 and 2
+        os.dup2(self.err_fd, 2)
+        # The zygote's environment is already the node's sandbox base environment.
+        for key, value in {"HOME": self.workdir, "TMPDIR": self.workdir,
+                           **(req.get("env") or {})}.items():
+            os.environ[key] = value
+        sys.path.insert(0, self.workdir)
+        # A real __main__ module, so pickle and multiprocessing find cell-defined functions.
+        main = types.ModuleType("__main__")
+        main.__builtins__ = builtins
+        sys.modules["__main__"] = main
+        self.globals = main.__dict__
+        self.pid = os.getpid()
+
+    def on_alarm(self, _signum: int, _frame: Any) -> None:
+        if self.armed:
+            self.armed = False
+            self.fired = True
+            raise CellTimeout()
+
+    def run_cell(self, code: str, timeout: float) -> dict[str, Any]:
+        for f in (sys.stdout, sys.stderr):
+            _flush_quietly(f)
+        os.ftruncate(self.out_fd, 0)
+        os.ftruncate(self.err_fd, 0)
+        self.cells += 1
+        filename = f"{CELL_PREFIX}{self.cells}>"
+        result: dict[str, Any] = {"exit_code": 0, "timed_out": False, "exception": None,
+                                  "value": None, "value_repr": None}
+        try:
+            body, last = _compile_cell(code, filename)
+        except BaseException as e:
+            result.update(exit_code=1, exception=_format_exception(e))
+            return self.finish(result)
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        # Re-installed each cell: an earlier cell may have replaced the handler.
+        signal.signal(signal.SIGALRM, self.on_alarm)
+        self.fired = False
+        try:
+            try:
+                self.armed = True
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                exec(body, self.globals)
+                if last is not None:
+                    value = eval(last, self.globals)
+                    # Still under the timer: a user __repr__ may loop forever.
+                    if value is not None:
+                        result["value_repr"] = _safe_repr(value)
+                        result["value"] = _json_value(value, self.output_limit)
+            finally:
+                self.armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except CellTimeout:
+            pass
+        except BaseException as e:
+            if os.getpid() != self.pid:
+                os._exit(1)  # a fork of user code: never speak on the channel
+            result.update(exit_code=1, exception=_format_exception(e))
+        if os.getpid() != self.pid:
+            os._exit(0)
+        if self.fired:  # also when the code caught CellTimeout and went on
+            result.update(exit_code=None, timed_out=True, exception=None,
+                          value=None, value_repr=None)
+        return self.finish(result)
+
+    def finish(self, result: dict[str, Any]) -> dict[str, Any]:
+        for f in (sys.stdout, sys.stderr):
+            _flush_quietly(f)
+        result["stdout"], out_cut = read_capped(self.out_fd, self.output_limit)
+        result["stderr"], err_cut = read_capped(self.err_fd, self.output_limit)
+        result["truncated"] = out_cut or err_cut
+        return result
+
+
+def _set_limit(res: int, soft: int, hard: int) -> None:
+    _, cur_hard = resource.getrlimit(res)
+    if cur_hard != resource.RLIM_INFINITY and os.geteuid() != 0:
+        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    resource.setrlimit(res, (soft, hard))
+
+
+def _compile_cell(code: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:
+    """Compile like a notebook cell: a trailing expression is evaluated for its value."""
+    tree = ast.parse(code, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = compile(ast.Expression(tree.body.pop().value), filename, "eval", dont_inherit=True)
+    return compile(tree, filename, "exec", dont_inherit=True), last
+
+
+def _format_exception(e: BaseException) -> str:
+    try:
+        tb = e.__traceback__
+        while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(CELL_PREFIX):
+            tb = tb.tb_next  # drop the sandbox's own frames
+        return "".join(traceback.format_exception(type(e), e, tb))
+    except BaseException:  # e.g. MemoryError again while formatting
+        return f"{type(e).__name__} (traceback unavailable)\n"
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception as e:
+        text = f"<repr() failed: {type(e).__name__}: {e}>"
+    return text if len(text) <= VALUE_REPR_LIMIT else text[:VALUE_REPR_LIMIT] + "..."
+
+
+def _json_value(value: Any, limit: int) -> Any:
+    try:
+        text = json.dumps(value, allow_nan=False)  # NaN is not JSON; the node must relay it
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return value if len(text) <= limit else None
+
+
+def _flush_quietly(f: Any) -> None:
+    try:
+        f.flush()
+    except Exception:
+        pass
+
+
+def prepare(preload: list[str]) -> None:
+    """Do once, before any fork, every initialisation the children would otherwise repeat.
+
+    Each page a child writes costs it a copy-on-write fault (~3.5 us on a VM), and CPython
+    writes to every object it touches, so warm modules, stdio objects and one dry-run cell
+    here keep the per-sandbox cost down. Last, gc.freeze() keeps the children's collector
+    off the zygote's objects.
+    """
+    import gc
+    import importlib
+
+    for name in (*PRELOAD, *preload):
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            print(f"envhub zygote: cannot preload {name}: {e}", file=sys.stderr)
+    # Like python -u, unbuffered, so output written before a hard kill is kept; on fds 1
+    # and 2, where each child puts its capture memfds.
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+        write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+        write_through=True)
+    _libc.prctl.restype = ctypes.c_int
+    sys.argv = [""]
+    _dry_run()
+    gc.collect()
+    gc.freeze()
+    _libc.malloc_trim(0)  # freed heap pages would be copied by every fork
+
+
+def _dry_run() -> None:
+    """Run a cell, an error and the framing through the same code as a child does."""
+    fd = os.memfd_create("envhub-warm-up", os.MFD_CLOEXEC)
+    try:
+        scratch: dict[str, Any] = {"__builtins__": builtins}
+        body, last = _compile_cell("x = [1, 'a']\nx", "<warm-up>")
+        exec(body, scratch)
+        value = eval(last, scratch)
+        frame = encode_frame({"value": _json_value(value, 1024), "value_repr": _safe_repr(value),
+                              "exception": _format_exception(_raise_in_cell(scratch)),
+                              "output": read_capped(fd, 16)})
+        split_frame(bytearray(frame))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        resource.getrlimit(resource.RLIMIT_AS)
+    finally:
+        os.close(fd)
+
+
+def _raise_in_cell(scratch: dict[str, Any]) -> BaseException:
+    try:
+        exec(compile("1/0", f"{CELL_PREFIX}0>", "exec"), scratch)
+    except ZeroDivisionError as e:
+        return e
+    raise AssertionError("unreachable")
+
+
+def _python_dirs() -> list[str]:
+    """What a sandboxed interpreter reads: its prefixes, its binary's dir, sys.path."""
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+            os.path.dirname(os.path.realpath(sys.executable)), *sys.path}
+    return sorted(d for d in dirs if d and os.path.isdir(d))
+
+
+def _blocked_ancestors(paths: list[str]) -> dict[str, set[str]]:
+    """Ancestors that other uids cannot traverse -> their children on the way to ``paths``."""
+    blocked: dict[str, set[str]] = {}
+    for path in paths:
+        parts = os.path.realpath(path).strip("/").split("/")
+        for i in range(len(parts)):
+            ancestor = "/" + "/".join(parts[:i])
+            if not os.stat(ancestor).st_mode & 0o001:
+                blocked.setdefault(ancestor, set()).add(parts[i])
+    return blocked
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    def enc(v: str | None) -> bytes | None:
+        return None if v is None else v.encode()
+
+    if _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def open_up(paths: list[str]) -> list[str]:
+    """Let sandbox uids reach ``paths`` without changing the host; return what stays blocked.
+
+    In a private mount namespace, each ancestor they cannot traverse (``/root`` holding a
+    pyenv Python, pytest's 0700 temp dirs) is covered by a tmpfs of mode 0711 holding only
+    bind mounts of the children on the way. The rest of that directory disappears from
+    the sandboxes' view, and the node's view is untouched.
+    """
+    blocked = _blocked_ancestors(paths)
+    if blocked:
+        try:
+            if _libc.unshare(CLONE_NEWNS) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+            _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing leaks to the host
+            for ancestor in sorted(blocked, key=lambda a: a.count("/") - (a == "/")):
+                fds = {c: os.open(os.path.join(ancestor, c), os.O_PATH | os.O_CLOEXEC)
+                       for c in blocked[ancestor]}
+                _mount("envhub", ancestor, "tmpfs", 0, "mode=0711,size=64k")
+                for child, fd in fds.items():
+                    target = os.path.join(ancestor, child)
+                    if os.path.isdir(f"/proc/self/fd/{fd}"):
+                        os.mkdir(target, 0o711)
+                    else:
+                        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+                    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None)
+                    os.close(fd)
+        except OSError as e:
+            print(f"envhub zygote: cannot open paths up for sandbox uids: {e}", file=sys.stderr)
+    return sorted(_blocked_ancestors(paths))
+
+
+def main(argv: list[str]) -> None:
+    """``argv[1]`` is JSON: ctl_fd, parent_pid, isolate_network, preload, work_root,
+    killer_uid (root only: a uid no process runs as, see :func:`kill_uid`)."""
+    conf = json.loads(argv[1])
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != conf["parent_pid"]:
+        sys.exit(1)  # the node died before the line above took effect
+    ctl = socket.socket(fileno=conf["ctl_fd"])
+    root = os.geteuid() == 0
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of user code come to us and get reaped
+    killer_uid = conf.get("killer_uid")
+    netns, blocked = False, []
+    if root:
+        # Sandboxes run as other uids, which must still reach Python and their dirs.
+        blocked = open_up([conf["work_root"], *_python_dirs()])
+        if conf["isolate_network"]:
+            # Once, here: every child inherits a network namespace holding only a down
+            # loopback. Unix sockets and passed fds are not affected.
+            netns = _libc.unshare(CLONE_NEWNET) == 0
+    prepare(conf["preload"])
+    ctl.send(json.dumps({"ready": True, "root": root, "network_isolated": netns,
+                         "unreachable": blocked}).encode())
+    Zygote(ctl, killer_uid).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

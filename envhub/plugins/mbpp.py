@@ -1,0 +1,228 @@
+"""The ``mbpp`` environment: MBPP coding episodes with a live Python interpreter.
+
+Tools the model sees: ``run_python(code)`` runs in the episode's interpreter (state
+persists between calls); ``submit_solution(code)`` records the answer and ends the
+episode. The hidden tests are never shown: the instruction names the function to
+write and its signature, taken from the reference solution.
+
+Evaluation replays the hidden tests in a fresh interpreter (``_mbpp_harness``).
+Reward: 1.0 when every test passes; 0.1 + 0.4 x pass rate when a submission fails some;
+0.0 when nothing was submitted.
+
+Splits follow the MBPP paper: prompt 1-10, test 11-510, validation 511-600,
+train 601-974. Without a configured ``path`` the node serves a small sample of
+MBPP-format problems written for envhub (``envhub/data/mbpp_sample.jsonl``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.resources
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
+from envhub.errors import InvalidRequest, StartupError
+from envhub.hookspecs import hookimpl
+from envhub.plugins import _mbpp_harness
+
+SPLITS = (("prompt", 1, 10), ("test", 11, 510), ("validation", 511, 600), ("train", 601, 974))
+
+SYSTEM_PROMPT = (
+    "You are an expert Python programmer. Solve the task by writing Python code. "
+    "Use the run_python tool to try code in a persistent interpreter (variables and "
+    "functions you define are kept between calls). When you are confident, call "
+    "submit_solution with the complete solution code, including any imports it needs. "
+    "Your solution is graded by hidden tests after you submit; you can submit only once."
+)
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "run_python",
+        "description": "Run Python code in your persistent interpreter and see stdout, stderr, "
+                       "any exception and the value of a trailing expression.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source"}},
+                       "required": ["code"]}}},
+    {"type": "function", "function": {
+        "name": "submit_solution",
+        "description": "Submit your final solution code. This ends the episode.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source"}},
+                       "required": ["code"]}}},
+]
+
+
+def split_of(task_id: int) -> str:
+    for name, lo, hi in SPLITS:
+        if lo <= task_id <= hi:
+            return name
+    return "extra"
+
+
+def entry_point(reference: str, tests: list[str]) -> tuple[str | None, str | None]:
+    """The function the tests call and its ``def`` line, from the reference solution."""
+    try:
+        tree = ast.parse(reference.replace("\r\n", "\n"))
+    except SyntaxError:
+        return None, None
+    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    first = tests[0] if tests else ""
+    try:
+        called = [n.func.id for n in ast.walk(ast.parse(first))
+                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    except SyntaxError:
+        called = []
+    for name in called:
+        node = defs.get(name)
+        if node is not None:
+            if isinstance(node, ast.ClassDef):
+                return name, f"class {name}"
+            return name, f"def {name}({ast.unparse(node.args)})"
+    return (called[0] if called else None), None
+
+
+def parse_line(line: str, where: str) -> Task:
+    try:
+        p = json.loads(line)
+        task_id = int(p["task_id"])
+        text, code, tests = str(p["text"]), str(p["code"]), list(p["test_list"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise StartupError(f"{where}: not an MBPP problem ({e})") from None
+    challenge = list(p.get("challenge_test_list") or [])
+    name, signature = entry_point(code, tests)
+    return Task(
+        id=str(task_id), split=split_of(task_id), title=text[:100],
+        public={"text": text, "entry_point": name, "signature": signature},
+        private={"code": code, "test_list": tests, "test_setup_code": p.get("test_setup_code") or "",
+                 "challenge_test_list": challenge})
+
+
+class MBPP(Environment):
+    """MBPP problems; config keys: ``path`` (MBPP-format jsonl; default the bundled
+    sample), ``run_timeout`` (s per run_python, default 10), ``eval_timeout`` (s for
+    the whole grading run, default 60), ``test_cpu_seconds`` (CPU s per hidden test,
+    default 10), ``challenge_tests`` (also grade challenge_test_list, default false)."""
+
+    name = "mbpp"
+    description = "Mostly Basic Python Problems, with a live interpreter per episode"
+    sandbox = "process"
+
+    def load(self) -> None:
+        path = self.config.get("path")
+        if path:
+            try:
+                text = Path(path).read_text()
+            except OSError as e:
+                raise StartupError(f"mbpp: cannot read dataset {path}: {e}") from None
+            where = str(path)
+        else:
+            text = (importlib.resources.files("envhub") / "data" / "mbpp_sample.jsonl").read_text()
+            where = "bundled sample"
+        tasks = [parse_line(line, f"{where} line {n}")
+                 for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+        self._tasks = {t.id: t for t in tasks}
+        if len(self._tasks) != len(tasks):
+            raise StartupError(f"mbpp: {where} repeats a task_id")
+        self._order = sorted(self._tasks.values(), key=lambda t: int(t.id))
+        self.run_timeout = float(self.config.get("run_timeout", 10))
+        self.eval_timeout = float(self.config.get("eval_timeout", 60))
+        self.test_cpu = float(self.config.get("test_cpu_seconds", 10))
+        self.challenge = bool(self.config.get("challenge_tests", False))
+        self._harness = inspect.getsource(_mbpp_harness.grade)
+
+    def splits(self) -> list[str]:
+        present = {t.split for t in self._order}
+        return [name for name, _, _ in SPLITS if name in present] + sorted(present - {s for s, _, _ in SPLITS})
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        return [t for t in self._order if split is None or t.split == split]
+
+    def task(self, task_id: str) -> Task:
+        try:
+            return self._tasks[task_id]
+        except KeyError:
+            return super().task(task_id)  # raises NotFound with the standard message
+
+    async def reset(self, episode: Episode) -> dict[str, Any]:
+        task = episode.task
+        instruction = task.public["text"]
+        if task.public.get("signature"):
+            instruction += f"\n\nWrite it as `{task.public['signature']}`."
+        elif task.public.get("entry_point"):
+            instruction += f"\n\nName the function `{task.public['entry_point']}`."
+        episode.state.update(submission=None, runs=0)
+        return {"system_prompt": SYSTEM_PROMPT, "instruction": instruction, "tools": TOOLS,
+                "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                             {"role": "user", "content": instruction}]}
+
+    async def step(self, episode: Episode, action: Action) -> StepResult:
+        if action.tool == "run_python":
+            code = action.require_str("code")
+            result = await episode.exec(code, timeout=self._timeout(episode))
+            episode.state["runs"] = episode.state.get("runs", 0) + 1
+            fields = {k: getattr(result, k) for k in
+                      ("stdout", "stderr", "exception", "value_repr", "timed_out", "exit_code", "restarted",
+                       "truncated")}
+            return StepResult({"content": format_run(result), **fields})
+        if action.tool == "submit_solution":
+            episode.state["submission"] = action.require_str("code")
+            return StepResult({"content": "Solution submitted."}, done=True, info={"submitted": True})
+        raise InvalidRequest(f"mbpp has no tool {action.tool!r} (tools: run_python, submit_solution)",
+                             field="action.tool")
+
+    def _timeout(self, episode: Episode) -> float:
+        value = episode.params.get("run_timeout", self.run_timeout)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise InvalidRequest("'params.run_timeout' must be a positive number", field="params.run_timeout")
+        return min(float(value), self.eval_timeout)
+
+    async def evaluate(self, episode: Episode) -> Evaluation:
+        submission = episode.state.get("submission")
+        if submission is None:
+            return Evaluation(0.0, {"submitted": False, "passed": 0, "total": 0, "tests": []})
+        private = episode.task.private
+        tests = private["test_list"] + (private["challenge_test_list"] if self.challenge else [])
+        code = (f"{self._harness}\n"
+                f"grade({submission!r}, {private['test_setup_code']!r}, {tests!r}, {self.test_cpu!r})")
+        result = await episode.run_fresh(code, timeout=self.eval_timeout)
+        graded = result.value if isinstance(result.value, dict) else None
+        if graded is None or graded.get("stage") != "tests":
+            if graded is not None:
+                reason = f"{graded.get('stage')} failed: {graded.get('error')}"
+            elif result.timed_out:
+                reason = f"grading ran past {self.eval_timeout:g} s"
+            else:
+                reason = (result.exception or result.stderr or "the grader produced no result").strip()[-2000:]
+            results = [{"test": t, "status": "error", "error": reason} for t in tests]
+        else:
+            results, reason = graded["results"], None
+        passed = sum(r["status"] == "passed" for r in results)
+        reward = 1.0 if passed == len(tests) else 0.1 + 0.4 * passed / len(tests)
+        details: dict[str, Any] = {"submitted": True, "passed": passed, "total": len(tests), "tests": results}
+        if reason:
+            details["error"] = reason
+        return Evaluation(reward, details)
+
+
+def format_run(result: Any) -> str:
+    """The text the model reads after run_python."""
+    parts = []
+    if result.restarted:
+        parts.append("[the interpreter had been restarted; earlier state is gone]")
+    if result.stdout:
+        parts.append(result.stdout.rstrip("\n"))
+    if result.stderr:
+        parts.append("[stderr]\n" + result.stderr.rstrip("\n"))
+    if result.exception:
+        parts.append(result.exception.rstrip("\n"))
+    if result.value_repr is not None:
+        parts.append(f"Out: {result.value_repr}")
+    if result.timed_out:
+        parts.append("[timed out: the call was stopped]")
+    return "\n".join(parts) if parts else "[no output]"
+
+
+@hookimpl
+def register_environments():
+    return [MBPP]

@@ -1,0 +1,682 @@
+"""The "process" sandbox: a persistent Python interpreter per episode, forked from a zygote.
+
+Policy and invariants:
+
+- :meth:`ProcessSandbox.start` launches one zygote (``_process_zygote.py``, run as a
+  script with ``python -I`` so it never imports envhub); creating a sandbox is a fork of
+  that warm process, not an interpreter start. :meth:`~ProcessSandbox.stop` ends it, and
+  the zygote and every interpreter die with the node (``PR_SET_PDEATHSIG``).
+- The handle is ``SandboxSpec.instance_id``; ``_boxes`` maps it to the node-side state.
+- As root, each live sandbox runs as its own uid from ``[uid_base, uid_base +
+  max_sandboxes)``, with no network (one network namespace for all sandboxes, holding a
+  down loopback). A uid is claimed host-wide by binding an abstract Unix socket, so two
+  nodes on one host never share one, and it returns to the pool only after every
+  process of that uid was killed. The uid is what makes RLIMIT_NPROC per sandbox and lets
+  destroy kill processes that left the process group.
+- Without root there is no uid switch and no network isolation: RLIMIT_NPROC is only set
+  when configured (it would count every process of the node's user), destroy kills the
+  process group only (a ``setsid()`` escapee survives) and sandboxes can read each
+  other's files. Run the node as root for untrusted code.
+- Control requests to the zygote are serialized by one ``asyncio.Lock`` and each runs in
+  a shielded task, so a cancelled caller never puts the channel out of step or leaks an fd.
+- :meth:`exec` never raises because of what the code did. A timeout is first a
+  ``CellTimeout`` raised inside the code (state survives); ``kill_grace`` seconds later
+  the node kills the sandbox's processes and the next call transparently starts a fresh
+  interpreter in the same dir, reporting ``restarted=True``; likewise after the
+  interpreter died. Calls on one handle are serialized by its own lock.
+- Output is captured at fd level in two memfds per interpreter, which the node holds too:
+  the output of an interpreter it had to kill is still there to read.
+- Untrusted code controls the working dir, and the node may be root: file operations open
+  every path component relative to its parent with ``O_NOFOLLOW`` and only touch regular
+  files owned by the sandbox uid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import posixpath
+import re
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.hookspecs import hookimpl
+from envhub.plugins import _process_zygote as zygote
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+_INLINE_IO_BYTES = 1 << 20  # larger file transfers run in a thread, off the event loop
+_RESULT_FIELDS = ("stdout", "stderr", "exit_code", "timed_out", "exception", "value",
+                  "value_repr", "truncated")
+_SIGNAL_HINTS = {
+    "SIGXCPU": "the CPU time limit was reached",
+    "SIGXFSZ": "the file size limit was reached",
+    "SIGKILL": "killed, e.g. past the hard CPU time limit",
+}
+
+
+class _Channel(asyncio.Protocol):
+    """Length-prefixed JSON frames to and from one interpreter.
+
+    A protocol rather than ``loop.sock_recv``: the socket stays registered with the event
+    loop, instead of being added and removed around every reply.
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.error: BaseException | None = None
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> _Channel:
+        _, chan = await asyncio.get_running_loop().create_unix_connection(cls, sock=sock)
+        return chan
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) > zygote.MAX_FRAME + 4:  # user code flooding the channel
+            self.transport.abort()
+            self._fail(ValueError("the interpreter sent more than a frame can hold"))
+            return
+        if self.waiter is not None and not self.waiter.done():
+            try:
+                msg = zygote.split_frame(self.buf)
+            except ValueError as e:
+                self.waiter.set_exception(e)
+                return
+            if msg is not None:
+                self.waiter.set_result(msg)
+
+    def eof_received(self) -> bool:
+        self._fail(EOFError("the interpreter closed its channel"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc or EOFError("the interpreter closed its channel"))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = self.error or exc
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(self.error)
+
+    def send(self, obj: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        self.transport.write(zygote.encode_frame(obj))
+
+    async def recv(self) -> dict[str, Any]:
+        msg = zygote.split_frame(self.buf)
+        if msg is not None:
+            return msg
+        if self.error is not None:
+            raise self.error
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            return await self.waiter
+        finally:
+            self.waiter = None
+
+    def close(self) -> None:
+        self.transport.abort()  # closes the socket on the loop's next iteration
+
+
+@dataclass(eq=False)
+class _Box:
+    """Node-side state of one sandbox."""
+
+    handle: str
+    uid: int | None
+    claim: socket.socket | None  # holds the host-wide claim on ``uid``
+    spawn_req: dict[str, Any]
+    workdir: str | None = None
+    pid: int | None = None
+    generation: int = 0  # which zygote forked ``pid``
+    chan: _Channel | None = None  # None: no live interpreter, the next exec starts one
+    output_fds: tuple[int, int] | None = None  # memfds behind the interpreter's fd 1 and 2
+    pending: asyncio.Task | None = None  # a spawn exchange that owns fds until it ends
+    destroyed: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class ProcessSandbox(Sandbox):
+    """Runs Python cells in a persistent interpreter per sandbox.
+
+    Config keys (``sandboxes: {process: {...}}``): ``work_root`` (default
+    ``<data_dir>/sandboxes``, else the system temp dir), ``memory_mb`` (1024, RLIMIT_AS),
+    ``cpu_seconds`` (300, RLIMIT_CPU soft limit, cumulative per interpreter),
+    ``max_processes`` (64, RLIMIT_NPROC), ``max_file_mb`` (256, RLIMIT_FSIZE),
+    ``output_limit`` (65536 bytes per stream, head and tail kept), ``kill_grace`` (1.0 s
+    after the timeout before the hard kill), ``uid_base`` (200000), ``max_sandboxes``
+    (4096), ``isolate_network`` (true; root only), ``python`` (the interpreter,
+    default ``sys.executable``), ``preload`` (extra fork-safe modules to import in the
+    zygote), ``env`` (variables for every sandbox), ``start_timeout`` (30 s).
+    ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
+    ``max_processes``; ``cpus`` is not enforced.
+    """
+
+    name = "process"
+    description = "A persistent Python interpreter per episode, forked from a warm zygote, under rlimits"
+    language = "python"
+
+    def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
+        super().__init__(config, settings)
+        c = self.config
+        data_dir = getattr(settings, "data_dir", None)
+        default_root = os.path.join(str(data_dir), "sandboxes") if data_dir else tempfile.gettempdir()
+        self.work_root = os.path.abspath(str(c.get("work_root") or default_root))
+        self.memory_mb = int(c.get("memory_mb", 1024))
+        self.cpu_seconds = int(c.get("cpu_seconds", 300))
+        self.max_processes = c.get("max_processes")  # None: 64 as root, unset otherwise
+        self.max_file_mb = int(c.get("max_file_mb", 256))
+        self.output_limit = int(c.get("output_limit", 65536))
+        self.kill_grace = float(c.get("kill_grace", 1.0))
+        self.uid_base = int(c.get("uid_base", 200000))
+        self.max_sandboxes = int(c.get("max_sandboxes", 4096))
+        self.isolate_network = bool(c.get("isolate_network", True))
+        self.python = str(c.get("python") or sys.executable)
+        self.preload = [str(m) for m in c.get("preload", [])]
+        self.start_timeout = float(c.get("start_timeout", 30.0))
+        self.env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
+                    **{str(k): str(v) for k, v in (c.get("env") or {}).items()}}
+        self.root = os.geteuid() == 0
+        self.network_isolated = False  # known once the zygote has started
+        self._boxes: dict[str, _Box] = {}
+        # Free uid offsets, reused last-in first-out: few distinct uids get used, so the
+        # purge on a uid's first use in this node (see _spawn) is rare.
+        self._free = list(range(self.max_sandboxes - 1, -1, -1))
+        self._purged: set[int] = set()  # uids already cleared of an earlier node's leftovers
+        self._killer: tuple[int, socket.socket] | None = None  # see _process_zygote.kill_uid
+        self._closing: set[asyncio.Task] = set()
+        self._ctl: socket.socket | None = None
+        self._proc: subprocess.Popen | None = None
+        self._ctl_lock = asyncio.Lock()
+        self._waiter: asyncio.Future | None = None
+        self._req_id = 0
+        self._generation = 0
+        self._started = False
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._prepare_work_root()
+        if self.root and self._killer is None:
+            self._killer = self._allocate_uid()
+        async with self._ctl_lock:
+            await self._launch()
+        self._started = True
+
+    async def stop(self) -> None:
+        self._started = False
+        await asyncio.gather(*(self.destroy(h) for h in list(self._boxes)), return_exceptions=True)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        await self._close_zygote()
+        await asyncio.sleep(0)  # let aborted channel transports close their sockets
+        if self._killer is not None:
+            self._killer[1].close()
+            self._free.append(self._killer[0] - self.uid_base)
+            self._killer = None
+
+    def _prepare_work_root(self) -> None:
+        os.makedirs(self.work_root, exist_ok=True)
+        if self.root:
+            # Sandbox uids must pass through it (the zygote opens up its ancestors), but
+            # must not list the other sandboxes' dirs.
+            mode = stat.S_IMODE(os.stat(self.work_root).st_mode)
+            if mode & 0o011 != 0o011:
+                os.chmod(self.work_root, (mode | 0o011) & ~0o044)
+
+    async def _launch(self) -> None:
+        """Start a zygote and wait for its hello. Called with ``_ctl_lock`` held."""
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._proc = subprocess.Popen(
+                [self.python, "-I", "-B", str(Path(zygote.__file__)), json.dumps({
+                    "ctl_fd": theirs.fileno(), "parent_pid": os.getpid(),
+                    "isolate_network": self.isolate_network, "preload": self.preload,
+                    "work_root": self.work_root,
+                    "killer_uid": self._killer[0] if self._killer else None})],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, env=self.env,  # interpreters inherit it
+                start_new_session=True)  # the terminal's Ctrl-C is the node's to handle
+        except OSError as e:
+            ours.close()
+            raise StartupError(f"process sandbox: cannot run {self.python}: {e}") from e
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._ctl = ours
+        self._generation += 1
+        loop.add_reader(ours.fileno(), self._on_ctl_readable)
+        self._waiter = loop.create_future()
+        try:
+            async with asyncio.timeout(self.start_timeout):
+                hello, _ = await self._waiter
+        except (TimeoutError, SandboxError) as e:
+            await self._close_zygote()
+            raise StartupError(f"process sandbox: the zygote did not start: {e}") from e
+        if hello.get("unreachable"):
+            await self._close_zygote()
+            raise StartupError(
+                "process sandbox: sandbox uids cannot traverse "
+                f"{', '.join(hello['unreachable'])} (on the way to work_root or to Python) "
+                "and the zygote could not open them up in a mount namespace; grant o+x or "
+                "move sandboxes.process.work_root / python elsewhere")
+        self.network_isolated = bool(hello.get("network_isolated"))
+        if self.root and self.isolate_network and not self.network_isolated:
+            log.warning("process sandbox: unshare(CLONE_NEWNET) failed; sandboxes have network access")
+
+    async def _close_zygote(self) -> None:
+        if self._ctl is not None:
+            asyncio.get_running_loop().remove_reader(self._ctl.fileno())
+            self._ctl.close()  # EOF: the zygote kills what is left and exits
+            self._ctl = None
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        deadline = time.monotonic() + 5.0
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    # --- the control channel ------------------------------------------------------------
+
+    def _on_ctl_readable(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self._ctl, 1 << 16, 4)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, fds = b"", []
+        waiter, self._waiter = self._waiter, None
+        if not data:
+            self._drop_ctl()
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(SandboxError("the process-sandbox zygote exited"))
+            return
+        if waiter is None or waiter.done():
+            for fd in fds:
+                os.close(fd)
+            return
+        waiter.set_result((json.loads(data), fds))
+
+    def _drop_ctl(self) -> None:
+        """Forget a zygote that exited; the next control call starts a new one."""
+        if self._ctl is not None:
+            log.error("process sandbox: the zygote exited; its sandboxes are gone")
+            asyncio.get_running_loop().remove_reader(self._ctl.fileno())
+            self._ctl.close()
+            self._ctl = None
+
+    async def _ctl_call(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """One request/reply with the zygote. Run it only inside a shielded task."""
+        async with self._ctl_lock:
+            for attempt in range(2):
+                if self._ctl is None:
+                    if not self._started:
+                        raise SandboxError("the process sandbox is not running")
+                    await self._close_zygote()  # reap the dead one, then replace it
+                    try:
+                        await self._launch()
+                    except StartupError as e:
+                        raise SandboxError(e.message) from e
+                self._req_id += 1
+                req["id"] = self._req_id
+                self._waiter = waiter = asyncio.get_running_loop().create_future()
+                try:
+                    self._ctl.send(json.dumps(req).encode())
+                    break
+                except OSError as e:  # it died and the reader has not seen the EOF yet
+                    self._waiter = None
+                    self._drop_ctl()
+                    if attempt:
+                        raise SandboxError(f"cannot reach the process-sandbox zygote: {e}") from e
+            msg, fds = await waiter
+        if msg.get("id") != req["id"] or "error" in msg:
+            for fd in fds:
+                os.close(fd)
+            raise SandboxError(f"process-sandbox zygote: {msg.get('error') or 'reply out of step'}")
+        return msg, fds
+
+    # --- sandboxes ----------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> str:
+        handle = spec.instance_id
+        if not self._started:
+            raise SandboxError("the process sandbox is not running")
+        if handle in self._boxes:
+            raise SandboxError(f"sandbox {handle!r} already exists")
+        uid, claim = self._allocate_uid()
+        box = _Box(handle, uid, claim, self._spawn_request(spec, uid))
+        self._boxes[handle] = box
+        try:
+            async with box.lock:
+                await self._spawn(box)
+        except BaseException:
+            if self._boxes.get(handle) is box:
+                del self._boxes[handle]
+                await self._teardown_shielded(box)
+            raise
+        return handle
+
+    async def destroy(self, handle: str) -> None:
+        box = self._boxes.pop(handle, None)
+        if box is not None:
+            await self._teardown_shielded(box)
+
+    async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        box = self._box(handle)
+        if not isinstance(code, str):
+            raise InvalidRequest("code must be a string", field="code")
+        if not timeout > 0:
+            raise InvalidRequest("timeout must be positive", field="timeout")
+        async with box.lock:
+            if box.destroyed:
+                raise NotFound(f"no sandbox {handle!r}")
+            restarted = box.chan is None
+            if restarted:
+                await self._spawn(box)
+            started = time.monotonic()
+            result = await self._run(box, code, timeout)
+            result.duration_s = time.monotonic() - started
+            result.restarted = restarted
+            return result
+
+    async def _run(self, box: _Box, code: str, timeout: float) -> ExecResult:
+        try:
+            async with asyncio.timeout(timeout + self.kill_grace):
+                box.chan.send({"code": code, "timeout": timeout})
+                reply = await box.chan.recv()
+        except TimeoutError:
+            # The code swallowed CellTimeout or is stuck in C: kill what it started too.
+            _, stdout, stderr, cut = await self._kill_and_collect(box)
+            return ExecResult(stdout=stdout, stderr=stderr, exit_code=None, timed_out=True,
+                              truncated=cut, exception=(
+                                  f"Timeout: the code ran past {timeout:g}s and did not stop, so "
+                                  "the interpreter was killed; its state is lost and the next "
+                                  "call starts a fresh one.\n"))
+        except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
+            if box.destroyed:
+                raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
+            status, stdout, stderr, cut = await self._kill_and_collect(box)
+            return ExecResult(stdout=stdout, stderr=stderr, exit_code=None, truncated=cut,
+                              exception=_death_message(status))
+        except asyncio.CancelledError:
+            # The interpreter is still busy with this code and would answer the next call.
+            await self._kill_and_collect(box)
+            raise
+        return ExecResult(**{k: reply.get(k) for k in _RESULT_FIELDS})
+
+    async def _kill_and_collect(self, box: _Box) -> tuple[str | None, str, str, bool]:
+        """Kill the interpreter and all it started; return how it ended and its output."""
+        try:
+            try:
+                status = await self._kill_shielded(box, remove=False, wait=True)
+            except SandboxError as e:  # the zygote died: PDEATHSIG took the interpreter
+                log.warning("process sandbox: killing %s failed: %s", box.handle, e)
+                status = None
+                if box.uid is not None:
+                    self._purged.discard(box.uid)  # kill leftovers before the uid runs again
+            stdout, stderr, cut = "", "", False
+            if box.output_fds is not None:
+                (stdout, c1), (stderr, c2) = (zygote.read_capped(fd, self.output_limit)
+                                              for fd in box.output_fds)
+                cut = c1 or c2
+            return status, stdout, stderr, cut
+        finally:
+            _forget_interpreter(box)
+
+    async def _spawn(self, box: _Box) -> None:
+        """Start an interpreter for ``box`` (in its existing dir, if any) and await ready."""
+        req = dict(box.spawn_req, workdir=box.workdir)
+        req["purge"] = box.uid is not None and box.uid not in self._purged
+        box.pending = asyncio.ensure_future(self._spawn_exchange(box, req))
+        await asyncio.shield(box.pending)
+        box.pending = None
+        try:
+            async with asyncio.timeout(self.start_timeout):
+                ready = await box.chan.recv()
+            if not ready.get("ready"):
+                raise SandboxError(f"the sandbox interpreter failed to start: {ready.get('error')}")
+        except (TimeoutError, EOFError, OSError, ValueError, SandboxError) as e:
+            await self._kill_and_collect(box)
+            if isinstance(e, SandboxError):
+                raise
+            raise SandboxError(f"the sandbox interpreter did not start: {e!r}") from e
+
+    async def _spawn_exchange(self, box: _Box, req: dict[str, Any]) -> None:
+        msg, fds = await self._ctl_call(req)
+        # Still inside the shielded task: take ownership now, so a cancelled caller leaks nothing.
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            raise SandboxError(f"the zygote passed {len(fds)} fds instead of 3")
+        box.pid, box.workdir, box.generation = msg["pid"], msg["workdir"], self._generation
+        box.output_fds = (fds[1], fds[2])
+        box.chan = await _Channel.open(socket.socket(fileno=fds[0]))
+        if box.uid is not None:
+            self._purged.add(box.uid)
+
+    async def _kill_shielded(self, box: _Box, *, remove: bool, wait: bool = False) -> str | None:
+        """Kill every process of ``box``; return how the interpreter ended if on its own
+        (known only with ``wait``, which costs the zygote the interpreter's exit).
+
+        The channel and output fds stay open: an exec may still be reading them.
+        """
+        # A pid forked by an earlier zygote is not ours to signal; its uid still is.
+        pid = box.pid if box.generation == self._generation else None
+        box.pid = None
+        if pid is None and box.uid is None and not (remove and box.workdir):
+            return None
+        req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove,
+               "wait": wait}
+        msg, _ = await asyncio.shield(asyncio.ensure_future(self._ctl_call(req)))
+        return msg.get("status")
+
+    async def _teardown_shielded(self, box: _Box) -> None:
+        task = asyncio.ensure_future(self._teardown(box))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
+
+    async def _teardown(self, box: _Box) -> None:
+        box.destroyed = True
+        if box.pending is not None:
+            await asyncio.wait([box.pending])  # the exchange owns the channel fd until it ends
+            if not box.pending.cancelled():
+                box.pending.exception()  # retrieved here; create() already reported it
+        try:
+            if box.lock.locked() and box.pid is not None:
+                # An exec is waiting on the interpreter: kill it so that exec returns now.
+                await self._kill_shielded(box, remove=False)
+            async with box.lock:
+                try:
+                    await self._kill_shielded(box, remove=True)
+                finally:
+                    _forget_interpreter(box)
+        except SandboxError as e:
+            log.warning("process sandbox: cleaning up %s failed: %s", box.handle, e)
+            if box.uid is not None:
+                self._purged.discard(box.uid)  # kill its leftovers before the uid is used again
+        finally:
+            self._release_uid(box)
+
+    def _box(self, handle: str) -> _Box:
+        box = self._boxes.get(handle)
+        if box is None:
+            raise NotFound(f"no sandbox {handle!r}")
+        return box
+
+    def _spawn_request(self, spec: SandboxSpec, uid: int | None) -> dict[str, Any]:
+        lim = spec.limits
+        memory_mb = lim.memory_mb if lim.memory_mb is not None else self.memory_mb
+        cpu = lim.cpu_seconds if lim.cpu_seconds is not None else self.cpu_seconds
+        nproc = lim.max_processes if lim.max_processes is not None else self.max_processes
+        if nproc is None and self.root:
+            nproc = 64
+        return {
+            "op": "spawn", "uid": uid, "work_root": self.work_root,
+            "prefix": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.instance_id)[:40] + "-",
+            "limits": {"as_bytes": int(memory_mb) << 20, "cpu_seconds": int(cpu),
+                       "fsize_bytes": self.max_file_mb << 20,
+                       "nproc": None if nproc is None else int(nproc)},
+            "env": dict(spec.env), "output_limit": self.output_limit,
+        }
+
+    def _allocate_uid(self) -> tuple[int | None, socket.socket | None]:
+        if not self.root:
+            if len(self._boxes) >= self.max_sandboxes:
+                raise SandboxError(f"all {self.max_sandboxes} process sandboxes are in use")
+            return None, None
+        for i in range(len(self._free) - 1, -1, -1):
+            offset = self._free[i]
+            claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                claim.bind(f"\0envhub-process-sandbox-uid-{self.uid_base + offset}")
+            except OSError:  # another envhub process on this host holds it
+                claim.close()
+                continue
+            del self._free[i]
+            return self.uid_base + offset, claim
+        raise SandboxError(f"all {self.max_sandboxes} sandbox uids are in use")
+
+    def _release_uid(self, box: _Box) -> None:
+        if box.claim is not None:
+            box.claim.close()
+            box.claim = None
+            self._free.append(box.uid - self.uid_base)
+
+    # --- files ----------------------------------------------------------------------------
+
+    async def write_file(self, handle: str, path: str, data: bytes) -> None:
+        box = self._box(handle)
+        parts = _relative_parts(box, path)
+        if len(data) > _INLINE_IO_BYTES:
+            await asyncio.to_thread(_write_file, box, parts, bytes(data))
+        else:
+            _write_file(box, parts, data)
+
+    async def read_file(self, handle: str, path: str) -> bytes:
+        box = self._box(handle)
+        parts = _relative_parts(box, path)
+        fd = _open_in_workdir(box, parts, write=False)
+        if os.fstat(fd).st_size > _INLINE_IO_BYTES:
+            return await asyncio.to_thread(_read_fd, fd)
+        return _read_fd(fd)
+
+
+def _forget_interpreter(box: _Box) -> None:
+    if box.chan is not None:
+        box.chan.close()
+        box.chan = None
+    if box.output_fds is not None:
+        for fd in box.output_fds:
+            os.close(fd)
+        box.output_fds = None
+
+
+def _death_message(status: str | None) -> str:
+    how = status or "it stopped answering"
+    hint = next((h for sig, h in _SIGNAL_HINTS.items() if status and status.endswith(sig)), None)
+    return (f"InterpreterDied: the Python interpreter died ({how}{f': {hint}' if hint else ''}); "
+            "its state is lost and the next call starts a fresh interpreter.\n")
+
+
+def _relative_parts(box: _Box, path: str) -> list[str]:
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise InvalidRequest("path must be a non-empty string", field="path")
+    if box.workdir is None:
+        raise SandboxError(f"sandbox {box.handle!r} is not ready")
+    norm = posixpath.normpath(path)
+    if norm.startswith("/"):
+        if not norm.startswith(box.workdir + "/"):
+            raise InvalidRequest(f"path {path!r} is outside the sandbox", field="path")
+        norm = norm[len(box.workdir) + 1:]
+    if norm == "." or norm == ".." or norm.startswith("../"):
+        raise InvalidRequest(f"path {path!r} escapes the sandbox", field="path")
+    return norm.split("/")
+
+
+def _open_in_workdir(box: _Box, parts: list[str], *, write: bool) -> int:
+    """Open ``parts`` below the workdir, following no symlink; writing creates dirs."""
+    try:
+        dfd = os.open(box.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in parts[:-1]:
+                if write:
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=dfd)
+                        if box.uid is not None:
+                            os.chown(name, box.uid, box.uid, dir_fd=dfd, follow_symlinks=False)
+                    except FileExistsError:
+                        pass
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=dfd)
+                os.close(dfd)
+                dfd = sub
+            # O_NONBLOCK: a FIFO planted under this name must not hang the node.
+            flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            if write:
+                try:
+                    fd = os.open(parts[-1], flags | os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644,
+                                 dir_fd=dfd)
+                    if box.uid is not None:
+                        os.fchown(fd, box.uid, box.uid)
+                    return fd
+                except FileExistsError:
+                    fd = os.open(parts[-1], flags | os.O_WRONLY, dir_fd=dfd)
+            else:
+                fd = os.open(parts[-1], flags | os.O_RDONLY, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+    except FileNotFoundError as e:
+        raise NotFound(f"no file {'/'.join(parts)!r} in sandbox {box.handle!r}") from e
+    except (IsADirectoryError, NotADirectoryError) as e:
+        raise InvalidRequest(f"{'/'.join(parts)!r} is not a regular file path", field="path") from e
+    except OSError as e:  # ELOOP (a symlink), ENXIO (a FIFO), ...
+        raise InvalidRequest(f"cannot open {'/'.join(parts)!r}: {e.strerror}", field="path") from e
+    st = os.fstat(fd)
+    # A hard link to a file of someone else (root) would fail the owner test.
+    if not stat.S_ISREG(st.st_mode) or (box.uid is not None and st.st_uid != box.uid):
+        os.close(fd)
+        raise InvalidRequest(f"{'/'.join(parts)!r} is not a regular file of the sandbox", field="path")
+    return fd
+
+
+def _write_file(box: _Box, parts: list[str], data: bytes) -> None:
+    fd = _open_in_workdir(box, parts, write=True)
+    try:
+        os.ftruncate(fd, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _read_fd(fd: int) -> bytes:
+    with open(fd, "rb", closefd=True) as f:
+        return f.read()
+
+
+@hookimpl
+def register_sandboxes():
+    return [ProcessSandbox]

@@ -1,0 +1,143 @@
+"""The sandbox contract: where an episode's code runs.
+
+A sandbox plugin owns every resource it creates. The node guarantees that for every
+successful :meth:`Sandbox.create` it eventually calls :meth:`Sandbox.destroy` with the
+same handle (on release, on the idle reaper, on shutdown, or on an error while the
+episode was being set up), and that it calls :meth:`Sandbox.stop` once at shutdown,
+after which nothing the plugin started may still run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Mapping
+
+
+@dataclass
+class Limits:
+    """Resource limits for one sandbox. ``None`` means the sandbox plugin's default."""
+
+    cpus: float | None = None
+    memory_mb: int | None = None
+    max_processes: int | None = None
+    cpu_seconds: int | None = None
+
+
+@dataclass
+class SandboxSpec:
+    """What the node asks a sandbox plugin to start for one episode.
+
+    ``image`` is only meaningful for container sandboxes. ``labels`` are attached to
+    the sandbox where the backend supports it, so that leaked resources can be found.
+    """
+
+    instance_id: str
+    environment: str
+    task_id: str
+    image: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ExecResult:
+    """The outcome of one :meth:`Sandbox.exec`.
+
+    ``exit_code`` is the process exit status for shell sandboxes; a Python sandbox reports
+    0 when the code ran to the end and 1 when it raised. ``timed_out`` is true when the
+    per-call timeout fired; ``stdout``/``stderr`` then hold the output produced until then.
+    ``exception`` is the formatted traceback of an exception the code raised (Python
+    sandboxes). ``value`` is the JSON value of a trailing expression, when the sandbox
+    supports it and the value is JSON-serialisable; ``value_repr`` is its ``repr``.
+    ``restarted`` tells that the sandbox lost its state (its interpreter was killed) and
+    this call ran in a fresh one.
+    """
+
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = 0
+    timed_out: bool = False
+    exception: str | None = None
+    value: Any = None
+    value_repr: str | None = None
+    duration_s: float = 0.0
+    truncated: bool = False
+    restarted: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Sandbox:
+    """Base class for sandbox plugins. Subclass it and register it with
+    ``register_sandboxes``.
+
+    Class attributes:
+
+    - ``name``: unique id (``"process"``); environments choose their sandbox by it.
+    - ``description``: one line for ``envhub plugins``.
+    - ``language``: what :meth:`exec` runs: ``"python"`` (source code executed in a
+      persistent interpreter) or ``"shell"`` (a command line run by ``bash -c``).
+
+    The instance is built once per node with its config section
+    (``sandboxes: {<name>: {...}}`` in the node config) and the node's ``settings``.
+    All methods are coroutines and must never block the event loop.
+
+    Invariants a plugin must keep:
+
+    - :meth:`create` either returns a handle to a running sandbox or raises and leaves
+      nothing behind.
+    - :meth:`exec` never raises because the code failed, timed out or crashed the
+      interpreter: that is reported in the :class:`ExecResult`. It raises
+      :class:`envhub.SandboxError` only when the sandbox itself is unusable.
+    - :meth:`destroy` is idempotent, accepts handles it no longer knows, and leaves no
+      process, container, file or uid behind.
+
+    Example::
+
+        class EchoSandbox(envhub.Sandbox):
+            name = "echo"
+            description = "Returns the code it is given"
+            language = "shell"
+
+            async def create(self, spec):
+                return spec.instance_id
+
+            async def exec(self, handle, code, *, timeout):
+                return envhub.ExecResult(stdout=code)
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    language: ClassVar[str] = "shell"
+
+    def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
+        self.config = dict(config or {})
+        self.settings = settings
+
+    async def start(self) -> None:
+        """Called once when the node starts, before any :meth:`create`."""
+
+    async def stop(self) -> None:
+        """Called once at shutdown, after every live episode was destroyed."""
+
+    async def create(self, spec: SandboxSpec) -> str:
+        """Start a sandbox for one episode and return its handle (a string)."""
+        raise NotImplementedError
+
+    async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        """Run ``code`` in the sandbox with a wall-clock ``timeout`` in seconds."""
+        raise NotImplementedError
+
+    async def write_file(self, handle: str, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` inside the sandbox (relative to its working dir)."""
+        raise NotImplementedError
+
+    async def read_file(self, handle: str, path: str) -> bytes:
+        """Return the bytes of ``path`` inside the sandbox; ``NotFound`` when missing."""
+        raise NotImplementedError
+
+    async def destroy(self, handle: str) -> None:
+        """Stop the sandbox and free everything it holds. Idempotent."""
+        raise NotImplementedError

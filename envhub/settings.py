@@ -1,0 +1,187 @@
+"""Settings: the one place that reads configuration and ``ENVHUB_*`` variables.
+
+Precedence, lowest first: defaults < the YAML config file < ``ENVHUB_*`` environment
+variables < command-line flags (and ``--set key.path=value``). Every top-level field
+has a flag or variable of its own (``capacity`` -> ``ENVHUB_CAPACITY``); nested
+plugin sections are reached with a double underscore
+(``ENVHUB_ENVIRONMENTS__MBPP__PATH=/data/mbpp.jsonl``). Values from variables and
+``--set`` are parsed as YAML scalars, so ``true``, ``3`` and ``[a, b]`` work.
+Unknown top-level keys are refused at start rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from envhub.errors import StartupError
+
+_PREFIX = "ENVHUB_"
+
+
+@dataclass
+class Settings:
+    """Every option of a node or scheduler; see docs/config.md for each one."""
+
+    role: str = "node"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("envhub-data")
+    db_path: Path | None = None
+    api_keys: list[str] = field(default_factory=list)
+    node_id: str = field(default_factory=socket.gethostname)
+    capacity: int = 32
+    queue_size: int = 64
+    queue_timeout: float = 30.0
+    idle_ttl: float = 900.0
+    reap_interval: float = 5.0
+    default_trial: str = "default"
+    load_entrypoints: bool = True
+    disabled_plugins: list[str] = field(default_factory=list)
+    environments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    network_mode: str = "direct"
+    network: dict[str, dict[str, Any]] = field(default_factory=dict)
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        if self.db_path is None:
+            self.db_path = self.data_dir / "envhub.db"
+        self.db_path = Path(self.db_path)
+        if self.role not in ("node", "scheduler"):
+            raise StartupError(f"role must be 'node' or 'scheduler', not {self.role!r}")
+        for name in ("capacity", "port"):
+            if getattr(self, name) < 0:
+                raise StartupError(f"{name} must not be negative")
+        if self.capacity < 1:
+            raise StartupError("capacity must be at least 1")
+
+    @property
+    def trials_dir(self) -> Path:
+        return self.data_dir / "trials"
+
+    @classmethod
+    def load(cls, config_path: str | os.PathLike[str] | None = None, *,
+             overrides: Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> "Settings":
+        """Build settings from a YAML file, the environment and explicit overrides."""
+        environ = os.environ if environ is None else environ
+        data: dict[str, Any] = {}
+        config_path = config_path or environ.get(_PREFIX + "CONFIG")
+        if config_path:
+            data = _read_yaml(Path(config_path))
+        _deep_merge(data, _from_environ(environ))
+        _deep_merge(data, dict(overrides or {}))
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        """Settings from ``ENVHUB_CONFIG`` and ``ENVHUB_*`` only (``sanic --factory``)."""
+        return cls.load()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Settings":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise StartupError(f"unknown setting(s): {', '.join(unknown)}")
+        kwargs = {name: _coerce(name, fields[name].type, value) for name, value in data.items()}
+        return cls(**kwargs)
+
+
+def parse_assignment(text: str) -> dict[str, Any]:
+    """Turn ``a.b.c=value`` into ``{"a": {"b": {"c": value}}}`` (value parsed as YAML)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise StartupError(f"--set expects key.path=value, got {text!r}")
+    return _nest(key.strip().split("."), _scalar(raw))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise StartupError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise StartupError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise StartupError(f"config file {path} must hold a mapping at the top level")
+    return loaded
+
+
+def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(_PREFIX) or key == _PREFIX + "CONFIG":
+            continue
+        path = [p.lower() for p in key[len(_PREFIX):].split("__")]
+        if path == ["api_key"]:
+            _deep_merge(out, {"api_keys": [raw]})
+        elif path == ["api_keys"] or path == ["disabled_plugins"]:
+            _deep_merge(out, {path[0]: [s.strip() for s in raw.split(",") if s.strip()]})
+        elif path[0] in _FIELD_NAMES:
+            _deep_merge(out, _nest(path, _scalar(raw)))
+    return out
+
+
+def _scalar(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    for part in reversed(path):
+        value = {part: value}
+    return value
+
+
+def _deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def _coerce(name: str, annotation: Any, value: Any) -> Any:
+    kind = str(annotation)
+    try:
+        if value is None:
+            return None
+        if kind.startswith("Path"):
+            return Path(value)
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            if isinstance(value, str):
+                return value.strip().lower() in ("1", "true", "yes", "on")
+            return bool(value)
+        if kind.startswith("list"):
+            if isinstance(value, str):
+                value = [s.strip() for s in value.split(",") if s.strip()]
+            if not isinstance(value, list):
+                raise TypeError("expected a list")
+            return [str(v) for v in value]
+        if kind.startswith("dict"):
+            if not isinstance(value, Mapping):
+                raise TypeError("expected a mapping")
+            return {str(k): dict(v or {}) if isinstance(v, Mapping) or v is None else v
+                    for k, v in value.items()}
+        return str(value)
+    except (TypeError, ValueError) as e:
+        raise StartupError(f"setting {name!r} has a bad value {value!r}: {e}") from None
+
+
+_FIELD_NAMES = {f.name for f in dataclasses.fields(Settings)}

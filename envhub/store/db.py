@@ -1,0 +1,125 @@
+"""The process's one SQLite connection, its transactions and its migrations.
+
+Invariants:
+- One aiosqlite connection per process, opened by the store's startup listener and
+  closed at shutdown.
+- Every write goes through ``transaction()``: an ``asyncio.Lock`` plus
+  ``BEGIN IMMEDIATE``, committed on success and rolled back on any exception. On a
+  single connection, a commit by one task would otherwise commit another task's
+  half-done work.
+- ``PRAGMA user_version`` == number of migration files applied; a database newer than
+  the code is refused. Migrations run once per process, at start, never per request.
+- WAL journal with ``synchronous=NORMAL``: a crashed process loses nothing committed;
+  only a crash of the whole machine can lose the last transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.resources
+import sqlite3
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterable, Sequence
+
+import aiosqlite
+
+from envhub.errors import StartupError
+
+
+def migration_files() -> list[Any]:
+    """The migration files in order, from inside the installed package when present.
+
+    A wheel carries them as ``envhub/migrations``; a source checkout has them at the
+    repository root.
+    """
+    packaged = importlib.resources.files("envhub") / "migrations"
+    folder: Any = packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "migrations"
+    files = sorted((f for f in folder.iterdir() if f.name.endswith(".sql")), key=lambda f: f.name)
+    for n, f in enumerate(files, start=1):
+        if not f.name.startswith(f"{n:03d}-"):
+            raise StartupError(f"migration files must be numbered 001..N without gaps; found {f.name} at {n}")
+    return files
+
+
+class Database:
+    """One aiosqlite connection with a write lock. Build with :meth:`open`."""
+
+    def __init__(self, conn: aiosqlite.Connection, path: Path) -> None:
+        self.conn = conn
+        self.path = path
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, path: Path) -> "Database":
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        conn = await aiosqlite.connect(str(path), isolation_level=None)
+        conn.row_factory = sqlite3.Row
+        try:
+            await conn.execute("PRAGMA journal_mode=WAL")
+            await conn.execute("PRAGMA synchronous=NORMAL")
+            await conn.execute("PRAGMA foreign_keys=ON")
+            await conn.execute("PRAGMA busy_timeout=5000")
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(conn, path)
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator["Database"]:
+        async with self._lock:
+            await self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self
+            except BaseException:
+                await self.conn.rollback()
+                raise
+            else:
+                await self.conn.commit()
+
+    async def write(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> int:
+        """One statement in its own transaction; returns the row count."""
+        async with self.transaction():
+            cursor = await self.conn.execute(sql, params)
+            return cursor.rowcount
+
+    async def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[sqlite3.Row]:
+        async with self.conn.execute(sql, params) as cursor:
+            return list(await cursor.fetchall())
+
+    async def row(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> sqlite3.Row | None:
+        async with self.conn.execute(sql, params) as cursor:
+            return await cursor.fetchone()
+
+    async def scalar(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
+        row = await self.row(sql, params)
+        return None if row is None else row[0]
+
+
+async def migrate(db: Database, files: Iterable[Any] | None = None) -> int:
+    """Apply pending files in order. Afterwards user_version == len(files)."""
+    files = list(migration_files() if files is None else files)
+    current = await db.scalar("PRAGMA user_version")
+    if current > len(files):
+        raise StartupError(f"database {db.path} is at migration {current}; this envhub knows {len(files)}")
+    await db.conn.execute("PRAGMA foreign_keys=OFF")  # no effect once BEGIN has run
+    try:
+        for n, path in enumerate(files[current:], start=current + 1):
+            sql = path.read_text().rstrip().rstrip(";") + ";"
+            try:
+                # executescript commits an open transaction first, so BEGIN goes inside the script.
+                await db.conn.executescript(f"BEGIN IMMEDIATE;\n{sql}\nPRAGMA user_version={n};")
+                if await db.rows("PRAGMA foreign_key_check"):
+                    raise StartupError(f"{path.name} leaves dangling foreign keys")
+                await db.conn.commit()
+            except BaseException:
+                if db.conn.in_transaction:  # a failed script leaves its BEGIN open
+                    await db.conn.rollback()
+                raise
+    finally:
+        await db.conn.execute("PRAGMA foreign_keys=ON")
+    return len(files)

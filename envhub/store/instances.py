@@ -1,0 +1,159 @@
+"""The instances table: every episode this node has created, and its state.
+
+States: ``creating`` (slot held, sandbox starting) -> ``active`` -> ``done`` (the
+environment ended the episode; evaluate still allowed) -> ``released``. ``expired``
+is a release by the idle reaper, ``failed`` a create that did not finish, ``lost`` an
+instance whose sandbox is gone. Rows are never deleted. JSON columns are decoded
+into the dataclass, never handed out as cursors.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from envhub.errors import Conflict, NotFound
+from envhub.store import trials
+from envhub.store.db import Database
+
+LIVE_STATES = ("creating", "active", "done")
+ENDED_STATES = ("released", "expired", "failed", "lost")
+
+
+@dataclass
+class InstanceRow:
+    id: str
+    environment: str
+    task_id: str
+    trial: str
+    node_id: str
+    sandbox: str
+    sandbox_handle: str | None
+    state: str
+    params: dict[str, Any]
+    observation: dict[str, Any] | None
+    env_state: dict[str, Any]
+    step_count: int
+    reward: float | None
+    evaluation: dict[str, Any] | None
+    error: str | None
+    created_at: float
+    last_active_at: float
+    ended_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    def to_public(self) -> dict[str, Any]:
+        """The shape GET /instances/<id> returns."""
+        return {
+            "instance_id": self.id,
+            "environment": self.environment,
+            "task_id": self.task_id,
+            "trial": self.trial,
+            "node_id": self.node_id,
+            "state": self.state,
+            "params": self.params,
+            "step_count": self.step_count,
+            "reward": self.reward,
+            "evaluation": self.evaluation,
+            "error": self.error,
+            "created_at": self.created_at,
+            "last_active_at": self.last_active_at,
+            "ended_at": self.ended_at,
+        }
+
+
+def _decode(row: sqlite3.Row) -> InstanceRow:
+    d = dict(row)
+    for key in ("params", "env_state"):
+        d[key] = json.loads(d[key]) if d[key] else {}
+    for key in ("observation", "evaluation"):
+        d[key] = json.loads(d[key]) if d[key] else None
+    return InstanceRow(**d)
+
+
+async def insert(db: Database, *, id: str, environment: str, task_id: str, trial: str, node_id: str,
+                 sandbox: str, params: dict[str, Any]) -> InstanceRow:
+    """Record a new instance in state ``creating``; ``Conflict`` if the id is taken."""
+    now = time.time()
+    try:
+        async with db.transaction():
+            await trials.ensure(db, trial)
+            await db.conn.execute(
+                "INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, "
+                "created_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, 'creating', ?, ?, ?)",
+                (id, environment, task_id, trial, node_id, sandbox, json.dumps(params), now, now))
+    except sqlite3.IntegrityError:
+        raise Conflict(f"instance id {id!r} is already taken", extra={"instance_id": id}) from None
+    return InstanceRow(id=id, environment=environment, task_id=task_id, trial=trial, node_id=node_id,
+                       sandbox=sandbox, sandbox_handle=None, state="creating", params=params,
+                       observation=None, env_state={}, step_count=0, reward=None, evaluation=None,
+                       error=None, created_at=now, last_active_at=now)
+
+
+async def get(db: Database, instance_id: str) -> InstanceRow:
+    row = await db.row("SELECT * FROM instances WHERE id = ?", (instance_id,))
+    if row is None:
+        raise NotFound(f"no instance {instance_id!r}", extra={"instance_id": instance_id})
+    return _decode(row)
+
+
+async def find(db: Database, instance_id: str) -> InstanceRow | None:
+    row = await db.row("SELECT * FROM instances WHERE id = ?", (instance_id,))
+    return None if row is None else _decode(row)
+
+
+async def list_(db: Database, *, states: tuple[str, ...] | None = None, limit: int = 100,
+                offset: int = 0) -> tuple[list[InstanceRow], int]:
+    where, params = "", []
+    if states:
+        where = f"WHERE state IN ({','.join('?' * len(states))})"
+        params = list(states)
+    total = await db.scalar(f"SELECT COUNT(*) FROM instances {where}", params)
+    rows = await db.rows(f"SELECT * FROM instances {where} ORDER BY created_at LIMIT ? OFFSET ?",
+                         [*params, limit, offset])
+    return [_decode(r) for r in rows], total
+
+
+async def activate(db: Database, instance_id: str, *, handle: str, observation: dict[str, Any],
+                   env_state: dict[str, Any]) -> None:
+    await db.write(
+        "UPDATE instances SET state = 'active', sandbox_handle = ?, observation = ?, env_state = ?, "
+        "last_active_at = ? WHERE id = ?",
+        (handle, json.dumps(observation), json.dumps(env_state), time.time(), instance_id))
+
+
+async def record_step(db: Database, instance_id: str, *, step_count: int, done: bool,
+                      env_state: dict[str, Any], reward: float | None) -> None:
+    await db.write(
+        "UPDATE instances SET step_count = ?, env_state = ?, last_active_at = ?, "
+        "state = CASE WHEN ? THEN 'done' ELSE state END, reward = COALESCE(?, reward) "
+        "WHERE id = ? AND state IN ('active', 'done')",
+        (step_count, json.dumps(env_state), time.time(), done, reward, instance_id))
+
+
+async def record_evaluation(db: Database, instance_id: str, *, reward: float, evaluation: dict[str, Any],
+                            env_state: dict[str, Any]) -> None:
+    await db.write(
+        "UPDATE instances SET reward = ?, evaluation = ?, env_state = ?, last_active_at = ? WHERE id = ?",
+        (reward, json.dumps(evaluation), json.dumps(env_state), time.time(), instance_id))
+
+
+async def end(db: Database, instance_id: str, state: str, *, error: str | None = None) -> None:
+    """Move a live instance to an ended state; rows already ended keep their first ending."""
+    assert state in ENDED_STATES
+    await db.write(
+        "UPDATE instances SET state = ?, error = COALESCE(?, error), ended_at = ? "
+        f"WHERE id = ? AND state IN ({','.join('?' * len(LIVE_STATES))})",
+        (state, error, time.time(), instance_id, *LIVE_STATES))
+
+
+async def count_live(db: Database) -> int:
+    return await db.scalar(
+        f"SELECT COUNT(*) FROM instances WHERE state IN ({','.join('?' * len(LIVE_STATES))})", LIVE_STATES)

@@ -1,0 +1,39 @@
+"""Request parsing shared by the blueprints: JSON bodies and query integers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sanic import Request
+
+from envhub.errors import InvalidRequest
+
+
+def json_body(request: Request, *, required: bool = True) -> dict[str, Any]:
+    """The request's JSON object body; an empty body is ``{}`` when not required."""
+    raw = request.body
+    if not raw or not raw.strip():
+        if required:
+            raise InvalidRequest("the request needs a JSON object body")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body
+
+
+def query_int(request: Request, name: str, default: int, *, minimum: int = 0, maximum: int = 10_000) -> int:
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"query parameter {name!r} must be an integer", field=name) from None
+    if not minimum <= value <= maximum:
+        raise InvalidRequest(f"query parameter {name!r} must be between {minimum} and {maximum}", field=name)
+    return value

@@ -1,0 +1,127 @@
+"""Shared fixtures: real envhub processes on ephemeral ports, real SQLite files."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+MBPP_JSONL = SHARED / "data" / "mbpp" / "mbpp.jsonl"
+TB_DATA = SHARED / "data" / "terminal-bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EnvhubProcess:
+    """``python -m envhub serve`` in a subprocess, polled until /health answers."""
+
+    def __init__(self, data_dir: Path, *args: str, role: str = "node", env: dict[str, str] | None = None,
+                 api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.data_dir = data_dir
+        self.api_key = api_key
+        self.args = ["serve", "--role", role, "--port", str(self.port), "--data-dir", str(data_dir), *args]
+        if api_key:
+            self.args += ["--api-key", api_key]
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
+        self.env.update(env or {})
+        self.log_path = data_dir.parent / f"envhub-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30) -> "EnvhubProcess":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "envhub", *self.args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, cwd=REPO)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envhub exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"envhub did not answer within {timeout} s:\n{self.log()}")
+
+    def stop(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def client(self, **kw) -> httpx.Client:
+        headers = {"X-API-Key": self.api_key} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kw)
+
+
+@pytest.fixture
+def start_node(tmp_path: Path) -> Iterator:
+    """Start nodes with extra CLI args; every one is stopped and must exit 0."""
+    started: list[EnvhubProcess] = []
+
+    def start(*args: str, **kw) -> EnvhubProcess:
+        proc = EnvhubProcess(tmp_path / f"data{len(started)}", *args, **kw)
+        started.append(proc)
+        return proc.start()
+
+    yield start
+    for proc in started:
+        rc = proc.stop()
+        assert rc == 0, f"envhub exited with {rc}:\n{proc.log()}"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory) -> Iterator[EnvhubProcess]:
+    """One node serving the bundled MBPP sample, shared by a module's tests."""
+    proc = EnvhubProcess(tmp_path_factory.mktemp("node") / "data", "--capacity", "8").start()
+    yield proc
+    rc = proc.stop()
+    assert rc == 0, f"envhub exited with {rc}:\n{proc.log()}"
+
+
+@pytest.fixture
+def client(node: EnvhubProcess) -> Iterator[httpx.Client]:
+    with node.client() as c:
+        yield c
+
+
+def sandbox_uids_processes(uid_min: int = 200000) -> list[tuple[int, int]]:
+    """(pid, uid) of every process running under a sandbox uid."""
+    out = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("Uid:"):
+                    uid = int(line.split()[1])
+                    if uid >= uid_min:
+                        out.append((int(status.parent.name), uid))
+                    break
+        except (OSError, ValueError):
+            continue
+    return out

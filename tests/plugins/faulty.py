@@ -1,0 +1,34 @@
+"""A real entry-point plugin whose environment fails on purpose, to test error paths.
+
+Loaded into node subprocesses through a generated dist-info (see test_error_shape.py).
+"""
+
+import envhub
+
+
+class Faulty(envhub.Environment):
+    name = "faulty"
+    description = "Test environment whose code raises"
+    sandbox = "process"
+
+    def tasks(self, split=None):
+        return [envhub.Task(id="ok", split="train"), envhub.Task(id="bad-reset", split="train")]
+
+    async def reset(self, episode):
+        if episode.task.id == "bad-reset":
+            raise RuntimeError("reset exploded")
+        return {"system_prompt": "", "instruction": "", "tools": []}
+
+    async def step(self, episode, action):
+        if action.tool == "crash":
+            raise RuntimeError("step exploded with a secret traceback")
+        result = await episode.exec(action.arguments.get("code", ""), timeout=5)
+        return envhub.StepResult({"content": result.stdout})
+
+    async def evaluate(self, episode):
+        return envhub.Evaluation(0.5)
+
+
+@envhub.hookimpl
+def register_environments():
+    return [Faulty]

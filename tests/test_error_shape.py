@@ -1,0 +1,51 @@
+"""Every error leaves as one envelope, and no error path leaks a slot, sandbox or row."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import sandbox_uids_processes
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def faulty_node(start_node, tmp_path):
+    """A node that loads tests/plugins/faulty.py through a real entry point."""
+    site = tmp_path / "site"
+    dist = site / "envhub_test_faulty-0.0.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: envhub-test-faulty\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text("[envhub]\nfaulty = plugins.faulty\n")
+    return start_node("--capacity", "2", env={"PYTHONPATH": os.pathsep.join([str(site), str(TESTS)])})
+
+
+def test_unexpected_exception_is_a_500_envelope_without_traceback(faulty_node):
+    with faulty_node.client() as c:
+        iid = c.post("/instances", json={"environment": "faulty", "task_id": "ok"}).json()["instance_id"]
+        r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "crash"}})
+        assert r.status_code == 500
+        assert r.json() == {"ok": False, "error": "internal error; see the server log", "code": "internal",
+                            "status": 500}
+        assert "secret traceback" in faulty_node.log(), "the traceback goes to the server log"
+        ok = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run", "arguments": {"code": "print(1)"}}})
+        assert ok.json()["observation"]["content"] == "1\n", "the instance survives a crashing step"
+        c.post(f"/instances/{iid}/release")
+
+
+def test_failed_create_leaks_no_slot_sandbox_or_live_row(faulty_node):
+    with faulty_node.client() as c:
+        for _ in range(3):  # more failures than slots: a leaked slot would show as a 429
+            r = c.post("/instances", json={"environment": "faulty", "task_id": "bad-reset", "instance_id": None})
+            assert r.status_code == 500 and r.json()["code"] == "internal"
+        health = c.get("/health").json()
+        assert (health["active"], health["free"]) == (0, 2)
+        failed = c.get("/instances", params={"state": "failed"}).json()
+        assert failed["total"] == 3 and "reset exploded" in failed["instances"][0]["error"]
+        assert c.get("/instances", params={"state": "creating,active"}).json()["total"] == 0
+    assert not any((faulty_node.data_dir / "sandboxes").glob("*"))
+    if os.geteuid() == 0:
+        assert sandbox_uids_processes() == []

@@ -1,0 +1,76 @@
+"""Migrations: the runner's SQLite facts, a blank database, a newer one, a failed file."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from envhub.errors import StartupError
+from envhub.store.db import Database, migrate, migration_files
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+async def test_migrate_blank_database_reaches_the_full_schema(tmp_path):
+    db = await Database.open(tmp_path / "x.db")
+    try:
+        assert await migrate(db) == len(migration_files())
+        assert await db.scalar("PRAGMA user_version") == len(migration_files())
+        tables = {r[0] for r in await db.rows("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert {"trials", "instances", "builds"} <= tables
+        assert (await db.scalar("PRAGMA journal_mode")) == "wal"
+        assert await migrate(db) == len(migration_files()), "a second run applies nothing"
+    finally:
+        await db.close()
+
+
+async def test_newer_database_is_refused(tmp_path):
+    path = tmp_path / "x.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version={len(migration_files()) + 1}")
+    db = await Database.open(path)
+    try:
+        with pytest.raises(StartupError, match="this envhub knows"):
+            await migrate(db)
+    finally:
+        await db.close()
+
+
+async def test_failed_file_leaves_user_version_unchanged(tmp_path):
+    good = tmp_path / "001-a-create.sql"
+    good.write_text("-- a\nCREATE TABLE a (x);")
+    bad = tmp_path / "002-b-create.sql"
+    bad.write_text("-- b\nCREATE TABLE b (x);\nINSERT INTO nope VALUES (1);")
+    db = await Database.open(tmp_path / "x.db")
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            await migrate(db, [good, bad])
+        assert await db.scalar("PRAGMA user_version") == 1
+        assert await db.scalar("SELECT COUNT(*) FROM sqlite_master WHERE name = 'b'") == 0, "rolled back"
+        assert not db.conn.in_transaction
+    finally:
+        await db.close()
+
+
+def test_files_are_numbered_without_gaps_and_open_with_a_comment():
+    files = migration_files()
+    for n, f in enumerate(files, start=1):
+        assert f.name.startswith(f"{n:03d}-")
+        text = f.read_text()
+        assert text.startswith("--")
+        assert "BEGIN" not in text.upper().split() and "COMMIT" not in text.upper()
+
+
+def test_wheel_ships_the_migrations_and_the_sample(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), str(REPO)], check=True)
+    wheel = next(tmp_path.glob("envhub-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for f in migration_files():
+        assert f"envhub/migrations/{f.name}" in names
+    assert "envhub/data/mbpp_sample.jsonl" in names

@@ -1,0 +1,314 @@
+"""A real node process driven over HTTP: episodes, limits, errors, capacity, auth, reaper."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import sandbox_uids_processes
+
+
+def create(client, task_id="13", **body):
+    r = client.post("/instances", json={"environment": "mbpp", "task_id": task_id, **body})
+    assert r.status_code in (200, 201), r.text
+    return r.json()
+
+
+def run(client, iid, code):
+    r = client.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": code}}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_error(response, status, code):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["ok"] is False and body["status"] == status and body["code"] == code
+    assert isinstance(body["error"], str) and body["error"]
+    assert "Traceback" not in response.text
+    return body
+
+
+def test_full_episode_lifecycle_scores_a_correct_submission(client, node):
+    created = create(client, "13", trial="lifecycle")
+    iid = created["instance_id"]
+    obs = created["observation"]
+    assert "Fibonacci" in obs["instruction"] and "def fib(n)" in obs["instruction"]
+    assert {t["function"]["name"] for t in obs["tools"]} == {"run_python", "submit_solution"}
+    assert "fib(30)" not in json.dumps(created), "hidden tests leaked into the observation"
+
+    step = run(client, iid, "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\nfib(10)")
+    assert step["observation"]["value_repr"] == "55" and step["done"] is False and step["reward"] == 0.0
+    r = client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
+        "code": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"}}})
+    assert r.json()["done"] is True
+    ev = client.post(f"/instances/{iid}/evaluate").json()
+    assert ev["reward"] == 1.0 and ev["details"]["passed"] == ev["details"]["total"] == 4
+    assert client.get(f"/instances/{iid}").json()["state"] == "done"
+    assert client.post(f"/instances/{iid}/release").json() == {"instance_id": iid, "released": True, "state": "released"}
+    got = client.get(f"/instances/{iid}").json()
+    assert got["state"] == "released" and got["reward"] == 1.0 and got["step_count"] == 2
+
+    trial_dir = node.data_dir / "trials" / "lifecycle" / iid
+    steps = [json.loads(line) for line in (trial_dir / "steps.jsonl").read_text().splitlines()]
+    assert [s.get("action", {}).get("tool") for s in steps[:2]] == ["run_python", "submit_solution"]
+    assert steps[0]["observation"]["value_repr"] == "55" and steps[-1]["event"] == "released"
+    assert json.loads((trial_dir / "evaluation.json").read_text())["reward"] == 1.0
+    assert json.loads((trial_dir / "instance.json").read_text())["task_id"] == "13"
+
+
+def test_partial_and_missing_submissions_get_graded_rewards(client):
+    iid = create(client, "13")["instance_id"]
+    assert client.post(f"/instances/{iid}/evaluate").json()["reward"] == 0.0
+    client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
+        "code": "def fib(n):\n    return {0: 0, 1: 1}.get(n, -1)"}}})
+    ev = client.post(f"/instances/{iid}/evaluate").json()
+    assert ev["details"]["passed"] == 2 and ev["reward"] == pytest.approx(0.1 + 0.4 * 2 / 4)
+    statuses = [t["status"] for t in ev["details"]["tests"]]
+    assert statuses == ["passed", "passed", "failed", "failed"]
+    client.post(f"/instances/{iid}/release")
+
+
+def test_crashing_submission_is_told_apart_from_a_wrong_one(client):
+    iid = create(client, "13")["instance_id"]
+    client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
+        "code": "def fib(n):\n    if n > 5: raise ValueError('big')\n    return n if n < 2 else fib(n-1) + fib(n-2)"}}})
+    tests = client.post(f"/instances/{iid}/evaluate").json()["details"]["tests"]
+    assert [t["status"] for t in tests] == ["passed", "passed", "error", "error"]
+    assert "ValueError: big" in tests[2]["error"]
+    client.post(f"/instances/{iid}/release")
+
+
+def test_interpreter_state_persists_between_run_python_calls(client):
+    iid = create(client)["instance_id"]
+    run(client, iid, "import math\nx = 41\ndef inc(v):\n    return v + 1")
+    out = run(client, iid, "print(inc(x), math.pi > 3)")
+    assert out["observation"]["stdout"] == "42 True\n"
+    err = run(client, iid, "1/0")["observation"]
+    assert "ZeroDivisionError" in err["exception"] and "ZeroDivisionError" in err["content"]
+    assert run(client, iid, "x")["observation"]["value_repr"] == "41"
+    client.post(f"/instances/{iid}/release")
+
+
+def test_runaway_code_times_out_with_partial_output(client):
+    iid = create(client, params={"run_timeout": 1})["instance_id"]
+    t0 = time.monotonic()
+    obs = run(client, iid, "print('started', flush=True)\nwhile True:\n    pass")["observation"]
+    assert time.monotonic() - t0 < 10
+    assert obs["timed_out"] is True and obs["stdout"].startswith("started")
+    assert "timed out" in obs["content"]
+    assert run(client, iid, "1 + 1")["observation"]["value_repr"] == "2"
+    client.post(f"/instances/{iid}/release")
+
+
+def test_memory_bomb_is_contained(client):
+    iid = create(client)["instance_id"]
+    obs = run(client, iid, "x = bytearray(64 * 1024 ** 3)")["observation"]
+    assert "MemoryError" in (obs["exception"] or "")
+    assert run(client, iid, "sum(range(10))")["observation"]["value_repr"] == "45"
+    assert client.get("/health").json()["ok"] is True
+    client.post(f"/instances/{iid}/release")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids (and so fork-bomb containment) need root")
+def test_fork_bomb_is_contained_and_leaves_no_process(client):
+    iid = create(client, params={"run_timeout": 3})["instance_id"]
+    other = create(client)["instance_id"]
+    obs = run(client, iid, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")["observation"]
+    assert obs["timed_out"] is True or "BlockingIOError" in (obs["exception"] or "")
+    assert run(client, other, "6 * 7")["observation"]["value_repr"] == "42"
+    client.post(f"/instances/{iid}/release")
+    client.post(f"/instances/{other}/release")
+    deadline = time.monotonic() + 5
+    while sandbox_uids_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox_uids_processes() == []
+
+
+@pytest.mark.parametrize("body, status, code, field", [
+    (b"{not json", 400, "invalid_request", None),
+    (b"[1, 2]", 400, "invalid_request", None),
+    (b"", 400, "invalid_request", None),
+    (json.dumps({"task_id": "13"}).encode(), 400, "invalid_request", "environment"),
+    (json.dumps({"environment": "mbpp"}).encode(), 400, "invalid_request", "task_id"),
+    (json.dumps({"environment": "nope", "task_id": "1"}).encode(), 404, "not_found", None),
+    (json.dumps({"environment": "mbpp", "task_id": "99999"}).encode(), 404, "not_found", None),
+    (json.dumps({"environment": "mbpp", "task_id": "13", "params": [1]}).encode(), 400, "invalid_request", "params"),
+    (json.dumps({"environment": "mbpp", "task_id": "13", "instance_id": "../etc"}).encode(), 400,
+     "invalid_request", "instance_id"),
+])
+def test_bad_create_bodies_get_one_clear_error(client, body, status, code, field):
+    before = client.get("/health").json()["active"]
+    err = assert_error(client.post("/instances", content=body, headers={"content-type": "application/json"}),
+                       status, code)
+    if field:
+        assert err["field"] == field
+    assert client.get("/health").json()["active"] == before
+
+
+def test_bad_steps_and_unknown_ids(client):
+    iid = create(client)["instance_id"]
+    url = f"/instances/{iid}/step"
+    assert_error(client.post(url, json={}), 400, "invalid_request")
+    assert_error(client.post(url, json={"action": {"tool": "rm_rf"}}), 400, "invalid_request")
+    assert_error(client.post(url, json={"action": {"tool": "run_python", "arguments": {"code": 5}}}),
+                 400, "invalid_request")
+    assert_error(client.post(url, json={"action": {"name": "run_python", "arguments": "{bad"}}),
+                 400, "invalid_request")
+    ok = client.post(url, json={"action": {"name": "run_python", "arguments": '{"code": "2+2"}'}})
+    assert ok.json()["observation"]["value_repr"] == "4", "OpenAI-style string arguments are accepted"
+    assert_error(client.post("/instances/nope/step", json={"action": {"tool": "run_python"}}), 404, "not_found")
+    assert_error(client.get("/instances/nope"), 404, "not_found")
+    assert_error(client.post("/instances/nope/evaluate"), 404, "not_found")
+    assert_error(client.post("/instances/nope/release"), 404, "not_found")
+    assert_error(client.get("/no/such/route"), 404, "http_404")
+    assert_error(client.put("/instances"), 405, "http_405")
+    client.post(f"/instances/{iid}/release")
+    assert_error(client.post(url, json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}),
+                 409, "conflict")
+    assert_error(client.post(f"/instances/{iid}/evaluate"), 409, "conflict")
+    assert client.post(f"/instances/{iid}/release").json()["released"] is False
+
+
+def test_steps_after_submit_are_refused(client):
+    iid = create(client)["instance_id"]
+    client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": "x=1"}}})
+    err = assert_error(client.post(f"/instances/{iid}/step", json={
+        "action": {"tool": "run_python", "arguments": {"code": "1"}}}), 409, "conflict")
+    assert err["state"] == "done"
+    client.post(f"/instances/{iid}/release")
+
+
+def test_create_with_client_id_is_idempotent(client):
+    first = client.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "retry-me-1"})
+    again = client.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "retry-me-1"})
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json() == again.json()
+    assert client.get("/instances", params={"state": "active"}).json()["total"] == 1
+    clash = client.post("/instances", json={"environment": "mbpp", "task_id": "12", "instance_id": "retry-me-1"})
+    assert_error(clash, 409, "conflict")
+    client.post("/instances/retry-me-1/release")
+
+
+def test_concurrent_duplicate_creates_make_one_instance(client, node):
+    results = []
+
+    def go():
+        with node.client() as c:
+            results.append(c.post("/instances", json={"environment": "mbpp", "task_id": "12",
+                                                      "instance_id": "dup-burst"}))
+
+    threads = [threading.Thread(target=go) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.status_code for r in results) == [200] * 5 + [201]
+    assert len({r.json()["instance_id"] for r in results}) == 1
+    assert client.get("/health").json()["active"] == 1
+    client.post("/instances/dup-burst/release")
+
+
+def test_environment_and_task_listing_with_splits_and_paging(client):
+    envs = client.get("/environments").json()["environments"]
+    mbpp = next(e for e in envs if e["name"] == "mbpp")
+    assert mbpp["splits"] == ["prompt", "test", "validation", "train"] and mbpp["tasks"] == 11
+    page = client.get("/environments/mbpp/tasks", params={"split": "test", "limit": 2, "offset": 1}).json()
+    assert page["total"] == 4 and [t["id"] for t in page["tasks"]] == ["12", "13"]
+    assert "test_list" not in json.dumps(page) and "code" not in page["tasks"][0]
+    assert_error(client.get("/environments/mbpp/tasks", params={"split": "nope"}), 400, "invalid_request")
+    assert_error(client.get("/environments/mbpp/tasks", params={"limit": "x"}), 400, "invalid_request")
+    assert_error(client.get("/environments/nope/tasks"), 404, "not_found")
+
+
+def test_capacity_limit_queues_then_answers_429(start_node):
+    node = start_node("--capacity", "2", "--set", "queue_size=1", "--set", "queue_timeout=0.5")
+    with node.client() as c:
+        a = create(c)["instance_id"]
+        create(c)
+        t0 = time.monotonic()
+        full = c.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+        waited = time.monotonic() - t0
+        err = assert_error(full, 429, "capacity_exceeded")
+        assert int(full.headers["Retry-After"]) >= 1 and err["retry_after"] >= 1
+        assert waited >= 0.4, "the create waited in the queue before the 429"
+        health = c.get("/health").json()
+        assert (health["active"], health["free"], health["capacity"]) == (2, 0, 2)
+
+        # A queued create gets the slot a release frees.
+        results = []
+        waiter = threading.Thread(target=lambda: results.append(
+            httpx.post(node.url + "/instances", json={"environment": "mbpp", "task_id": "13"}, timeout=30)))
+        waiter.start()
+        time.sleep(0.1)
+        c.post(f"/instances/{a}/release")
+        waiter.join()
+        assert results[0].status_code == 201
+
+
+def test_queue_wait_gets_the_released_slot(start_node):
+    node = start_node("--capacity", "1", "--set", "queue_timeout=10")
+    with node.client() as c:
+        first = create(c)["instance_id"]
+        results = []
+        waiter = threading.Thread(target=lambda: results.append(
+            httpx.post(node.url + "/instances", json={"environment": "mbpp", "task_id": "13"}, timeout=30)))
+        waiter.start()
+        time.sleep(0.3)
+        assert c.get("/health").json()["queued"] == 1
+        c.post(f"/instances/{first}/release")
+        waiter.join()
+        assert results[0].status_code == 201
+        assert c.get("/health").json()["active"] == 1
+
+
+def test_api_key_is_required_on_every_route_but_health(start_node):
+    node = start_node(api_key="s3cret")
+    url = node.url
+    assert httpx.get(url + "/health").status_code == 200
+    assert_error(httpx.get(url + "/environments"), 401, "unauthorized")
+    assert_error(httpx.post(url + "/instances", json={"environment": "mbpp", "task_id": "13"}), 401, "unauthorized")
+    assert_error(httpx.get(url + "/environments", headers={"X-API-Key": "wrong"}), 403, "forbidden")
+    assert_error(httpx.get(url + "/environments", headers={"Authorization": "Bearer wrong"}), 403, "forbidden")
+    assert httpx.get(url + "/environments", headers={"X-API-Key": "s3cret"}).status_code == 200
+    r = httpx.post(url + "/instances", json={"environment": "mbpp", "task_id": "13"},
+                   headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 201
+    iid = r.json()["instance_id"]
+    assert_error(httpx.post(url + f"/instances/{iid}/release"), 401, "unauthorized")
+    assert httpx.post(url + f"/instances/{iid}/release", headers={"X-API-Key": "s3cret"}).status_code == 200
+
+
+def test_idle_reaper_expires_instances_and_frees_their_slots(start_node):
+    node = start_node("--capacity", "2", "--set", "idle_ttl=1", "--set", "reap_interval=0.2")
+    with node.client() as c:
+        iid = create(c)["instance_id"]
+        run(c, iid, "import os\nprint(os.getpid())")
+        deadline = time.monotonic() + 10
+        while c.get(f"/instances/{iid}").json()["state"] != "expired" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        got = c.get(f"/instances/{iid}").json()
+        assert got["state"] == "expired" and "idle" in got["error"]
+        assert c.get("/health").json()["active"] == 0
+        err = assert_error(c.post(f"/instances/{iid}/step", json={
+            "action": {"tool": "run_python", "arguments": {"code": "1"}}}), 409, "conflict")
+        assert err["state"] == "expired"
+    assert not any((node.data_dir / "sandboxes").glob("*")), "the sandbox's working dir was removed"
+
+
+def test_restart_keeps_every_instance_row(start_node, tmp_path):
+    node = start_node()
+    with node.client() as c:
+        done = create(c)["instance_id"]
+        c.post(f"/instances/{done}/release")
+        live = create(c)["instance_id"]
+    assert node.stop() == 0
+    again = start_node("--data-dir", str(node.data_dir))
+    with again.client() as c:
+        assert c.get(f"/instances/{done}").json()["state"] == "released"
+        assert c.get(f"/instances/{live}").json()["state"] in ("released", "lost")
