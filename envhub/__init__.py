@@ -4,7 +4,7 @@ This module is the surface for plugin authors: the ``hookimpl`` marker, the base
 classes whose docstrings are the plugin contract, and the error types a plugin raises.
 """
 
-from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
+from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import (
     CapacityExceeded,
     Conflict,
@@ -24,6 +24,7 @@ __all__ = [
     "Action",
     "CapacityExceeded",
     "Conflict",
+    "EnvContext",
     "Environment",
     "EnvhubError",
     "Episode",

@@ -17,15 +17,14 @@ import pluggy
 from sanic import Sanic
 from sanic.config import Config
 
-from envhub.environment import Environment
 from envhub.errors import StartupError
 from envhub.network import NetworkMode
 from envhub.node import NodeService
 from envhub.plugins import Registry, collect, get_plugin_manager
-from envhub.sandbox import Sandbox
+from envhub.runtime import NodeRuntime
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
-from envhub.web import environments, health, instances
+from envhub.web import builds, environments, health, instances
 from envhub.web.auth import setup_auth
 from envhub.web.errors import setup_errors
 
@@ -39,8 +38,7 @@ class AppContext:
     registries: dict[str, Registry] = field(default_factory=dict)
     db: Database | None = None
     node: NodeService | None = None
-    environments: dict[str, Environment] = field(default_factory=dict)
-    sandboxes: dict[str, Sandbox] = field(default_factory=dict)
+    runtime: NodeRuntime | None = None
     network: NetworkMode | None = None
 
 
@@ -68,7 +66,7 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
 
 def blueprints_for(role: str) -> list[Any]:
     if role == "node":
-        return [health.bp, environments.bp, instances.bp]
+        return [health.bp, environments.bp, instances.bp, builds.bp]
     raise StartupError(f"role {role!r} is not implemented yet")
 
 
@@ -101,39 +99,23 @@ def setup_store(app: Any) -> None:
             app.ctx.db = None
 
 
-def build_environments(settings: Settings, registry: Registry) -> dict[str, Environment]:
-    unknown = sorted(set(settings.environments) - set(registry.classes))
-    if unknown:
-        raise StartupError(f"config names unknown environment(s): {', '.join(unknown)} "
-                           f"(known: {', '.join(sorted(registry.classes))})")
-    envs = {}
-    for name, cls in registry.classes.items():
-        config = dict(settings.environments.get(name) or {})
-        if config.pop("enabled", True) is False:
-            continue
-        env = cls(config)
-        env.load()
-        envs[name] = env
-    return envs
-
-
 def setup_node(app: Any) -> None:
     @app.before_server_start(priority=500)
     async def start_node(app: Any) -> None:
         settings: Settings = app.ctx.settings
         registries = app.ctx.registries
-        envs = build_environments(settings, registries["environment"])
-        app.ctx.environments = envs
-        for name in sorted({env.sandbox for env in envs.values()}):
-            cls = registries["sandbox"].get(name)
-            sandbox = cls(settings.sandboxes.get(name) or {}, settings)
-            await sandbox.start()
-            app.ctx.sandboxes[name] = sandbox
-        mode_cls = registries["network_mode"].get(settings.network_mode)
-        app.ctx.network = mode_cls(settings.network.get(settings.network_mode) or {})
-        await app.ctx.network.start()
-        node = NodeService(settings, app.ctx.db, envs, app.ctx.sandboxes)
-        lost = await node.mark_orphans_lost()
+        runtime = NodeRuntime(settings, app.ctx.db)
+        await runtime.start(registries["environment"], registries["sandbox"])
+        app.ctx.runtime = runtime
+        try:
+            mode_cls = registries["network_mode"].get(settings.network_mode)
+            app.ctx.network = mode_cls(settings.network.get(settings.network_mode) or {})
+            await app.ctx.network.start()
+            node = NodeService(settings, app.ctx.db, runtime.environments, runtime.sandboxes)
+            lost = await node.mark_orphans_lost()
+        except BaseException:
+            await runtime.stop()
+            raise
         if lost:
             log.warning("marked %d instance(s) of a previous run as lost", lost)
         app.ctx.node = node
@@ -146,10 +128,7 @@ def setup_node(app: Any) -> None:
     async def stop_node(app: Any) -> None:
         if app.ctx.node is not None:
             await app.ctx.node.shutdown()
-        for sandbox in app.ctx.sandboxes.values():
-            try:
-                await sandbox.stop()
-            except Exception:
-                log.exception("stopping sandbox %s", sandbox.name)
+        if app.ctx.runtime is not None:
+            await app.ctx.runtime.stop()
         if app.ctx.network is not None:
             await app.ctx.network.stop()

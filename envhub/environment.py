@@ -11,12 +11,28 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
 
 from envhub.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    from envhub.builds import BuildGate
     from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+
+
+@dataclass
+class EnvContext:
+    """The node services an environment may use, handed to :meth:`Environment.start`.
+
+    ``builds`` is the node's build gate when a sandbox that builds images (docker) is
+    running, else ``None``. ``sandboxes`` maps names to the started sandbox plugins.
+    """
+
+    settings: Any
+    sandboxes: dict[str, "Sandbox"]
+    builds: "BuildGate | None"
+    data_dir: Path
 
 
 @dataclass
@@ -103,7 +119,9 @@ class Episode:
     """One running instance, as an environment sees it.
 
     ``sandbox`` and ``handle`` address the episode's sandbox; ``state`` is the
-    environment's own JSON-serialisable memory of the episode. An environment may open
+    environment's own JSON-serialisable memory of the episode; ``log_dir`` is the
+    episode's trial directory, where an environment may write extra files (verifier
+    output). An environment may open
     extra sandboxes (a fresh one for grading) through :meth:`fresh_sandbox`; the node
     destroys them when the episode ends even if the environment forgets to.
     """
@@ -115,6 +133,7 @@ class Episode:
     handle: str
     spec: "SandboxSpec"
     state: dict[str, Any] = field(default_factory=dict)
+    log_dir: Path | None = None
     _extra_handles: list[str] = field(default_factory=list)
 
     async def exec(self, code: str, *, timeout: float) -> "ExecResult":
@@ -187,8 +206,21 @@ class Environment:
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
 
+    context: EnvContext | None = None
+
     def load(self) -> None:
         """Read the dataset. Called once at node start."""
+
+    async def start(self, context: EnvContext) -> None:
+        """Called once at node start, after :meth:`load` and after the sandboxes started."""
+        self.context = context
+
+    async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
+        """Make ``task`` ready to run (build its image) before the episode takes a slot.
+
+        May be slow and is called concurrently for the same task: deduplicating the work
+        is the implementation's job (the node's build gate does it for images).
+        """
 
     def splits(self) -> list[str]:
         """The split names, in a stable order."""
@@ -206,6 +238,13 @@ class Environment:
             if t.id == task_id:
                 return t
         raise NotFound(f"environment '{self.name}' has no task '{task_id}'", extra={"task_id": task_id})
+
+    def sandbox_preload(self) -> list[str]:
+        """Modules (or ``.py`` files) a sandbox should have loaded before any episode, so
+        that code the environment runs in every sandbox (a grader) costs no import. Added
+        to the ``preload`` config of this environment's sandbox; sandboxes that cannot
+        preload ignore it."""
+        return []
 
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: "SandboxSpec") -> "SandboxSpec":
         """Adjust the sandbox spec the node proposes (image, limits) for ``task``."""

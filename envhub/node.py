@@ -30,7 +30,7 @@ from envhub.sandbox import Sandbox, SandboxSpec
 from envhub.settings import Settings
 from envhub.store import instances
 from envhub.store.db import Database
-from envhub.trial_log import TrialLog
+from envhub.trial_log import TrialLog, TrialWriter
 
 log = logging.getLogger("envhub.node")
 
@@ -65,6 +65,7 @@ class NodeService:
         self.environments = dict(environments)
         self.sandboxes = dict(sandboxes)
         self.slots = Slots(settings.capacity, queue_size=settings.queue_size, queue_timeout=settings.queue_timeout)
+        self.trial_writer = TrialWriter()
         self._live: dict[str, Live] = {}
         self._creating: dict[str, asyncio.Future[tuple[dict[str, Any], bool]]] = {}
         self._accepting = True
@@ -90,6 +91,13 @@ class NodeService:
             raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
         raise Conflict(f"instance {instance_id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
                        extra={"state": row.state, "instance_id": instance_id})
+
+    async def prebuild(self, environment: Any, task_id: Any) -> None:
+        """Make a task ready (build its image) without starting an episode."""
+        env = self.environment(environment)
+        if not isinstance(task_id, str):
+            raise InvalidRequest("'task_id' must be a string", field="task_id")
+        await env.prepare(env.task(task_id), {})
 
     def health(self) -> dict[str, Any]:
         return {
@@ -119,9 +127,8 @@ class NodeService:
         trial = self.settings.default_trial if trial is None else trial
         if not isinstance(trial, str) or not trial.strip():
             raise InvalidRequest("'trial' must be a non-empty string", field="trial")
-        if instance_id is None:
-            instance_id = f"{env.name}-{secrets.token_hex(8)}"
-        instance_id = validate_instance_id(instance_id)
+        client_chosen = instance_id is not None
+        instance_id = validate_instance_id(instance_id) if client_chosen else f"{env.name}-{secrets.token_hex(8)}"
 
         inflight = self._creating.get(instance_id)
         if inflight is not None:
@@ -131,7 +138,8 @@ class NodeService:
         fut: asyncio.Future[tuple[dict[str, Any], bool]] = asyncio.get_running_loop().create_future()
         self._creating[instance_id] = fut
         try:
-            existing = await instances.find(self.db, instance_id)
+            # A generated id is new by construction; only a client's id can be a retry.
+            existing = await instances.find(self.db, instance_id) if client_chosen else None
             if existing is not None:
                 result = self._replay(existing, env.name, task.id), False
             elif not self._accepting:
@@ -164,6 +172,7 @@ class NodeService:
     async def _create(self, env: Environment, task: Any, params: dict[str, Any], instance_id: str,
                       trial: str) -> tuple[dict[str, Any], bool]:
         sandbox = self.sandboxes[env.sandbox]
+        await env.prepare(task, params)  # image builds happen before a slot is taken
         await self.slots.acquire()
         handle: str | None = None
         try:
@@ -175,10 +184,10 @@ class NodeService:
                 labels={"envhub.node": self.settings.node_id, "envhub.instance": instance_id,
                         "envhub.task": f"{env.name}/{task.id}"}))
             handle = await sandbox.create(spec)
+            trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, trial, instance_id)
             episode = Episode(instance_id=instance_id, task=task, params=params, sandbox=sandbox,
-                              handle=handle, spec=spec)
+                              handle=handle, spec=spec, log_dir=trial_log.dir)
             observation = await env.reset(episode)
-            trial_log = TrialLog(self.settings.trials_dir, trial, instance_id)
             trial_log.write_json("instance.json", {
                 "instance_id": instance_id, "environment": env.name, "task_id": task.id, "trial": trial,
                 "node_id": self.settings.node_id, "params": params, "created_at": row.created_at,
@@ -314,13 +323,14 @@ class NodeService:
         return len(rows)
 
     async def shutdown(self) -> None:
-        """Stop taking creates and release every live instance."""
+        """Stop taking creates, release every live instance, flush the trial logs."""
         self._accepting = False
         for live in list(self._live.values()):
             try:
                 await self._end(live, "released", error="node shut down")
             except Exception:
                 log.exception("releasing %s at shutdown", live.row.id)
+        await asyncio.to_thread(self.trial_writer.close)
 
 
 def _describe(error: BaseException) -> str:

@@ -27,14 +27,17 @@ class Limits:
 class SandboxSpec:
     """What the node asks a sandbox plugin to start for one episode.
 
-    ``image`` is only meaningful for container sandboxes. ``labels`` are attached to
-    the sandbox where the backend supports it, so that leaked resources can be found.
+    ``image`` and ``network`` (a network name, ``"none"`` for no network; ``None`` for
+    the sandbox's default) are only meaningful for container sandboxes. ``labels`` are
+    attached to the sandbox where the backend supports it, so that leaked resources can
+    be found.
     """
 
     instance_id: str
     environment: str
     task_id: str
     image: str | None = None
+    network: str | None = None
     limits: Limits = field(default_factory=Limits)
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)

@@ -46,6 +46,9 @@ class Settings:
     disabled_plugins: list[str] = field(default_factory=list)
     environments: dict[str, dict[str, Any]] = field(default_factory=dict)
     sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    image_map: dict[str, str] = field(default_factory=dict)
+    ca_bundle: Path | None = None
+    build_parallel: int = 2
     network_mode: str = "direct"
     network: dict[str, dict[str, Any]] = field(default_factory=dict)
     access_log: bool = False
@@ -177,6 +180,8 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
         if kind.startswith("dict"):
             if not isinstance(value, Mapping):
                 raise TypeError("expected a mapping")
+            if kind == "dict[str, str]":
+                return {str(k): str(v) for k, v in value.items()}
             return {str(k): dict(v or {}) if isinstance(v, Mapping) or v is None else v
                     for k, v in value.items()}
         return str(value)

@@ -19,6 +19,36 @@ MBPP_JSONL = SHARED / "data" / "mbpp" / "mbpp.jsonl"
 TB_DATA = SHARED / "data" / "terminal-bench"
 
 
+BASE_IMAGE = "envhub/base:bookworm"  # made by scripts/setup-docker.sh
+
+
+def _docker_problem() -> str | None:
+    """Why the Docker tests cannot run here, or None when they can."""
+    import docker
+
+    try:
+        client = docker.from_env(timeout=5)
+    except docker.errors.DockerException as e:
+        return f"no Docker engine: {e}"
+    try:
+        client.ping()
+        client.images.get(BASE_IMAGE)
+    except docker.errors.ImageNotFound:
+        return f"the image {BASE_IMAGE} is missing (scripts/setup-docker.sh builds it)"
+    except Exception as e:  # any failure to talk to the engine means the same
+        return f"the Docker engine does not answer: {e}"
+    finally:
+        client.close()
+    return None
+
+
+DOCKER_PROBLEM = _docker_problem()
+# Locally a missing engine skips the Docker tests; in CI (which runs scripts/setup-docker.sh
+# first) it must not, so there they run and fail loudly.
+needs_docker = pytest.mark.skipif(DOCKER_PROBLEM is not None and not os.environ.get("CI"),
+                                  reason=DOCKER_PROBLEM or "")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,6 +25,15 @@ def run(client, iid, code):
     return r.json()
 
 
+def wait_for_lines(path, n, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= n or time.monotonic() > deadline:
+            return [json.loads(line) for line in lines]
+        time.sleep(0.02)
+
+
 def assert_error(response, status, code):
     assert response.status_code == status, response.text
     body = response.json()
@@ -55,7 +64,7 @@ def test_full_episode_lifecycle_scores_a_correct_submission(client, node):
     assert got["state"] == "released" and got["reward"] == 1.0 and got["step_count"] == 2
 
     trial_dir = node.data_dir / "trials" / "lifecycle" / iid
-    steps = [json.loads(line) for line in (trial_dir / "steps.jsonl").read_text().splitlines()]
+    steps = wait_for_lines(trial_dir / "steps.jsonl", 3)  # written by the node's log thread
     assert [s.get("action", {}).get("tool") for s in steps[:2]] == ["run_python", "submit_solution"]
     assert steps[0]["observation"]["value_repr"] == "55" and steps[-1]["event"] == "released"
     assert json.loads((trial_dir / "evaluation.json").read_text())["reward"] == 1.0

@@ -20,6 +20,7 @@ from envhub.errors import StartupError
 
 DEFAULT_PLUGINS = (
     "envhub.plugins.process_sandbox",
+    "envhub.plugins.docker_sandbox",
     "envhub.plugins.mbpp",
     "envhub.plugins.direct_network",
 )

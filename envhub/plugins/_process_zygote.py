@@ -1,17 +1,17 @@
 """Fork server of the "process" sandbox: one per node, one forked interpreter per sandbox.
 
 :mod:`envhub.plugins.process_sandbox` starts this file as a script (``python -I -B
-_process_zygote.py CONFIG_JSON``), so it never imports the ``envhub``
-package and only needs the standard library. The node may import it for the shared
-helpers (framing, :func:`read_capped`); nothing runs at import.
+_process_zygote.py CONFIG_JSON``), so it never imports the ``envhub`` package and only
+needs the standard library. The node imports it for the shared helpers (framing,
+:func:`read_capped`); nothing runs at import.
 
 Invariants:
 
-- The zygote is single-threaded: ``os.fork()`` of a threaded process is unsafe.
-- Every process it forks is either a sandbox interpreter, tracked in ``live`` until the
-  node's ``kill`` request, or a short-lived helper it waits for at once.
-- A tracked interpreter is reaped by the zygote only; its pid is never signalled after
-  it was reaped, because by then the number may belong to someone else.
+- The zygote is single-threaded (``os.fork()`` of a threaded process is unsafe) and does
+  all per-child initialisation once before the first fork (:func:`prepare`).
+- Every process it forks is a sandbox interpreter, tracked in ``live`` until the node's
+  ``kill`` request. A tracked pid is signalled only while it is unreaped, so the number
+  cannot belong to someone else yet.
 - An interpreter never returns into the zygote's loop: every path ends in ``os._exit``.
   A copy of it made by ``os.fork()`` in user code never writes to the channel.
 - As root, the zygote lives in its own network namespace (no network for sandboxes) and
@@ -24,9 +24,10 @@ Control protocol (``SOCK_SEQPACKET``, one JSON object per message, requests carr
 ``id`` that the reply echoes): ``spawn`` forks an interpreter and answers with its pid and
 working dir, passing as SCM_RIGHTS one end of a fresh socketpair and the two memfds that
 capture the interpreter's fd 1 and 2 (so the node can still read the output of an
-interpreter it had to kill); ``kill`` kills a sandbox (as root: every process of its uid)
-and answers how the interpreter had ended if it died on its own. Channel protocol to an interpreter (``SOCK_STREAM``): 4-byte big-endian
-length + JSON, first a ``ready`` frame, then one reply per ``exec`` request.
+interpreter it had to kill); ``kill`` kills a sandbox (as root: every process of its
+uid, see :func:`kill_uid`) and answers how the interpreter had ended if it died on its
+own. Channel protocol to an interpreter (``SOCK_STREAM``): 4-byte big-endian length +
+JSON, first a ``ready`` frame, then one reply per ``exec`` request.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from typing import Any
 
 # Modules that solutions commonly import: loaded once here so every child starts warm.
 PRELOAD = (
-    "array", "ast", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal",
+    "array", "ast", "bisect", "collections", "copy", "datetime", "decimal",
     "enum", "fractions", "functools", "heapq", "io", "itertools", "json", "math",
     "operator", "os", "random", "re", "statistics", "string", "sys", "time",
     "traceback", "typing",
@@ -559,9 +560,17 @@ def prepare(preload: list[str]) -> None:
     import gc
     import importlib
 
+    import importlib.util
+
     for name in (*PRELOAD, *preload):
         try:
-            importlib.import_module(name)
+            if name.endswith(".py"):  # a file: importable as its stem, e.g. an environment's grader
+                spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = module
+                spec.loader.exec_module(module)
+            else:
+                importlib.import_module(name)
         except Exception as e:
             print(f"envhub zygote: cannot preload {name}: {e}", file=sys.stderr)
     # Like python -u, unbuffered, so output written before a hard kill is kept; on fds 1

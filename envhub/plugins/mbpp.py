@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import importlib.resources
-import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,8 @@ from envhub.environment import Action, Environment, Episode, Evaluation, StepRes
 from envhub.errors import InvalidRequest, StartupError
 from envhub.hookspecs import hookimpl
 from envhub.plugins import _mbpp_harness
+
+_HARNESS = "_mbpp_harness"  # preloaded into the sandbox from envhub/plugins/_mbpp_harness.py
 
 SPLITS = (("prompt", 1, 10), ("test", 11, 510), ("validation", 511, 600), ("train", 601, 974))
 
@@ -129,7 +130,9 @@ class MBPP(Environment):
         self.eval_timeout = float(self.config.get("eval_timeout", 60))
         self.test_cpu = float(self.config.get("test_cpu_seconds", 10))
         self.challenge = bool(self.config.get("challenge_tests", False))
-        self._harness = inspect.getsource(_mbpp_harness.grade)
+
+    def sandbox_preload(self) -> list[str]:
+        return [_mbpp_harness.__file__]  # the grader is imported once, in the zygote
 
     def splits(self) -> list[str]:
         present = {t.split for t in self._order}
@@ -183,8 +186,8 @@ class MBPP(Environment):
             return Evaluation(0.0, {"submitted": False, "passed": 0, "total": 0, "tests": []})
         private = episode.task.private
         tests = private["test_list"] + (private["challenge_test_list"] if self.challenge else [])
-        code = (f"{self._harness}\n"
-                f"grade({submission!r}, {private['test_setup_code']!r}, {tests!r}, {self.test_cpu!r})")
+        code = (f"import {_HARNESS}\n"
+                f"{_HARNESS}.grade({submission!r}, {private['test_setup_code']!r}, {tests!r}, {self.test_cpu!r})")
         result = await episode.run_fresh(code, timeout=self.eval_timeout)
         graded = result.value if isinstance(result.value, dict) else None
         if graded is None or graded.get("stage") != "tests":

@@ -5,20 +5,26 @@ Policy and invariants:
 - :meth:`ProcessSandbox.start` launches one zygote (``_process_zygote.py``, run as a
   script with ``python -I`` so it never imports envhub); creating a sandbox is a fork of
   that warm process, not an interpreter start. :meth:`~ProcessSandbox.stop` ends it, and
-  the zygote and every interpreter die with the node (``PR_SET_PDEATHSIG``).
+  the zygote and every interpreter die with the node (``PR_SET_PDEATHSIG``). A zygote
+  that dies is replaced on the next control request; its sandboxes restart on next exec.
 - The handle is ``SandboxSpec.instance_id``; ``_boxes`` maps it to the node-side state.
 - As root, each live sandbox runs as its own uid from ``[uid_base, uid_base +
-  max_sandboxes)``, with no network (one network namespace for all sandboxes, holding a
-  down loopback). A uid is claimed host-wide by binding an abstract Unix socket, so two
-  nodes on one host never share one, and it returns to the pool only after every
-  process of that uid was killed. The uid is what makes RLIMIT_NPROC per sandbox and lets
-  destroy kill processes that left the process group.
-- Without root there is no uid switch and no network isolation: RLIMIT_NPROC is only set
-  when configured (it would count every process of the node's user), destroy kills the
-  process group only (a ``setsid()`` escapee survives) and sandboxes can read each
-  other's files. Run the node as root for untrusted code.
-- Control requests to the zygote are serialized by one ``asyncio.Lock`` and each runs in
-  a shielded task, so a cancelled caller never puts the channel out of step or leaks an fd.
+  max_sandboxes)``, and all sandboxes share one network namespace that holds only a down
+  loopback. A uid is claimed host-wide by binding an abstract Unix socket, so two nodes
+  on one host never share one, and it returns to the pool only after every process of
+  that uid was killed. The uid makes RLIMIT_NPROC per sandbox and lets destroy kill
+  processes that left the process group; one more claimed uid, which no process runs
+  as, lets the zygote do that kill without forking.
+- As root the zygote also has a private mount namespace in which sandbox uids can
+  traverse the ancestors of ``work_root`` and of the Python install (a pyenv under
+  ``/root``, pytest's 0700 temp dirs), without any change to the host.
+- Without root there is no uid switch and no isolation: RLIMIT_NPROC is only set when
+  configured (it would count every process of the node's user), destroy kills the
+  process group only (a ``setsid()`` escapee survives), sandboxes can read each other's
+  files and have the network. Run the node as root for untrusted code.
+- Control requests to the zygote are serialized by one ``asyncio.Lock`` and replies are
+  matched by request id, so a cancelled caller never puts the channel out of step; a
+  spawn runs in a shielded task that takes ownership of the new interpreter's fds.
 - :meth:`exec` never raises because of what the code did. A timeout is first a
   ``CellTimeout`` raised inside the code (state survives); ``kill_grace`` seconds later
   the node kills the sandbox's processes and the next call transparently starts a fresh
@@ -26,6 +32,9 @@ Policy and invariants:
   interpreter died. Calls on one handle are serialized by its own lock.
 - Output is captured at fd level in two memfds per interpreter, which the node holds too:
   the output of an interpreter it had to kill is still there to read.
+- An exec's result is reported by the interpreter that ran the code, so code that means
+  to can forge it (patch the interpreter through ``gc``, write to the channel). Graders
+  that must resist reward hacking cannot rely on ``exit_code`` alone.
 - Untrusted code controls the working dir, and the node may be root: file operations open
   every path component relative to its parent with ``O_NOFOLLOW`` and only touch regular
   files owned by the sandbox uid.
@@ -66,58 +75,62 @@ _SIGNAL_HINTS = {
 }
 
 
-class _Channel(asyncio.Protocol):
-    """Length-prefixed JSON frames to and from one interpreter.
+class _Channel:
+    """Length-prefixed JSON frames to and from one interpreter, on a non-blocking socket.
 
-    A protocol rather than ``loop.sock_recv``: the socket stays registered with the event
-    loop, instead of being added and removed around every reply.
+    The socket stays registered with the event loop for its whole life: cheaper than
+    ``loop.sock_recv`` (a registration per reply) or a transport.
     """
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
         self.buf = bytearray()
         self.waiter: asyncio.Future | None = None
         self.error: BaseException | None = None
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(sock.fileno(), self._on_readable)
 
-    @classmethod
-    async def open(cls, sock: socket.socket) -> _Channel:
-        _, chan = await asyncio.get_running_loop().create_unix_connection(cls, sock=sock)
-        return chan
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
+    def _on_readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._fail(e)
+            return
+        if not data:
+            self._fail(EOFError("the interpreter closed its channel"))
+            return
         self.buf += data
         if len(self.buf) > zygote.MAX_FRAME + 4:  # user code flooding the channel
-            self.transport.abort()
             self._fail(ValueError("the interpreter sent more than a frame can hold"))
-            return
-        if self.waiter is not None and not self.waiter.done():
+        elif self.waiter is not None and not self.waiter.done():
             try:
                 msg = zygote.split_frame(self.buf)
             except ValueError as e:
-                self.waiter.set_exception(e)
+                self._fail(e)
                 return
             if msg is not None:
                 self.waiter.set_result(msg)
 
-    def eof_received(self) -> bool:
-        self._fail(EOFError("the interpreter closed its channel"))
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(exc or EOFError("the interpreter closed its channel"))
-
     def _fail(self, exc: BaseException) -> None:
-        self.error = self.error or exc
+        if self.error is None:
+            self.error = exc
+            self.loop.remove_reader(self.sock.fileno())
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(self.error)
 
-    def send(self, obj: Any) -> None:
+    async def send(self, obj: Any) -> None:
         if self.error is not None:
             raise self.error
-        self.transport.write(zygote.encode_frame(obj))
+        data = zygote.encode_frame(obj)
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            await self.loop.sock_sendall(self.sock, data[sent:])
 
     async def recv(self) -> dict[str, Any]:
         msg = zygote.split_frame(self.buf)
@@ -125,14 +138,16 @@ class _Channel(asyncio.Protocol):
             return msg
         if self.error is not None:
             raise self.error
-        self.waiter = asyncio.get_running_loop().create_future()
+        self.waiter = self.loop.create_future()
         try:
             return await self.waiter
         finally:
             self.waiter = None
 
     def close(self) -> None:
-        self.transport.abort()  # closes the socket on the loop's next iteration
+        if self.error is None:
+            self.loop.remove_reader(self.sock.fileno())
+        self.sock.close()
 
 
 @dataclass(eq=False)
@@ -149,6 +164,7 @@ class _Box:
     chan: _Channel | None = None  # None: no live interpreter, the next exec starts one
     output_fds: tuple[int, int] | None = None  # memfds behind the interpreter's fd 1 and 2
     pending: asyncio.Task | None = None  # a spawn exchange that owns fds until it ends
+    spawned: bool = False  # an interpreter was ever started (interpreters start lazily)
     destroyed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -163,8 +179,11 @@ class ProcessSandbox(Sandbox):
     ``output_limit`` (65536 bytes per stream, head and tail kept), ``kill_grace`` (1.0 s
     after the timeout before the hard kill), ``uid_base`` (200000), ``max_sandboxes``
     (4096), ``isolate_network`` (true; root only), ``python`` (the interpreter,
-    default ``sys.executable``), ``preload`` (extra fork-safe modules to import in the
-    zygote), ``env`` (variables for every sandbox), ``start_timeout`` (30 s).
+    default ``sys.executable``), ``preload`` (extra fork-safe modules, or ``.py`` files imported under their
+    file's stem, to import in the
+    zygote), ``env`` (variables for every sandbox), ``start_timeout`` (30 s), ``lazy_start`` (true:
+    the interpreter is forked by the first :meth:`exec`, not by :meth:`create`, so an
+    episode that never runs code costs no process).
     ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
     ``max_processes``; ``cpus`` is not enforced.
     """
@@ -191,6 +210,7 @@ class ProcessSandbox(Sandbox):
         self.python = str(c.get("python") or sys.executable)
         self.preload = [str(m) for m in c.get("preload", [])]
         self.start_timeout = float(c.get("start_timeout", 30.0))
+        self.lazy_start = bool(c.get("lazy_start", True))
         self.env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
                     **{str(k): str(v) for k, v in (c.get("env") or {}).items()}}
         self.root = os.geteuid() == 0
@@ -205,7 +225,7 @@ class ProcessSandbox(Sandbox):
         self._ctl: socket.socket | None = None
         self._proc: subprocess.Popen | None = None
         self._ctl_lock = asyncio.Lock()
-        self._waiter: asyncio.Future | None = None
+        self._waiters: dict[int, asyncio.Future] = {}  # request id -> its reply
         self._req_id = 0
         self._generation = 0
         self._started = False
@@ -215,7 +235,10 @@ class ProcessSandbox(Sandbox):
     async def start(self) -> None:
         self._prepare_work_root()
         if self.root and self._killer is None:
-            self._killer = self._allocate_uid()
+            try:
+                self._killer = self._allocate_uid()
+            except SandboxError as e:
+                raise StartupError(f"process sandbox: no uid left to kill with: {e.message}") from e
         async with self._ctl_lock:
             await self._launch()
         self._started = True
@@ -226,7 +249,6 @@ class ProcessSandbox(Sandbox):
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         await self._close_zygote()
-        await asyncio.sleep(0)  # let aborted channel transports close their sockets
         if self._killer is not None:
             self._killer[1].close()
             self._free.append(self._killer[0] - self.uid_base)
@@ -264,10 +286,10 @@ class ProcessSandbox(Sandbox):
         self._ctl = ours
         self._generation += 1
         loop.add_reader(ours.fileno(), self._on_ctl_readable)
-        self._waiter = loop.create_future()
+        self._waiters[0] = hello_waiter = loop.create_future()
         try:
             async with asyncio.timeout(self.start_timeout):
-                hello, _ = await self._waiter
+                hello, _ = await hello_waiter
         except (TimeoutError, SandboxError) as e:
             await self._close_zygote()
             raise StartupError(f"process sandbox: the zygote did not start: {e}") from e
@@ -306,17 +328,16 @@ class ProcessSandbox(Sandbox):
             return
         except OSError:
             data, fds = b"", []
-        waiter, self._waiter = self._waiter, None
         if not data:
             self._drop_ctl()
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(SandboxError("the process-sandbox zygote exited"))
             return
-        if waiter is None or waiter.done():
+        msg = json.loads(data)
+        waiter = self._waiters.pop(msg.get("id") or 0, None)
+        if waiter is None or waiter.done():  # its caller was cancelled: nobody owns the fds
             for fd in fds:
                 os.close(fd)
             return
-        waiter.set_result((json.loads(data), fds))
+        waiter.set_result((msg, fds))
 
     def _drop_ctl(self) -> None:
         """Forget a zygote that exited; the next control call starts a new one."""
@@ -325,9 +346,17 @@ class ProcessSandbox(Sandbox):
             asyncio.get_running_loop().remove_reader(self._ctl.fileno())
             self._ctl.close()
             self._ctl = None
+        waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
+            if not waiter.done():
+                waiter.set_exception(SandboxError("the process-sandbox zygote exited"))
 
     async def _ctl_call(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """One request/reply with the zygote. Run it only inside a shielded task."""
+        """One request/reply with the zygote.
+
+        Replies are matched by request id, so a cancelled caller leaves the channel in
+        step; the fds of a reply whose caller is gone are closed (see _spawn_exchange).
+        """
         async with self._ctl_lock:
             for attempt in range(2):
                 if self._ctl is None:
@@ -340,20 +369,22 @@ class ProcessSandbox(Sandbox):
                         raise SandboxError(e.message) from e
                 self._req_id += 1
                 req["id"] = self._req_id
-                self._waiter = waiter = asyncio.get_running_loop().create_future()
+                self._waiters[self._req_id] = waiter = asyncio.get_running_loop().create_future()
                 try:
                     self._ctl.send(json.dumps(req).encode())
                     break
                 except OSError as e:  # it died and the reader has not seen the EOF yet
-                    self._waiter = None
                     self._drop_ctl()
                     if attempt:
                         raise SandboxError(f"cannot reach the process-sandbox zygote: {e}") from e
-            msg, fds = await waiter
-        if msg.get("id") != req["id"] or "error" in msg:
+            try:
+                msg, fds = await waiter
+            finally:
+                self._waiters.pop(req["id"], None)
+        if "error" in msg:
             for fd in fds:
                 os.close(fd)
-            raise SandboxError(f"process-sandbox zygote: {msg.get('error') or 'reply out of step'}")
+            raise SandboxError(f"process-sandbox zygote: {msg['error']}")
         return msg, fds
 
     # --- sandboxes ----------------------------------------------------------------------
@@ -367,6 +398,8 @@ class ProcessSandbox(Sandbox):
         uid, claim = self._allocate_uid()
         box = _Box(handle, uid, claim, self._spawn_request(spec, uid))
         self._boxes[handle] = box
+        if self.lazy_start:
+            return handle  # the first exec forks the interpreter; an unused sandbox costs no fork
         try:
             async with box.lock:
                 await self._spawn(box)
@@ -391,8 +424,8 @@ class ProcessSandbox(Sandbox):
         async with box.lock:
             if box.destroyed:
                 raise NotFound(f"no sandbox {handle!r}")
-            restarted = box.chan is None
-            if restarted:
+            restarted = box.chan is None and box.spawned
+            if box.chan is None:
                 await self._spawn(box)
             started = time.monotonic()
             result = await self._run(box, code, timeout)
@@ -403,7 +436,7 @@ class ProcessSandbox(Sandbox):
     async def _run(self, box: _Box, code: str, timeout: float) -> ExecResult:
         try:
             async with asyncio.timeout(timeout + self.kill_grace):
-                box.chan.send({"code": code, "timeout": timeout})
+                await box.chan.send({"code": code, "timeout": timeout})
                 reply = await box.chan.recv()
         except TimeoutError:
             # The code swallowed CellTimeout or is stuck in C: kill what it started too.
@@ -429,7 +462,7 @@ class ProcessSandbox(Sandbox):
         """Kill the interpreter and all it started; return how it ended and its output."""
         try:
             try:
-                status = await self._kill_shielded(box, remove=False, wait=True)
+                status = await self._kill(box, remove=False, wait=True)
             except SandboxError as e:  # the zygote died: PDEATHSIG took the interpreter
                 log.warning("process sandbox: killing %s failed: %s", box.handle, e)
                 status = None
@@ -470,12 +503,13 @@ class ProcessSandbox(Sandbox):
                 os.close(fd)
             raise SandboxError(f"the zygote passed {len(fds)} fds instead of 3")
         box.pid, box.workdir, box.generation = msg["pid"], msg["workdir"], self._generation
+        box.spawned = True
         box.output_fds = (fds[1], fds[2])
-        box.chan = await _Channel.open(socket.socket(fileno=fds[0]))
+        box.chan = _Channel(socket.socket(fileno=fds[0]))
         if box.uid is not None:
             self._purged.add(box.uid)
 
-    async def _kill_shielded(self, box: _Box, *, remove: bool, wait: bool = False) -> str | None:
+    async def _kill(self, box: _Box, *, remove: bool, wait: bool = False) -> str | None:
         """Kill every process of ``box``; return how the interpreter ended if on its own
         (known only with ``wait``, which costs the zygote the interpreter's exit).
 
@@ -488,7 +522,7 @@ class ProcessSandbox(Sandbox):
             return None
         req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove,
                "wait": wait}
-        msg, _ = await asyncio.shield(asyncio.ensure_future(self._ctl_call(req)))
+        msg, _ = await self._ctl_call(req)  # even if cancelled, the zygote completes it
         return msg.get("status")
 
     async def _teardown_shielded(self, box: _Box) -> None:
@@ -499,6 +533,9 @@ class ProcessSandbox(Sandbox):
 
     async def _teardown(self, box: _Box) -> None:
         box.destroyed = True
+        if not box.spawned and box.pending is None and not box.lock.locked():
+            self._release_uid(box)  # no process ever ran under it and no dir was made
+            return
         if box.pending is not None:
             await asyncio.wait([box.pending])  # the exchange owns the channel fd until it ends
             if not box.pending.cancelled():
@@ -506,10 +543,10 @@ class ProcessSandbox(Sandbox):
         try:
             if box.lock.locked() and box.pid is not None:
                 # An exec is waiting on the interpreter: kill it so that exec returns now.
-                await self._kill_shielded(box, remove=False)
+                await self._kill(box, remove=False)
             async with box.lock:
                 try:
-                    await self._kill_shielded(box, remove=True)
+                    await self._kill(box, remove=True)
                 finally:
                     _forget_interpreter(box)
         except SandboxError as e:
@@ -566,8 +603,16 @@ class ProcessSandbox(Sandbox):
 
     # --- files ----------------------------------------------------------------------------
 
+    async def _ensure_workdir(self, box: _Box) -> None:
+        """Files live in the interpreter's dir, which a lazily started sandbox lacks."""
+        if box.workdir is None:
+            async with box.lock:
+                if box.workdir is None and not box.destroyed:
+                    await self._spawn(box)
+
     async def write_file(self, handle: str, path: str, data: bytes) -> None:
         box = self._box(handle)
+        await self._ensure_workdir(box)
         parts = _relative_parts(box, path)
         if len(data) > _INLINE_IO_BYTES:
             await asyncio.to_thread(_write_file, box, parts, bytes(data))
@@ -576,6 +621,7 @@ class ProcessSandbox(Sandbox):
 
     async def read_file(self, handle: str, path: str) -> bytes:
         box = self._box(handle)
+        await self._ensure_workdir(box)
         parts = _relative_parts(box, path)
         fd = _open_in_workdir(box, parts, write=False)
         if os.fstat(fd).st_size > _INLINE_IO_BYTES:

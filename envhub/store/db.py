@@ -20,11 +20,13 @@ import contextlib
 import importlib.resources
 import sqlite3
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import aiosqlite
 
 from envhub.errors import StartupError
+
+Params = Sequence[Any] | dict[str, Any]
 
 
 def migration_files() -> list[Any]:
@@ -69,6 +71,16 @@ class Database:
     async def close(self) -> None:
         await self.conn.close()
 
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(sqlite3_connection, *args)`` in the connection's thread: one hop.
+
+        aiosqlite sends every cursor call over its queue separately (execute, fetch and
+        close are three hops); a statement with its fetch in one function is one.
+        ``_execute`` and ``_conn`` are aiosqlite internals that have been stable since
+        0.17; the pinned range in pyproject.toml keeps it so.
+        """
+        return await self.conn._execute(fn, self.conn._conn, *args)
+
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator["Database"]:
         async with self._lock:
@@ -81,23 +93,47 @@ class Database:
             else:
                 await self.conn.commit()
 
-    async def write(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> int:
+    async def write(self, sql: str, params: Params = ()) -> int:
         """One statement in its own transaction; returns the row count."""
-        async with self.transaction():
-            cursor = await self.conn.execute(sql, params)
-            return cursor.rowcount
+        counts = await self.write_many([(sql, params)])
+        return counts[0]
 
-    async def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[sqlite3.Row]:
-        async with self.conn.execute(sql, params) as cursor:
-            return list(await cursor.fetchall())
+    async def write_many(self, statements: list[tuple[str, Params]]) -> list[int]:
+        """Several statements in one transaction and one thread hop; their row counts.
 
-    async def row(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> sqlite3.Row | None:
-        async with self.conn.execute(sql, params) as cursor:
-            return await cursor.fetchone()
+        Holds the write lock, so it never runs inside another task's ``transaction()``.
+        """
+        async with self._lock:
+            return await self._in_thread(_write_many, statements)
 
-    async def scalar(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
+    async def rows(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
+        return await self._in_thread(_fetch, sql, params, False)
+
+    async def row(self, sql: str, params: Params = ()) -> sqlite3.Row | None:
+        return await self._in_thread(_fetch, sql, params, True)
+
+    async def scalar(self, sql: str, params: Params = ()) -> Any:
         row = await self.row(sql, params)
         return None if row is None else row[0]
+
+
+def _write_many(conn: sqlite3.Connection, statements: list[tuple[str, Params]]) -> list[int]:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        counts = [conn.execute(sql, params).rowcount for sql, params in statements]
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
+    return counts
+
+
+def _fetch(conn: sqlite3.Connection, sql: str, params: Params, one: bool) -> Any:
+    cursor = conn.execute(sql, params)
+    try:
+        return cursor.fetchone() if one else cursor.fetchall()
+    finally:
+        cursor.close()
 
 
 async def migrate(db: Database, files: Iterable[Any] | None = None) -> int:

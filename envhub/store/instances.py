@@ -83,12 +83,12 @@ async def insert(db: Database, *, id: str, environment: str, task_id: str, trial
     """Record a new instance in state ``creating``; ``Conflict`` if the id is taken."""
     now = time.time()
     try:
-        async with db.transaction():
-            await trials.ensure(db, trial)
-            await db.conn.execute(
-                "INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, "
-                "created_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, 'creating', ?, ?, ?)",
-                (id, environment, task_id, trial, node_id, sandbox, json.dumps(params), now, now))
+        await db.write_many([
+            (trials.ENSURE_SQL, (trial, now)),
+            ("INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, "
+             "created_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, 'creating', ?, ?, ?)",
+             (id, environment, task_id, trial, node_id, sandbox, json.dumps(params), now, now)),
+        ])
     except sqlite3.IntegrityError:
         raise Conflict(f"instance id {id!r} is already taken", extra={"instance_id": id}) from None
     return InstanceRow(id=id, environment=environment, task_id=task_id, trial=trial, node_id=node_id,

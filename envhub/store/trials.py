@@ -7,9 +7,12 @@ import time
 from envhub.store.db import Database
 
 
+# Records a trial if it is new; callers put it in the same transaction as the instance.
+ENSURE_SQL = "INSERT OR IGNORE INTO trials (name, created_at) VALUES (?, ?)"
+
+
 async def ensure(db: Database, name: str) -> None:
-    """Record the trial if it is new. Runs inside the caller's transaction."""
-    await db.conn.execute("INSERT OR IGNORE INTO trials (name, created_at) VALUES (?, ?)", (name, time.time()))
+    await db.write(ENSURE_SQL, (name, time.time()))
 
 
 async def list_all(db: Database) -> list[dict]:

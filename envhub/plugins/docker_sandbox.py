@@ -1,0 +1,768 @@
+"""The "docker" sandbox: one container per episode, driven through the Docker SDK.
+
+Policy and invariants:
+
+- Every Docker SDK call (and every tar built or unpacked for one) runs in this plugin's
+  own ``ThreadPoolExecutor`` (config ``threads``); the event loop never blocks on the
+  engine. The SDK client is built and pinged in :meth:`DockerSandbox.start`, which turns
+  an unreachable engine into ``StartupError``. No docker CLI is ever run, no image is
+  ever pulled: an image must already be on the engine.
+- A container is recorded in ``_created`` from the moment the engine returns its id
+  until it is removed. A create that fails or whose caller was cancelled removes its
+  container; :meth:`~DockerSandbox.stop` removes every recorded one, then shuts the
+  executor down and closes the client, so nothing this process started outlives it.
+- Every container carries ``envhub.managed=1`` and ``envhub.sandbox=docker`` besides the
+  spec's labels, so :meth:`~DockerSandbox.list_managed` / ``remove_managed`` can find
+  what a crashed node left behind.
+- Containers are never privileged and never share the host's (or another container's)
+  network namespace: ``network`` ``host`` or ``container:*`` is refused. Every container
+  has all capabilities dropped except ``cap_add``, ``no-new-privileges``, an init
+  process that reaps zombies, no published ports, and CPU, memory (swap included) and
+  pid limits. The image's ENTRYPOINT/CMD are replaced by ``sleep infinity``.
+- :meth:`~DockerSandbox.exec` never raises because of what the command did. The
+  container enforces the timeout itself (coreutils ``timeout`` signals the command's
+  whole process group: TERM at the timeout, KILL one second later); the node stops
+  reading at ``timeout + kill_grace`` in case something outside that group keeps the
+  output stream open, and returns what it has with ``timed_out=True``.
+- A background job that keeps the command's stdout/stderr open (``server &``) delays the
+  call by up to 2 s: after the command exits the engine waits that long for the stream
+  to close, and the container's next exec can end as late again. That is the engine's
+  behaviour (dockerd 20.10); background jobs should redirect their output.
+- Errors: ``SandboxError`` when the container is gone or not running, or the engine
+  fails (an unknown handle is a vanished container, not a 404); ``NotFound`` only for a
+  missing file in :meth:`~DockerSandbox.read_file`; ``InvalidRequest`` for a bad path,
+  code or timeout. :meth:`~DockerSandbox.destroy` never raises for an unknown handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import functools
+import io
+import json
+import logging
+import os
+import posixpath
+import re
+import secrets
+import select
+import socket
+import ssl
+import struct
+import tarfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, TypeVar
+
+import docker
+import docker.errors
+import docker.types
+from docker.constants import DEFAULT_UNIX_SOCKET
+import requests.exceptions
+
+from envhub.errors import EnvhubError, InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.hookspecs import hookimpl
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID", "KILL", "NET_BIND_SERVICE")
+MANAGED_LABELS = {"envhub.managed": "1", "envhub.sandbox": "docker"}
+# Docker's raw-stream framing for a non-tty exec: 1 byte stream id, 3 zero bytes, 4-byte size.
+_FRAME = struct.Struct(">BxxxL")
+_STDOUT, _STDERR = 1, 2
+_GO_MODE_DIR = 1 << 31  # os.ModeDir in the engine's path-stat header
+_MAX_SYMLINK_HOPS = 16
+_ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
+
+
+_DOCKERFILE_NAME = ".envhub.Dockerfile"  # reserved name in the build context
+
+
+class DockerSandbox(Sandbox):
+    """Runs shell commands in one Docker container per sandbox.
+
+    The handle is the container id. Config keys (``sandboxes: {docker: {...}}``):
+
+    - ``docker_host``: engine URL, ``unix://...`` or plain ``tcp://...``; default: the
+      ``DOCKER_*`` environment (TLS included), else the local socket. ``ssh://`` and
+      named pipes are not supported.
+    - ``api_timeout`` (60 s): timeout of one engine API call.
+    - ``threads`` (32): worker threads for engine calls. A running exec holds one for its
+      whole duration, so keep it above the node's capacity.
+    - ``network`` (``"bridge"``): network mode or network name for every container;
+      ``"none"`` cuts the network. ``host`` and ``container:*`` are refused. A
+      ``network`` attribute on the spec, when present and set, overrides it.
+    - ``cpus`` (1.0, clamped to the engine's CPU count), ``memory_mb`` (2048, swap
+      included), ``pids_limit`` (512): defaults for ``SandboxSpec.limits.cpus``,
+      ``memory_mb`` and ``max_processes``. ``limits.cpu_seconds`` becomes RLIMIT_CPU.
+    - ``cap_add`` (CHOWN, DAC_OVERRIDE, FOWNER, SETUID, SETGID, KILL, NET_BIND_SERVICE):
+      the only capabilities kept.
+    - ``workdir`` (None: the image's WORKDIR): working dir of the container, of every
+      exec and of relative file paths.
+    - ``shell`` (``["bash", "-c"]``): the command line is appended to it.
+    - ``kill_grace`` (2.0 s): how long past the timeout the node keeps reading; the
+      container's own KILL comes 1 s after the timeout.
+    - ``output_limit`` (65536): bytes kept per stream; past it the head and tail are
+      kept around a ``[... N bytes truncated ...]`` line and ``truncated`` is set.
+
+    Beyond the :class:`~envhub.Sandbox` contract: :meth:`copy_dir` and :meth:`fetch_dir`
+    move folders in and out, :meth:`list_managed` and :meth:`remove_managed` find and
+    remove the containers of a node.
+    """
+
+    name = "docker"
+    description = "A Docker container per episode (no privileges, capped CPU/memory/pids); runs shell commands"
+    language = "shell"
+
+    def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
+        super().__init__(config, settings)
+        c = self.config
+        try:
+            self.docker_host = c.get("docker_host") or None
+            self.api_timeout = float(c.get("api_timeout", 60))
+            self.threads = int(c.get("threads", 32))
+            self.network = str(c.get("network") or "bridge")
+            self.cpus = float(c.get("cpus", 1.0))
+            self.memory_mb = int(c.get("memory_mb", 2048))
+            self.pids_limit = int(c.get("pids_limit", 512))
+            self.cap_add = [str(cap) for cap in c.get("cap_add", DEFAULT_CAPS)]
+            self.workdir = str(c["workdir"]) if c.get("workdir") else None
+            self.shell = [str(part) for part in c.get("shell", ("bash", "-c"))]
+            self.kill_grace = float(c.get("kill_grace", 2.0))
+            self.output_limit = int(c.get("output_limit", 65536))
+        except (TypeError, ValueError) as e:
+            raise StartupError(f"docker sandbox config: {e}") from e
+        problem = _network_problem(self.network)
+        if problem:
+            raise StartupError(f"docker sandbox config: {problem}")
+        if self.threads < 1 or self.cpus <= 0 or self.memory_mb < 8 or self.pids_limit < 1:
+            raise StartupError("docker sandbox config: threads, cpus, memory_mb (>= 8) and pids_limit must be positive")
+        if self.workdir is not None and not self.workdir.startswith("/"):
+            raise StartupError(f"docker sandbox config: workdir {self.workdir!r} must be absolute")
+        self._client: docker.DockerClient | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._host_cpus: float | None = None
+        self._created: set[str] = set()  # container ids this process created and has not removed
+        self._workdirs: dict[str, str] = {}  # container id -> its working dir, once looked up
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="envhub-docker")
+        try:
+            self._client, self._host_cpus = await self._call(self._connect)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+            raise
+
+    def _connect(self) -> tuple[docker.DockerClient, float | None]:
+        # Each running exec holds one pooled connection for its stream and briefly a second
+        # one to inspect it; a smaller pool would open and discard connections.
+        kw = {"timeout": self.api_timeout, "max_pool_size": 2 * self.threads}
+        where = self.docker_host or os.environ.get("DOCKER_HOST") or DEFAULT_UNIX_SOCKET
+        problem = _unix_socket_problem(where)
+        if problem:
+            raise StartupError(f"docker sandbox: the Docker engine at {where} is not reachable: {problem}")
+        client = None
+        try:
+            client = (docker.DockerClient(base_url=self.docker_host, **kw) if self.docker_host
+                      else docker.from_env(**kw))
+            client.ping()
+            ncpu = client.info().get("NCPU")
+        except _ENGINE_ERRORS as e:
+            if client is not None:
+                client.close()
+            raise StartupError(f"docker sandbox: the Docker engine at {where} is not reachable: {e}") from e
+        return client, float(ncpu) if ncpu else None
+
+    async def stop(self) -> None:
+        if self._executor is None:
+            return
+        await asyncio.gather(*(self.destroy(cid) for cid in list(self._created)), return_exceptions=True)
+        executor, self._executor = self._executor, None
+        # A create still running in a worker may record a container after the sweep
+        # above: wait for the workers, then remove whatever they left.
+        await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
+        client, self._client = self._client, None
+        if client is not None:
+            for cid in list(self._created):
+                await asyncio.to_thread(_remove_quietly, client, cid)
+            client.close()
+        self._created.clear()
+        self._workdirs.clear()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._executor is None:
+            raise SandboxError("the docker sandbox is not running")
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        except RuntimeError as e:  # stop() shut the executor down meanwhile
+            raise SandboxError("the docker sandbox is not running") from e
+        return await future
+
+    @property
+    def _api(self) -> docker.APIClient:
+        if self._client is None:
+            raise SandboxError("the docker sandbox is not running")
+        return self._client.api
+
+    # --- create / destroy -----------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> str:
+        if not spec.image:
+            raise SandboxError(f"the docker sandbox needs an image; environment {spec.environment!r} gave none")
+        network = getattr(spec, "network", None) or self.network
+        problem = _network_problem(str(network))
+        if problem:
+            raise SandboxError(f"docker sandbox: {problem}")
+        if self._executor is None:
+            raise SandboxError("the docker sandbox is not running")
+        future = self._executor.submit(self._create_sync, spec, str(network))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The worker carries on; whatever it creates must not outlive the cancelled call.
+            future.add_done_callback(self._discard_orphan)
+            raise
+
+    def _discard_orphan(self, future: concurrent.futures.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        cid = future.result()
+        try:
+            if self._executor is not None:
+                self._executor.submit(self._destroy_sync, cid)
+        except RuntimeError:
+            pass  # shutting down: stop() removes what is still in _created
+
+    def _create_sync(self, spec: SandboxSpec, network: str) -> str:
+        api = self._api
+        limits = spec.limits
+        cpus = limits.cpus if limits.cpus is not None else self.cpus
+        if self._host_cpus:
+            cpus = min(cpus, self._host_cpus)  # the engine refuses more CPUs than it has
+        memory_mb = limits.memory_mb if limits.memory_mb is not None else self.memory_mb
+        pids = limits.max_processes if limits.max_processes is not None else self.pids_limit
+        ulimits = None
+        if limits.cpu_seconds is not None:
+            ulimits = [docker.types.Ulimit(name="cpu", soft=int(limits.cpu_seconds), hard=int(limits.cpu_seconds))]
+        labels = {str(k): str(v) for k, v in spec.labels.items()}
+        labels.setdefault("envhub.instance", spec.instance_id)
+        labels.setdefault("envhub.environment", spec.environment)
+        labels.setdefault("envhub.task", spec.task_id)
+        labels.update(MANAGED_LABELS)
+        try:
+            host_config = api.create_host_config(
+                nano_cpus=max(1, int(cpus * 1e9)),
+                mem_limit=f"{int(memory_mb)}m",
+                memswap_limit=f"{int(memory_mb)}m",  # equal to mem_limit: no swap on top
+                pids_limit=int(pids),
+                privileged=False,
+                cap_drop=["ALL"],
+                cap_add=list(self.cap_add),
+                security_opt=["no-new-privileges"],
+                network_mode=network,
+                init=True,  # PID 1 reaps the orphans that exec'd commands leave behind
+                ulimits=ulimits,
+            )
+            created = api.create_container(
+                spec.image,
+                entrypoint=["sleep", "infinity"],  # an image ENTRYPOINT would otherwise wrap it
+                name=f"envhub-{_sanitize(spec.instance_id)}-{secrets.token_hex(3)}",
+                labels=labels,
+                environment={str(k): str(v) for k, v in spec.env.items()},
+                working_dir=self.workdir,
+                host_config=host_config,
+                detach=True,
+            )
+        except docker.errors.ImageNotFound as e:
+            raise SandboxError(f"image {spec.image!r} is not on this node's Docker engine "
+                               f"(the docker sandbox never pulls): {_explain(e)}") from e
+        except _ENGINE_ERRORS as e:
+            raise SandboxError(f"cannot create a container from {spec.image!r}: {_explain(e)}") from e
+        cid = created["Id"]
+        self._created.add(cid)
+        try:
+            api.start(cid)
+        except _ENGINE_ERRORS as e:
+            self._destroy_quietly(cid)
+            raise SandboxError(f"the container from {spec.image!r} did not start: {_explain(e)}") from e
+        except BaseException:
+            self._destroy_quietly(cid)
+            raise
+        return cid
+
+    async def destroy(self, handle: str) -> None:
+        if not handle or (self._executor is None and handle not in self._created):
+            return
+        await self._call(self._destroy_sync, handle)
+
+    def _destroy_sync(self, cid: str) -> None:
+        try:
+            # force: SIGKILL, no stop timeout; v: anonymous volumes the image declared go too
+            self._api.remove_container(cid, force=True, v=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:
+            if "already in progress" not in _explain(e):
+                raise SandboxError(f"cannot remove container {cid[:12]}: {_explain(e)}") from e
+        except requests.exceptions.RequestException as e:
+            raise SandboxError(f"cannot remove container {cid[:12]}: {e}") from e
+        self._created.discard(cid)
+        self._workdirs.pop(cid, None)
+
+    def _destroy_quietly(self, cid: str) -> None:
+        try:
+            self._destroy_sync(cid)
+        except SandboxError as e:
+            log.warning("%s", e)
+
+    # --- exec -----------------------------------------------------------------------
+
+    async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        if not isinstance(code, str):
+            raise InvalidRequest("code must be a string", field="code")
+        if "\x00" in code:
+            raise InvalidRequest("code must not contain NUL characters", field="code")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidRequest("timeout must be positive", field="timeout")
+        return await self._call(self._exec_sync, handle, [*self.shell, code], float(timeout))
+
+    def _exec_sync(self, cid: str, argv: list[str], timeout: float) -> ExecResult:
+        api = self._api
+        started = time.monotonic()
+        # -k: a command that ignores TERM still ends inside the container. Short options:
+        # busybox's timeout knows no long ones.
+        cmd = ["timeout", "-k", "1", "-s", "TERM", f"{max(timeout, 0.001):.3f}", *argv]
+        try:
+            exec_id = api.exec_create(cid, cmd, stdout=True, stderr=True, stdin=False, tty=False)["Id"]
+            sock = api.exec_start(exec_id, socket=True)
+        except _ENGINE_ERRORS as e:
+            _release(e)
+            raise _container_error(cid, "exec", e) from e
+        out, err = _Capped(self.output_limit), _Capped(self.output_limit)
+        try:
+            finished = self._pump(sock, started + timeout + self.kill_grace, out, err)
+            info = api.exec_inspect(exec_id)
+        except _ENGINE_ERRORS as e:
+            raise _container_error(cid, "exec", e) from e
+        exit_code = None if info.get("Running") else info.get("ExitCode")
+        elapsed = time.monotonic() - started
+        # 124: coreutils timeout sent TERM; 137: it had to KILL. A command exiting 124 on
+        # its own before the deadline is not a timeout.
+        timed_out = not finished or (exit_code in (124, 137) and elapsed >= timeout)
+        return ExecResult(stdout=out.text(), stderr=err.text(), exit_code=None if timed_out else exit_code,
+                          timed_out=timed_out, duration_s=elapsed, truncated=out.dropped > 0 or err.dropped > 0)
+
+    def _pump(self, sock: Any, deadline: float, out: _Capped, err: _Capped) -> bool:
+        """Demultiplex the exec's stream into ``out``/``err`` until it ends (True), or
+        until ``deadline`` (False). Always closes the stream."""
+        response = sock._response  # docker-py pins the HTTP response on the socket it returns
+        reader = response.raw._fp.fp  # http.client's buffered reader, past the 101 headers
+        netsock = reader.raw._sock
+        buf = bytearray()
+
+        def feed(chunk: bytes) -> None:
+            buf.extend(chunk)
+            while len(buf) >= _FRAME.size:
+                stream, size = _FRAME.unpack_from(buf)
+                if len(buf) < _FRAME.size + size:
+                    break
+                payload = bytes(buf[_FRAME.size:_FRAME.size + size])
+                del buf[:_FRAME.size + size]
+                if stream == _STDERR:
+                    err.add(payload)
+                elif stream == _STDOUT:
+                    out.add(payload)
+
+        try:
+            netsock.setblocking(False)
+            # Reading the headers may have buffered the first frames; with the socket
+            # non-blocking this returns them (or nothing) without waiting.
+            try:
+                feed(reader.read1(1 << 16) or b"")
+            except ssl.SSLWantReadError:
+                pass
+            poller = select.poll()
+            poller.register(netsock.fileno(), select.POLLIN | select.POLLPRI)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                pending = getattr(netsock, "pending", None)  # TLS may hold decrypted bytes
+                if not (pending and pending()) and not poller.poll(left * 1000):
+                    continue
+                try:
+                    chunk = netsock.recv(1 << 16)
+                except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                    continue
+                except OSError:
+                    return True
+                if not chunk:
+                    return True
+                feed(chunk)
+        finally:
+            response.close()
+
+    # --- files ----------------------------------------------------------------------
+
+    async def write_file(self, handle: str, path: str, data: bytes) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidRequest("data must be bytes", field="data")
+        await self._call(self._write_file_sync, handle, path, bytes(data))
+
+    def _write_file_sync(self, cid: str, path: str, data: bytes) -> None:
+        target = self._resolve(cid, path)
+        parent, name = posixpath.split(target)
+        if not name:
+            raise InvalidRequest(f"path {path!r} names no file", field="path")
+        stat = self._stat(cid, target)
+        if stat is not None and stat.get("mode", 0) & _GO_MODE_DIR:
+            # Extracting a file entry onto a directory would replace the whole directory.
+            raise InvalidRequest(f"{target!r} is a directory", field="path")
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+        self._put_tar(cid, parent, _tar_bytes(lambda tf: tf.addfile(info, io.BytesIO(data))))
+
+    async def read_file(self, handle: str, path: str) -> bytes:
+        return await self._call(self._read_file_sync, handle, path)
+
+    def _read_file_sync(self, cid: str, path: str) -> bytes:
+        target = self._resolve(cid, path)
+        for _ in range(_MAX_SYMLINK_HOPS):
+            archive, stat = self._get_tar(cid, target)
+            if archive is None:
+                raise NotFound(f"no file {target!r} in sandbox {cid[:12]}")
+            if stat and stat.get("linkTarget"):
+                target = stat["linkTarget"]  # the engine resolves it to an absolute path
+                continue
+            with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
+                member = tf.next()
+                if member is None or not member.isfile():
+                    raise InvalidRequest(f"{target!r} is not a regular file", field="path")
+                return tf.extractfile(member).read()
+        raise InvalidRequest(f"{path!r}: too many levels of symbolic links", field="path")
+
+    async def copy_dir(self, handle: str, host_dir: Path, container_dir: str) -> None:
+        """Copy the contents of ``host_dir`` (a node-side folder) into ``container_dir``,
+        creating it and its parents. Files keep their mode, are owned by root, and
+        replace files of the same name; symlinks are copied as links."""
+        host_dir = Path(host_dir)
+        if not host_dir.is_dir():
+            raise SandboxError(f"copy_dir: {host_dir} is not a directory on the node")
+        await self._call(self._copy_dir_sync, handle, host_dir, container_dir)
+
+    def _copy_dir_sync(self, cid: str, host_dir: Path, container_dir: str) -> None:
+        target = self._resolve(cid, container_dir)
+
+        def add_children(tf: tarfile.TarFile) -> None:
+            # Children only: an entry for the folder itself would reset the mode and owner
+            # of an existing container_dir such as /tmp.
+            for child in sorted(host_dir.iterdir()):
+                tf.add(child, arcname=child.name, recursive=True, filter=_owned_by_root)
+
+        self._put_tar(cid, target, _tar_bytes(add_children))
+
+    async def fetch_dir(self, handle: str, container_dir: str) -> dict[str, bytes]:
+        """Every regular file under ``container_dir``, as ``{relative path: bytes}``;
+        ``{}`` when it does not exist. A symlinked ``container_dir`` is followed, links
+        inside it are not."""
+        return await self._call(self._fetch_dir_sync, handle, container_dir)
+
+    def _fetch_dir_sync(self, cid: str, container_dir: str) -> dict[str, bytes]:
+        target = self._resolve(cid, container_dir)
+        archive, stat = self._get_tar(cid, target)
+        if archive is not None and stat and stat.get("linkTarget"):
+            archive, stat = self._get_tar(cid, stat["linkTarget"])
+        if archive is None:
+            return {}
+        files: dict[str, bytes] = {}
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
+            for member in tf:
+                # islnk: the engine stores a second name of a file as a hard link entry
+                if not (member.isfile() or member.islnk()):
+                    continue
+                _, _, rel = member.name.partition("/")  # drop the folder's own name
+                fobj = tf.extractfile(member)
+                if fobj is not None:
+                    files[rel or member.name] = fobj.read()
+        return files
+
+    def _resolve(self, cid: str, path: str) -> str:
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidRequest("path must be a non-empty string", field="path")
+        if not path.startswith("/"):
+            path = posixpath.join(self._workdir(cid), path)
+        return posixpath.normpath(path)
+
+    def _workdir(self, cid: str) -> str:
+        if self.workdir:
+            return self.workdir
+        if cid not in self._workdirs:
+            try:
+                config = self._api.inspect_container(cid)["Config"]
+            except _ENGINE_ERRORS as e:
+                raise _container_error(cid, "inspect", e) from e
+            self._workdirs[cid] = config.get("WorkingDir") or "/"
+        return self._workdirs[cid]
+
+    def _stat(self, cid: str, path: str) -> dict[str, Any] | None:
+        """The engine's stat of ``path``, or None when it (or the container) is missing."""
+        api = self._api
+        try:
+            # HEAD is the stat-only form of the archive endpoint; docker-py has no method for it.
+            res = api.head(api._url("/containers/{0}/archive", cid), params={"path": path}, timeout=self.api_timeout)
+            if res.status_code == 404:
+                return None
+            api._raise_for_status(res)
+        except _ENGINE_ERRORS as e:
+            raise _container_error(cid, "stat", e) from e
+        header = res.headers.get("X-Docker-Container-Path-Stat")
+        return json.loads(base64.b64decode(header)) if header else {}
+
+    def _get_tar(self, cid: str, path: str) -> tuple[bytes | None, dict[str, Any] | None]:
+        try:
+            stream, stat = self._api.get_archive(cid, path)
+            return b"".join(stream), stat
+        except docker.errors.NotFound as e:
+            _release(e)
+            if _no_such_container(e):
+                raise _container_error(cid, "read", e) from e
+            return None, None
+        except _ENGINE_ERRORS as e:
+            _release(e)
+            raise _container_error(cid, "read", e) from e
+
+    def _put_tar(self, cid: str, directory: str, archive: bytes) -> None:
+        """Extract ``archive`` into ``directory``, creating it first if it is missing."""
+        for attempt in (1, 2):
+            try:
+                self._api.put_archive(cid, directory, archive)
+                return
+            except docker.errors.NotFound as e:
+                if _no_such_container(e) or attempt == 2:
+                    raise _container_error(cid, "write", e) from e
+            except docker.errors.APIError as e:
+                if e.status_code in (400, 403, 500) and not _no_such_container(e):
+                    raise InvalidRequest(f"cannot write into {directory!r}: {_explain(e)}", field="path") from e
+                raise _container_error(cid, "write", e) from e
+            except requests.exceptions.RequestException as e:
+                raise _container_error(cid, "write", e) from e
+            made = self._exec_sync(cid, ["mkdir", "-p", "--", directory], self.api_timeout)
+            if made.exit_code != 0:
+                raise InvalidRequest(f"cannot create {directory!r}: {made.stderr.strip() or made.stdout.strip()}",
+                                     field="path")
+
+    # --- recovery -------------------------------------------------------------------
+
+    async def list_managed(self, node_id: str | None = None) -> list[dict[str, Any]]:
+        """Containers on the engine labelled ``envhub.managed=1`` (and ``envhub.node=node_id``
+        when given), running or not: ``{"id", "name", "image", "labels", "status"}``
+        where ``status`` is the engine's state (``running``, ``exited``, ...)."""
+        return await self._call(self._list_managed_sync, node_id)
+
+    def _list_managed_sync(self, node_id: str | None) -> list[dict[str, Any]]:
+        wanted = ["envhub.managed=1"] + ([f"envhub.node={node_id}"] if node_id else [])
+        try:
+            rows = self._api.containers(all=True, filters={"label": wanted})
+        except _ENGINE_ERRORS as e:
+            raise SandboxError(f"cannot list containers: {_explain(e)}") from e
+        return [{"id": row["Id"], "name": (row.get("Names") or ["/"])[0].lstrip("/"), "image": row.get("Image"),
+                 "labels": row.get("Labels") or {}, "status": row.get("State")} for row in rows]
+
+    async def remove_managed(self, node_id: str) -> int:
+        """Remove every managed container of ``node_id`` (say, left by a crashed run of
+        that node) and return how many there were. Other nodes' containers are untouched."""
+        if not node_id:
+            raise InvalidRequest("remove_managed needs a node id", field="node_id")
+        rows = await self.list_managed(node_id)
+        await asyncio.gather(*(self.destroy(row["id"]) for row in rows))
+        return len(rows)
+
+
+    # --- images (the build gate's ImageBuilder) ----------------------------------------
+
+    async def image_exists(self, image: str) -> bool:
+        return await self._call(self._image_exists_sync, image)
+
+    def _image_exists_sync(self, image: str) -> bool:
+        try:
+            self._api.inspect_image(image)
+            return True
+        except docker.errors.ImageNotFound:
+            return False
+
+    async def build_image(self, *, context_dir: Path, dockerfile: str, image: str, log_path: Path,
+                          timeout: float, extra_files: dict[str, bytes] | None = None) -> None:
+        """Build ``image`` from ``context_dir`` with ``dockerfile`` (text) as its Dockerfile.
+
+        The context is sent as an in-memory tar with the Dockerfile (and ``extra_files``)
+        added under reserved names, so the task folder is never written to. The build's
+        output goes to ``log_path``; a failure raises ``BuildFailed`` with the log's tail.
+        """
+        await self._call(self._build_sync, Path(context_dir), dockerfile, image, Path(log_path), float(timeout),
+                         dict(extra_files or {}))
+
+    def _build_sync(self, context_dir: Path, dockerfile: str, image: str, log_path: Path, timeout: float,
+                    extra_files: dict[str, bytes]) -> None:
+        from envhub.builds import BuildFailed
+
+        def fill(tf: tarfile.TarFile) -> None:
+            for child in sorted(context_dir.iterdir()):
+                tf.add(str(child), arcname=child.name, filter=_owned_by_root)
+            for name, data in {**extra_files, _DOCKERFILE_NAME: dockerfile.encode()}.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                info.mode = 0o644
+                tf.addfile(info, io.BytesIO(data))
+
+        deadline = time.monotonic() + timeout
+        lines: list[str] = []
+        error = None
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as logf:
+            try:
+                context = io.BytesIO(_tar_bytes(fill))
+                stream = self._api.build(fileobj=context, custom_context=True, dockerfile=_DOCKERFILE_NAME,
+                                         tag=image, rm=True, forcerm=True, decode=True, timeout=timeout)
+                for chunk in stream:
+                    text = chunk.get("stream") or chunk.get("status") or ""
+                    if "error" in chunk:
+                        error = str(chunk.get("error")).strip()
+                        text = f"ERROR: {error}\n"
+                    if text:
+                        logf.write(text)
+                        lines.extend(text.splitlines())
+                        del lines[:-60]
+                    if time.monotonic() > deadline:
+                        error = f"the build ran past its {timeout:g} s timeout"
+                        break
+                if hasattr(stream, "close"):
+                    stream.close()  # an abandoned build is cancelled when its stream closes
+            except _ENGINE_ERRORS as e:
+                error = _explain(e)
+            if error is None and not self._image_exists_sync(image):
+                error = "the engine reported no error but the image does not exist"
+            if error is not None:
+                logf.write(f"\nenvhub: build failed: {error}\n")
+        if error is not None:
+            tail = "\n".join(lines[-30:])
+            raise BuildFailed(f"image {image} failed to build: {error}\n--- last lines of the build log ---\n{tail}",
+                              extra={"log_tail": tail})
+
+
+class _Capped:
+    """Bytes of one output stream, keeping at most ``limit``: the head and the tail."""
+
+    def __init__(self, limit: int) -> None:
+        self.head_room = limit - limit // 2
+        self.tail_room = limit // 2
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.head_room - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if not data:
+            return
+        self.tail += data
+        excess = len(self.tail) - self.tail_room
+        if excess > 0:
+            del self.tail[:excess]
+            self.dropped += excess
+
+    def text(self) -> str:
+        head = self.head.decode("utf-8", "replace")
+        if not self.dropped:
+            return head + self.tail.decode("utf-8", "replace")
+        return head + f"\n[... {self.dropped} bytes truncated ...]\n" + self.tail.decode("utf-8", "replace")
+
+
+def _network_problem(network: str) -> str | None:
+    if network == "host" or network.startswith("container:"):
+        return f"network {network!r} would share a network namespace with the host or another container"
+    return None
+
+
+def _sanitize(instance_id: str) -> str:
+    return _NAME_UNSAFE.sub("-", instance_id).strip("-.")[:40] or "sandbox"
+
+
+def _explain(e: BaseException) -> str:
+    return str(getattr(e, "explanation", None) or e)
+
+
+def _no_such_container(e: docker.errors.APIError) -> bool:
+    return "no such container" in _explain(e).lower()
+
+
+def _container_error(cid: str, what: str, e: BaseException) -> EnvhubError:
+    if isinstance(e, docker.errors.NotFound) and _no_such_container(e):
+        return SandboxError(f"sandbox container {cid[:12]} is gone")
+    if isinstance(e, docker.errors.APIError) and e.status_code == 409:
+        return SandboxError(f"sandbox container {cid[:12]} is not running: {_explain(e)}")
+    return SandboxError(f"docker {what} in container {cid[:12]} failed: {_explain(e)}")
+
+
+def _unix_socket_problem(url: str) -> str | None:
+    """Why the engine's Unix socket cannot be connected to, or None (also for non-Unix URLs).
+
+    docker-py leaks the socket of a failed Unix connect until garbage collection, so the
+    common "engine not running" case is caught here first.
+    """
+    path = url.split("unix://", 1)[1] if "unix://" in url else None
+    if not path:
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5)
+        try:
+            probe.connect(path)
+        except OSError as e:
+            return f"{path}: {e.strerror or e}"
+    return None
+
+
+def _release(e: BaseException) -> None:
+    # docker-py leaves the response of a failed streaming call open; its pooled socket
+    # would leak until garbage collection.
+    response = getattr(e, "response", None)
+    if response is not None:
+        response.close()
+
+
+def _remove_quietly(client: docker.DockerClient, cid: str) -> None:
+    try:
+        client.api.remove_container(cid, force=True, v=True)
+    except docker.errors.NotFound:
+        pass
+    except _ENGINE_ERRORS as e:
+        log.warning("cannot remove container %s: %s", cid[:12], _explain(e))
+
+
+def _owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    # Node-side uids mean nothing in the container.
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def _tar_bytes(fill: Callable[[tarfile.TarFile], None]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        fill(tf)
+    return buf.getvalue()
+
+
+@hookimpl
+def register_sandboxes():
+    return [DockerSandbox]

@@ -1,0 +1,369 @@
+"""The docker sandbox against the real engine: no mocks, image ``envhub/base:bookworm``.
+
+Every container carries this session's own ``envhub.node`` label, so parallel runs
+don't collide, and the module's teardown asserts that none of them is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+import docker
+import pytest
+import pytest_asyncio
+from docker.constants import DEFAULT_UNIX_SOCKET
+
+from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.plugins.docker_sandbox import DEFAULT_CAPS, DockerSandbox, _unix_socket_problem
+from envhub.sandbox import Limits, SandboxSpec
+
+from conftest import BASE_IMAGE as IMAGE, needs_docker
+
+NODE = f"test-{uuid.uuid4().hex[:12]}"
+pytestmark = [needs_docker, pytest.mark.asyncio(loop_scope="module")]
+
+
+def spec(instance_id: str | None = None, **kw) -> SandboxSpec:
+    instance_id = instance_id or f"inst-{uuid.uuid4().hex[:8]}"
+    labels = {"envhub.node": NODE, "envhub.instance": instance_id, "envhub.task": "t1", **kw.pop("labels", {})}
+    return SandboxSpec(instance_id=instance_id, environment="test", task_id="t1",
+                       image=kw.pop("image", IMAGE), labels=labels, **kw)
+
+
+def our_containers(client: docker.DockerClient, instance_ids: set[str] | None = None) -> list[dict]:
+    """This session's managed containers (optionally only those of some instances)."""
+    # The low-level call: containers.list() inspects each one and races with removals.
+    rows = client.api.containers(all=True, filters={"label": ["envhub.managed=1", f"envhub.node={NODE}"]})
+    return [r for r in rows if instance_ids is None or r["Labels"].get("envhub.instance") in instance_ids]
+
+
+@pytest.fixture(scope="module")
+def engine() -> docker.DockerClient:
+    client = docker.from_env()
+    yield client
+    client.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sandbox(engine) -> AsyncIterator[DockerSandbox]:
+    sb = DockerSandbox({"network": "none"})
+    await sb.start()
+    try:
+        yield sb
+    finally:
+        await sb.stop()
+        leftovers = our_containers(engine)
+        for row in leftovers:
+            engine.api.remove_container(row["Id"], force=True)
+        assert not leftovers, f"containers left behind: {[row['Names'] for row in leftovers]}"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def box(sandbox) -> AsyncIterator[str]:
+    """One container shared by the tests that only exec and move files."""
+    handle = await sandbox.create(spec())
+    yield handle
+    await sandbox.destroy(handle)
+
+
+# --- exec ---------------------------------------------------------------------------
+
+async def test_exec_keeps_stdout_stderr_and_exit_code_apart(sandbox, box):
+    result = await sandbox.exec(box, "echo out; echo err >&2; exit 3", timeout=10)
+    assert (result.stdout, result.stderr, result.exit_code) == ("out\n", "err\n", 3)
+    assert not result.timed_out and not result.truncated
+    assert result.duration_s > 0
+
+
+async def test_exec_runs_in_bash_with_the_spec_env(sandbox):
+    handle = await sandbox.create(spec(env={"GREETING": "hi there"}))
+    try:
+        result = await sandbox.exec(handle, 'echo "$GREETING ${BASH_VERSION:+bash}"', timeout=10)
+    finally:
+        await sandbox.destroy(handle)
+    assert result.stdout == "hi there bash\n"
+
+
+async def test_exec_past_timeout_returns_partial_output_quickly(sandbox, box):
+    started = time.monotonic()
+    result = await sandbox.exec(box, "echo a; sleep 30", timeout=1)
+    assert time.monotonic() - started < 3
+    assert result.timed_out and result.exit_code is None
+    assert result.stdout == "a\n"
+
+
+async def test_exec_kills_a_command_that_ignores_term(sandbox, box):
+    started = time.monotonic()
+    result = await sandbox.exec(box, "trap '' TERM; echo a; sleep 30; echo never", timeout=1)
+    assert time.monotonic() - started < 3.5
+    assert result.timed_out and result.stdout == "a\n"
+
+
+async def test_exec_timeout_kills_background_jobs_of_the_command(sandbox, box):
+    await sandbox.exec(box, "sleep 300 & sleep 30", timeout=1)
+    result = await sandbox.exec(box, "pgrep -x sleep -a | grep -v infinity || true", timeout=10)
+    assert result.stdout == ""
+
+
+async def test_exit_124_before_the_timeout_is_not_a_timeout(sandbox, box):
+    result = await sandbox.exec(box, "exit 124", timeout=10)
+    assert result.exit_code == 124 and not result.timed_out
+
+
+async def test_exec_caps_each_stream_keeping_head_and_tail(sandbox, box):
+    result = await sandbox.exec(box, "echo START; head -c 200000 /dev/zero | tr '\\0' a; echo; echo END; "
+                                     "echo small >&2", timeout=10)
+    assert result.truncated
+    assert result.stdout.startswith("START\naaa") and result.stdout.endswith("aaa\nEND\n")
+    assert "bytes truncated ...]" in result.stdout
+    assert len(result.stdout) < 65536 + 100
+    assert result.stderr == "small\n"
+
+
+async def test_exec_decodes_invalid_utf8_with_replacement(sandbox, box):
+    result = await sandbox.exec(box, "printf 'ok \\xff\\n'", timeout=10)
+    assert result.stdout == "ok \ufffd\n"
+
+
+async def test_exec_rejects_bad_arguments(sandbox, box):
+    with pytest.raises(InvalidRequest):
+        await sandbox.exec(box, "true", timeout=0)
+    with pytest.raises(InvalidRequest):
+        await sandbox.exec(box, b"true", timeout=1)  # type: ignore[arg-type]
+
+
+# --- files --------------------------------------------------------------------------
+
+async def test_write_and_read_file_round_trip_binary_and_nested(sandbox, box):
+    blob = bytes(range(256)) * 1000
+    await sandbox.write_file(box, "/data/deep/er/blob.bin", blob)
+    assert await sandbox.read_file(box, "/data/deep/er/blob.bin") == blob
+    await sandbox.write_file(box, "rel/dir/note.txt", b"hello\n")  # relative to the image's WORKDIR (/)
+    assert await sandbox.read_file(box, "/rel/dir/note.txt") == b"hello\n"
+    result = await sandbox.exec(box, "cat rel/dir/note.txt; stat -c %s /data/deep/er/blob.bin", timeout=10)
+    assert result.stdout == f"hello\n{len(blob)}\n"
+
+
+async def test_write_file_replaces_and_keeps_directory_modes(sandbox, box):
+    await sandbox.write_file(box, "/tmp/x.txt", b"one")
+    await sandbox.write_file(box, "/tmp/x.txt", b"two")
+    assert await sandbox.read_file(box, "/tmp/x.txt") == b"two"
+    result = await sandbox.exec(box, "stat -c %a /tmp", timeout=10)
+    assert result.stdout == "1777\n"
+
+
+async def test_read_file_follows_symlinks(sandbox, box):
+    await sandbox.exec(box, "mkdir -p /ln && echo target > /ln/real && ln -sf real /ln/link", timeout=10)
+    assert await sandbox.read_file(box, "/ln/link") == b"target\n"
+
+
+async def test_read_missing_file_raises_not_found(sandbox, box):
+    with pytest.raises(NotFound):
+        await sandbox.read_file(box, "/no/such/file")
+
+
+async def test_directories_are_not_files(sandbox, box):
+    with pytest.raises(InvalidRequest):
+        await sandbox.read_file(box, "/etc")
+    with pytest.raises(InvalidRequest):
+        await sandbox.write_file(box, "/etc", b"x")
+    assert (await sandbox.exec(box, "test -f /etc/hostname", timeout=10)).exit_code == 0
+
+
+async def test_copy_dir_and_fetch_dir(sandbox, box, tmp_path: Path):
+    src = tmp_path / "tests"
+    (src / "sub").mkdir(parents=True)
+    (src / "test_a.py").write_text("def test_a():\n    assert True\n")
+    (src / "sub" / "data.bin").write_bytes(b"\x00\x01\xff")
+    (src / "run.sh").write_text("#!/bin/bash\necho ran\n")
+    (src / "run.sh").chmod(0o755)
+    await sandbox.copy_dir(box, src, "/opt/eval/tests")
+    result = await sandbox.exec(box, "cd /opt/eval/tests && ./run.sh && "
+                                     "PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q -p no:cacheprovider test_a.py",
+                                timeout=30)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith("ran\n") and "1 passed" in result.stdout
+    fetched = await sandbox.fetch_dir(box, "/opt/eval/tests")
+    assert fetched == {"test_a.py": (src / "test_a.py").read_bytes(), "sub/data.bin": b"\x00\x01\xff",
+                       "run.sh": (src / "run.sh").read_bytes()}
+    assert await sandbox.fetch_dir(box, "/opt/eval/nothing-here") == {}
+
+
+# --- container settings -------------------------------------------------------------
+
+async def test_containers_are_labelled_limited_and_unprivileged(sandbox, engine):
+    handle = await sandbox.create(spec("inst-attrs"))
+    try:
+        attrs = engine.containers.get(handle).attrs
+    finally:
+        await sandbox.destroy(handle)
+    labels = attrs["Config"]["Labels"]
+    assert labels["envhub.managed"] == "1" and labels["envhub.sandbox"] == "docker"
+    assert labels["envhub.node"] == NODE and labels["envhub.instance"] == "inst-attrs"
+    assert labels["envhub.task"] == "t1"
+    assert attrs["Name"].startswith("/envhub-inst-attrs-")
+    host = attrs["HostConfig"]
+    assert host["Privileged"] is False
+    assert host["CapDrop"] == ["ALL"] and sorted(host["CapAdd"]) == sorted(DEFAULT_CAPS)
+    assert "no-new-privileges" in host["SecurityOpt"]
+    assert host["PidsLimit"] == 512
+    assert host["NanoCpus"] == 1_000_000_000
+    assert host["Memory"] == host["MemorySwap"] == 2048 * 1024 * 1024
+    assert host["Init"] is True
+    assert host["NetworkMode"] == "none"
+    assert not host["PortBindings"] and not host["PublishAllPorts"]
+    assert not attrs["NetworkSettings"]["Ports"]
+
+
+async def test_spec_limits_override_the_defaults(sandbox, engine):
+    handle = await sandbox.create(spec(limits=Limits(cpus=0.5, memory_mb=256, max_processes=32)))
+    try:
+        host = engine.containers.get(handle).attrs["HostConfig"]
+        # cgroup v1 path first, then v2: the limit is what the kernel enforces inside
+        result = await sandbox.exec(handle, "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max",
+                                    timeout=10)
+    finally:
+        await sandbox.destroy(handle)
+    assert (host["NanoCpus"], host["Memory"], host["PidsLimit"]) == (500_000_000, 256 * 1024 * 1024, 32)
+    assert result.stdout == "32\n"
+
+
+async def test_bridge_network_is_the_default_and_publishes_nothing(engine):
+    sb = DockerSandbox({})
+    await sb.start()
+    try:
+        handle = await sb.create(spec())
+        attrs = engine.containers.get(handle).attrs
+        assert attrs["HostConfig"]["NetworkMode"] == "bridge"
+        assert not attrs["HostConfig"]["PortBindings"] and not attrs["NetworkSettings"]["Ports"]
+        assert (await sb.exec(handle, "echo up", timeout=10)).stdout == "up\n"
+    finally:
+        await sb.stop()
+    with pytest.raises(docker.errors.NotFound):
+        engine.containers.get(handle)
+
+
+async def test_host_network_is_refused_in_config():
+    with pytest.raises(StartupError, match="host"):
+        DockerSandbox({"network": "host"})
+    with pytest.raises(StartupError):
+        DockerSandbox({"network": "container:abc"})
+
+
+async def test_host_network_is_refused_per_spec(sandbox, engine):
+    s = spec()
+    s.network = "host"  # what a future SandboxSpec.network field would carry
+    with pytest.raises(SandboxError):
+        await sandbox.create(s)
+    assert not our_containers(engine, {s.instance_id})
+
+
+async def test_unreachable_engine_is_a_startup_error():
+    sb = DockerSandbox({"docker_host": "unix:///nonexistent/docker.sock"})
+    with pytest.raises(StartupError, match="not reachable"):
+        await sb.start()
+
+
+# --- lifecycle ----------------------------------------------------------------------
+
+async def test_destroy_is_idempotent_and_the_handle_is_dead_afterwards(sandbox, engine):
+    handle = await sandbox.create(spec())
+    await sandbox.destroy(handle)
+    await sandbox.destroy(handle)
+    await sandbox.destroy("0123456789ab-never-existed")
+    with pytest.raises(docker.errors.NotFound):
+        engine.containers.get(handle)
+    with pytest.raises(SandboxError):
+        await sandbox.exec(handle, "true", timeout=5)
+    with pytest.raises(SandboxError):
+        await sandbox.read_file(handle, "/etc/hostname")
+
+
+async def test_failed_create_leaves_nothing_and_raises_sandbox_error(sandbox, engine):
+    specs = [spec(image="envhub/does-not-exist:nope"), spec(image=None), spec()]
+    with pytest.raises(SandboxError, match="never pulls"):
+        await sandbox.create(specs[0])
+    with pytest.raises(SandboxError):
+        await sandbox.create(specs[1])
+    # The engine creates this one but cannot start it: it must be removed.
+    specs[2].network = f"envhub-no-such-network-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(SandboxError, match="did not start"):
+        await sandbox.create(specs[2])
+    assert not our_containers(engine, {s.instance_id for s in specs})
+
+
+async def test_cancelled_create_leaves_no_container(sandbox, engine):
+    s = spec()
+    task = asyncio.ensure_future(sandbox.create(s))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(1)  # the worker may still be creating it: let it appear first
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if not our_containers(engine, {s.instance_id}):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the cancelled create left its container")
+
+
+async def test_parallel_creates_keep_the_event_loop_responsive(sandbox):
+    gaps: list[float] = []
+    running = True
+
+    async def ticker():
+        last = time.monotonic()
+        while running:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.ensure_future(ticker())
+    try:
+        handles = await asyncio.gather(*(sandbox.create(spec()) for _ in range(8)))
+        results = await asyncio.gather(*(sandbox.exec(h, "hostname", timeout=10) for h in handles))
+    finally:
+        running = False
+        await tick
+    try:
+        assert len(set(handles)) == 8
+        assert all(r.exit_code == 0 for r in results)
+        assert len(gaps) > 10 and max(gaps) < 0.25, f"the loop stalled for {max(gaps):.3f} s"
+    finally:
+        await asyncio.gather(*(sandbox.destroy(h) for h in handles))
+
+
+async def test_list_and_remove_managed_by_node(sandbox, engine):
+    other = f"{NODE}-other"
+    handles = [await sandbox.create(spec(labels={"envhub.node": other})) for _ in range(2)]
+    mine = await sandbox.create(spec())
+    try:
+        listed = await sandbox.list_managed(other)
+        assert sorted(row["id"] for row in listed) == sorted(handles)
+        assert all(row["status"] == "running" and row["labels"]["envhub.node"] == other for row in listed)
+        assert mine in {row["id"] for row in await sandbox.list_managed()}
+        assert await sandbox.remove_managed(other) == 2
+        assert await sandbox.list_managed(other) == []
+        assert (await sandbox.exec(mine, "true", timeout=5)).exit_code == 0
+    finally:
+        await sandbox.destroy(mine)
+
+
+async def test_stop_removes_every_container_it_created(engine):
+    sb = DockerSandbox({"network": "none"})
+    await sb.start()
+    handles = await asyncio.gather(*(sb.create(spec()) for _ in range(2)))
+    await sb.stop()
+    for handle in handles:
+        with pytest.raises(docker.errors.NotFound):
+            engine.containers.get(handle)
+    with pytest.raises(SandboxError):
+        await sb.create(spec())

@@ -1,0 +1,396 @@
+"""The "process" sandbox plugin, with real zygote and interpreter processes (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+
+import pytest
+import pytest_asyncio
+
+from envhub.errors import InvalidRequest, NotFound
+from envhub.plugins import process_sandbox
+from envhub.plugins.process_sandbox import ProcessSandbox
+from envhub.sandbox import Limits, SandboxSpec
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="uid isolation and the network namespace need root")
+
+
+def spec(limits: Limits | None = None, **env: str) -> SandboxSpec:
+    return SandboxSpec(instance_id=f"t-{uuid.uuid4().hex[:12]}", environment="test",
+                       task_id="1", limits=limits or Limits(), env=env)
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:
+                            pids.append(int(entry))
+                        break
+        except OSError:
+            pass  # exited while we looked
+    return pids
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except OSError:
+                pass
+    return kids
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def wait_until(predicate, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+@pytest_asyncio.fixture
+async def sandboxes(tmp_path):
+    plugin = ProcessSandbox({"work_root": str(tmp_path)}, None)
+    await plugin.start()
+    try:
+        yield plugin
+    finally:
+        await plugin.stop()
+
+
+@pytest_asyncio.fixture
+async def handle(sandboxes):
+    return await sandboxes.create(spec())
+
+
+def test_registers_the_process_sandbox_through_the_hook():
+    assert process_sandbox.register_sandboxes() == [ProcessSandbox]
+    assert ProcessSandbox.name == "process" and ProcessSandbox.language == "python"
+
+
+@pytest.mark.asyncio
+async def test_state_persists_between_execs(sandboxes, handle):
+    await sandboxes.exec(handle, "import math\nx = 20\ndef f(y):\n    return x + y", timeout=5)
+    r = await sandboxes.exec(handle, "f(math.floor(1.5)) + 1", timeout=5)
+    assert (r.exit_code, r.value, r.value_repr, r.restarted) == (0, 22, "22", False)
+
+
+@pytest.mark.asyncio
+async def test_captures_stdout_stderr_and_subprocess_output(sandboxes, handle):
+    r = await sandboxes.exec(handle, (
+        "import os, subprocess, sys\n"
+        "print('from print')\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "os.write(1, b'raw fd write\\n')\n"
+        "subprocess.run(['sh', '-c', 'echo from child; echo child err >&2'])\n"), timeout=10)
+    assert r.exit_code == 0, r.exception
+    assert r.stdout == "from print\nraw fd write\nfrom child\n"
+    assert r.stderr == "to stderr\nchild err\n"
+    r = await sandboxes.exec(handle, "print('next')", timeout=5)
+    assert r.stdout == "next\n"  # each exec reports only its own output
+
+
+@pytest.mark.asyncio
+async def test_exception_is_reported_with_traceback_and_interpreter_survives(sandboxes, handle):
+    await sandboxes.exec(handle, "kept = 7\ndef g():\n    return 1 / 0", timeout=5)
+    r = await sandboxes.exec(handle, "print('before')\ng()", timeout=5)
+    assert r.exit_code == 1 and not r.timed_out
+    assert r.stdout == "before\n"
+    assert r.exception.startswith("Traceback (most recent call last):")
+    assert "ZeroDivisionError: division by zero" in r.exception
+    assert "return 1 / 0" in r.exception  # source line of the function from the earlier cell
+    assert "_process_zygote" not in r.exception  # the sandbox's own frames are left out
+    r = await sandboxes.exec(handle, "kept", timeout=5)
+    assert (r.value, r.restarted) == (7, False)
+
+
+@pytest.mark.asyncio
+async def test_syntax_error_and_system_exit_are_reported_and_interpreter_survives(sandboxes, handle):
+    r = await sandboxes.exec(handle, "x = = 1", timeout=5)
+    assert r.exit_code == 1 and "SyntaxError" in r.exception
+    r = await sandboxes.exec(handle, "y = 5\nraise SystemExit(3)", timeout=5)
+    assert r.exit_code == 1 and "SystemExit: 3" in r.exception
+    r = await sandboxes.exec(handle, "y", timeout=5)
+    assert (r.value, r.restarted) == (5, False)
+
+
+@pytest.mark.asyncio
+async def test_trailing_expression_gives_value_and_repr(sandboxes, handle):
+    r = await sandboxes.exec(handle, "{'a': [1, 2.5, None, 'x']}", timeout=5)
+    assert r.value == {"a": [1, 2.5, None, "x"]}
+    r = await sandboxes.exec(handle, "object", timeout=5)
+    assert (r.value, r.value_repr) == (None, "<class 'object'>")  # not JSON: repr only
+    r = await sandboxes.exec(handle, "float('nan')", timeout=5)
+    assert (r.value, r.value_repr) == (None, "nan")
+    r = await sandboxes.exec(handle, "print('hi')", timeout=5)
+    assert (r.value, r.value_repr, r.stdout) == (None, None, "hi\n")
+    r = await sandboxes.exec(handle, "'x' * 10000", timeout=5)
+    assert len(r.value) == 10000 and len(r.value_repr) < 4200
+    r = await sandboxes.exec(handle, "z = 3", timeout=5)
+    assert (r.value, r.value_repr) == (None, None)
+
+
+@pytest.mark.asyncio
+async def test_timeout_reports_partial_output_and_keeps_state(sandboxes, handle):
+    await sandboxes.exec(handle, "kept = 'yes'", timeout=5)
+    started = time.monotonic()
+    r = await sandboxes.exec(handle, "print('a', flush=True); import time; time.sleep(10)", timeout=0.5)
+    assert time.monotonic() - started < 5  # not the 10 s the code asked for
+    assert (r.timed_out, r.exit_code, r.stdout, r.restarted) == (True, None, "a\n", False)
+    r = await sandboxes.exec(handle, "kept", timeout=5)
+    assert (r.value, r.restarted) == ("yes", False)
+
+
+@pytest.mark.asyncio
+async def test_code_swallowing_the_timeout_is_hard_killed_and_next_exec_restarts(sandboxes, handle):
+    await sandboxes.exec(handle, "lost = 1", timeout=5)
+    r = await sandboxes.exec(handle, (
+        "print('started', flush=True)\n"
+        "while True:\n"
+        "    try:\n"
+        "        while True:\n"
+        "            pass\n"
+        "    except BaseException:\n"
+        "        pass\n"), timeout=0.2)
+    assert (r.timed_out, r.exit_code, r.stdout) == (True, None, "started\n")
+    assert "killed" in r.exception
+    r = await sandboxes.exec(handle, "'lost' in globals()", timeout=5)
+    assert (r.restarted, r.value, r.exit_code) == (True, False, 0)
+    r = await sandboxes.exec(handle, "1", timeout=5)
+    assert r.restarted is False
+
+
+@pytest.mark.asyncio
+async def test_interpreter_death_is_reported_and_next_exec_restarts(sandboxes, handle):
+    r = await sandboxes.exec(handle, "import os\nprint('bye', flush=True)\nos._exit(3)", timeout=5)
+    assert (r.exit_code, r.timed_out, r.stdout) == (None, False, "bye\n")
+    assert "died" in r.exception and "exited with status 3" in r.exception
+    r = await sandboxes.exec(handle, "import os\nos.getcwd()", timeout=5)
+    assert r.restarted and r.exit_code == 0
+    r = await sandboxes.exec(handle, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", timeout=5)
+    assert "SIGSEGV" in r.exception
+
+
+@pytest.mark.asyncio
+async def test_cpu_time_limit_kills_the_interpreter(sandboxes):
+    h = await sandboxes.create(spec(Limits(cpu_seconds=1)))
+    r = await sandboxes.exec(h, "while True:\n    pass", timeout=20)
+    assert r.exit_code is None and "SIGXCPU" in r.exception  # not the 20 s timeout
+    r = await sandboxes.exec(h, "2 + 2", timeout=5)
+    assert (r.value, r.restarted) == (4, True)
+
+
+@pytest.mark.asyncio
+async def test_memory_bomb_raises_memory_error_and_sandbox_keeps_working(sandboxes):
+    h = await sandboxes.create(spec(Limits(memory_mb=256)))
+    for bomb in ("x = bytearray(10**11)", "x = [0] * 10**10",
+                 "x = []\nwhile True:\n    x.append(' ' * 10**6)"):
+        r = await sandboxes.exec(h, bomb, timeout=10)
+        assert r.exit_code == 1 and "MemoryError" in r.exception, (bomb, r)
+    r = await sandboxes.exec(h, "del x\nsum(range(10))", timeout=5)
+    assert (r.value, r.restarted) == (45, False)
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_fork_bomb_is_contained_and_destroy_leaves_no_process_of_its_uid(sandboxes):
+    bomb = await sandboxes.create(spec())
+    other = await sandboxes.create(spec())
+    uid = (await sandboxes.exec(bomb, "import os\nos.getuid()", timeout=5)).value
+    assert uid >= 200000 and uid != (await sandboxes.exec(other, "import os\nos.getuid()", timeout=5)).value
+    run = asyncio.ensure_future(sandboxes.exec(bomb, "import os\nwhile True:\n    os.fork()", timeout=2))
+    await asyncio.sleep(0.5)
+    r = await sandboxes.exec(other, "sum(range(100))", timeout=5)  # unaffected meanwhile
+    assert r.value == 4950
+    r = await run
+    assert r.timed_out or "BlockingIOError" in (r.exception or ""), r
+    assert len(pids_of_uid(uid)) <= 64 + 2  # RLIMIT_NPROC held it
+    await sandboxes.destroy(bomb)
+    assert await wait_until(lambda: not pids_of_uid(uid)), pids_of_uid(uid)
+    r = await sandboxes.exec(other, "'still fine'", timeout=5)
+    assert r.value == "still fine"
+
+
+@pytest.mark.asyncio
+async def test_stdin_is_closed(sandboxes, handle):
+    r = await sandboxes.exec(handle, "input()", timeout=5)
+    assert r.exit_code == 1 and "EOFError" in r.exception
+    r = await sandboxes.exec(handle, "import sys\nsys.stdin.read()", timeout=5)
+    assert r.value == ""
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_sandbox_has_no_network_when_root(sandboxes, handle):
+    assert sandboxes.network_isolated
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        for address in (("127.0.0.1", port), ("1.1.1.1", 53)):
+            r = await sandboxes.exec(
+                handle, f"import socket\nsocket.create_connection({address!r}, timeout=2)", timeout=5)
+            assert r.exit_code == 1 and "Network is unreachable" in r.exception, r
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_runs_as_an_unprivileged_uid_that_cannot_reach_other_sandboxes(sandboxes):
+    a, b = await sandboxes.create(spec()), await sandboxes.create(spec())
+    await sandboxes.write_file(a, "secret.txt", b"a's data")
+    r = await sandboxes.exec(a, "import os\nos.getuid(), os.getgid(), os.getgroups(), os.getcwd()", timeout=5)
+    uid, gid, groups, cwd_a = r.value
+    assert uid >= 200000 and gid == uid and groups == []
+    r = await sandboxes.exec(b, f"open({cwd_a + '/secret.txt'!r}).read()", timeout=5)
+    assert r.exit_code == 1 and "PermissionError" in r.exception
+
+
+@pytest.mark.asyncio
+async def test_sandboxes_are_isolated_in_variables_and_files(sandboxes):
+    a, b = await sandboxes.create(spec()), await sandboxes.create(spec())
+    await sandboxes.exec(a, "shared = 'a'\nopen('mine.txt', 'w').write('a')", timeout=5)
+    r = await sandboxes.exec(b, "import os\n'shared' in globals(), os.path.exists('mine.txt')", timeout=5)
+    assert r.value == [False, False]
+    with pytest.raises(NotFound):
+        await sandboxes.read_file(b, "mine.txt")
+    assert await sandboxes.read_file(a, "mine.txt") == b"a"
+
+
+@pytest.mark.asyncio
+async def test_write_and_read_files_relative_to_the_working_dir(sandboxes, handle):
+    await sandboxes.write_file(handle, "pkg/solution.py", b"def answer():\n    return 42\n")
+    r = await sandboxes.exec(handle, "from pkg.solution import answer\nanswer()", timeout=5)
+    assert r.value == 42, r.exception  # importable: the working dir is on sys.path
+    await sandboxes.exec(handle, "open('out.bin', 'wb').write(bytes(range(256)))", timeout=5)
+    assert await sandboxes.read_file(handle, "out.bin") == bytes(range(256))
+    cwd = (await sandboxes.exec(handle, "import os\nos.getcwd()", timeout=5)).value
+    assert await sandboxes.read_file(handle, cwd + "/pkg/solution.py") == b"def answer():\n    return 42\n"
+    await sandboxes.write_file(handle, "out.bin", b"shorter")
+    assert await sandboxes.read_file(handle, "out.bin") == b"shorter"
+    with pytest.raises(NotFound):
+        await sandboxes.read_file(handle, "missing.txt")
+
+
+@pytest.mark.asyncio
+async def test_path_escapes_and_planted_symlinks_are_rejected(sandboxes, handle, tmp_path):
+    outside = tmp_path.parent / f"outside-{uuid.uuid4().hex}.txt"
+    outside.write_text("untouched")
+    try:
+        for path in ("../x", "a/../../x", "/etc/passwd", "", str(outside)):
+            with pytest.raises(InvalidRequest):
+                await sandboxes.write_file(handle, path, b"x")
+            with pytest.raises(InvalidRequest):
+                await sandboxes.read_file(handle, path)
+        await sandboxes.exec(handle, f"import os\nos.symlink({str(outside)!r}, 'link')\n"
+                                     f"os.symlink({str(tmp_path.parent)!r}, 'dirlink')", timeout=5)
+        for path in ("link", "dirlink/" + outside.name):
+            with pytest.raises(InvalidRequest):
+                await sandboxes.write_file(handle, path, b"overwritten")
+            with pytest.raises(InvalidRequest):
+                await sandboxes.read_file(handle, path)
+        assert outside.read_text() == "untouched"
+    finally:
+        outside.unlink()
+
+
+@pytest.mark.asyncio
+async def test_destroy_is_idempotent_and_removes_the_working_dir(sandboxes, handle, tmp_path):
+    cwd = (await sandboxes.exec(handle, "import os\nos.getcwd()", timeout=5)).value
+    assert os.path.isdir(cwd) and cwd.startswith(str(tmp_path))
+    await sandboxes.destroy(handle)
+    await sandboxes.destroy(handle)
+    await sandboxes.destroy("never-existed")
+    assert not os.path.exists(cwd)
+    with pytest.raises(NotFound):
+        await sandboxes.exec(handle, "1", timeout=5)
+
+
+@pytest.mark.asyncio
+async def test_stop_leaves_no_processes_and_no_dirs(tmp_path):
+    plugin = ProcessSandbox({"work_root": str(tmp_path)}, None)
+    await plugin.start()
+    zygote_pid = plugin._proc.pid
+    uids = []
+    for _ in range(2):
+        h = await plugin.create(spec())
+        r = await plugin.exec(h, "import os, subprocess\n"
+                                 "subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+                                 "os.getuid()", timeout=5)
+        uids.append(r.value)
+    assert os.listdir(tmp_path)
+    await plugin.stop()
+    assert not os.path.exists(f"/proc/{zygote_pid}")
+    assert children_of(os.getpid()) == []
+    assert os.listdir(tmp_path) == []
+    if ROOT:  # without root a setsid() escapee survives: the documented weakness
+        assert await wait_until(lambda: not any(pids_of_uid(u) for u in uids))
+
+
+@pytest.mark.asyncio
+async def test_output_beyond_the_limit_keeps_head_and_tail(sandboxes, handle):
+    r = await sandboxes.exec(handle, "print('HEAD' + 'x' * 200000 + 'TAIL')", timeout=5)
+    assert r.truncated and r.stdout.startswith("HEADxxx") and r.stdout.endswith("xxTAIL\n")
+    assert len(r.stdout) < 65536 + 100
+
+
+@pytest.mark.asyncio
+async def test_execs_on_one_handle_run_one_at_a_time(sandboxes, handle):
+    code = "import time\nt0 = time.monotonic()\ntime.sleep(0.2)\n(t0, time.monotonic())"
+    first, second = await asyncio.gather(sandboxes.exec(handle, code, timeout=5),
+                                         sandboxes.exec(handle, code, timeout=5))
+    spans = sorted([first.value, second.value])
+    assert spans[0][1] <= spans[1][0]
+
+
+@pytest.mark.asyncio
+async def test_cancelled_exec_does_not_leak_its_reply_into_the_next_one(sandboxes, handle):
+    task = asyncio.ensure_future(sandboxes.exec(handle, "import time\ntime.sleep(1)\n'late'", timeout=5))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    r = await sandboxes.exec(handle, "'fresh'", timeout=5)
+    assert r.value == "fresh" and r.restarted
+
+
+@pytest.mark.asyncio
+async def test_sandboxes_recover_when_the_zygote_is_killed(sandboxes, handle):
+    interpreter = (await sandboxes.exec(handle, "import os\nos.getpid()", timeout=5)).value
+    os.kill(sandboxes._proc.pid, signal.SIGKILL)
+    assert await wait_until(lambda: not is_alive(interpreter))  # it dies with its zygote
+    r = await sandboxes.exec(handle, "1", timeout=5)
+    assert r.exit_code is None and "died" in r.exception
+    r = await sandboxes.exec(handle, "2", timeout=5)
+    assert (r.value, r.restarted) == (2, True)
+    other = await sandboxes.create(spec())
+    assert (await sandboxes.exec(other, "3", timeout=5)).value == 3
+
+
+@pytest.mark.asyncio
+async def test_spec_env_is_visible_to_the_code(sandboxes):
+    h = await sandboxes.create(spec(TASK_SEED="17"))
+    r = await sandboxes.exec(h, "import os\nos.environ['TASK_SEED'], os.environ['HOME'] == os.getcwd()", timeout=5)
+    assert r.value == ["17", True]

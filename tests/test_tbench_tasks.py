@@ -1,0 +1,540 @@
+"""Terminal-Bench task parsing: the real sample tasks, malformed tasks, context hashing, base images."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from envhub.plugins._tbench_tasks import (
+    TaskFormatError,
+    context_hash,
+    load_dataset,
+    load_task,
+    substitute_base,
+)
+
+TB_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "terminal-bench"
+needs_data = pytest.mark.skipif(not TB_DATA.is_dir(), reason=f"{TB_DATA} is absent")
+
+
+def write(path: Path, text: str, mode: int | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    if mode is not None:
+        path.chmod(mode)
+    return path
+
+
+def make_tb1(root: Path, name: str = "t1", task_yaml: str = "instruction: do it\ndifficulty: easy\n",
+             dockerfile: str | None = "FROM ubuntu:24.04\nWORKDIR /app\n", compose: str | None = None) -> Path:
+    d = root / name
+    write(d / "task.yaml", task_yaml)
+    if dockerfile is not None:
+        write(d / "Dockerfile", dockerfile)
+    if compose is not None:
+        write(d / "docker-compose.yaml", compose)
+    write(d / "run-tests.sh", "#!/bin/bash\nuv run pytest $TEST_DIR/test_outputs.py -rA\n", 0o755)
+    write(d / "solution.sh", "#!/bin/bash\necho hi\n", 0o755)
+    write(d / "tests" / "test_outputs.py", "def test_ok():\n    assert True\n")
+    return d
+
+
+def make_tb2(root: Path, name: str = "t2", task_toml: str = 'version = "1.0"\n',
+             dockerfile: str | None = "FROM ubuntu:24.04\nWORKDIR /app\n",
+             instruction: str | None = "Create hello.txt.\n") -> Path:
+    d = root / name
+    write(d / "task.toml", task_toml)
+    if instruction is not None:
+        write(d / "instruction.md", instruction)
+    if dockerfile is not None:
+        write(d / "environment" / "Dockerfile", dockerfile)
+    write(d / "tests" / "test.sh", "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n", 0o755)
+    write(d / "solution" / "solve.sh", "#!/bin/bash\necho hi > hello.txt\n", 0o755)
+    return d
+
+
+# ---------------------------------------------------------------------------
+# The real sample tasks
+
+
+@needs_data
+def test_every_sample_task_loads_with_instruction_timeouts_and_files():
+    tasks = load_dataset(TB_DATA)
+    on_disk = sorted(p.parent.name for p in [*TB_DATA.glob("tb1/*/task.yaml"), *TB_DATA.glob("tb2/*/task.toml")])
+    assert [t.id for t in tasks] == on_disk
+    assert len(on_disk) == 15
+    for t in tasks:
+        assert t.format == ("tb1" if (t.path / "task.yaml").is_file() else "tb2")
+        assert t.path.parent.name == t.format
+        assert t.instruction.strip(), t.id
+        assert t.agent_timeout_sec > 0 and t.test_timeout_sec > 0 and t.build_timeout_sec > 0, t.id
+        assert t.dockerfile is not None and t.dockerfile.is_file(), t.id
+        assert t.build_context.is_dir() and t.test_script.is_file(), t.id
+        assert t.solution is not None and t.solution.is_file(), t.id
+
+
+@needs_data
+def test_sample_task_timeouts_and_resources_match_their_files():
+    for t in load_dataset(TB_DATA):
+        if t.format == "tb1":
+            cfg = yaml.safe_load((t.path / "task.yaml").read_text())
+            assert t.agent_timeout_sec == cfg.get("max_agent_timeout_sec", 360.0), t.id
+            assert t.test_timeout_sec == cfg.get("max_test_timeout_sec", 60.0), t.id
+            assert t.difficulty == cfg["difficulty"] and t.tags == cfg.get("tags", []), t.id
+        else:
+            cfg = tomllib.loads((t.path / "task.toml").read_text())
+            env = cfg.get("environment", {})
+            assert t.build_timeout_sec == env["build_timeout_sec"], t.id
+            assert t.cpus == env["cpus"], t.id
+            if "memory_mb" in env:
+                assert (t.memory_mb, t.storage_mb) == (env["memory_mb"], env["storage_mb"]), t.id
+            if not cfg.get("steps"):
+                assert t.agent_timeout_sec == cfg["agent"]["timeout_sec"], t.id
+                assert t.test_timeout_sec == cfg["verifier"]["timeout_sec"], t.id
+
+
+@needs_data
+def test_tb1_evoeval_values_read_from_task_yaml():
+    t = load_task(TB_DATA / "tb1" / "evoeval-0")
+    assert (t.agent_timeout_sec, t.test_timeout_sec) == (600.0, 120.0)
+    assert (t.difficulty, t.category, t.parser) == ("easy", "python_programming", "pytest")
+    assert t.tags == ["python", "programming", "evoeval"]
+    assert "has_close_elements_in_range" in t.instruction
+    assert t.build_context == t.path and t.dockerfile == t.path / "Dockerfile"
+    assert t.workdir == "/app" and t.cpus is None and t.memory_mb is None
+    assert t.env == {"TEST_DIR": "/tests"}
+    assert t.test_script.name == "run-tests.sh" and t.tests_dir == t.path / "tests"
+
+
+@needs_data
+def test_tb1_polyglot_reads_cpu_limit_and_environment_from_compose():
+    t = load_task(TB_DATA / "tb1" / "polyglot_python_wordy")
+    assert (t.agent_timeout_sec, t.test_timeout_sec) == (1800.0, 1800.0)
+    assert t.cpus == 1.0  # deploy.resources.limits.cpus: '1'
+    assert t.env == {"TEST_DIR": "/tests", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    assert (t.difficulty, t.category, t.tags) == ("medium", "coding-exercises", [])
+    assert t.extra["author_name"] == "Terminal-Bench Community"
+    assert t.instruction.startswith("# Instructions\n\nParse and evaluate simple math word problems")
+
+
+@needs_data
+def test_tb2_skills_and_seta_values_read_from_task_toml():
+    skills = load_task(TB_DATA / "tb2" / "skills")
+    assert (skills.agent_timeout_sec, skills.test_timeout_sec, skills.build_timeout_sec) == (600.0, 120.0, 600.0)
+    assert (skills.cpus, skills.memory_mb, skills.storage_mb) == (1.0, 2048, 10240)
+    assert skills.extra["skills_dir"] == "/skills"
+    assert skills.build_context == skills.path / "environment" and skills.docker_image is None
+    assert skills.test_script == skills.path / "tests" / "test.sh"
+    assert skills.solution == skills.path / "solution" / "solve.sh"
+    assert skills.parser is None and skills.workdir == "/app"
+
+    seta = load_task(TB_DATA / "tb2" / "seta-hello-world")
+    assert (seta.memory_mb, seta.storage_mb) == (2048, 10240)  # legacy memory = "2G", storage = "10G"
+    assert (seta.difficulty, seta.category, seta.tags) == ("easy", "programming", ["trivial"])
+    assert seta.extra["metadata"]["author_name"] == "Alex Shaw"
+    assert seta.instruction == 'Create a file called hello.txt with "Hello, world!" as the content.\n'
+
+
+@needs_data
+def test_tb2_multi_step_keeps_steps_and_flat_fields_describe_the_first():
+    t = load_task(TB_DATA / "tb2" / "multi-step")
+    assert t.id == "multi-step" and t.name == "harbor/hello-multi-step-full"
+    assert [s.name for s in t.steps] == ["scaffold", "implement", "document"]
+    assert [s.agent_timeout_sec for s in t.steps] == [60.0, 90.0, 60.0]
+    assert [s.test_timeout_sec for s in t.steps] == [30.0, 30.0, 30.0]
+    assert [s.min_reward for s in t.steps] == [1.0, 0.5, None]
+    implement = t.steps[1]
+    assert implement.verifier_env == {"EXPECTED_NAME": "Harbor", "EXPECTED_GREETING": "Hello, Harbor!"}
+    assert implement.workdir_upload == t.path / "steps" / "implement" / "workdir"
+    assert implement.healthcheck["command"] == "test -x /app/greet.sh"
+    assert t.steps[0].workdir_upload is None and t.steps[2].artifacts == ["/app/README.md"]
+    assert t.instruction == t.steps[0].instruction and "greet.sh" in t.instruction
+    assert t.test_script == t.path / "steps" / "scaffold" / "tests" / "test.sh"
+    assert (t.agent_timeout_sec, t.test_timeout_sec) == (60.0, 30.0)
+    assert t.tests_dir == t.path / "tests"  # shared helpers.sh, merged under each step's tests
+    assert t.env == {"GREETER_PROJECT": "hello-multi-step-full"} and t.workdir == "/app"
+    assert t.extra["artifacts"] == ["/app/greet.sh"]
+
+
+# ---------------------------------------------------------------------------
+# Defaults
+
+
+def test_tb1_defaults_are_terminal_bench_0_2_18(tmp_path):
+    t = load_task(make_tb1(tmp_path, task_yaml="instruction: do it\n"))
+    assert (t.agent_timeout_sec, t.test_timeout_sec) == (360.0, 60.0)
+    assert (t.difficulty, t.category, t.tags, t.parser) == ("unknown", "software_engineering", [], "pytest")
+    assert t.run_tests_in_same_shell is False and t.allow_internet is True
+    assert (t.cpus, t.memory_mb, t.storage_mb, t.docker_image) == (None, None, None, None)
+    assert t.extra["author_name"] == "unknown"
+
+
+def test_tb2_defaults_are_harbors(tmp_path):
+    t = load_task(make_tb2(tmp_path, task_toml=""))
+    assert (t.test_timeout_sec, t.agent_timeout_sec, t.build_timeout_sec) == (600.0, None, 600.0)
+    assert (t.cpus, t.memory_mb, t.storage_mb, t.extra["gpus"]) == (1.0, 2048, 10240, 0)
+    assert t.allow_internet is True and t.name == "t2" and t.steps == []
+    assert t.difficulty == "unknown" and t.category is None and t.parser is None
+
+
+def test_tb2_reads_task_name_image_and_network_settings(tmp_path):
+    toml = """
+[task]
+name = "terminal-bench/regex-log"
+[environment]
+docker_image = "alexgshaw/regex-log:20251031"
+workdir = "/srv"
+allow_internet = false
+[environment.env]
+MODE = "strict"
+"""
+    t = load_task(make_tb2(tmp_path, "regex-log", toml, dockerfile=None))
+    assert (t.id, t.name) == ("regex-log", "terminal-bench/regex-log")
+    assert t.docker_image == "alexgshaw/regex-log:20251031" and t.dockerfile is None
+    assert t.allow_internet is False and t.workdir == "/srv" and t.env == {"MODE": "strict"}
+
+
+@pytest.mark.parametrize("mode, allowed", [("public", True), ("no-network", False), ("allowlist", False)])
+def test_tb2_network_mode_wins_over_allow_internet(tmp_path, mode, allowed):
+    toml = f'[environment]\nallow_internet = {"false" if allowed else "true"}\nnetwork_mode = "{mode}"\n'
+    t = load_task(make_tb2(tmp_path, task_toml=toml))
+    assert t.allow_internet is allowed and t.extra["network_mode"] == mode
+
+
+def test_tb1_uses_solution_yaml_when_there_is_no_solution_sh(tmp_path):
+    d = make_tb1(tmp_path)
+    (d / "solution.sh").unlink()
+    write(d / "solution.yaml", "- command: echo hi\n")
+    assert load_task(d).solution == d / "solution.yaml"
+
+
+def test_tb1_compose_build_context_and_memory_limit(tmp_path):
+    compose = """
+services:
+  client:
+    build:
+      context: ./env
+      dockerfile: Dockerfile.client
+    deploy:
+      resources:
+        limits:
+          cpus: '2.5'
+          memory: 4G
+    environment:
+      - TEST_DIR=${T_BENCH_TEST_DIR}
+      - LOGS=${T_BENCH_CONTAINER_LOGS_PATH}
+      - HOST_ONLY
+  db:
+    image: postgres:16
+"""
+    d = make_tb1(tmp_path, dockerfile=None, compose=compose)
+    write(d / "env" / "Dockerfile.client", "FROM python:3.13-slim AS base\nWORKDIR /src\nFROM base\nRUN true\n")
+    t = load_task(d)
+    assert t.build_context == d / "env" and t.dockerfile == d / "env" / "Dockerfile.client"
+    assert (t.cpus, t.memory_mb) == (2.5, 4096)
+    assert t.env == {"TEST_DIR": "/tests", "LOGS": "/logs"}
+    assert t.extra["compose_services"] == ["db"]
+    assert t.workdir == "/src"  # FROM base inherits the stage's WORKDIR
+
+
+def test_tb1_compose_environment_mapping_takes_numbers_and_booleans(tmp_path):
+    compose = "services:\n  client:\n    build: .\n    mem_limit: 512m\n" \
+              "    environment:\n      PORT: 8080\n      DEBUG: true\n      TEST_DIR: /custom\n"
+    t = load_task(make_tb1(tmp_path, compose=compose))
+    assert t.env == {"TEST_DIR": "/custom", "PORT": "8080", "DEBUG": "true"}
+    assert t.memory_mb == 512 and t.build_context == t.path
+
+
+def test_workdir_is_none_when_only_the_base_image_sets_it(tmp_path):
+    assert load_task(make_tb1(tmp_path, dockerfile="FROM ubuntu:24.04\nRUN true\n")).workdir is None
+
+
+# ---------------------------------------------------------------------------
+# Malformed tasks
+
+
+def assert_format_error(path: Path, *needles: str) -> TaskFormatError:
+    with pytest.raises(TaskFormatError) as info:
+        load_task(path)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+    return info.value
+
+
+def test_rejects_tb1_without_instruction(tmp_path):
+    e = assert_format_error(make_tb1(tmp_path, task_yaml="difficulty: easy\n"), "task.yaml", "instruction")
+    assert e.field == "instruction"
+
+
+def test_rejects_tb1_with_blank_instruction(tmp_path):
+    assert_format_error(make_tb1(tmp_path, task_yaml="instruction: '   '\n"), "task.yaml", "instruction")
+
+
+def test_rejects_tb2_without_instruction_md(tmp_path):
+    assert_format_error(make_tb2(tmp_path, instruction=None), "instruction.md")
+
+
+def test_rejects_tb2_with_empty_instruction_md(tmp_path):
+    assert_format_error(make_tb2(tmp_path, instruction="\n \n"), "instruction.md", "empty")
+
+
+def test_rejects_bad_yaml(tmp_path):
+    assert_format_error(make_tb1(tmp_path, task_yaml="instruction: [unclosed\n"), "task.yaml", "invalid YAML")
+
+
+def test_rejects_yaml_that_is_not_a_mapping(tmp_path):
+    assert_format_error(make_tb1(tmp_path, task_yaml="- just\n- a list\n"), "task.yaml", "mapping")
+
+
+def test_rejects_bad_toml(tmp_path):
+    assert_format_error(make_tb2(tmp_path, task_toml="[agent\ntimeout_sec = 1\n"), "task.toml", "invalid TOML")
+
+
+def test_rejects_tb1_without_dockerfile(tmp_path):
+    assert_format_error(make_tb1(tmp_path, dockerfile=None), "Dockerfile", "missing")
+
+
+def test_rejects_tb2_without_dockerfile_or_docker_image(tmp_path):
+    assert_format_error(make_tb2(tmp_path, dockerfile=None), "environment/Dockerfile", "docker_image")
+
+
+def test_rejects_missing_test_scripts(tmp_path):
+    d1 = make_tb1(tmp_path)
+    (d1 / "run-tests.sh").unlink()
+    assert_format_error(d1, "run-tests.sh")
+    d2 = make_tb2(tmp_path)
+    (d2 / "tests" / "test.sh").unlink()
+    assert_format_error(d2, "tests/test.sh")
+
+
+@pytest.mark.parametrize("line, field", [
+    ("max_agent_timeout_sec: soon", "max_agent_timeout_sec"),
+    ("max_test_timeout_sec: -5", "max_test_timeout_sec"),
+    ("max_test_timeout_sec: .nan", "max_test_timeout_sec"),
+    ("tags: python", "tags"),
+    ("run_tests_in_same_shell: maybe", "run_tests_in_same_shell"),
+    ("difficulty: 3", "difficulty"),
+])
+def test_rejects_tb1_fields_of_the_wrong_type(tmp_path, line, field):
+    e = assert_format_error(make_tb1(tmp_path, task_yaml=f"instruction: do it\n{line}\n"), "task.yaml", field)
+    assert e.field == field
+
+
+@pytest.mark.parametrize("toml, field", [
+    ('[agent]\ntimeout_sec = "soon"\n', "agent.timeout_sec"),
+    ("[verifier]\ntimeout_sec = 0\n", "verifier.timeout_sec"),
+    ('[environment]\ncpus = "many"\n', "environment.cpus"),
+    ("[environment]\nmemory_mb = 1.5\n", "environment.memory_mb"),
+    ('[environment]\nmemory = "lots"\n', "environment.memory"),
+    ("[environment]\nallow_internet = 1\n", "environment.allow_internet"),
+    ('[environment]\nnetwork_mode = "bridge"\n', "environment.network_mode"),
+    ("[environment.env]\nA = [1]\n", "environment.env.A"),
+    ("[environment.env]\nPORT = 8080\n", "environment.env.PORT"),  # harbor's env is dict[str, str]
+    ("environment = 3\n", "environment"),
+    ("[metadata]\ntags = [1, 2]\n", "metadata.tags"),
+])
+def test_rejects_tb2_fields_of_the_wrong_type(tmp_path, toml, field):
+    e = assert_format_error(make_tb2(tmp_path, task_toml=toml), "task.toml", field)
+    assert e.field == field
+
+
+def test_rejects_multi_step_task_missing_a_step_instruction(tmp_path):
+    d = make_tb2(tmp_path, task_toml='[[steps]]\nname = "one"\n', instruction=None)
+    write(d / "steps" / "one" / "tests" / "test.sh", "#!/bin/bash\n")
+    assert_format_error(d, "steps/one/instruction.md")
+
+
+def test_rejects_duplicate_step_names(tmp_path):
+    d = make_tb2(tmp_path, task_toml='[[steps]]\nname = "one"\n[[steps]]\nname = "one"\n', instruction=None)
+    write(d / "steps" / "one" / "instruction.md", "do one\n")
+    write(d / "steps" / "one" / "tests" / "test.sh", "#!/bin/bash\n")
+    assert_format_error(d, "steps[1].name", "duplicate")
+
+
+def test_rejects_a_directory_without_task_config(tmp_path):
+    assert_format_error(tmp_path, "neither task.yaml")
+
+
+# ---------------------------------------------------------------------------
+# Datasets
+
+
+def test_dataset_finds_tasks_two_levels_deep_sorted_by_id(tmp_path):
+    make_tb2(tmp_path / "b", "zeta")
+    make_tb1(tmp_path / "a", "alpha")
+    make_tb1(tmp_path, "mid")
+    make_tb1(tmp_path / "x" / "y", "too-deep")
+    make_tb1(tmp_path / ".hidden", "secret")
+    assert [t.id for t in load_dataset(tmp_path)] == ["alpha", "mid", "zeta"]
+
+
+def test_dataset_rejects_duplicate_ids(tmp_path):
+    make_tb1(tmp_path / "tb1", "same")
+    make_tb2(tmp_path / "tb2", "same")
+    make_tb1(tmp_path / "tb1", "other")
+    with pytest.raises(TaskFormatError, match="duplicate task id 'same'"):
+        load_dataset(tmp_path)
+    tasks, errors = load_dataset(tmp_path, strict=False)
+    assert [t.id for t in tasks] == ["other"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p, _ in errors) == ["tb1/same", "tb2/same"]
+
+
+def test_dataset_strict_raises_first_bad_task_and_lenient_collects_it(tmp_path):
+    make_tb1(tmp_path, "good")
+    bad = make_tb1(tmp_path, "bad", task_yaml="difficulty: easy\n")
+    with pytest.raises(TaskFormatError, match="instruction"):
+        load_dataset(tmp_path)
+    tasks, errors = load_dataset(tmp_path, strict=False)
+    assert [t.id for t in tasks] == ["good"]
+    assert [p for p, _ in errors] == [bad] and errors[0][1].field == "instruction"
+
+
+def test_dataset_root_must_exist(tmp_path):
+    with pytest.raises(TaskFormatError, match="not a directory"):
+        load_dataset(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------------------
+# context_hash
+
+
+def test_context_hash_is_stable_and_independent_of_location_and_write_bits(tmp_path):
+    original = make_tb1(tmp_path / "one")
+    copy = tmp_path / "two" / "t1"
+    shutil.copytree(original, copy)
+    for p in [copy, *copy.rglob("*")]:  # a read-only copy, as the shared data is
+        p.chmod(stat.S_IMODE(p.stat().st_mode) & ~0o222)
+    try:
+        first = context_hash(load_task(original), {})
+        assert first == context_hash(load_task(original), {})
+        assert len(first) == 64 and set(first) <= set("0123456789abcdef")
+        assert context_hash(load_task(copy), {}) == first
+    finally:
+        for p in [copy, *copy.rglob("*")]:
+            p.chmod(stat.S_IMODE(p.stat().st_mode) | 0o200)
+
+
+@needs_data
+def test_context_hash_of_sample_task_equals_hash_of_its_copy(tmp_path):
+    shutil.copytree(TB_DATA / "tb2" / "skills", tmp_path / "skills")
+    image_map = {"ubuntu": "envhub/base:1"}
+    assert context_hash(load_task(tmp_path / "skills"), image_map) == \
+        context_hash(load_task(TB_DATA / "tb2" / "skills"), image_map)
+
+
+@pytest.mark.parametrize("edit", ["content", "new_file", "new_empty_dir", "exec_bit", "rename", "symlink"])
+def test_context_hash_changes_when_the_context_changes(tmp_path, edit):
+    d = make_tb2(tmp_path)
+    env = d / "environment"
+    write(env / "data.txt", "one\n")
+    before = context_hash(load_task(d), {})
+    if edit == "content":
+        write(env / "data.txt", "two\n")
+    elif edit == "new_file":
+        write(env / "sub" / "extra.txt", "x")
+    elif edit == "new_empty_dir":
+        (env / "empty").mkdir()
+    elif edit == "exec_bit":
+        (env / "data.txt").chmod(0o755)
+    elif edit == "rename":
+        (env / "data.txt").rename(env / "data2.txt")
+    elif edit == "symlink":
+        os.symlink("data.txt", env / "link")
+    assert context_hash(load_task(d), {}) != before
+
+
+def test_context_hash_hashes_symlinks_as_links_not_targets(tmp_path):
+    d = make_tb2(tmp_path)
+    outside = write(tmp_path / "outside.txt", "v1\n")
+    os.symlink(outside, d / "environment" / "link")
+    os.symlink(tmp_path / "missing", d / "environment" / "dangling")  # docker sends it as is
+    before = context_hash(load_task(d), {})
+    write(outside, "v2\n")
+    assert context_hash(load_task(d), {}) == before
+
+
+def test_context_hash_ignores_files_outside_the_build_context(tmp_path):
+    d = make_tb2(tmp_path)
+    before = context_hash(load_task(d), {})
+    write(d / "tests" / "test_more.py", "def test_x(): pass\n")
+    write(d / "instruction.md", "Something else entirely.\n")
+    assert context_hash(load_task(d), {}) == before
+
+
+def test_context_hash_follows_the_effective_base_image(tmp_path):
+    t = load_task(make_tb2(tmp_path))
+    plain = context_hash(t, {})
+    assert context_hash(t, {"debian": "local/debian:1"}) == plain  # maps nothing here
+    mapped = context_hash(t, {"ubuntu": "local/ubuntu:1"})
+    assert mapped != plain
+    assert context_hash(t, {"*": "local/ubuntu:1"}) == mapped
+    assert context_hash(t, {"ubuntu": "local/ubuntu:2"}) != mapped
+
+
+def test_context_hash_of_a_prebuilt_image_task_follows_the_image(tmp_path):
+    t = load_task(make_tb2(tmp_path, task_toml='[environment]\ndocker_image = "org/img:1"\n', dockerfile=None))
+    assert context_hash(t, {}) != context_hash(t, {"org/img": "local/img:1"})
+
+
+# ---------------------------------------------------------------------------
+# substitute_base
+
+
+def test_substitute_base_matches_an_exact_tag():
+    text = "FROM python:3.13-slim\nRUN pip install x\n"
+    assert substitute_base(text, {"python:3.13-slim": "local/py:1"}) == "FROM local/py:1\nRUN pip install x\n"
+    assert substitute_base(text, {"python:3.12-slim": "local/py:1"}) == text
+
+
+def test_substitute_base_key_without_tag_matches_any_tag_or_digest():
+    text = "FROM ubuntu:24.04\nFROM ubuntu@sha256:abc\nFROM ubuntu\nFROM ubuntu-extra:1\n"
+    assert substitute_base(text, {"ubuntu": "local/u:1"}) == \
+        "FROM local/u:1\nFROM local/u:1\nFROM local/u:1\nFROM ubuntu-extra:1\n"
+
+
+def test_substitute_base_prefers_exact_key_then_repository_then_catch_all():
+    image_map = {"*": "local/default", "ubuntu": "local/u", "ubuntu:22.04": "local/u22"}
+    text = "FROM ubuntu:22.04\nFROM ubuntu:24.04\nFROM ghcr.io/laude-institute/t-bench/python-3-13:20250620\n"
+    assert substitute_base(text, image_map) == "FROM local/u22\nFROM local/u\nFROM local/default\n"
+
+
+def test_substitute_base_keeps_stage_references_scratch_and_aliases():
+    text = ("FROM golang:1.22 AS Build\nRUN go build\n"
+            "FROM build AS test\n"
+            "FROM scratch\nCOPY --from=build /out /out\n"
+            "from   debian:12   as   final  # runtime\n")
+    assert substitute_base(text, {"*": "local/base"}) == (
+        "FROM local/base AS Build\nRUN go build\n"
+        "FROM build AS test\n"
+        "FROM scratch\nCOPY --from=build /out /out\n"
+        "from   local/base   as   final  # runtime\n")
+
+
+def test_substitute_base_keeps_platform_flag():
+    text = "FROM --platform=linux/amd64 buildpack-deps:jammy AS base\n"
+    assert substitute_base(text, {"buildpack-deps": "local/bp:jammy"}) == \
+        "FROM --platform=linux/amd64 local/bp:jammy AS base\n"
+    text = "FROM --platform=$BUILDPLATFORM python:3.13 \n"
+    assert substitute_base(text, {"python:3.13": "local/py"}) == "FROM --platform=$BUILDPLATFORM local/py \n"
+
+
+def test_substitute_base_normalises_docker_hub_names_and_keeps_registry_ports():
+    text = "FROM docker.io/library/ubuntu:24.04\nFROM localhost:5000/team/app:2\n"
+    assert substitute_base(text, {"ubuntu:24.04": "local/u", "localhost:5000/team/app": "local/app"}) == \
+        "FROM local/u\nFROM local/app\n"
+
+
+def test_substitute_base_leaves_comments_and_other_lines_alone():
+    text = "# FROM ubuntu:24.04\r\nRUN echo FROM ubuntu\r\nFROM ubuntu:24.04\r\n"
+    assert substitute_base(text, {"ubuntu": "l/u"}) == "# FROM ubuntu:24.04\r\nRUN echo FROM ubuntu\r\nFROM l/u\r\n"
+
+
+def test_substitute_base_without_a_map_changes_nothing():
+    text = "FROM ubuntu:24.04\nWORKDIR /app"
+    assert substitute_base(text, {}) == text
