@@ -94,6 +94,37 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
     click.echo(json.dumps(describe_plugins(pm), indent=2))
 
 
+@cli.command()
+@click.argument("tasks", nargs=-1)
+@click.option("--environment", "-e", default="terminal-bench", show_default=True,
+              help="The environment whose task images to build.")
+@click.option("--all", "all_tasks", is_flag=True, help="Build every task of the environment.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), envvar="ENVHUB_CONFIG", help="YAML config file.")
+@click.option("--data-dir", type=click.Path(file_okay=False), envvar="ENVHUB_DATA_DIR", help="Data folder.")
+@click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE", help="Set any option.")
+def build(tasks: tuple[str, ...], environment: str, all_tasks: bool, config: str | None, data_dir: str | None,
+          sets: tuple[str, ...]) -> None:
+    """Prebuild task images (each once; unchanged tasks are not rebuilt), with a progress bar."""
+    import asyncio
+
+    from envhub.prebuild import prebuild
+
+    if not tasks and not all_tasks:
+        raise click.UsageError("name one or more TASKS, or --all")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        settings = _settings(config, sets, data_dir=data_dir)
+        outcome = asyncio.run(prebuild(settings, environment, list(tasks) or None, echo=click.echo))
+    except EnvhubError as e:
+        raise click.ClickException(e.message) from None
+    failed = {t: err for t, err in outcome.items() if err}
+    click.echo(f"{len(outcome) - len(failed)} ready, {len(failed)} failed")
+    for task_id, error in failed.items():
+        click.echo(f"FAILED {task_id}: {error}", err=True)
+    if failed:
+        sys.exit(1)
+
+
 @cli.group()
 def db() -> None:
     """Database maintenance."""

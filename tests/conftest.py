@@ -107,7 +107,8 @@ class EnvhubProcess:
 
     def client(self, **kw) -> httpx.Client:
         headers = {"X-API-Key": self.api_key} if self.api_key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kw)
+        kw.setdefault("timeout", 60)
+        return httpx.Client(base_url=self.url, headers=headers, **kw)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ DEFAULT_PLUGINS = (
     "envhub.plugins.process_sandbox",
     "envhub.plugins.docker_sandbox",
     "envhub.plugins.mbpp",
+    "envhub.plugins.terminal_bench",
     "envhub.plugins.direct_network",
 )
 

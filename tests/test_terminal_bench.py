@@ -1,0 +1,252 @@
+"""terminal-bench on the real Docker engine: builds, episodes, grading, isolation.
+
+Tasks: the two bundled ones (envhub/data/terminal-bench: word-count in tb1, hello-envhub
+in tb2) and two test-only ones (tests/data/terminal-bench: a broken Dockerfile, a
+verifier that hangs). All build offline: their ``debian:bookworm`` base is mapped to the
+local image that scripts/setup-docker.sh makes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import docker
+import pytest
+import yaml
+
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
+
+pytestmark = [needs_docker]
+
+BUNDLED = REPO / "envhub" / "data" / "terminal-bench"
+TEST_TASKS = Path(__file__).resolve().parent / "data" / "terminal-bench"
+NODE_ID = f"tbtest-{uuid.uuid4().hex[:8]}"
+
+
+def write_config(path: Path, *datasets: Path, **extra) -> Path:
+    path.write_text(yaml.safe_dump({
+        "node_id": NODE_ID,
+        "image_map": {"debian:bookworm": BASE_IMAGE},
+        "environments": {"terminal-bench": {"datasets": [str(d) for d in datasets]}},
+        **extra}))
+    return path
+
+
+def our_containers() -> list:
+    client = docker.from_env()
+    try:
+        return client.api.containers(all=True, filters={"label": f"envhub.node={NODE_ID}"})
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def tb_node(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tb")
+    cfg = write_config(tmp / "node.yaml", BUNDLED, TEST_TASKS)
+    proc = EnvhubProcess(tmp / "data", "--config", str(cfg), "--capacity", "12").start(timeout=60)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+    assert our_containers() == [], "every container of this node was removed"
+
+
+@pytest.fixture
+def c(tb_node):
+    with tb_node.client(timeout=300) as client:
+        yield client
+
+
+def create(c, task_id, **body):
+    r = c.post("/instances", json={"environment": "terminal-bench", "task_id": task_id, **body})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def act(c, iid, tool, **arguments):
+    r = c.post(f"/instances/{iid}/step", json={"action": {"tool": tool, "arguments": arguments}})
+    assert r.status_code == 200, r.text
+    return r.json()["observation"]
+
+
+@pytest.mark.parametrize("task_id, total", [("word-count", 3), ("hello-envhub", 3)])
+def test_oracle_scores_one_and_an_untouched_episode_scores_zero(c, tb_node, task_id, total):
+    oracle = create(c, task_id, params={"oracle": True}, trial="oracle")
+    assert oracle["observation"]["oracle"]["exit_code"] == 0
+    ev = c.post(f"/instances/{oracle['instance_id']}/evaluate").json()
+    assert ev["reward"] == 1.0, ev
+    assert ev["details"]["passed"] == ev["details"]["total"] == total
+    untouched = create(c, task_id)
+    ev0 = c.post(f"/instances/{untouched['instance_id']}/evaluate").json()
+    assert ev0["reward"] == 0.0 and ev0["details"]["passed"] < total
+    for iid in (oracle["instance_id"], untouched["instance_id"]):
+        c.post(f"/instances/{iid}/release")
+    verifier = tb_node.data_dir / "trials" / "oracle" / oracle["instance_id"] / "verifier"
+    assert json.loads((verifier / "result.json").read_text())["passed"] == total
+    if task_id == "hello-envhub":
+        assert (verifier / "reward.txt").read_text().strip() == "1"
+        assert len(json.loads((verifier / "ctrf.json").read_text())["results"]["tests"]) == 3
+    else:
+        assert "short test summary info" in (verifier / "test-stdout.txt").read_text()
+
+
+def test_an_agent_solves_word_count_through_the_tools_and_cannot_see_tests(c):
+    iid = create(c, "word-count")["instance_id"]
+    assert act(c, iid, "run_command", command="test -e /tests || test -e /oracle; echo $?")["stdout"] == "1\n"
+    listing = act(c, iid, "run_command", command="pwd; ls")
+    assert listing["stdout"] == "/app\nwords.txt\n" and listing["exit_code"] == 0
+    assert act(c, iid, "read_file", path="words.txt")["content"].startswith("the quick brown fox")
+    assert act(c, iid, "read_file", path="/nope")["ok"] is False
+    act(c, iid, "write_file", path="count.txt", content="13\n")
+    ev = c.post(f"/instances/{iid}/evaluate").json()
+    assert ev["reward"] == 1.0 and set(ev["details"]["tests"].values()) == {"passed"}
+    r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_command", "arguments": {"command": "ls"}}})
+    assert r.status_code == 409, "after evaluation the tests are in the container: no more steps"
+    c.post(f"/instances/{iid}/release")
+
+
+def test_pass_ratio_reward_mode_gives_partial_credit(c):
+    iid = create(c, "hello-envhub", params={"reward_mode": "pass_ratio"})["instance_id"]
+    act(c, iid, "write_file", path="/app/hello.txt", content="Hello, envhub!\n")
+    ev = c.post(f"/instances/{iid}/evaluate").json()
+    assert ev["reward"] == pytest.approx(1 / 3) and ev["details"]["rewards"] == {"reward": 0.0}
+    c.post(f"/instances/{iid}/release")
+
+
+def test_concurrent_episodes_of_one_task_never_share_a_filesystem(c, tb_node):
+    ids = [create(c, "hello-envhub")["instance_id"] for _ in range(3)]
+    for n, iid in enumerate(ids):
+        act(c, iid, "write_file", path="/app/mine.txt", content=str(n))
+    for n, iid in enumerate(ids):
+        assert act(c, iid, "run_command", command="cat /app/mine.txt")["stdout"] == str(n)
+    for iid in ids:
+        c.post(f"/instances/{iid}/release")
+
+
+def test_a_command_past_its_timeout_returns_its_partial_output(c):
+    iid = create(c, "hello-envhub")["instance_id"]
+    t0 = time.monotonic()
+    obs = act(c, iid, "run_command", command="echo started; sleep 30; echo never", timeout=1)
+    assert time.monotonic() - t0 < 8
+    assert obs["timed_out"] is True and obs["stdout"] == "started\n" and "timed out" in obs["content"]
+    assert act(c, iid, "run_command", command="echo alive")["stdout"] == "alive\n"
+    c.post(f"/instances/{iid}/release")
+
+
+def test_a_verifier_that_hangs_is_stopped_at_the_task_test_timeout(c):
+    created = create(c, "slow-verifier")
+    iid = created["instance_id"]
+    assert created["observation"]["task"]["allow_internet"] is False
+    t0 = time.monotonic()
+    ev = c.post(f"/instances/{iid}/evaluate").json()
+    assert time.monotonic() - t0 < 15
+    assert ev["reward"] == 0.0 and ev["details"]["timed_out"] is True and ev["details"]["error"] == "tests timed out"
+    c.post(f"/instances/{iid}/release")
+
+
+def test_a_broken_dockerfile_fails_every_create_with_its_log_tail_and_is_retried(c):
+    before = c.get("/health").json()["active"]
+    r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "broken-build"})
+    assert r.status_code == 500 and r.json()["code"] == "build_failed"
+    assert "about to fail on purpose" in r.json()["error"] and "Traceback" not in r.text
+    again = c.post("/instances", json={"environment": "terminal-bench", "task_id": "broken-build"})
+    assert again.json()["code"] == "build_failed"
+    builds = c.get("/builds", params={"task_id": "broken-build"}).json()
+    assert builds["total"] == 2 and {b["state"] for b in builds["builds"]} == {"failed"}, "retried, not cached"
+    log_tail = c.get(f"/builds/{builds['builds'][0]['id']}").json()["log_tail"]
+    assert "about to fail on purpose" in log_tail
+    assert c.get("/health").json()["active"] == before, "a build holds no slot and leaks none"
+
+
+def test_unknown_task_and_bad_arguments_are_clear_4xx(c):
+    assert c.post("/instances", json={"environment": "terminal-bench", "task_id": "nope"}).status_code == 404
+    iid = create(c, "hello-envhub")["instance_id"]
+    r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_command", "arguments": {"command": "ls",
+                                                                                                 "timeout": -1}}})
+    assert r.status_code == 400 and r.json()["field"] == "action.arguments.timeout"
+    r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "write_file", "arguments": {"path": "x"}}})
+    assert r.status_code == 400 and r.json()["field"] == "action.arguments.content"
+    c.post(f"/instances/{iid}/release")
+
+
+def test_concurrent_creates_of_an_unbuilt_task_share_one_build(tmp_path, start_node):
+    """A copy of hello-envhub with a unique file, so its context hash is new to the engine."""
+    root = tmp_path / "tasks"
+    shutil.copytree(BUNDLED / "hello-envhub", root / "fresh-hello")
+    (root / "fresh-hello" / "environment" / "marker.txt").write_text(uuid.uuid4().hex)
+    node = start_node("--config", str(write_config(tmp_path / "node.yaml", root)), "--capacity", "8")
+    results = []
+
+    def go():
+        with node.client(timeout=300) as client:
+            results.append(client.post("/instances", json={"environment": "terminal-bench", "task_id": "fresh-hello"}))
+
+    threads = [threading.Thread(target=go) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [201] * 6, [r.text for r in results]
+    with node.client() as client:
+        builds = client.get("/builds", params={"task_id": "fresh-hello"}).json()
+        assert builds["total"] == 1 and builds["builds"][0]["state"] == "ready"
+        image = builds["builds"][0]["image"]
+        for r in results:
+            client.post(f"/instances/{r.json()['instance_id']}/release")
+    assert node.stop() == 0
+
+    # Unchanged across a restart: no rebuild. Edited: a new image.
+    again = start_node("--config", str(tmp_path / "node.yaml"), "--data-dir", str(node.data_dir))
+    with again.client(timeout=300) as client:
+        iid = client.post("/instances", json={"environment": "terminal-bench", "task_id": "fresh-hello"}).json()["instance_id"]
+        client.post(f"/instances/{iid}/release")
+        assert client.get("/builds", params={"task_id": "fresh-hello"}).json()["total"] == 1
+    assert again.stop() == 0
+    (root / "fresh-hello" / "environment" / "marker.txt").write_text("edited")
+    edited = start_node("--config", str(tmp_path / "node.yaml"), "--data-dir", str(node.data_dir))
+    with edited.client(timeout=300) as client:
+        iid = client.post("/instances", json={"environment": "terminal-bench", "task_id": "fresh-hello"}).json()["instance_id"]
+        client.post(f"/instances/{iid}/release")
+        builds = client.get("/builds", params={"task_id": "fresh-hello"}).json()["builds"]
+        assert len(builds) == 2 and builds[0]["image"] != image
+    docker_client = docker.from_env()
+    try:
+        for b in builds:
+            docker_client.images.remove(b["image"], force=True)
+    finally:
+        docker_client.close()
+
+
+def test_envhub_build_prebuilds_with_a_progress_bar(tmp_path):
+    cfg = write_config(tmp_path / "node.yaml", BUNDLED, TEST_TASKS)
+    out = subprocess.run([sys.executable, "-m", "envhub", "build", "--config", str(cfg), "--data-dir",
+                          str(tmp_path / "data"), "word-count", "hello-envhub"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "building terminal-bench images" in out.stdout and "2 ready, 0 failed" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "envhub", "build", "--config", str(cfg), "--data-dir",
+                          str(tmp_path / "data"), "broken-build"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1 and "FAILED broken-build" in bad.stderr
+    assert our_containers() == []
+
+
+def test_every_shared_terminal_bench_task_is_served(tmp_path, start_node):
+    """The published tasks (../shared/data/terminal-bench) load through the environment;
+    their images name registry bases, so only listing is checked here."""
+    shared = REPO.parent / "shared" / "data" / "terminal-bench"
+    if not shared.exists():
+        pytest.skip("../shared/data/terminal-bench is not present")
+    node = start_node("--config", str(write_config(tmp_path / "node.yaml", shared / "tb1", shared / "tb2")))
+    with node.client() as client:
+        page = client.get("/environments/terminal-bench/tasks", params={"limit": 100}).json()
+        assert page["total"] == 15
+        by_id = {t["id"]: t for t in page["tasks"]}
+        assert by_id["evoeval-0"]["format"] == "tb1" and by_id["evoeval-0"]["test_timeout_sec"] == 120.0
+        assert by_id["skills"]["format"] == "tb2" and by_id["skills"]["memory_mb"] == 2048
+        assert all(t["title"] for t in page["tasks"])
