@@ -139,6 +139,32 @@ async def test_exec_rejects_bad_arguments(sandbox, box):
 
 # --- files --------------------------------------------------------------------------
 
+async def test_commands_run_in_one_persistent_shell_agent(sandbox):
+    """Two calls share the agent process (grandparent of the command) instead of each
+    being a docker exec; output and exit codes come back through it unchanged."""
+    handle = await sandbox.create(spec())
+    try:
+        agent_pid = "ps -o ppid= -p $PPID | tr -d ' '"
+        first = await sandbox.exec(handle, agent_pid, timeout=10)
+        second = await sandbox.exec(handle, agent_pid, timeout=10)
+        assert first.exit_code == 0 and first.stdout == second.stdout and first.stdout.strip().isdigit()
+        weird = await sandbox.exec(handle, "printf 'a b\\n  c\\x00d'; exit 7", timeout=10)
+        assert (weird.stdout, weird.exit_code) == ("a b\n  c\x00d", 7)
+    finally:
+        await sandbox.destroy(handle)
+
+
+async def test_a_killed_agent_falls_back_to_docker_exec(sandbox):
+    handle = await sandbox.create(spec())
+    try:
+        lost = await sandbox.exec(handle, "kill -9 $(ps -o ppid= -p $PPID)", timeout=5)
+        assert lost.exit_code is None and "lost" in lost.stderr
+        after = await sandbox.exec(handle, "echo still here", timeout=10)
+        assert (after.stdout, after.exit_code) == ("still here\n", 0)
+    finally:
+        await sandbox.destroy(handle)
+
+
 async def test_write_and_read_file_round_trip_binary_and_nested(sandbox, box):
     blob = bytes(range(256)) * 1000
     await sandbox.write_file(box, "/data/deep/er/blob.bin", blob)

@@ -58,6 +58,8 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import docker
 import docker.errors
+
+from envhub.plugins._docker_agent import AgentBroken, ShellAgent
 import docker.types
 from docker.constants import DEFAULT_UNIX_SOCKET
 import requests.exceptions
@@ -106,6 +108,9 @@ class DockerSandbox(Sandbox):
     - ``workdir`` (None: the image's WORKDIR): working dir of the container, of every
       exec and of relative file paths.
     - ``shell`` (``["bash", "-c"]``): the command line is appended to it.
+    - ``shell_agent`` (true): run commands through one persistent ``sh`` per container
+      (``_docker_agent``: about 17 ms a call instead of about 80 ms for a docker exec);
+      a container whose agent cannot start or breaks uses docker exec.
     - ``kill_grace`` (2.0 s): how long past the timeout the node keeps reading; the
       container's own KILL comes 1 s after the timeout.
     - ``output_limit`` (65536): bytes kept per stream; past it the head and tail are
@@ -150,6 +155,9 @@ class DockerSandbox(Sandbox):
         self._host_cpus: float | None = None
         self._created: set[str] = set()  # container ids this process created and has not removed
         self._workdirs: dict[str, str] = {}  # container id -> its working dir, once looked up
+        # container id -> its shell agent, or False where it has none (see _docker_agent)
+        self._agents: dict[str, ShellAgent | bool] = {}
+        self.use_agent = bool(c.get("shell_agent", True))
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -317,6 +325,9 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"cannot remove container {cid[:12]}: {e}") from e
         self._created.discard(cid)
         self._workdirs.pop(cid, None)
+        agent = self._agents.pop(cid, None)
+        if agent:
+            agent.close()
 
     def _destroy_quietly(self, cid: str) -> None:
         try:
@@ -333,7 +344,52 @@ class DockerSandbox(Sandbox):
             raise InvalidRequest("code must not contain NUL characters", field="code")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest("timeout must be positive", field="timeout")
-        return await self._call(self._exec_sync, handle, [*self.shell, code], float(timeout))
+        return await self._call(self._exec_fast_or_plain, handle, code, float(timeout))
+
+    def _exec_fast_or_plain(self, cid: str, code: str, timeout: float) -> ExecResult:
+        """Through the container's shell agent when it has one, else one docker exec."""
+        agent = self._agents.get(cid)
+        if agent is None and self.use_agent and self.shell == ["bash", "-c"]:
+            agent = self._agents[cid] = self._start_agent(cid) or False
+        if agent:
+            try:
+                return agent.run(code, timeout, time.monotonic() + timeout + self.kill_grace + 5)
+            except AgentBroken as e:
+                log.warning("docker sandbox: shell agent of %s failed (%s); using docker exec", cid[:12], e)
+                self._agents[cid] = False
+                # The command may have run; what it printed is lost with the agent.
+                return ExecResult(exit_code=None, timed_out=True, duration_s=timeout,
+                                  stderr=f"envhub: the command's result was lost ({e})\n")
+        return self._exec_sync(cid, [*self.shell, code], timeout)
+
+    def _start_agent(self, cid: str) -> ShellAgent | None:
+        api = self._api
+        try:
+            exec_id = api.exec_create(cid, ["sh", "-c", ShellAgent.script(self.output_limit)],
+                                      stdin=True, stdout=True, stderr=True, tty=False)["Id"]
+            sock = api.exec_start(exec_id, socket=True)
+        except _ENGINE_ERRORS as e:
+            _release(e)
+            return None
+        response = sock._response  # as in _pump: the hijacked connection under docker-py's wrapper
+        reader = response.raw._fp.fp
+        netsock = reader.raw._sock
+        if isinstance(netsock, ssl.SSLSocket):
+            response.close()
+            return None  # TLS engines keep decrypted bytes out of select(): use docker exec
+        netsock.setblocking(False)
+        try:
+            early = reader.read1(1 << 16) or b""
+        except (BlockingIOError, InterruptedError):
+            early = b""
+        agent = ShellAgent(netsock, response.close, self.output_limit, early)
+        try:
+            agent.wait_ready(10)
+        except (AgentBroken, OSError) as e:
+            log.info("docker sandbox: no shell agent in %s (%s); using docker exec", cid[:12], e)
+            agent.close()
+            return None
+        return agent
 
     def _exec_sync(self, cid: str, argv: list[str], timeout: float) -> ExecResult:
         api = self._api
