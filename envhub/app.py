@@ -13,18 +13,20 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+import aiohttp
 import pluggy
 from sanic import Sanic
 from sanic.config import Config
 
-from envhub.errors import StartupError
+from envhub import peers
 from envhub.network import NetworkMode
 from envhub.node import NodeService
 from envhub.plugins import Registry, collect, get_plugin_manager
 from envhub.runtime import NodeRuntime
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
-from envhub.web import builds, environments, health, instances
+from envhub.scheduler import SchedulerService, load_fleet
+from envhub.web import admin, builds, environments, fleet, health, instances, routing
 from envhub.web.auth import setup_auth
 from envhub.web.errors import setup_errors
 
@@ -40,6 +42,8 @@ class AppContext:
     node: NodeService | None = None
     runtime: NodeRuntime | None = None
     network: NetworkMode | None = None
+    http: aiohttp.ClientSession | None = None
+    scheduler: SchedulerService | None = None
 
 
 EnvhubApp: TypeAlias = "Sanic[Config, AppContext]"
@@ -58,7 +62,8 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     setup_plugins(app, pm)
     setup_store(app)
     setup_auth(app)
-    setup_node(app)
+    setup_http(app)
+    ROLES[settings.role](app)
     for bp in blueprints_for(settings.role):
         app.blueprint(bp)
     return app
@@ -66,8 +71,48 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
 
 def blueprints_for(role: str) -> list[Any]:
     if role == "node":
-        return [health.bp, environments.bp, instances.bp, builds.bp]
-    raise StartupError(f"role {role!r} is not implemented yet")
+        return [health.bp, environments.bp, instances.bp, builds.bp, admin.bp]
+    return [fleet.bp, routing.bp]
+
+
+def setup_http(app: Any) -> None:
+    """One HTTP client session per process for calls to other envhub processes (envhub/peers.py)."""
+
+    @app.before_server_start(priority=900)
+    async def open_http(app: Any) -> None:
+        app.ctx.http = peers.session(total_timeout=app.ctx.settings.forward_timeout)
+
+    @app.listener("after_server_stop", priority=-900)
+    async def close_http(app: Any) -> None:
+        if app.ctx.http is not None:
+            await app.ctx.http.close()
+            app.ctx.http = None
+
+
+def setup_scheduler(app: Any) -> None:
+    @app.before_server_start(priority=500)
+    async def start_scheduler(app: Any) -> None:
+        settings: Settings = app.ctx.settings
+        fleet = load_fleet(settings)
+        mode = settings.network_mode
+        config = dict(settings.network.get(mode) or {})
+        if fleet.url_rewrite:
+            if mode == "direct":
+                mode = "rewrite"  # nodes.yaml's url_rewrite (SETA) asks for the rewrite mode
+            config["url_rewrite"] = {**fleet.url_rewrite, **(config.get("url_rewrite") or {})}
+        app.ctx.network = app.ctx.registries["network_mode"].get(mode)(config)
+        await app.ctx.network.start()
+        app.ctx.scheduler = SchedulerService(settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network)
+        await app.ctx.scheduler.start()
+
+    @app.after_server_start
+    async def start_health_loop(app: Any) -> None:
+        app.add_task(app.ctx.scheduler.health_forever(), name="scheduler.health")
+
+    @app.before_server_stop
+    async def stop_scheduler(app: Any) -> None:
+        if app.ctx.network is not None:
+            await app.ctx.network.stop()
 
 
 def setup_plugins(app: Any, pm: pluggy.PluginManager | None) -> None:
@@ -132,3 +177,6 @@ def setup_node(app: Any) -> None:
             await app.ctx.runtime.stop()
         if app.ctx.network is not None:
             await app.ctx.network.stop()
+
+
+ROLES = {"node": setup_node, "scheduler": setup_scheduler}

@@ -289,6 +289,59 @@ class NodeService:
             out["idle_s"] = round(time.monotonic() - live.last_active, 3)
         return out
 
+    # -- administration (POST /config, POST /cleanup; the scheduler fans them out) -------
+
+    RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
+
+    def config(self) -> dict[str, Any]:
+        return {"environments": {name: env.config for name, env in self.environments.items()},
+                "idle_ttl": self.settings.idle_ttl, "queue_timeout": self.settings.queue_timeout}
+
+    async def reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Merge ``changes`` into the running config. An environment section is merged into
+        its config and the environment reloaded; live episodes keep the one they started
+        with. Nothing is applied unless everything validates."""
+        unknown = sorted(set(changes) - set(self.RECONFIGURABLE))
+        if unknown:
+            raise InvalidRequest(f"cannot change {', '.join(unknown)} at run time "
+                                 f"(can: {', '.join(self.RECONFIGURABLE)})", field=unknown[0])
+        sections = changes.get("environments") or {}
+        if not isinstance(sections, dict):
+            raise InvalidRequest("'environments' must map names to config sections", field="environments")
+        reloaded: dict[str, Environment] = {}
+        for name, section in sections.items():
+            env = self.environment(name)
+            if not isinstance(section, dict):
+                raise InvalidRequest(f"environments.{name} must be a mapping", field=f"environments.{name}")
+            fresh = type(env)({**env.config, **section})
+            try:
+                fresh.load()
+            except EnvhubError as e:
+                raise InvalidRequest(f"environments.{name}: {e.message}", field=f"environments.{name}") from None
+            if env.context is not None:
+                await fresh.start(env.context)
+            reloaded[name] = fresh
+        numbers = {}
+        for key in ("idle_ttl", "queue_timeout"):
+            if key in changes:
+                value = changes[key]
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                    raise InvalidRequest(f"'{key}' must be a non-negative number", field=key)
+                numbers[key] = float(value)
+        self.environments.update(reloaded)
+        for key, value in numbers.items():
+            setattr(self.settings, key, value)
+        self.slots.queue_timeout = self.settings.queue_timeout
+        return self.config()
+
+    async def cleanup(self) -> dict[str, Any]:
+        """Release every live instance (what SETA's /cleanup does to its containers)."""
+        released = 0
+        for instance_id in list(self._live):
+            result = await self.release(instance_id, reason="released")
+            released += bool(result.get("released"))
+        return {"status": "ok", "released": released}
+
     # -- background ------------------------------------------------------------------
 
     async def reap_idle(self, *, now: float | None = None) -> list[str]:

@@ -49,6 +49,16 @@ class Settings:
     image_map: dict[str, str] = field(default_factory=dict)
     ca_bundle: Path | None = None
     build_parallel: int = 2
+    nodes_file: Path | None = None
+    nodes: list[Any] = field(default_factory=list)
+    node_api_key: str | None = None
+    affinity_window: float = 120.0
+    health_interval: float = 2.0
+    health_timeout: float = 2.0
+    scheduler_wait: float = 0.0
+    forward_timeout: float = 900.0
+    retry_attempts: int = 3
+    retry_max_wait: float = 2.0
     network_mode: str = "direct"
     network: dict[str, dict[str, Any]] = field(default_factory=dict)
     access_log: bool = False
@@ -163,6 +173,8 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
             return None
         if kind.startswith("Path"):
             return Path(value)
+        if kind == "str | None":
+            return str(value)
         if kind == "int":
             return int(value)
         if kind == "float":
@@ -171,6 +183,10 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
             if isinstance(value, str):
                 return value.strip().lower() in ("1", "true", "yes", "on")
             return bool(value)
+        if kind == "list[Any]":
+            if not isinstance(value, list):
+                raise TypeError("expected a list")
+            return list(value)
         if kind.startswith("list"):
             if isinstance(value, str):
                 value = [s.strip() for s in value.split(",") if s.strip()]

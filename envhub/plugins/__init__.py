@@ -24,6 +24,7 @@ DEFAULT_PLUGINS = (
     "envhub.plugins.mbpp",
     "envhub.plugins.terminal_bench",
     "envhub.plugins.direct_network",
+    "envhub.plugins.network_modes",
 )
 
 

@@ -1,0 +1,372 @@
+"""The scheduler's core: pick a node for each create, route every later call to it.
+
+Invariants:
+- A create picks, under one lock, the node that last got the same task within
+  ``affinity_window`` seconds if it has a free slot, else the healthy node with the
+  highest free-slot ratio (ties: first in nodes.yaml). No healthy node with a free slot:
+  503 with Retry-After (after waiting up to ``scheduler_wait`` seconds for one).
+- The route (instance -> node) is in SQLite before the create is forwarded, and the
+  forwarded create carries the instance id, so a retried or repeated create never makes
+  two instances and a restarted scheduler routes every instance as before. Affinity is
+  in SQLite too.
+- Slot accounting is the scheduler's own between health checks and is reset from each
+  node's own report (``active``) at every check, plus the creates still in flight, so a
+  restarted node or a node shared by two schedulers never drifts for longer than one
+  ``health_interval``.
+- A node that fails a health check is down: it gets no creates, and calls for its
+  instances get 503 at once; it is up again at its next good check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from envhub import peers
+from envhub.errors import EnvhubError, InvalidRequest, StartupError, Unavailable, UpstreamUnavailable
+from envhub.network import NetworkMode
+from envhub.node import validate_instance_id
+from envhub.settings import Settings
+from envhub.store import routes
+from envhub.store.db import Database
+
+log = logging.getLogger("envhub.scheduler")
+
+
+class AllNodesBusy(EnvhubError):
+    """Every healthy node is full (or no node is healthy)."""
+
+    status = 503
+    code = "capacity_exceeded"
+
+
+@dataclass
+class Node:
+    url: str
+    slots: int
+    api_key: str | None = None
+    name: str = ""
+    healthy: bool = False
+    capacity: int = 0  # min(slots, the node's own capacity)
+    active: int = 0  # the node's last report, adjusted by our creates and releases since
+    pending: int = 0  # creates forwarded and not answered yet
+    last_seen: float | None = None
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def used(self) -> int:
+        return self.active + self.pending
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used)
+
+    @property
+    def free_ratio(self) -> float:
+        return self.free / self.capacity if self.capacity else 0.0
+
+
+@dataclass
+class Fleet:
+    """What nodes.yaml (SETA's format plus envhub's options) describes."""
+
+    nodes: list[Node]
+    url_rewrite: dict[str, str]
+    api_key: str | None
+
+
+def load_fleet(settings: Settings) -> Fleet:
+    data: dict[str, Any] = {}
+    if settings.nodes_file:
+        try:
+            data = yaml.safe_load(Path(settings.nodes_file).read_text()) or {}
+        except OSError as e:
+            raise StartupError(f"cannot read nodes file {settings.nodes_file}: {e}") from None
+        except yaml.YAMLError as e:
+            raise StartupError(f"nodes file {settings.nodes_file} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise StartupError(f"nodes file {settings.nodes_file} must hold a mapping")
+    entries = list(data.get("nodes") or []) + list(settings.nodes)
+    api_key = data.get("api_key") or settings.node_api_key
+    nodes: list[Node] = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            entry = {"url": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
+            raise StartupError(f"nodes[{i}] needs a url")
+        url = entry["url"].rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise StartupError(f"nodes[{i}].url must be an http(s) URL, not {url!r}")
+        try:
+            slots = int(entry.get("slots", 16))
+        except (TypeError, ValueError):
+            raise StartupError(f"nodes[{i}].slots must be an integer") from None
+        if slots < 1:
+            raise StartupError(f"nodes[{i}].slots must be at least 1")
+        deploy = entry.get("deploy") or {}
+        key = entry.get("api_key") or (deploy.get("api_key") if isinstance(deploy, dict) else None) or api_key
+        if any(n.url == url for n in nodes):
+            raise StartupError(f"node {url} is listed twice")
+        nodes.append(Node(url=url, slots=slots, api_key=key, name=str(entry.get("name") or url), capacity=slots))
+    if not nodes:
+        raise StartupError("a scheduler needs nodes: set nodes_file (nodes.yaml) or nodes")
+    rewrite = data.get("url_rewrite") or {}
+    if not isinstance(rewrite, dict):
+        raise StartupError("url_rewrite in the nodes file must be a mapping")
+    return Fleet(nodes=nodes, url_rewrite={str(k): str(v) for k, v in rewrite.items()}, api_key=api_key)
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings, db: Database, http: aiohttp.ClientSession, fleet: Fleet,
+                 network: NetworkMode) -> None:
+        self.settings = settings
+        self.db = db
+        self.http = http
+        self.nodes = fleet.nodes
+        self.by_url = {n.url: n for n in self.nodes}
+        self.network = network
+        self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
+        self._lock = asyncio.Lock()
+        self._freed = asyncio.Event()
+        self._affinity: dict[str, tuple[str, float]] = {}
+        # instance id -> node url for live routes: routes never move, so the hot path
+        # (every step) needs no SQLite read. Filled on create and on first lookup.
+        self._route_cache: dict[str, str] = {}
+
+    # -- start and health ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        window = self.settings.affinity_window
+        self._affinity = await routes.affinities(self.db, newer_than=time.time() - window)
+        counts = await routes.live_counts(self.db)
+        for node in self.nodes:
+            node.active = counts.get(node.url, 0)
+        await self.check_health()
+        await self._settle_unfinished_creates()
+
+    async def _settle_unfinished_creates(self) -> None:
+        """Creates a killed scheduler left half-done: keep the route if the node has the
+        instance, drop it if not (the client's retry, carrying the same id, then lands)."""
+        rows = await self.db.rows("SELECT instance_id, node_url FROM routes WHERE state = 'creating'")
+        for instance_id, node_url in rows:
+            node = self.by_url.get(node_url)
+            if node is None or not node.healthy:
+                continue
+            try:
+                reply = await self._call(node, "GET", f"/instances/{instance_id}", idempotent=True)
+            except UpstreamUnavailable:
+                continue
+            if reply.status == 200:
+                await routes.set_state(self.db, instance_id, "live")
+            elif reply.status == 404:
+                await routes.delete(self.db, instance_id)
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(node) for node in self.nodes))
+
+    async def _check(self, node: Node) -> None:
+        try:
+            reply = await peers.call(self.http, node.url, "GET", "/health", timeout=self.settings.health_timeout)
+            report = reply.json()
+            if reply.status != 200 or not isinstance(report, dict):
+                raise ValueError(f"HTTP {reply.status}")
+        except (UpstreamUnavailable, ValueError) as e:
+            if node.healthy:
+                log.warning("node %s is down: %s", node.url, e)
+            node.healthy, node.error = False, f"{type(e).__name__}: {e}"
+            return
+        if not node.healthy:
+            log.info("node %s is up", node.url)
+        node.healthy, node.error, node.last_seen, node.info = True, None, time.time(), report
+        node.capacity = min(node.slots, int(report.get("capacity", node.slots)))
+        # The node's own count is the truth; creates still in flight are in `pending`.
+        node.active = int(report.get("active", node.active))
+        if not report.get("accepting", True):
+            node.capacity = 0
+        self._freed.set()
+
+    async def health_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval)
+            try:
+                await self.check_health()
+                cutoff = time.time() - 2 * self.settings.affinity_window
+                await routes.expire_affinity(self.db, older_than=cutoff)
+                self._affinity = {k: v for k, v in self._affinity.items() if v[1] >= cutoff}
+            except Exception:
+                log.exception("health check")
+
+    # -- choosing a node -----------------------------------------------------------------
+
+    async def _pick(self, task_key: str) -> Node:
+        deadline = time.monotonic() + self.settings.scheduler_wait
+        while True:
+            async with self._lock:
+                node = self._choose(task_key)
+                if node is not None:
+                    node.pending += 1
+                    self._affinity[task_key] = (node.url, time.time())
+                    return node
+                self._freed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                healthy = [n for n in self.nodes if n.healthy]
+                why = "all nodes are at capacity" if healthy else "no node is healthy"
+                raise AllNodesBusy(f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
+                                   f"slots in use on {len(healthy)} healthy node(s))",
+                                   headers={"Retry-After": "2"}, extra={"retry_after": 2})
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _choose(self, task_key: str) -> Node | None:
+        seen = self._affinity.get(task_key)
+        if seen is not None and time.time() - seen[1] <= self.settings.affinity_window:
+            node = self.by_url.get(seen[0])
+            if node is not None and node.healthy and node.free > 0:
+                return node
+        best: Node | None = None
+        for node in self.nodes:
+            if node.healthy and node.free > 0 and (best is None or node.free_ratio > best.free_ratio):
+                best = node
+        return best
+
+    # -- client calls --------------------------------------------------------------------
+
+    async def create(self, body: dict[str, Any]) -> tuple[int, bytes]:
+        environment, task_id = body.get("environment"), body.get("task_id")
+        if not isinstance(environment, str) or not environment:
+            raise InvalidRequest("'environment' must be a string", field="environment")
+        if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+            raise InvalidRequest("'task_id' must be a string", field="task_id")
+        params = body.get("params") or {}
+        if not isinstance(params, dict):
+            raise InvalidRequest("'params' must be an object", field="params")
+        instance_id = body.get("instance_id")
+        instance_id = validate_instance_id(instance_id) if instance_id is not None else \
+            f"{environment}-{secrets.token_hex(8)}"
+        existing = await routes.find(self.db, instance_id)
+        if existing is not None and existing.state != "creating":
+            # A retried create: the node that has it replays its first answer.
+            reply = await self._call(self.by_url[existing.node_url], "POST", "/instances", idempotent=True,
+                                     json={**body, "instance_id": instance_id})
+            return reply.status, reply.body
+        if isinstance(params.get("model_url"), str):
+            params = {**params, "model_url": self.network.rewrite(params["model_url"])}
+        forwarded = {**body, "instance_id": instance_id, "params": params}
+        task_key = f"{environment}/{task_id}"
+        node = await self._pick(task_key)
+        created = False
+        try:
+            await routes.put(self.db, instance_id=instance_id, node_url=node.url, environment=environment,
+                             task_id=str(task_id))
+            await routes.touch_affinity(self.db, task_key, node.url)
+            reply = await self._call(node, "POST", "/instances", json=forwarded, idempotent=True,
+                                     timeout=self.settings.forward_timeout)
+            created = reply.status in (200, 201)
+            if created:
+                await routes.set_state(self.db, instance_id, "live")
+                self._route_cache[instance_id] = node.url
+            return reply.status, reply.body
+        finally:
+            node.pending -= 1
+            if created:
+                node.active += 1
+            else:
+                await asyncio.shield(routes.delete(self.db, instance_id))
+                self._freed.set()
+
+    async def forward(self, instance_id: str, method: str, suffix: str = "", body: bytes | None = None, *,
+                      idempotent: bool) -> tuple[int, bytes]:
+        """Send a call for ``instance_id`` to its node; ``body`` is the client's raw JSON,
+        passed through unparsed (the node validates it and answers as it would directly)."""
+        node_url = self._route_cache.get(instance_id)
+        if node_url is None:
+            route = await routes.get(self.db, instance_id)
+            node_url = route.node_url
+            if route.state == "live":
+                self._route_cache[instance_id] = node_url
+        node = self.by_url.get(node_url)
+        if node is None:
+            raise Unavailable(f"instance {instance_id!r} is on node {node_url}, which is no longer configured")
+        if not node.healthy:
+            raise UpstreamUnavailable(f"instance {instance_id!r} is on node {node.url}, which is down",
+                                      extra={"node": node.url, "instance_id": instance_id})
+        reply = await self._call(node, method, f"/instances/{instance_id}{suffix}", data=body or None,
+                                 idempotent=idempotent, timeout=self.settings.forward_timeout)
+        return reply.status, reply.body
+
+    async def release(self, instance_id: str, method: str = "POST") -> tuple[int, bytes]:
+        suffix = "/release" if method == "POST" else ""
+        status, data = await self.forward(instance_id, method, suffix, idempotent=True)
+        if status == 200:
+            self._route_cache.pop(instance_id, None)
+            route = await routes.get(self.db, instance_id)
+            if route.state != "ended":
+                await routes.set_state(self.db, instance_id, "ended")
+                node = self.by_url.get(route.node_url)
+                if node is not None:
+                    node.active = max(0, node.active - 1)
+                self._freed.set()
+        return status, data
+
+    async def any_node(self, method: str, path: str, params: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """Read-only calls any node can answer (environment and task listings)."""
+        for node in self.nodes:
+            if node.healthy:
+                reply = await self._call(node, method, path, params=params, idempotent=True)
+                return reply.status, reply.body
+        raise UpstreamUnavailable("no node is healthy")
+
+    async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
+        async def one(node: Node) -> dict[str, Any]:
+            try:
+                reply = await self._call(node, method, path, json=body, idempotent=True, timeout=120)
+                try:
+                    result = reply.json()
+                except ValueError:
+                    result = reply.body.decode(errors="replace")
+                return {"node": node.url, "status": reply.status, "result": result}
+            except UpstreamUnavailable as e:
+                return {"node": node.url, "status": 503, "error": e.message}
+
+        return list(await asyncio.gather(*(one(n) for n in self.nodes)))
+
+    async def _call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
+        try:
+            return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
+        except UpstreamUnavailable:
+            node.healthy, node.error = False, f"{method} {path} failed"  # the next check may bring it back
+            raise
+
+    # -- status --------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        healthy = [n for n in self.nodes if n.healthy]
+        return {"ok": True, "status": "ok", "role": "scheduler", "nodes": len(self.nodes),
+                "healthy_nodes": len(healthy), "total_slots": sum(n.capacity for n in healthy),
+                "active_slots": sum(n.used for n in healthy)}
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        window = self.settings.affinity_window
+        out = []
+        for node in self.nodes:
+            out.append({
+                "url": node.url, "name": node.name, "healthy": node.healthy, "error": node.error,
+                "total_slots": node.capacity, "configured_slots": node.slots, "active_slots": node.used,
+                "free_ratio": round(node.free_ratio, 3),
+                "last_seen_s": None if node.last_seen is None else round(now - node.last_seen, 3),
+                "task_affinity": {k: round(now - t, 3) for k, (url, t) in self._affinity.items()
+                                  if url == node.url and now - t <= window}})
+        return {"nodes": out}

@@ -1,0 +1,69 @@
+"""The scheduler's own routes: health, per-node status, URL rewrites, fan-out.
+
+GET /health, GET /status, GET and POST /url_rewrite (SETA's shapes), POST /config and
+POST /cleanup (sent to every node; per-node results).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from sanic import Blueprint, Request
+from sanic.response import json
+
+from envhub.errors import Conflict, InvalidRequest
+from envhub.web.requests import json_body
+
+bp = Blueprint("fleet")
+
+
+@bp.get("/health")
+async def health(request: Request):
+    return json(request.app.ctx.scheduler.health())
+
+
+@bp.get("/status")
+async def status(request: Request):
+    return json(request.app.ctx.scheduler.status())
+
+
+def _rewriter(request: Request):
+    mode = request.app.ctx.network
+    if not hasattr(mode, "set_map"):
+        raise Conflict(f"network mode {mode.name!r} has no URL rewrite map")
+    return mode
+
+
+@bp.get("/url_rewrite")
+async def get_url_rewrite(request: Request):
+    return json({"url_rewrite": _rewriter(request).get_map()})
+
+
+@bp.post("/url_rewrite")
+async def set_url_rewrite(request: Request):
+    mode = _rewriter(request)
+    mode.set_map(json_body(request))
+    return json({"status": "ok", "url_rewrite": mode.get_map()})
+
+
+@bp.post("/config")
+async def fan_out_config(request: Request):
+    body = json_body(request)
+    if "config_path" in body:
+        try:
+            config = yaml.safe_load(Path(str(body["config_path"])).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise InvalidRequest(f"cannot read config_path: {e}", field="config_path") from None
+    elif "config" in body:
+        config = body["config"]
+    else:
+        raise InvalidRequest("send {'config': {...}} or {'config_path': '<yaml on the scheduler host>'}")
+    if not isinstance(config, dict):
+        raise InvalidRequest("the config must be a mapping", field="config")
+    return json({"results": await request.app.ctx.scheduler.fan_out("POST", "/config", config)})
+
+
+@bp.post("/cleanup")
+async def fan_out_cleanup(request: Request):
+    return json({"status": "ok", "results": await request.app.ctx.scheduler.fan_out("POST", "/cleanup", {})})

@@ -1,0 +1,198 @@
+"""A real scheduler in front of real node processes: affinity, balancing, restarts, faults,
+fan-out and URL rewriting."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from conftest import EnvhubProcess
+
+NODE_ARGS = ("--capacity", "4", "--set", "environments.terminal-bench.enabled=false")
+
+
+def start_nodes(tmp_path: Path, n: int, *, key: str | None = None) -> list[EnvhubProcess]:
+    return [EnvhubProcess(tmp_path / f"node{i}", *NODE_ARGS, api_key=key).start() for i in range(n)]
+
+
+def write_nodes_yaml(path: Path, nodes: list[EnvhubProcess], **extra) -> Path:
+    path.write_text(yaml.safe_dump({"nodes": [{"url": n.url, "slots": 4} for n in nodes], **extra}))
+    return path
+
+
+def start_scheduler(tmp_path: Path, nodes_yaml: Path, *args: str, data: str = "sched") -> EnvhubProcess:
+    return EnvhubProcess(tmp_path / data, "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.2",
+                         "--set", "retry_max_wait=0", *args, role="scheduler").start()
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """Three nodes of 4 slots behind one scheduler; everything stopped (exit 0) at the end."""
+    procs = start_nodes(tmp_path, 3)
+    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", procs,
+                                                       url_rewrite={"http://trainer.internal:8000": "http://relay:39001"}))
+    started = [sched, *procs]
+    yield sched, procs, started
+    for p in started:
+        assert p.stop() == 0, p.log()
+
+
+def node_of(sched: EnvhubProcess, nodes: list[EnvhubProcess], iid: str) -> int:
+    """Which node holds the instance, asked of the nodes themselves."""
+    holders = [i for i, n in enumerate(nodes) if httpx.get(f"{n.url}/instances/{iid}").status_code == 200]
+    assert len(holders) == 1, holders
+    return holders[0]
+
+
+def create(c: httpx.Client, task="13", **body) -> dict:
+    r = c.post("/instances", json={"environment": "mbpp", "task_id": task, **body})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_a_group_of_one_task_lands_on_one_node_until_full_then_overflows(fleet):
+    sched, nodes, _ = fleet
+    with sched.client() as c:
+        ids = [create(c, "13")["instance_id"] for _ in range(8)]
+        where = [node_of(sched, nodes, i) for i in ids]
+        assert len(set(where[:4])) == 1, where
+        assert where[4] != where[0] and len(set(where[4:])) == 1, "the overflow goes to one freest node"
+        status = c.get("/status").json()["nodes"]
+        assert sorted(n["active_slots"] for n in status) == [0, 4, 4]
+        assert any("mbpp/13" in n["task_affinity"] for n in status)
+        # Every later call follows the route.
+        step = c.post(f"/instances/{ids[5]}/step", json={"action": {"tool": "run_python", "arguments": {"code": "6*7"}}})
+        assert step.json()["observation"]["value_repr"] == "42"
+        for iid in ids:
+            assert c.post(f"/instances/{iid}/release").json()["released"] is True
+        assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 0
+
+
+def test_different_tasks_are_balanced_by_free_ratio(fleet):
+    sched, nodes, _ = fleet
+    with sched.client() as c:
+        ids = [create(c, task)["instance_id"] for task in ("11", "12", "13")]
+        assert sorted(node_of(sched, nodes, i) for i in ids) == [0, 1, 2]
+        for iid in ids:
+            c.post(f"/instances/{iid}/release")
+
+
+def test_all_nodes_full_is_a_503_with_retry_after(fleet):
+    sched, _, _ = fleet
+    with sched.client() as c:
+        ids = [create(c, str(11 + i % 3))["instance_id"] for i in range(12)]
+        r = c.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+        assert r.status_code == 503 and r.json()["code"] == "capacity_exceeded" and r.headers["Retry-After"]
+        for iid in ids:
+            c.post(f"/instances/{iid}/release")
+        assert create(c)["instance_id"]
+
+
+def test_model_url_is_rewritten_and_url_rewrite_can_be_replaced(fleet):
+    sched, _, _ = fleet
+    with sched.client() as c:
+        assert c.get("/url_rewrite").json() == {"url_rewrite": {"http://trainer.internal:8000": "http://relay:39001"}}
+        iid = create(c, params={"model_url": "http://trainer.internal:8000/v1/session-7"})["instance_id"]
+        assert c.get(f"/instances/{iid}").json()["params"]["model_url"] == "http://relay:39001/v1/session-7"
+        new = {"http://trainer.internal:8000": "http://relay:40000", "http://trainer.internal:8000/v1/a": "http://x:1"}
+        assert c.post("/url_rewrite", json=new).json() == {"status": "ok", "url_rewrite": new}
+        iid2 = create(c, params={"model_url": "http://trainer.internal:8000/v1/a/b"})["instance_id"]
+        assert c.get(f"/instances/{iid2}").json()["params"]["model_url"] == "http://x:1/b", "longest prefix wins"
+        bad = c.post("/url_rewrite", json={"http://a": 5})
+        assert bad.status_code == 400 and bad.json()["ok"] is False
+        for i in (iid, iid2):
+            c.post(f"/instances/{i}/release")
+
+
+def test_scheduler_killed_and_restarted_routes_every_instance_as_before(fleet, tmp_path):
+    sched, nodes, started = fleet
+    with sched.client() as c:
+        ids = [create(c, str(11 + i % 3))["instance_id"] for i in range(6)]
+        c.post(f"/instances/{ids[0]}/step", json={"action": {"tool": "run_python", "arguments": {"code": "x = 5"}}})
+    sched.proc.send_signal(signal.SIGKILL)
+    sched.proc.wait()
+    sched._log.close()
+    sched.start()  # same port, flags and data dir
+    with sched.client() as c:
+        got = c.post(f"/instances/{ids[0]}/step", json={"action": {"tool": "run_python", "arguments": {"code": "x"}}})
+        assert got.json()["observation"]["value_repr"] == "5", "same instance, same interpreter"
+        for iid in ids:
+            assert c.get(f"/instances/{iid}").json()["state"] == "active"
+            assert c.post(f"/instances/{iid}/release").json()["released"] is True
+        assert c.get("/instances/never-made").status_code == 404
+
+
+def test_a_stopped_node_gets_no_work_and_its_instances_answer_503_until_it_returns(fleet):
+    sched, nodes, started = fleet
+    with sched.client() as c:
+        iid = create(c, "11")["instance_id"]
+        down = node_of(sched, nodes, iid)
+        assert nodes[down].stop() == 0
+        deadline = time.monotonic() + 10
+        while any(n["healthy"] for n in c.get("/status").json()["nodes"] if n["url"] == nodes[down].url):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}})
+        assert r.status_code == 503 and r.json()["code"] == "upstream_unavailable" and nodes[down].url in r.json()["error"]
+        others = [create(c, "11")["instance_id"] for _ in range(3)]
+        assert all(node_of(sched, [n for i, n in enumerate(nodes) if i != down], o) in (0, 1) for o in others)
+        nodes[down].start()  # same port and data dir
+        deadline = time.monotonic() + 10
+        while not all(n["healthy"] for n in c.get("/status").json()["nodes"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # The node released its instances when it stopped: a clear 409 now, not a hang.
+        assert c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}
+                      ).status_code == 409
+        for o in others:
+            c.post(f"/instances/{o}/release")
+
+
+def test_config_and_cleanup_fan_out_to_every_node(fleet):
+    sched, nodes, _ = fleet
+    with sched.client() as c:
+        create(c)
+        r = c.post("/config", json={"config": {"environments": {"mbpp": {"run_timeout": 3}}}}).json()
+        assert [x["status"] for x in r["results"]] == [200, 200, 200]
+        for n in nodes:
+            assert httpx.get(n.url + "/config").json()["config"]["environments"]["mbpp"]["run_timeout"] == 3
+        bad = c.post("/config", json={"config": {"capacity": 5}}).json()
+        assert {x["status"] for x in bad["results"]} == {400}
+        assert c.post("/config", json={}).status_code == 400
+        cleaned = c.post("/cleanup").json()
+        assert sum(x["result"]["released"] for x in cleaned["results"]) == 1
+
+
+def test_retried_create_with_the_same_id_makes_one_instance(fleet):
+    sched, nodes, _ = fleet
+    with sched.client() as c:
+        results = []
+
+        def go():
+            with sched.client() as cc:
+                results.append(cc.post("/instances", json={"environment": "mbpp", "task_id": "12",
+                                                            "instance_id": "same-id"}))
+
+        threads = [threading.Thread(target=go) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(r.status_code for r in results)[-1] in (200, 201)
+        assert sum(httpx.get(f"{n.url}/instances/same-id").status_code == 200 for n in nodes) == 1
+        c.post("/instances/same-id/release")
+
+
+def test_listings_and_health_through_the_scheduler(fleet):
+    sched, _, _ = fleet
+    with sched.client() as c:
+        assert [e["name"] for e in c.get("/environments").json()["environments"]] == ["mbpp"]
+        assert c.get("/environments/mbpp/tasks", params={"split": "test"}).json()["total"] == 4
+        health = c.get("/health").json()
+        assert health["role"] == "scheduler" and health["nodes"] == 3 and health["total_slots"] == 12
