@@ -4,6 +4,7 @@ This module is the surface for plugin authors: the ``hookimpl`` marker, the base
 classes whose docstrings are the plugin contract, and the error types a plugin raises.
 """
 
+from envhub.agent import Agent, AgentResult, AgentSession, Budgets
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import (
     CapacityExceeded,
@@ -22,6 +23,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Action",
+    "Agent",
+    "AgentResult",
+    "AgentSession",
+    "Budgets",
     "CapacityExceeded",
     "Conflict",
     "EnvContext",

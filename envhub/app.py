@@ -26,7 +26,7 @@ from envhub.runtime import NodeRuntime
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
 from envhub.scheduler import SchedulerService, load_fleet
-from envhub.web import admin, builds, environments, fleet, health, instances, routing
+from envhub.web import admin, builds, environments, fleet, health, instances, rollouts, routing
 from envhub.web.auth import setup_auth
 from envhub.web.errors import setup_errors
 
@@ -43,6 +43,7 @@ class AppContext:
     runtime: NodeRuntime | None = None
     network: NetworkMode | None = None
     http: aiohttp.ClientSession | None = None
+    agents: dict[str, Any] = field(default_factory=dict)
     scheduler: SchedulerService | None = None
 
 
@@ -71,7 +72,7 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
 
 def blueprints_for(role: str) -> list[Any]:
     if role == "node":
-        return [health.bp, environments.bp, instances.bp, builds.bp, admin.bp]
+        return [health.bp, environments.bp, instances.bp, builds.bp, admin.bp, rollouts.bp]
     return [fleet.bp, routing.bp]
 
 
@@ -123,6 +124,7 @@ def setup_plugins(app: Any, pm: pluggy.PluginManager | None) -> None:
         "environment": collect(pm, "register_environments", "environment"),
         "sandbox": collect(pm, "register_sandboxes", "sandbox"),
         "network_mode": collect(pm, "register_network_modes", "network mode"),
+        "agent": collect(pm, "register_agents", "agent"),
     }
 
 
@@ -164,6 +166,8 @@ def setup_node(app: Any) -> None:
         if lost:
             log.warning("marked %d instance(s) of a previous run as lost", lost)
         app.ctx.node = node
+        app.ctx.agents = {name: cls(settings.agents.get(name) or {})
+                          for name, cls in registries["agent"].classes.items()}
 
     @app.after_server_start
     async def start_loops(app: Any) -> None:

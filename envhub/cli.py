@@ -87,7 +87,7 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
         settings = _settings(config, sets)
         pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
         for hook, kind in (("register_environments", "environment"), ("register_sandboxes", "sandbox"),
-                           ("register_network_modes", "network mode")):
+                           ("register_network_modes", "network mode"), ("register_agents", "agent")):
             collect(pm, hook, kind)  # a duplicate name fails here as it would at serve
     except EnvhubError as e:
         raise click.ClickException(e.message) from None

@@ -41,6 +41,15 @@ def register_network_modes():
 
 
 @hookspec
+def register_agents():
+    """Return a list of :class:`envhub.Agent` subclasses this plugin provides.
+
+    Each class's ``name`` (``"terminal"``) must be unique across all plugins; a rollout
+    request picks its agent by that name.
+    """
+
+
+@hookspec
 def register_commands(cli):
     """Add click commands to the ``envhub`` command line.
 

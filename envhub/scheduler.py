@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json as jsonlib
 import logging
 import secrets
 import time
@@ -285,6 +286,34 @@ class SchedulerService:
             else:
                 await asyncio.shield(routes.delete(self.db, instance_id))
                 self._freed.set()
+
+    async def rollout(self, body: dict[str, Any], *, seta: bool) -> tuple[int, bytes]:
+        """Send a whole rollout to a node picked like a create (task affinity first), with
+        its model URL rewritten. SETA's ``/step`` gets a node failure as a 200 with
+        ``error`` (as SETA's scheduler does); envhub's ``/rollouts`` as a 503."""
+        if seta:
+            task = body.get("task") if isinstance(body.get("task"), dict) else {}
+            environment = self.settings.seta_environment
+            task_id = body.get("task_name") or task.get("task_name") or task.get("task_id") or body.get("uid")
+            path = "/step"
+        else:
+            environment, task_id, path = body.get("environment"), body.get("task_id"), "/rollouts"
+        if not isinstance(environment, str) or not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+            raise InvalidRequest("a rollout needs 'environment' and 'task_id' (SETA: task.task_name)",
+                                 field="task_id")
+        if isinstance(body.get("model_url"), str):
+            body = {**body, "model_url": self.network.rewrite(body["model_url"])}
+        node = await self._pick(f"{environment}/{task_id}")
+        try:
+            reply = await self._call(node, "POST", path, json=body, timeout=self.settings.forward_timeout)
+            return reply.status, reply.body
+        except UpstreamUnavailable as e:
+            if not seta:
+                raise
+            return 200, jsonlib.dumps({"run_info": None, "reward": None, "error": f"Node error: {e.message}"}).encode()
+        finally:
+            node.pending -= 1
+            self._freed.set()
 
     async def forward(self, instance_id: str, method: str, suffix: str = "", body: bytes | None = None, *,
                       idempotent: bool) -> tuple[int, bytes]:

@@ -49,6 +49,8 @@ class Settings:
     image_map: dict[str, str] = field(default_factory=dict)
     ca_bundle: Path | None = None
     build_parallel: int = 2
+    agents: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seta_environment: str = "terminal-bench"
     nodes_file: Path | None = None
     nodes: list[Any] = field(default_factory=list)
     node_api_key: str | None = None

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from envhub import hookspecs
 from envhub.errors import StartupError
 from envhub.plugins import DEFAULT_PLUGINS, collect, get_plugin_manager
-from plugins.extra import ClashPlugin, ExtraPlugin, Letters, NullSandbox, Upper
+from plugins.extra import ClashPlugin, Echoer, ExtraPlugin, Letters, NullSandbox, Upper
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(fn, "envhub_spec")]
@@ -47,6 +47,11 @@ def test_hook_register_sandboxes(pm):
 def test_hook_register_network_modes(pm):
     registry = collect(pm, "register_network_modes", "network mode")
     assert registry.classes["upper"] is Upper and registry.classes["direct"]().rewrite("http://x") == "http://x"
+
+
+def test_hook_register_agents(pm):
+    registry = collect(pm, "register_agents", "agent")
+    assert registry.classes["echoer"] is Echoer and registry.owners["terminal"] == "envhub.plugins.terminal_agent"
 
 
 def test_hook_register_commands(pm):

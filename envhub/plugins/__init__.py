@@ -25,6 +25,7 @@ DEFAULT_PLUGINS = (
     "envhub.plugins.terminal_bench",
     "envhub.plugins.direct_network",
     "envhub.plugins.network_modes",
+    "envhub.plugins.terminal_agent",
 )
 
 
@@ -101,7 +102,8 @@ def describe_plugins(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
         }
         for hook_name, kind in (("register_environments", "environments"),
                                 ("register_sandboxes", "sandboxes"),
-                                ("register_network_modes", "network_modes")):
+                                ("register_network_modes", "network_modes"),
+                                ("register_agents", "agents")):
             impl = getattr(plugin, hook_name, None)
             if impl is not None and hook_name in entry["hooks"]:
                 entry[kind] = sorted(cls.name for cls in impl() or [])

@@ -65,3 +65,13 @@ async def release(request: Request, instance_id: str):
 @bp.delete("/instances/<instance_id>")
 async def delete(request: Request, instance_id: str):
     return passthrough(*await request.app.ctx.scheduler.release(instance_id, "DELETE"))
+
+
+@bp.post("/rollouts")
+async def rollout(request: Request):
+    return passthrough(*await request.app.ctx.scheduler.rollout(json_body(request), seta=False))
+
+
+@bp.post("/step")
+async def seta_step(request: Request):
+    return passthrough(*await request.app.ctx.scheduler.rollout(json_body(request), seta=True))

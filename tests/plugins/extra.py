@@ -36,6 +36,14 @@ class Upper(envhub.NetworkMode):
         return url.upper()
 
 
+class Echoer(envhub.Agent):
+    name = "echoer"
+    description = "Test agent that stops at once"
+
+    async def run(self, session):
+        return envhub.AgentResult("finished")
+
+
 class FakeMBPP(Letters):
     name = "mbpp"
 
@@ -52,6 +60,10 @@ class ExtraPlugin:
     @envhub.hookimpl
     def register_network_modes(self):
         return [Upper]
+
+    @envhub.hookimpl
+    def register_agents(self):
+        return [Echoer]
 
     @envhub.hookimpl
     def register_commands(self, cli):

@@ -1,0 +1,95 @@
+"""A stand-in for the trainer's OpenAI-compatible model proxy, which cannot run here.
+
+It replays scripted conversations: the session id in the URL
+(``/v1/<session>/chat/completions``) names the script, and the number of assistant
+messages already in the request picks the turn. Every request is recorded so tests can
+check what the agent sent.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def call(name: str, **arguments) -> dict:
+    return {"id": f"call_{name}_{time.monotonic_ns()}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+GREET = "printf '#!/bin/bash\\necho \"Hello, $1!\"\\n' > /app/greet.sh && chmod +x /app/greet.sh"
+
+SCRIPTS = {
+    "solve": [
+        {"content": "I'll create the file.", "tool_calls": [call("write_file", path="/app/hello.txt",
+                                                                 content="Hello, envhub!\n")]},
+        {"content": "", "tool_calls": [call("run_command", command=GREET)]},
+        {"content": "", "tool_calls": [call("run_command", command="/app/greet.sh Ada")]},
+        {"content": "Done."},
+    ],
+    "giveup": [{"content": "I cannot do this task."}],
+    "malformed": [{"content": "", "tool_calls": [{"id": "x", "type": "function",
+                                                  "function": {"name": "run_command", "arguments": "{not json"}}]}],
+    "slow": [{"content": "too late", "sleep": 30}],
+}
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: "StandIn"
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        parts = self.path.strip("/").split("/")  # v1, <session>, chat, completions
+        session = parts[1] if len(parts) == 4 else ""
+        self.server.requests.append({"session": session, "path": self.path, "body": body,
+                                     "authorization": self.headers.get("Authorization")})
+        script = SCRIPTS.get(session.split("-")[0])
+        if script is None:
+            self._send(404, {"error": {"message": f"no script for {session!r}"}})
+            return
+        turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        reply = dict(script[min(turn, len(script) - 1)])
+        if reply.pop("sleep", 0):
+            time.sleep(30)
+            return
+        self._send(200, {"id": "chatcmpl-x", "object": "chat.completion", "model": body.get("model"),
+                         "choices": [{"index": 0, "finish_reason": "tool_calls" if reply.get("tool_calls") else "stop",
+                                      "message": {"role": "assistant", **reply}}],
+                         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+
+    def _send(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class StandIn(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.requests: list[dict] = []
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def __enter__(self) -> "StandIn":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        self.server_close()
