@@ -26,7 +26,8 @@ from envhub.runtime import NodeRuntime
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
 from envhub.scheduler import SchedulerService, load_fleet
-from envhub.web import admin, builds, environments, fleet, health, instances, rollouts, routing
+from envhub.backends import NodeBackend, SchedulerBackend
+from envhub.web import admin, builds, compat, environments, fleet, health, instances, rollouts, routing
 from envhub.web.auth import setup_auth
 from envhub.web.errors import setup_errors
 
@@ -44,6 +45,7 @@ class AppContext:
     network: NetworkMode | None = None
     http: aiohttp.ClientSession | None = None
     agents: dict[str, Any] = field(default_factory=dict)
+    backend: Any = None
     scheduler: SchedulerService | None = None
 
 
@@ -72,8 +74,8 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
 
 def blueprints_for(role: str) -> list[Any]:
     if role == "node":
-        return [health.bp, environments.bp, instances.bp, builds.bp, admin.bp, rollouts.bp]
-    return [fleet.bp, routing.bp]
+        return [health.bp, environments.bp, instances.bp, builds.bp, admin.bp, rollouts.bp, compat.bp]
+    return [fleet.bp, routing.bp, compat.bp]
 
 
 def setup_http(app: Any) -> None:
@@ -105,6 +107,7 @@ def setup_scheduler(app: Any) -> None:
         await app.ctx.network.start()
         app.ctx.scheduler = SchedulerService(settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network)
         await app.ctx.scheduler.start()
+        app.ctx.backend = SchedulerBackend(app.ctx.scheduler)
 
     @app.after_server_start
     async def start_health_loop(app: Any) -> None:
@@ -168,6 +171,7 @@ def setup_node(app: Any) -> None:
         app.ctx.node = node
         app.ctx.agents = {name: cls(settings.agents.get(name) or {})
                           for name, cls in registries["agent"].classes.items()}
+        app.ctx.backend = NodeBackend(node, app.ctx)
 
     @app.after_server_start
     async def start_loops(app: Any) -> None:

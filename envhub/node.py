@@ -28,7 +28,7 @@ from envhub.environment import Action, Environment, Episode
 from envhub.errors import Conflict, EnvhubError, InvalidRequest, NotFound, Unavailable
 from envhub.sandbox import Sandbox, SandboxSpec
 from envhub.settings import Settings
-from envhub.store import instances
+from envhub.store import instances, step_results
 from envhub.store.db import Database
 from envhub.trial_log import TrialLog, TrialWriter
 
@@ -217,11 +217,23 @@ class NodeService:
 
     # -- step, evaluate, release -------------------------------------------------------
 
-    async def step(self, instance_id: str, raw_action: Any) -> dict[str, Any]:
+    async def step(self, instance_id: str, raw_action: Any, *, request_id: Any = None) -> dict[str, Any]:
+        """Apply one action. With a ``request_id``, the reply is recorded and a retry of
+        the same request id returns it again instead of acting twice."""
+        if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 255):
+            raise InvalidRequest("'request_id' must be a string of 1-255 characters", field="request_id")
+        if request_id is not None:
+            recorded = await step_results.find(self.db, instance_id, request_id)
+            if recorded is not None:
+                return recorded
         live = await self._live_or_raise(instance_id)
         action = Action.parse(raw_action)
         async with live.lock:
             self._ensure_still_live(live)
+            if request_id is not None:  # the first try may have finished while we waited
+                recorded = await step_results.find(self.db, instance_id, request_id)
+                if recorded is not None:
+                    return recorded
             if live.done:
                 raise Conflict(f"instance {instance_id!r} is done; evaluate or release it",
                                extra={"state": "done"})
@@ -237,7 +249,10 @@ class NodeService:
             live.log.append("steps.jsonl", {
                 "step": live.row.step_count, "time": time.time(), "duration_s": live.last_active - started,
                 "action": {"tool": action.tool, "arguments": action.arguments}, **reply})
-            return {"instance_id": instance_id, "step": live.row.step_count, **reply}
+            result = {"instance_id": instance_id, "step": live.row.step_count, **reply}
+            if request_id is not None:
+                await step_results.record(self.db, instance_id, request_id, result)
+            return result
 
     async def evaluate(self, instance_id: str) -> dict[str, Any]:
         live = await self._live_or_raise(instance_id)
@@ -283,7 +298,7 @@ class NodeService:
 
     async def get(self, instance_id: str) -> dict[str, Any]:
         row = await instances.get(self.db, instance_id)
-        out = row.to_public()
+        out = {**row.to_public(), "observation": row.observation}
         live = self._live.get(instance_id)
         if live is not None:
             out["idle_s"] = round(time.monotonic() - live.last_active, 3)

@@ -321,3 +321,16 @@ def test_restart_keeps_every_instance_row(start_node, tmp_path):
     with again.client() as c:
         assert c.get(f"/instances/{done}").json()["state"] == "released"
         assert c.get(f"/instances/{live}").json()["state"] in ("released", "lost")
+
+
+def test_a_retried_step_with_a_request_id_runs_once(client):
+    iid = create(client)["instance_id"]
+    run(client, iid, "counter = 0")
+    body = {"action": {"tool": "run_python", "arguments": {"code": "counter += 1\ncounter"}}, "request_id": "r-1"}
+    first = client.post(f"/instances/{iid}/step", json=body).json()
+    again = client.post(f"/instances/{iid}/step", json=body).json()
+    assert first == again and first["observation"]["value_repr"] == "1"
+    assert run(client, iid, "counter")["observation"]["value_repr"] == "1", "the retry did not run the code"
+    bad = client.post(f"/instances/{iid}/step", json={**body, "request_id": 5})
+    assert_error(bad, 400, "invalid_request")
+    client.post(f"/instances/{iid}/release")

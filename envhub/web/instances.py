@@ -2,7 +2,7 @@
 
 POST /instances                       {environment, task_id, params?, instance_id?, trial?}
 GET  /instances/<id>
-POST /instances/<id>/step             {action: {tool, arguments}}
+POST /instances/<id>/step             {action: {tool, arguments}, request_id?}
 POST /instances/<id>/evaluate
 POST /instances/<id>/release          (DELETE /instances/<id> does the same)
 """
@@ -45,7 +45,7 @@ async def get(request: Request, instance_id: str):
 @bp.post("/<instance_id>/step")
 async def step(request: Request, instance_id: str):
     body = json_body(request)
-    return json(await request.app.ctx.node.step(instance_id, body.get("action")))
+    return json(await request.app.ctx.node.step(instance_id, body.get("action"), request_id=body.get("request_id")))
 
 
 @bp.post("/<instance_id>/evaluate")

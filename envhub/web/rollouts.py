@@ -1,6 +1,7 @@
-"""Whole rollouts on a node: POST /rollouts (envhub's shape) and POST /step (SETA's).
+"""Whole rollouts on a node: POST /rollouts (envhub's shape; SETA's POST /step is in
+web/compat.py, which shares its path with AgentEvolver's).
 
-Both answer 200 with ``{"run_info", "reward", "error"}`` whatever happens in the rollout;
+It answers 200 with ``{"run_info", "reward", "error"}`` whatever happens in the rollout;
 only a malformed request body is a 400.
 """
 
@@ -19,11 +20,4 @@ bp = Blueprint("rollouts")
 async def rollout(request: Request):
     req = RolloutRequest.parse(json_body(request))
     ctx = request.app.ctx
-    return json(await run_rollout(ctx.node, ctx.agents, ctx.http, req))
-
-
-@bp.post("/step")
-async def seta_step(request: Request):
-    ctx = request.app.ctx
-    req = RolloutRequest.from_seta(json_body(request), environment=ctx.settings.seta_environment)
     return json(await run_rollout(ctx.node, ctx.agents, ctx.http, req))

@@ -70,8 +70,3 @@ async def delete(request: Request, instance_id: str):
 @bp.post("/rollouts")
 async def rollout(request: Request):
     return passthrough(*await request.app.ctx.scheduler.rollout(json_body(request), seta=False))
-
-
-@bp.post("/step")
-async def seta_step(request: Request):
-    return passthrough(*await request.app.ctx.scheduler.rollout(json_body(request), seta=True))

@@ -1,0 +1,81 @@
+"""Drop-in routes for clients people already run, on node and scheduler alike.
+
+AgentEvolver's env_service: GET /healthz, POST /get_env_profile, /create, /step,
+/evaluate, /get_info, /release (envhub/agentevolver.py). SETA's POST /step (a whole
+rollout) shares the path with AgentEvolver's: a body with ``uid`` or ``task`` is SETA's
+StepRequest, one with ``instance_id`` is AgentEvolver's. Each role puts its backend on
+``app.ctx.backend`` (envhub/backends.py), so no handler knows which role it runs in.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+
+from sanic import Blueprint, Request
+from sanic.response import json, text
+
+from envhub import agentevolver as ae
+from envhub.errors import InvalidRequest
+
+bp = Blueprint("compat")
+
+
+def _body(request: Request) -> dict:
+    try:
+        body = jsonlib.loads(request.body or b"{}")
+    except ValueError as e:
+        raise ae.AEError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ae.AEError(400, "the body must be a JSON object")
+    return body
+
+
+async def _reply(request: Request, fn, *, envelope: str = "data"):
+    try:
+        data = await fn(request.app.ctx.backend, _body(request))
+    except ae.AEError as e:
+        return json({"detail": e.detail}, status=e.status)
+    if envelope == "release":
+        return json({"success": data, "data": None})
+    return json({"success": True, "data": data})
+
+
+@bp.get("/healthz")
+async def healthz(request: Request):
+    return text("OK")
+
+
+@bp.post("/get_env_profile")
+async def get_env_profile(request: Request):
+    return await _reply(request, ae.get_env_profile)
+
+
+@bp.post("/create")
+async def create(request: Request):
+    return await _reply(request, ae.create)
+
+
+@bp.post("/step")
+async def step(request: Request):
+    body = _body(request) if request.body else {}
+    if "uid" in body or "task" in body:  # SETA's StepRequest: one whole rollout
+        return json(await request.app.ctx.backend.seta_step(body))
+    if "instance_id" not in body:
+        raise InvalidRequest("POST /step takes SETA's StepRequest (task, uid, ...) or AgentEvolver's "
+                             "ServiceRequest (instance_id, messages)", field="task")
+    return await _reply(request, ae.step)
+
+
+@bp.post("/evaluate")
+async def evaluate(request: Request):
+    return await _reply(request, ae.evaluate)
+
+
+@bp.post("/get_info")
+async def get_info(request: Request):
+    return await _reply(request, ae.get_info)
+
+
+@bp.post("/release")
+async def release(request: Request):
+    return await _reply(request, ae.release, envelope="release")
