@@ -85,7 +85,7 @@ def setup_http(app: Any) -> None:
     async def open_http(app: Any) -> None:
         app.ctx.http = peers.session(total_timeout=app.ctx.settings.forward_timeout)
 
-    @app.listener("after_server_stop", priority=-900)
+    @app.listener("after_server_stop", priority=900)
     async def close_http(app: Any) -> None:
         if app.ctx.http is not None:
             await app.ctx.http.close()
@@ -142,8 +142,10 @@ def setup_store(app: Any) -> None:
             app.ctx.db = None
             raise
 
-    @app.listener("after_server_stop", priority=-1000)
+    # Shutdown events run in reverse priority order: the highest priority runs last.
+    @app.listener("after_server_stop", priority=1000)
     async def close_store(app: Any) -> None:
+        log.info("closing the database")
         if app.ctx.db is not None:
             await app.ctx.db.close()
             app.ctx.db = None
@@ -162,12 +164,13 @@ def setup_node(app: Any) -> None:
             app.ctx.network = mode_cls(settings.network.get(settings.network_mode) or {})
             await app.ctx.network.start()
             node = NodeService(settings, app.ctx.db, runtime.environments, runtime.sandboxes)
-            lost = await node.mark_orphans_lost()
+            outcome = await node.reconcile()
         except BaseException:
             await runtime.stop()
             raise
-        if lost:
-            log.warning("marked %d instance(s) of a previous run as lost", lost)
+        if any(outcome.values()):
+            log.warning("start-up reconciliation: adopted %(adopted)d instance(s), marked %(lost)d lost, "
+                        "removed %(removed)d unknown sandbox(es)", outcome)
         app.ctx.node = node
         app.ctx.agents = {name: cls(settings.agents.get(name) or {})
                           for name, cls in registries["agent"].classes.items()}
@@ -178,7 +181,15 @@ def setup_node(app: Any) -> None:
         app.add_task(app.ctx.node.reap_forever(), name="node.reaper")
 
     @app.before_server_stop
+    async def stop_taking_creates(app: Any) -> None:
+        # In-flight requests still finish (Sanic drains them for GRACEFUL_SHUTDOWN_TIMEOUT
+        # between the two stop events); only new creates are refused from here on.
+        if app.ctx.node is not None:
+            app.ctx.node.stop_accepting()
+
+    @app.listener("after_server_stop", priority=500)
     async def stop_node(app: Any) -> None:
+        log.info("node stopping: releasing or detaching live instances")
         if app.ctx.node is not None:
             await app.ctx.node.shutdown()
         if app.ctx.runtime is not None:

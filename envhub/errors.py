@@ -68,6 +68,13 @@ class Conflict(EnvhubError):
     code = "conflict"
 
 
+class Gone(EnvhubError):
+    """The instance existed but is lost: its sandbox did not survive (a node restart)."""
+
+    status = 410
+    code = "gone"
+
+
 class CapacityExceeded(EnvhubError):
     """Every slot is taken and the wait queue is full or the wait ran out."""
 

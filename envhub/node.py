@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from envhub.capacity import Slots
 from envhub.environment import Action, Environment, Episode
-from envhub.errors import Conflict, EnvhubError, InvalidRequest, NotFound, Unavailable
+from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
 from envhub.sandbox import Sandbox, SandboxSpec
 from envhub.settings import Settings
 from envhub.store import instances, step_results
@@ -89,6 +89,9 @@ class NodeService:
         row = await instances.get(self.db, instance_id)  # NotFound for unknown ids
         if row.state == "creating":
             raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
+        if row.state == "lost":
+            raise Gone(f"instance {instance_id!r} is lost: {row.error}", extra={"state": row.state,
+                                                                                "instance_id": instance_id})
         raise Conflict(f"instance {instance_id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
                        extra={"state": row.state, "instance_id": instance_id})
 
@@ -382,20 +385,74 @@ class NodeService:
             except Exception:
                 log.exception("idle reaper")
 
-    async def mark_orphans_lost(self) -> int:
-        """At start: instances a previous process left live cannot be resumed by this
-        sandbox set (process sandboxes die with their node), so they are marked lost."""
-        rows, _ = await instances.list_(self.db, states=instances.LIVE_STATES, limit=1_000_000)
-        for row in rows:
-            await instances.end(self.db, row.id, "lost", error="the node restarted and the sandbox is gone")
-        return len(rows)
+    async def reconcile(self) -> dict[str, int]:
+        """At start: make SQLite and the sandboxes that exist agree.
 
-    async def shutdown(self) -> None:
-        """Stop taking creates, release every live instance, flush the trial logs."""
+        Live rows whose sandbox survived the restart (docker) are adopted under the same
+        id and keep working; live rows whose sandbox is gone (every process sandbox, a
+        removed container, a create that never finished) are marked ``lost`` (410);
+        sandboxes labelled for this node that no live row claims are removed."""
+        rows, _ = await instances.list_(self.db, states=instances.LIVE_STATES, limit=1_000_000)
+        adopted: dict[str, set[str]] = {name: set() for name in self.sandboxes}
+        lost = 0
+        for row in rows:
+            live = await self._adopt(row)
+            if live is None:
+                await instances.end(self.db, row.id, "lost", error="the node restarted and the sandbox is gone")
+                lost += 1
+                continue
+            self._live[row.id] = live
+            self.slots.used += 1  # may pass capacity for a while: adopted work is not refused
+            adopted[row.sandbox].add(row.sandbox_handle)
+        removed = 0
+        for name, sandbox in self.sandboxes.items():
+            removed += await sandbox.remove_unknown(self.settings.node_id, adopted[name])
+        return {"adopted": sum(len(h) for h in adopted.values()), "lost": lost, "removed": removed}
+
+    async def _adopt(self, row: instances.InstanceRow) -> Live | None:
+        sandbox = self.sandboxes.get(row.sandbox)
+        env = self.environments.get(row.environment)
+        if row.state == "creating" or sandbox is None or env is None or not row.sandbox_handle \
+                or not sandbox.survives_restart:
+            return None
+        try:
+            task = env.task(row.task_id)
+        except NotFound:
+            return None
+        spec = env.sandbox_spec(task, row.params, SandboxSpec(
+            instance_id=row.id, environment=env.name, task_id=task.id,
+            labels={"envhub.node": self.settings.node_id, "envhub.instance": row.id,
+                    "envhub.task": f"{env.name}/{task.id}"}))
+        try:
+            if not await sandbox.adopt(row.sandbox_handle, spec):
+                return None
+        except EnvhubError as e:
+            log.warning("cannot adopt %s: %s", row.id, e.message)
+            return None
+        trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, row.trial, row.id)
+        episode = Episode(instance_id=row.id, task=task, params=row.params, sandbox=sandbox,
+                          handle=row.sandbox_handle, spec=spec, state=row.env_state, log_dir=trial_log.dir)
+        trial_log.append("steps.jsonl", {"event": "adopted", "time": time.time()})
+        return Live(row=row, env=env, episode=episode, log=trial_log, done=row.state == "done")
+
+    def stop_accepting(self) -> None:
         self._accepting = False
+
+    async def shutdown(self, *, release_all: bool | None = None) -> None:
+        """Stop taking creates; release every live instance whose sandbox cannot survive
+        the restart, and leave the others running for the next start to adopt (unless
+        ``release_on_shutdown``); flush the trial logs."""
+        self._accepting = False
+        release_all = self.settings.release_on_shutdown if release_all is None else release_all
         for live in list(self._live.values()):
+            sandbox = live.episode.sandbox
             try:
-                await self._end(live, "released", error="node shut down")
+                if sandbox.survives_restart and not release_all:
+                    self._live.pop(live.row.id, None)
+                    await sandbox.detach(live.episode.handle)
+                    live.log.append("steps.jsonl", {"event": "detached", "time": time.time()})
+                else:
+                    await self._end(live, "released", error="node shut down")
             except Exception:
                 log.exception("releasing %s at shutdown", live.row.id)
         await asyncio.to_thread(self.trial_writer.close)

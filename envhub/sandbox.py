@@ -144,3 +144,25 @@ class Sandbox:
     async def destroy(self, handle: str) -> None:
         """Stop the sandbox and free everything it holds. Idempotent."""
         raise NotImplementedError
+
+    # -- surviving a restart of the node (optional; the defaults mean "cannot") ----------
+
+    #: True when sandboxes outlive their node process and can be adopted again.
+    survives_restart: ClassVar[bool] = False
+
+    async def adopt(self, handle: str, spec: SandboxSpec) -> bool:
+        """Take over a sandbox a previous process of this node left running.
+
+        Returns True when it is alive and now managed by this process (steps work again),
+        False when it is gone. Never raises for a missing sandbox."""
+        return False
+
+    async def detach(self, handle: str) -> None:
+        """Forget a sandbox without destroying it: the node is stopping and will adopt it
+        again. After ``detach``, :meth:`stop` must leave it running."""
+        await self.destroy(handle)
+
+    async def remove_unknown(self, node_id: str, keep: set[str]) -> int:
+        """At start: remove every sandbox labelled for ``node_id`` whose handle is not in
+        ``keep`` (left by a process that died); returns how many."""
+        return 0

@@ -64,6 +64,7 @@ class Settings:
     network_mode: str = "direct"
     network: dict[str, dict[str, Any]] = field(default_factory=dict)
     access_log: bool = False
+    release_on_shutdown: bool = False
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)

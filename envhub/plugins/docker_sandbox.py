@@ -643,6 +643,41 @@ class DockerSandbox(Sandbox):
         return len(rows)
 
 
+    # --- surviving node restarts ----------------------------------------------------------
+
+    survives_restart = True
+
+    async def adopt(self, handle: str, spec: SandboxSpec) -> bool:
+        return await self._call(self._adopt_sync, handle, spec)
+
+    def _adopt_sync(self, cid: str, spec: SandboxSpec) -> bool:
+        try:
+            info = self._api.inspect_container(cid)
+        except docker.errors.NotFound:
+            return False
+        except _ENGINE_ERRORS as e:
+            raise SandboxError(f"cannot inspect container {cid[:12]}: {_explain(e)}") from e
+        labels = (info.get("Config") or {}).get("Labels") or {}
+        if labels.get("envhub.instance") != spec.instance_id or labels.get("envhub.managed") != "1":
+            return False  # not the container this instance had: never touch it
+        if not (info.get("State") or {}).get("Running"):
+            self._destroy_quietly(cid)
+            return False
+        self._created.add(cid)
+        return True
+
+    async def detach(self, handle: str) -> None:
+        self._created.discard(handle)  # stop() removes only what is in _created
+        agent = self._agents.pop(handle, None)
+        if agent:
+            agent.close()
+        self._workdirs.pop(handle, None)
+
+    async def remove_unknown(self, node_id: str, keep: set[str]) -> int:
+        rows = [r for r in await self.list_managed(node_id) if r["id"] not in keep]
+        await asyncio.gather(*(self.destroy(row["id"]) for row in rows))
+        return len(rows)
+
     # --- images (the build gate's ImageBuilder) ----------------------------------------
 
     async def image_exists(self, image: str) -> bool:

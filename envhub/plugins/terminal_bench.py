@@ -169,7 +169,7 @@ class TerminalBench(Environment):
 
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
         tb = self.tb(task)
-        spec.image = self._images[task.id]
+        spec.image = self._images.get(task.id)  # None only when a restarted node adopts a container
         spec.network = None if tb.allow_internet else "none"
         spec.limits = Limits(cpus=tb.cpus, memory_mb=tb.memory_mb)
         spec.env = dict(tb.env)

@@ -1,0 +1,210 @@
+"""Restarts and crashes on real processes: nothing lost that could be kept, nothing leaked."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import docker
+import httpx
+import pytest
+import yaml
+
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
+
+BUNDLED = REPO / "envhub" / "data" / "terminal-bench"
+
+
+def tb_node(tmp_path: Path, node_id: str, *args: str) -> EnvhubProcess:
+    cfg = tmp_path / f"{node_id}.yaml"
+    cfg.write_text(yaml.safe_dump({"node_id": node_id, "image_map": {"debian:bookworm": BASE_IMAGE},
+                                   "environments": {"terminal-bench": {"datasets": [str(BUNDLED)]}}}))
+    return EnvhubProcess(tmp_path / node_id, "--config", str(cfg), *args)
+
+
+def containers(node_id: str) -> list[dict]:
+    client = docker.from_env()
+    try:
+        return client.api.containers(all=True, filters={"label": f"envhub.node={node_id}"})
+    finally:
+        client.close()
+
+
+def kill9(proc: EnvhubProcess) -> None:
+    proc.proc.send_signal(signal.SIGKILL)
+    proc.proc.wait()
+    proc._log.close()
+
+
+def run_command(c: httpx.Client, iid: str, command: str) -> httpx.Response:
+    return c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_command", "arguments": {"command": command}}})
+
+
+@needs_docker
+def test_kill_9_with_32_live_docker_instances_then_all_step_again_with_no_orphans(tmp_path):
+    node_id = f"rec-{uuid.uuid4().hex[:6]}"
+    node = tb_node(tmp_path, node_id, "--capacity", "40").start(timeout=60)
+    try:
+        with node.client(timeout=300) as c:
+            def make(i: int) -> str:
+                r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub",
+                                                "instance_id": f"keep-{i}"})
+                assert r.status_code == 201, r.text
+                assert run_command(c, f"keep-{i}", f"echo {i} > /app/mine.txt").json()["observation"]["exit_code"] == 0
+                return f"keep-{i}"
+
+            with ThreadPoolExecutor(8) as pool:
+                ids = list(pool.map(make, range(32)))
+            mbpp = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+        kill9(node)
+        assert len(containers(node_id)) == 32, "the containers outlive their node"
+        # A stray container labelled for this node, with no row: removed at start.
+        client = docker.from_env()
+        stray = client.containers.run(BASE_IMAGE, ["sleep", "600"], detach=True,
+                                      labels={"envhub.node": node_id, "envhub.managed": "1",
+                                              "envhub.instance": "never-recorded"})
+        client.close()
+
+        node.start(timeout=60)
+        with node.client(timeout=300) as c:
+            for i, iid in enumerate(ids):
+                r = run_command(c, iid, "cat /app/mine.txt")
+                assert r.status_code == 200 and r.json()["observation"]["stdout"] == f"{i}\n", r.text
+            gone = c.post(f"/instances/{mbpp}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}})
+            assert gone.status_code == 410 and gone.json()["code"] == "gone"
+            assert c.get(f"/instances/{mbpp}").json()["state"] == "lost"
+            assert c.get("/health").json()["active"] == 32
+            assert stray.id not in {row["Id"] for row in containers(node_id)}
+            steps = (node.data_dir / "trials" / "default" / "keep-0" / "steps.jsonl").read_text()
+            assert '"event": "adopted"' in steps, "the trial log continues"
+            for iid in ids:
+                c.post(f"/instances/{iid}/release")
+        assert containers(node_id) == []
+    finally:
+        node.stop()
+        for row in containers(node_id):
+            docker.from_env().api.remove_container(row["Id"], force=True)
+
+
+@needs_docker
+def test_sigterm_leaves_docker_instances_for_the_next_start_and_marks_vanished_ones_lost(tmp_path):
+    node_id = f"term-{uuid.uuid4().hex[:6]}"
+    node = tb_node(tmp_path, node_id).start(timeout=60)
+    with node.client(timeout=300) as c:
+        a = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()["instance_id"]
+        b = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()["instance_id"]
+        run_command(c, a, "touch /app/kept")
+    assert node.stop() == 0
+    survivors = containers(node_id)
+    assert len(survivors) == 2
+    docker.from_env().api.remove_container(
+        next(r["Id"] for r in survivors if r["Labels"]["envhub.instance"] == b), force=True)
+    node.start(timeout=60)
+    with node.client(timeout=300) as c:
+        assert run_command(c, a, "ls /app").json()["observation"]["stdout"] == "kept\n"
+        assert run_command(c, b, "ls").status_code == 410
+        c.post(f"/instances/{a}/release")
+    assert node.stop() == 0
+    assert containers(node_id) == []
+
+
+@needs_docker
+def test_release_on_shutdown_removes_every_container(tmp_path):
+    node_id = f"rel-{uuid.uuid4().hex[:6]}"
+    node = tb_node(tmp_path, node_id, "--set", "release_on_shutdown=true").start(timeout=60)
+    with node.client(timeout=300) as c:
+        iid = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()["instance_id"]
+    assert node.stop() == 0
+    assert containers(node_id) == []
+    node.start(timeout=60)
+    with node.client() as c:
+        assert c.get(f"/instances/{iid}").json()["state"] == "released"
+    assert node.stop() == 0
+
+
+def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path):
+    """Clients retry their create with the same id until it succeeds, as envhub.client does."""
+    nodes = [EnvhubProcess(tmp_path / f"n{i}", "--capacity", "16", "--set", "environments.terminal-bench.enabled=false")
+             .start() for i in range(2)]
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": n.url, "slots": 16} for n in nodes]}))
+    sched = EnvhubProcess(tmp_path / "s", "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.3",
+                          role="scheduler").start()
+    ids = [f"burst-{i}" for i in range(24)]
+    done: dict[str, int] = {}
+
+    def create_until_done(iid: str) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.post(sched.url + "/instances", json={"environment": "mbpp", "task_id": "13",
+                                                              "instance_id": iid}, timeout=10)
+                if r.status_code in (200, 201):
+                    done[iid] = r.status_code
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+
+    try:
+        threads = [threading.Thread(target=create_until_done, args=(i,)) for i in ids]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        kill9(sched)
+        sched.start()
+        for t in threads:
+            t.join()
+        assert set(done) == set(ids)
+        for iid in ids:
+            holders = [n for n in nodes if httpx.get(f"{n.url}/instances/{iid}").status_code == 200]
+            assert len(holders) == 1, f"{iid} exists on {len(holders)} nodes"
+            r = httpx.post(f"{sched.url}/instances/{iid}/step",
+                           json={"action": {"tool": "run_python", "arguments": {"code": "1 + 1"}}})
+            assert r.json()["observation"]["value_repr"] == "2", "routable through the restarted scheduler"
+        assert sum(httpx.get(n.url + "/health").json()["active"] for n in nodes) == 24
+    finally:
+        for p in (sched, *nodes):
+            p.stop()
+
+
+def test_a_node_dying_mid_step_gives_a_clear_error_and_the_slot_returns(tmp_path):
+    node = EnvhubProcess(tmp_path / "n", "--capacity", "2", "--set", "environments.terminal-bench.enabled=false").start()
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": node.url, "slots": 2}]}))
+    sched = EnvhubProcess(tmp_path / "s", "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.2",
+                          "--set", "retry_max_wait=0", role="scheduler").start()
+    try:
+        iid = httpx.post(sched.url + "/instances", json={"environment": "mbpp", "task_id": "13",
+                                                          "params": {"run_timeout": 30}}).json()["instance_id"]
+        result = {}
+
+        def slow_step() -> None:
+            result["r"] = httpx.post(f"{sched.url}/instances/{iid}/step", timeout=60,
+                                     json={"action": {"tool": "run_python", "arguments": {"code": "import time\ntime.sleep(20)"}}})
+
+        t = threading.Thread(target=slow_step)
+        t.start()
+        time.sleep(1)
+        kill9(node)
+        t.join(30)
+        r = result["r"]
+        assert r.status_code == 503 and r.json()["code"] == "upstream_unavailable" and node.url in r.json()["error"]
+        node.start()
+        deadline = time.monotonic() + 10
+        while True:
+            status = httpx.get(sched.url + "/status").json()["nodes"][0]
+            if status["healthy"] and status["active_slots"] == 0:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+        gone = httpx.post(f"{sched.url}/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}})
+        assert gone.status_code == 410, "the instance is reported lost, through the scheduler too"
+        assert httpx.post(sched.url + "/instances", json={"environment": "mbpp", "task_id": "13"}).status_code == 201
+    finally:
+        for p in (sched, node):
+            p.stop()
