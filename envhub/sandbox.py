@@ -28,7 +28,8 @@ class SandboxSpec:
     """What the node asks a sandbox plugin to start for one episode.
 
     ``image`` and ``network`` (a network name, ``"none"`` for no network; ``None`` for
-    the sandbox's default) are only meaningful for container sandboxes. ``labels`` are
+    the sandbox's default) and ``egress_allow`` (addresses or networks the sandbox may
+    reach despite the egress policy) are only meaningful for container sandboxes. ``labels`` are
     attached to the sandbox where the backend supports it, so that leaked resources can
     be found.
     """
@@ -38,6 +39,7 @@ class SandboxSpec:
     task_id: str
     image: str | None = None
     network: str | None = None
+    egress_allow: list[str] = field(default_factory=list)
     limits: Limits = field(default_factory=Limits)
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)

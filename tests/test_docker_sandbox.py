@@ -259,19 +259,65 @@ async def test_spec_limits_override_the_defaults(sandbox, engine):
     assert result.stdout == "32\n"
 
 
-async def test_bridge_network_is_the_default_and_publishes_nothing(engine):
+async def test_default_network_is_the_guarded_sandbox_network_and_publishes_nothing(engine):
     sb = DockerSandbox({})
     await sb.start()
     try:
         handle = await sb.create(spec())
         attrs = engine.containers.get(handle).attrs
-        assert attrs["HostConfig"]["NetworkMode"] == "bridge"
+        assert attrs["HostConfig"]["NetworkMode"] == "envhub-sandbox"
         assert not attrs["HostConfig"]["PortBindings"] and not attrs["NetworkSettings"]["Ports"]
         assert (await sb.exec(handle, "echo up", timeout=10)).stdout == "up\n"
     finally:
         await sb.stop()
     with pytest.raises(docker.errors.NotFound):
         engine.containers.get(handle)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the egress policy is installed with iptables, as root")
+async def test_egress_policy_refuses_metadata_and_private_addresses_unless_allowed(engine):
+    """A listener on the host, reachable from containers at the sandbox network's gateway
+    (a private address): refused under the default policy, reached when allowed. The
+    metadata address is refused by the rule, never sent out."""
+    import socket
+    import threading
+
+    sb = DockerSandbox({})
+    await sb.start()
+    net = engine.api.inspect_network("envhub-sandbox")
+    gateway = net["IPAM"]["Config"][0]["Gateway"]
+    listener = socket.socket()
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    accepted = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(1)
+            conn.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    probe = "timeout 3 bash -c 'echo > /dev/tcp/{}/{}' && echo reached || echo refused"
+    try:
+        rules = sb._egress.rules()
+        assert "169.254.0.0/16" in rules and "REJECT" in rules and "10.0.0.0/8" in rules
+        guarded = await sb.create(spec())
+        assert (await sb.exec(guarded, probe.format("169.254.169.254", 80), timeout=10)).stdout.strip() == "refused"
+        assert (await sb.exec(guarded, probe.format(gateway, port), timeout=10)).stdout.strip() == "refused"
+        assert accepted == []
+        allowed = await sb.create(spec(egress_allow=[f"{gateway}/32"]))
+        assert (await sb.exec(allowed, probe.format(gateway, port), timeout=10)).stdout.strip() == "reached"
+        assert accepted == [1], "the policy, not the listener, is what refused the first container"
+        await sb.destroy(allowed)
+        assert f"{gateway}/32" not in sb._egress.rules(), "the allow rule went with its container"
+    finally:
+        listener.close()
+        await sb.stop()
 
 
 async def test_host_network_is_refused_in_config():

@@ -60,6 +60,7 @@ import docker
 import docker.errors
 
 from envhub.plugins._docker_agent import AgentBroken, ShellAgent
+from envhub.plugins._egress import EgressError, EgressPolicy, validate_cidrs
 import docker.types
 from docker.constants import DEFAULT_UNIX_SOCKET
 import requests.exceptions
@@ -84,6 +85,7 @@ _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 
 
 _DOCKERFILE_NAME = ".envhub.Dockerfile"  # reserved name in the build context
+SANDBOX_NETWORK = "envhub-sandbox"  # the network the egress policy guards
 
 
 class DockerSandbox(Sandbox):
@@ -97,9 +99,15 @@ class DockerSandbox(Sandbox):
     - ``api_timeout`` (60 s): timeout of one engine API call.
     - ``threads`` (32): worker threads for engine calls. A running exec holds one for its
       whole duration, so keep it above the node's capacity.
-    - ``network`` (``"bridge"``): network mode or network name for every container;
-      ``"none"`` cuts the network. ``host`` and ``container:*`` are refused. A
-      ``network`` attribute on the spec, when present and set, overrides it.
+    - ``egress`` (``"deny-private"``): containers join the ``envhub-sandbox`` network
+      (no traffic between containers) whose traffic to 169.254.0.0/16 (cloud metadata)
+      and the private ranges, the host included, is refused by iptables rules the node
+      installs (``_egress``); ``SandboxSpec.egress_allow`` opens addresses per container.
+      When the node cannot install them (no root, no iptables), containers get no
+      network. ``"open"``: no policy (the ``network`` as given).
+    - ``network`` (``"envhub-sandbox"``, or ``"bridge"`` with ``egress: open``): network
+      mode or network name for every container; ``"none"`` cuts the network. ``host``
+      and ``container:*`` are refused. ``SandboxSpec.network`` overrides it.
     - ``cpus`` (1.0, clamped to the engine's CPU count), ``memory_mb`` (2048, swap
       included), ``pids_limit`` (512): defaults for ``SandboxSpec.limits.cpus``,
       ``memory_mb`` and ``max_processes``. ``limits.cpu_seconds`` becomes RLIMIT_CPU.
@@ -132,7 +140,8 @@ class DockerSandbox(Sandbox):
             self.docker_host = c.get("docker_host") or None
             self.api_timeout = float(c.get("api_timeout", 60))
             self.threads = int(c.get("threads", 32))
-            self.network = str(c.get("network") or "bridge")
+            self.egress = str(c.get("egress", "deny-private"))
+            self.network = str(c.get("network") or (SANDBOX_NETWORK if self.egress == "deny-private" else "bridge"))
             self.cpus = float(c.get("cpus", 1.0))
             self.memory_mb = int(c.get("memory_mb", 2048))
             self.pids_limit = int(c.get("pids_limit", 512))
@@ -143,6 +152,8 @@ class DockerSandbox(Sandbox):
             self.output_limit = int(c.get("output_limit", 65536))
         except (TypeError, ValueError) as e:
             raise StartupError(f"docker sandbox config: {e}") from e
+        if self.egress not in ("deny-private", "open"):
+            raise StartupError(f"docker sandbox config: egress must be deny-private or open, not {self.egress!r}")
         problem = _network_problem(self.network)
         if problem:
             raise StartupError(f"docker sandbox config: {problem}")
@@ -158,6 +169,8 @@ class DockerSandbox(Sandbox):
         # container id -> its shell agent, or False where it has none (see _docker_agent)
         self._agents: dict[str, ShellAgent | bool] = {}
         self.use_agent = bool(c.get("shell_agent", True))
+        self._egress: EgressPolicy | None = None
+        self._allowed: dict[str, tuple[str, list[str]]] = {}  # container id -> (its ip, allowed cidrs)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -165,10 +178,37 @@ class DockerSandbox(Sandbox):
         self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="envhub-docker")
         try:
             self._client, self._host_cpus = await self._call(self._connect)
+            if self.egress == "deny-private" and self.network not in ("none",):
+                await self._call(self._install_egress)
         except BaseException:
             self._executor.shutdown(wait=False)
             self._executor = None
             raise
+
+    def _install_egress(self) -> None:
+        """The sandbox network (no traffic between containers) and its egress policy; if
+        the node cannot enforce the policy it gives containers no network (fail closed)."""
+        api = self._api
+        try:
+            nets = api.networks(names=[self.network])
+            net = next((n for n in nets if n.get("Name") == self.network), None)
+            if net is None:
+                api.create_network(self.network, driver="bridge", labels={"envhub.managed": "1"},
+                                   options={"com.docker.network.bridge.enable_icc": "false"})
+                net = api.inspect_network(self.network)
+            configs = (net.get("IPAM") or {}).get("Config") or []
+            if not configs:
+                net = api.inspect_network(self.network)
+                configs = (net.get("IPAM") or {}).get("Config") or []
+            subnet = configs[0]["Subnet"]
+            self._egress = EgressPolicy(subnet)
+            self._egress.install()
+            log.info("docker sandbox: egress policy on %s (%s): private ranges and 169.254.0.0/16 refused",
+                     self.network, subnet)
+        except (EgressError, _ENGINE_ERRORS, KeyError, IndexError) as e:
+            log.error("docker sandbox: cannot enforce the egress policy (%s); containers get no network", e)
+            self._egress = None
+            self.network = "none"
 
     def _connect(self) -> tuple[docker.DockerClient, float | None]:
         # Each running exec holds one pooled connection for its stream and briefly a second
@@ -299,6 +339,11 @@ class DockerSandbox(Sandbox):
         self._created.add(cid)
         try:
             api.start(cid)
+            if spec.egress_allow and self._egress is not None and network == self.network:
+                self._allow_sync(cid, network, validate_cidrs(spec.egress_allow))
+        except EgressError as e:
+            self._destroy_quietly(cid)
+            raise SandboxError(f"cannot open the egress allow list {spec.egress_allow}: {e}") from e
         except _ENGINE_ERRORS as e:
             self._destroy_quietly(cid)
             raise SandboxError(f"the container from {spec.image!r} did not start: {_explain(e)}") from e
@@ -312,7 +357,18 @@ class DockerSandbox(Sandbox):
             return
         await self._call(self._destroy_sync, handle)
 
+    def _allow_sync(self, cid: str, network: str, cidrs: list[str]) -> None:
+        info = self._api.inspect_container(cid)
+        ip = ((info.get("NetworkSettings") or {}).get("Networks") or {}).get(network, {}).get("IPAddress")
+        if not ip:
+            raise EgressError(f"container {cid[:12]} has no address on {network}")
+        self._egress.allow(ip, cidrs)
+        self._allowed[cid] = (ip, cidrs)
+
     def _destroy_sync(self, cid: str) -> None:
+        allowed = self._allowed.pop(cid, None)
+        if allowed is not None and self._egress is not None:
+            self._egress.revoke(*allowed)  # before the address can go to another container
         try:
             # force: SIGKILL, no stop timeout; v: anonymous volumes the image declared go too
             self._api.remove_container(cid, force=True, v=True)

@@ -85,7 +85,9 @@ class TerminalBench(Environment):
     (``all_pass`` | ``pass_ratio``), ``command_timeout`` (default seconds per
     run_command, 120), ``max_command_timeout`` (600), ``image_map`` (merged over the
     node's top-level ``image_map``), ``output_limit`` (characters of command output shown
-    to the model, 16000)."""
+    to the model, 16000), ``network`` (``none``: no network for any episode),
+    ``egress_allow`` (addresses or networks episodes may reach despite the egress
+    policy, e.g. an internal package mirror)."""
 
     name = "terminal-bench"
     description = "Terminal-Bench tasks (tb1 and tb2 formats), one Docker container per episode"
@@ -170,7 +172,9 @@ class TerminalBench(Environment):
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
         tb = self.tb(task)
         spec.image = self._images.get(task.id)  # None only when a restarted node adopts a container
-        spec.network = None if tb.allow_internet else "none"
+        no_network = not tb.allow_internet or self.config.get("network") == "none"
+        spec.network = "none" if no_network else None
+        spec.egress_allow = list(self.config.get("egress_allow") or [])
         spec.limits = Limits(cpus=tb.cpus, memory_mb=tb.memory_mb)
         spec.env = dict(tb.env)
         return spec
