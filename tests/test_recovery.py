@@ -156,7 +156,7 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
             t.start()
         time.sleep(0.3)
         kill9(sched)
-        sched.start()
+        sched.start(timeout=90)  # it comes up while 24 clients are hammering it
         for t in threads:
             t.join()
         assert set(done) == set(ids)
