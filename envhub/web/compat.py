@@ -57,7 +57,10 @@ async def create(request: Request):
 
 @bp.post("/step")
 async def step(request: Request):
-    body = _body(request) if request.body else {}
+    try:
+        body = _body(request)
+    except ae.AEError as e:
+        raise InvalidRequest(e.detail) from None
     if "uid" in body or "task" in body:  # SETA's StepRequest: one whole rollout
         return json(await request.app.ctx.backend.seta_step(body))
     if "instance_id" not in body:
