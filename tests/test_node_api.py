@@ -334,3 +334,24 @@ def test_a_retried_step_with_a_request_id_runs_once(client):
     bad = client.post(f"/instances/{iid}/step", json={**body, "request_id": 5})
     assert_error(bad, 400, "invalid_request")
     client.post(f"/instances/{iid}/release")
+
+
+def test_binding_all_interfaces_without_a_key_warns(start_node):
+    node = start_node("--host", "0.0.0.0", "--set", "environments.terminal-bench.enabled=false")
+    assert "no API key" in node.log()
+    keyed = start_node("--host", "0.0.0.0", "--set", "environments.terminal-bench.enabled=false", api_key="k")
+    assert "no API key" not in keyed.log()
+
+
+def test_binds_loopback_by_default(node):
+    import subprocess
+
+    health = httpx.get(node.url + "/health")
+    assert health.status_code == 200
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    addresses = {line.split()[3].split("/")[0] for line in out.splitlines()} - {"127.0.0.1"}
+    if not addresses:
+        pytest.skip("this machine has no address besides loopback")
+    for address in addresses:  # this machine's own other addresses: the node is not reachable there
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://{address}:{node.port}/health", timeout=2)
