@@ -16,10 +16,9 @@ from typing import AsyncIterator
 import docker
 import pytest
 import pytest_asyncio
-from docker.constants import DEFAULT_UNIX_SOCKET
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.docker_sandbox import DEFAULT_CAPS, DockerSandbox, _unix_socket_problem
+from envhub.plugins.docker_sandbox import DEFAULT_CAPS, DockerSandbox
 from envhub.sandbox import Limits, SandboxSpec
 
 from conftest import BASE_IMAGE as IMAGE, needs_docker

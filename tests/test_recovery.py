@@ -11,7 +11,6 @@ from pathlib import Path
 
 import docker
 import httpx
-import pytest
 import yaml
 
 from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker

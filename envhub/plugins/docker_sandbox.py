@@ -60,6 +60,7 @@ import docker
 import docker.errors
 
 from envhub.plugins._docker_agent import AgentBroken, ShellAgent
+from envhub.plugins._docker_images import DockerImages
 from envhub.plugins._egress import EgressError, EgressPolicy, validate_cidrs
 import docker.types
 from docker.constants import DEFAULT_UNIX_SOCKET
@@ -84,11 +85,10 @@ _ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestExce
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
 
 
-_DOCKERFILE_NAME = ".envhub.Dockerfile"  # reserved name in the build context
 SANDBOX_NETWORK = "envhub-sandbox"  # the network the egress policy guards
 
 
-class DockerSandbox(Sandbox):
+class DockerSandbox(DockerImages, Sandbox):
     """Runs shell commands in one Docker container per sandbox.
 
     The handle is the container id. Config keys (``sandboxes: {docker: {...}}``):
@@ -733,77 +733,6 @@ class DockerSandbox(Sandbox):
         rows = [r for r in await self.list_managed(node_id) if r["id"] not in keep]
         await asyncio.gather(*(self.destroy(row["id"]) for row in rows))
         return len(rows)
-
-    # --- images (the build gate's ImageBuilder) ----------------------------------------
-
-    async def image_exists(self, image: str) -> bool:
-        return await self._call(self._image_exists_sync, image)
-
-    def _image_exists_sync(self, image: str) -> bool:
-        try:
-            self._api.inspect_image(image)
-            return True
-        except docker.errors.ImageNotFound:
-            return False
-
-    async def build_image(self, *, context_dir: Path, dockerfile: str, image: str, log_path: Path,
-                          timeout: float, extra_files: dict[str, bytes] | None = None) -> None:
-        """Build ``image`` from ``context_dir`` with ``dockerfile`` (text) as its Dockerfile.
-
-        The context is sent as an in-memory tar with the Dockerfile (and ``extra_files``)
-        added under reserved names, so the task folder is never written to. The build's
-        output goes to ``log_path``; a failure raises ``BuildFailed`` with the log's tail.
-        """
-        await self._call(self._build_sync, Path(context_dir), dockerfile, image, Path(log_path), float(timeout),
-                         dict(extra_files or {}))
-
-    def _build_sync(self, context_dir: Path, dockerfile: str, image: str, log_path: Path, timeout: float,
-                    extra_files: dict[str, bytes]) -> None:
-        from envhub.builds import BuildFailed
-
-        def fill(tf: tarfile.TarFile) -> None:
-            for child in sorted(context_dir.iterdir()):
-                tf.add(str(child), arcname=child.name, filter=_owned_by_root)
-            for name, data in {**extra_files, _DOCKERFILE_NAME: dockerfile.encode()}.items():
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                info.mode = 0o644
-                tf.addfile(info, io.BytesIO(data))
-
-        deadline = time.monotonic() + timeout
-        lines: list[str] = []
-        error = None
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "w") as logf:
-            try:
-                context = io.BytesIO(_tar_bytes(fill))
-                stream = self._api.build(fileobj=context, custom_context=True, dockerfile=_DOCKERFILE_NAME,
-                                         tag=image, rm=True, forcerm=True, decode=True, timeout=timeout)
-                for chunk in stream:
-                    text = chunk.get("stream") or chunk.get("status") or ""
-                    if "error" in chunk:
-                        error = str(chunk.get("error")).strip()
-                        text = f"ERROR: {error}\n"
-                    if text:
-                        logf.write(text)
-                        lines.extend(text.splitlines())
-                        del lines[:-60]
-                    if time.monotonic() > deadline:
-                        error = f"the build ran past its {timeout:g} s timeout"
-                        break
-                if hasattr(stream, "close"):
-                    stream.close()  # an abandoned build is cancelled when its stream closes
-            except _ENGINE_ERRORS as e:
-                error = _explain(e)
-            if error is None and not self._image_exists_sync(image):
-                error = "the engine reported no error but the image does not exist"
-            if error is not None:
-                logf.write(f"\nenvhub: build failed: {error}\n")
-        if error is not None:
-            tail = "\n".join(lines[-30:])
-            raise BuildFailed(f"image {image} failed to build: {error}\n--- last lines of the build log ---\n{tail}",
-                              extra={"log_tail": tail})
-
 
 class _Capped:
     """Bytes of one output stream, keeping at most ``limit``: the head and the tail."""
