@@ -27,7 +27,9 @@ from envhub.settings import Settings
 from envhub.store.db import Database, migrate
 from envhub.scheduler import SchedulerService, load_fleet
 from envhub.backends import NodeBackend, SchedulerBackend
-from envhub.web import admin, builds, compat, environments, fleet, health, instances, rollouts, routing
+from envhub.openenv import OpenEnvService
+from envhub.web import (admin, builds, compat, environments, fleet, health, instances, openenv, openenv_proxy,
+                        rollouts, routing)
 from envhub.web.auth import setup_auth
 from envhub.web.errors import setup_errors
 
@@ -46,6 +48,7 @@ class AppContext:
     http: aiohttp.ClientSession | None = None
     agents: dict[str, Any] = field(default_factory=dict)
     backend: Any = None
+    openenv: OpenEnvService | None = None
     scheduler: SchedulerService | None = None
 
 
@@ -61,6 +64,7 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     app: Any = Sanic(name, ctx=AppContext(settings=settings))
     app.config.ACCESS_LOG = settings.access_log
     app.config.KEEP_ALIVE_TIMEOUT = 75  # trainers hold pooled connections between steps
+    app.config.WEBSOCKET_MAX_SIZE = 16 * 2**20  # OpenEnv's server (uvicorn) default; Sanic's is 1 MiB
     setup_errors(app)
     setup_plugins(app, pm)
     setup_store(app)
@@ -74,8 +78,8 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
 
 def blueprints_for(role: str) -> list[Any]:
     if role == "node":
-        return [health.bp, environments.bp, instances.bp, builds.bp, admin.bp, rollouts.bp, compat.bp]
-    return [fleet.bp, routing.bp, compat.bp]
+        return [health.bp, environments.bp, instances.bp, builds.bp, admin.bp, rollouts.bp, compat.bp, openenv.bp]
+    return [fleet.bp, routing.bp, compat.bp, openenv_proxy.bp]
 
 
 def setup_http(app: Any) -> None:

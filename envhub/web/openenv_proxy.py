@@ -1,0 +1,167 @@
+"""OpenEnv endpoints of the scheduler: the node's ``/openenv/<environment>`` routes, routed.
+
+WS  /openenv/<env>/ws: at connect the scheduler picks a node as it does for a create
+(task key ``<env>/openenv``: affinity, then the freest healthy node), opens the node's
+own socket with the node's API key and passes frames both ways, unchanged, until either
+side closes. Every frame is the node's, so the protocol is exactly the node's (one
+session per socket, its slot held on that node). No free slot anywhere: a
+``CAPACITY_REACHED`` frame, then close 1000 (never an HTTP status on the upgrade); no
+healthy node, or the node going away mid-session: a ``SESSION_ERROR`` frame, then close.
+
+HTTP: ``reset`` and ``step`` start an episode, so they go to a node picked like a create;
+``mcp`` and the read-only routes go to any healthy node. Replies pass through unchanged.
+
+Accounting: a socket is a create that lasts: ``pending`` while the node's socket opens,
+then ``active`` until it closes; each health check resets ``active`` from the node's own
+report, which counts the session's slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from sanic import Blueprint, Request
+
+from envhub.errors import NotFound, UpstreamUnavailable
+from envhub.openenv import ADAPTERS, WireError, capacity_reached
+from envhub.scheduler import AllNodesBusy, Node, SchedulerService
+from envhub.web.openenv import close_with
+from envhub.web.routing import passthrough
+
+bp = Blueprint("openenv_proxy", url_prefix="/openenv/<environment>")
+
+MAX_FRAME = 100 * 2**20  # the OpenEnv client's own limit (max_message_size_mb=100)
+
+
+@bp.on_request
+async def known_environment(request: Request) -> None:
+    environment = request.match_info["environment"]
+    healthy = [n for n in request.app.ctx.scheduler.nodes if n.healthy]
+    if environment not in ADAPTERS or (healthy and not any(environment in n.info.get("environments", ())
+                                                           for n in healthy)):
+        raise NotFound(f"no OpenEnv environment {environment!r} behind this scheduler",
+                       extra={"environment": environment})
+
+
+@bp.websocket("/ws")
+async def session_socket(request: Request, ws: Any, environment: str) -> None:
+    scheduler: SchedulerService = request.app.ctx.scheduler
+    try:
+        node = await scheduler._pick(f"{environment}/openenv")
+    except AllNodesBusy:
+        healthy = [n for n in scheduler.nodes if n.healthy]
+        error = (capacity_reached(sum(n.used for n in healthy), sum(n.capacity for n in healthy)) if healthy else
+                 WireError("SESSION_ERROR", "no node is healthy"))
+        await close_with(ws, error.frame())
+        return
+    connected = False
+    try:
+        try:
+            upstream = await request.app.ctx.http.ws_connect(
+                f"{node.url}/openenv/{environment}/ws", headers={"X-API-Key": node.api_key} if node.api_key else None,
+                heartbeat=_heartbeat(request.app.config), max_msg_size=MAX_FRAME)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if not isinstance(e, aiohttp.WSServerHandshakeError):
+                node.healthy, node.error = False, f"OpenEnv socket: {type(e).__name__}: {e}"
+            await close_with(ws, WireError("SESSION_ERROR", f"node {node.url} did not take the session: "
+                                           f"{type(e).__name__}: {e}").frame())
+            return
+        node.pending, node.active, connected = node.pending - 1, node.active + 1, True
+        async with upstream:
+            await _pump(ws, upstream, node)
+    finally:
+        if connected:
+            node.active = max(0, node.active - 1)
+        else:
+            node.pending -= 1
+        scheduler._freed.set()  # a create waiting for a slot (scheduler_wait) may go now
+
+
+def _heartbeat(config: Any) -> float | None:
+    """aiohttp pings every ``heartbeat`` s and waits ``heartbeat / 2`` for the pong: the
+    node gets the same patience Sanic gives clients (WEBSOCKET_PING_TIMEOUT)."""
+    interval, timeout = config.WEBSOCKET_PING_INTERVAL, config.WEBSOCKET_PING_TIMEOUT
+    if not interval:
+        return None
+    return max(float(interval), 2 * float(timeout or 0))
+
+
+async def _pump(client: Any, upstream: aiohttp.ClientWebSocketResponse, node: Node) -> None:
+    """Frames both ways until one side closes; the other side is then closed too."""
+
+    async def client_to_node() -> None:
+        while True:
+            frame = await client.recv()  # Sanic raises CancelledError when the client closes
+            if isinstance(frame, bytes):
+                await upstream.send_bytes(frame)
+            elif frame is not None:
+                await upstream.send_str(frame)
+
+    async def node_to_client() -> int | None:
+        """The node's close code; ``None`` when the connection ended without a close frame."""
+        while True:
+            msg = await upstream.receive()
+            if msg.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                await client.send(msg.data)
+            elif msg.type is aiohttp.WSMsgType.CLOSE:
+                # Read from the frame: aiohttp's close_code turns 1006 when its reply to
+                # the close cannot be written because the node already hung up.
+                return int(msg.data)
+            elif msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                return None
+
+    inbound, outbound = asyncio.ensure_future(client_to_node()), asyncio.ensure_future(node_to_client())
+    try:
+        await asyncio.wait({inbound, outbound}, return_when=asyncio.FIRST_COMPLETED)
+        if not outbound.done() and not inbound.cancelled() and inbound.exception() is not None:
+            # Writing to the node failed, so its socket is closing: let the reader pass on
+            # what the node said last (a CAPACITY_REACHED frame) and see how it closed.
+            await asyncio.wait({outbound}, timeout=5)
+    finally:
+        for task in (inbound, outbound):
+            task.cancel()
+        await asyncio.gather(inbound, outbound, return_exceptions=True)
+    if not outbound.done() or outbound.cancelled():
+        return  # the client went away: leaving `async with upstream` closes the node's socket
+    code = None if outbound.exception() is not None else outbound.result()
+    if code is None or code == 1006:  # no close frame: the node died or stopped answering pings
+        await close_with(client, WireError("SESSION_ERROR", f"lost the connection to node {node.url}").frame())
+    else:
+        await close_with(client, None, code)
+
+
+async def read_only(request: Request, environment: str):
+    route = request.path.rsplit("/", 1)[-1]
+    return passthrough(*await request.app.ctx.scheduler.any_node("GET", f"/openenv/{environment}/{route}"))
+
+
+async def episode_call(request: Request, environment: str):
+    scheduler: SchedulerService = request.app.ctx.scheduler
+    route = request.path.rsplit("/", 1)[-1]
+    node = await scheduler._pick(f"{environment}/openenv")
+    try:
+        reply = await scheduler._call(node, "POST", f"/openenv/{environment}/{route}", data=request.body or b"{}",
+                                      idempotent=False, timeout=scheduler.settings.forward_timeout)
+        return passthrough(reply.status, reply.body)
+    finally:
+        node.pending -= 1
+        scheduler._freed.set()
+
+
+for _route in ("health", "metadata", "schema", "state", "openapi.json"):
+    bp.add_route(read_only, f"/{_route}", methods=["GET"], name=f"get_{_route.replace('.', '_')}")
+for _route in ("reset", "step"):
+    bp.add_route(episode_call, f"/{_route}", methods=["POST"], name=f"post_{_route}")
+
+
+@bp.post("/mcp")
+async def mcp(request: Request, environment: str):
+    scheduler: SchedulerService = request.app.ctx.scheduler
+    node = next((n for n in scheduler.nodes if n.healthy), None)
+    if node is None:
+        raise UpstreamUnavailable("no node is healthy")
+    reply = await scheduler._call(node, "POST", f"/openenv/{environment}/mcp", data=request.body or b"",
+                                  idempotent=False, timeout=scheduler.settings.forward_timeout)
+    return passthrough(reply.status, reply.body)
