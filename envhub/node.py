@@ -69,6 +69,7 @@ class NodeService:
         self._live: dict[str, Live] = {}
         self._creating: dict[str, asyncio.Future[tuple[dict[str, Any], bool]]] = {}
         self._accepting = True
+        self.rollouts_running = 0  # whole rollouts holding a slot (their instances count in `active` too)
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -111,6 +112,7 @@ class NodeService:
             "active": self.slots.used,
             "free": self.slots.free,
             "queued": self.slots.queued,
+            "rollouts": self.rollouts_running,
             "accepting": self._accepting,
             "environments": sorted(self.environments),
         }

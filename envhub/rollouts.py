@@ -108,6 +108,11 @@ async def run_rollout(node: NodeService, agents: dict[str, Agent], http: aiohttp
         "task_name": req.task_id, "uid": req.uid, "traj_i": req.traj_i, "environment": req.environment,
         "node_id": node.settings.node_id, "trial": trial, "error_info": {}, "timings": {}, "reward": None,
         "evaluation": {}, "agent_summary": {}}
+    return await _run(node, agent, http, req, budgets, trial, run_info)
+
+
+async def _run(node: NodeService, agent: Agent, http: aiohttp.ClientSession, req: RolloutRequest, budgets: Budgets,
+               trial: str, run_info: dict[str, Any]) -> dict[str, Any]:
     timings = run_info["timings"]
     error: str | None = None
     created = False
@@ -123,6 +128,7 @@ async def run_rollout(node: NodeService, agents: dict[str, Agent], http: aiohttp
     try:
         reply, _ = await node.create(req.environment, req.task_id, req.params, instance_id=req.uid, trial=trial)
         created = True
+        node.rollouts_running += 1  # holds a slot from here to its release
     except EnvhubError as e:
         fail("reset", e.message)
     timings["1_reset_env"] = round(time.monotonic() - t0, 3)
@@ -173,6 +179,8 @@ async def run_rollout(node: NodeService, agents: dict[str, Agent], http: aiohttp
                 await asyncio.shield(node.release(req.uid))
             except EnvhubError as e:
                 fail("close", e.message)
+            finally:
+                node.rollouts_running -= 1
             timings["5_close"] = round(time.monotonic() - t4, 3)
         log_dir = TrialLog(node.trial_writer, node.settings.trials_dir, trial, req.uid)
         log_dir.write_json("run_info.json", run_info)

@@ -59,13 +59,17 @@ class Node:
     capacity: int = 0  # min(slots, the node's own capacity)
     active: int = 0  # the node's last report, adjusted by our creates and releases since
     pending: int = 0  # creates forwarded and not answered yet
+    rollouts: int = 0  # our whole rollouts running there
+    reported_rollouts: int = 0  # the node's own count at its last health report
     last_seen: float | None = None
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def used(self) -> int:
-        return self.active + self.pending
+        # A running rollout's instance is in the node's `active` once the node reports
+        # it; count ours only beyond what the last report already covers.
+        return self.active + self.pending + max(0, self.rollouts - self.reported_rollouts)
 
     @property
     def free(self) -> int:
@@ -191,6 +195,7 @@ class SchedulerService:
         node.capacity = min(node.slots, int(report.get("capacity", node.slots)))
         # The node's own count is the truth; creates still in flight are in `pending`.
         node.active = int(report.get("active", node.active))
+        node.reported_rollouts = int(report.get("rollouts", 0))
         if not report.get("accepting", True):
             node.capacity = 0
         self._freed.set()
@@ -304,6 +309,8 @@ class SchedulerService:
         if isinstance(body.get("model_url"), str):
             body = {**body, "model_url": self.network.rewrite(body["model_url"])}
         node = await self._pick(f"{environment}/{task_id}")
+        node.pending -= 1  # counted as a rollout instead, for as long as it runs
+        node.rollouts += 1
         try:
             reply = await self._call(node, "POST", path, json=body, timeout=self.settings.forward_timeout)
             return reply.status, reply.body
@@ -312,7 +319,7 @@ class SchedulerService:
                 raise
             return 200, jsonlib.dumps({"run_info": None, "reward": None, "error": f"Node error: {e.message}"}).encode()
         finally:
-            node.pending -= 1
+            node.rollouts -= 1
             self._freed.set()
 
     async def forward(self, instance_id: str, method: str, suffix: str = "", body: bytes | None = None, *,
