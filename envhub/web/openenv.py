@@ -23,6 +23,7 @@ from sanic import Blueprint, Request
 from sanic.exceptions import WebsocketClosed
 from sanic.response import json
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from envhub.openenv import OpenEnvService, ValidationFailed, WireError
 
@@ -91,7 +92,13 @@ async def close_with(ws: Any, frame: dict[str, Any] | None, code: int = 1000, wa
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():  # a real cancellation (shutdown)
                     raise
-                return  # Sanic's recv raises CancelledError when the close reply arrives
+                break  # Sanic's recv raises CancelledError when the close reply arrives...
+        # ...and also when an earlier recv of this socket was cancelled (the scheduler's
+        # proxy cancels its reader): then wait for the closing handshake itself.
+        proto = getattr(ws, "ws_proto", None)
+        while proto is not None and proto.state is not State.CLOSED \
+                and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
 
 
 @bp.get("/health")
