@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from envhub.errors import InvalidRequest
 
@@ -261,8 +261,3 @@ class Environment:
     async def evaluate(self, episode: Episode) -> Evaluation:
         """Grade the episode."""
         raise NotImplementedError
-
-
-def task_page(tasks: Iterable[Task], offset: int, limit: int) -> tuple[list[Task], int]:
-    items = list(tasks)
-    return items[offset: offset + limit], len(items)
