@@ -2,8 +2,9 @@
 
 Each task is one whole episode: create (a fresh interpreter process), step
 (submit_solution), evaluate (the hidden tests in a second, fresh interpreter), release.
-N concurrent clients share the task list. Prints tasks/s and p50/p99 latency per call,
-and writes the figures as JSON.
+N concurrent clients share the task list. Prints tasks/s, p50/p99 latency per call and,
+for a node it started, the CPU ms per task of each node thread, the zygote, the sandbox
+interpreters and the client itself; writes the figures as JSON.
 
     python bench/mbpp_throughput.py                      # starts its own node
     python bench/mbpp_throughput.py --url http://127.0.0.1:8000 --api-key K
@@ -34,6 +35,40 @@ DEFAULT_DATA = REPO.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
+
+
+_TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int, tid: int | None = None) -> list[str]:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def cpu_snapshot(node_pid: int) -> dict[str, float]:
+    """CPU ms so far of the node (per thread), its zygote and the zygote's reaped children.
+
+    Threads go by the names envhub gives them (``envhub-sqlite``, ``envhub-trials``);
+    ``other`` is any ``to_thread`` worker. Linux only; empty where /proc is missing.
+    """
+    out: dict[str, float] = {}
+    try:
+        for tid in os.listdir(f"/proc/{node_pid}/task"):
+            with open(f"/proc/{node_pid}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            role = "main" if int(tid) == node_pid else comm[7:] if comm.startswith("envhub-") else "other"
+            st = _stat(node_pid, int(tid))
+            out[f"node.{role}"] = out.get(f"node.{role}", 0.0) + (int(st[11]) + int(st[12])) * _TICK_MS
+        with open(f"/proc/{node_pid}/task/{node_pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        for child in children:  # the zygote (the node starts no other process)
+            st = _stat(child)
+            out["zygote"] = out.get("zygote", 0.0) + (int(st[11]) + int(st[12])) * _TICK_MS
+            out["zygote.children"] = out.get("zygote.children", 0.0) + (int(st[13]) + int(st[14])) * _TICK_MS
+    except OSError:
+        return {}
+    return out
 
 
 def start_node(data: Path, capacity: int) -> tuple[subprocess.Popen, str, tempfile.TemporaryDirectory]:
@@ -171,7 +206,16 @@ def main() -> None:
     if url is None:
         proc, url, tmp = start_node(args.data, args.capacity)
     try:
+        before, client_before = (cpu_snapshot(proc.pid) if proc else {}), os.times()
         result = asyncio.run(run(url, args.api_key, task_ids, args.clients))
+        client_after = os.times()
+        if proc is not None:
+            time.sleep(0.3)  # the zygote reaps its last children
+            after = cpu_snapshot(proc.pid)
+            cpu = {k: round((after[k] - before.get(k, 0.0)) / len(task_ids), 2) for k in after}
+            cpu["client"] = round((client_after.user + client_after.system - client_before.user
+                                   - client_before.system) * 1000 / len(task_ids), 2)
+            result["cpu_ms_per_task"] = cpu
     finally:
         if proc is not None:
             proc.terminate()
@@ -183,6 +227,8 @@ def main() -> None:
           f"({result['elapsed_s']} s), full reward {result['full_reward']}, errors {result['error_count']}")
     for kind, lat in result["latency_ms"].items():
         print(f"  {kind:9s} p50 {lat['p50']:8.2f} ms   p99 {lat['p99']:8.2f} ms")
+    if result.get("cpu_ms_per_task"):
+        print("  CPU ms/task: " + ", ".join(f"{k} {v}" for k, v in result["cpu_ms_per_task"].items()))
     if result["not_full_reward"]:
         print("  below 1.0:", ", ".join(result["not_full_reward"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)

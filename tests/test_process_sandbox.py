@@ -394,3 +394,81 @@ async def test_spec_env_is_visible_to_the_code(sandboxes):
     h = await sandboxes.create(spec(TASK_SEED="17"))
     r = await sandboxes.exec(h, "import os\nos.environ['TASK_SEED'], os.environ['HOME'] == os.getcwd()", timeout=5)
     assert r.value == ["17", True]
+
+
+@pytest.mark.asyncio
+async def test_first_exec_of_any_size_runs_and_times_out_like_later_ones(sandboxes):
+    # Up to process_sandbox._CARRIED_CELL_CHARS the first cell rides with the spawn request.
+    for padding in ("", "# padding\n" * 1000):
+        code = "x = 6 * 7\n" + padding + "x"
+        assert (len(code) > process_sandbox._CARRIED_CELL_CHARS) == bool(padding)
+        h = await sandboxes.create(spec())
+        r = await sandboxes.exec(h, code, timeout=5)
+        assert (r.value, r.exit_code, r.restarted) == (42, 0, False), r
+        assert (await sandboxes.exec(h, "x + 1", timeout=5)).value == 43
+        fresh = await sandboxes.create(spec())
+        started = time.monotonic()
+        r = await sandboxes.exec(fresh, "print('a', flush=True)\nimport time\n" + padding + "time.sleep(10)",
+                                 timeout=0.5)
+        assert time.monotonic() - started < 5
+        assert (r.timed_out, r.exit_code, r.stdout) == (True, None, "a\n")
+
+
+@pytest.mark.asyncio
+async def test_common_modules_are_preloaded_and_rare_heavy_ones_import_on_use(sandboxes, handle):
+    r = await sandboxes.exec(handle, "import sys\n[m in sys.modules for m in "
+                                     "('re', 'math', 'collections', 'heapq', 'itertools', 'typing', 'json')]",
+                             timeout=5)
+    assert r.value == [True] * 7
+    rare = "[m in sys.modules for m in ('shutil', 'statistics', 'decimal')]"
+    r = await sandboxes.exec(handle, rare, timeout=5)
+    assert r.value == [False] * 3  # each would add mappings that every fork copies
+    r = await sandboxes.exec(handle, "import statistics, shutil\nstatistics.mean([1, 2, 3])", timeout=5)
+    assert r.value == 2
+
+
+@pytest.mark.asyncio
+async def test_default_work_root_is_a_tmpfs_dir_of_the_node_removed_at_stop(tmp_path):
+    from envhub.settings import Settings
+
+    st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+    if st is None or st.f_bavail * st.f_frsize < 1 << 30 or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no roomy /dev/shm: the default stays on disk")
+    plugin = ProcessSandbox({}, Settings(data_dir=tmp_path))
+    other = ProcessSandbox({}, Settings(data_dir=tmp_path / "other"))
+    assert plugin.work_root.startswith("/dev/shm/envhub-sandboxes-") and plugin.work_root != other.work_root
+    os.makedirs(os.path.join(plugin.work_root, "left-by-a-crash", "sub"))
+    await plugin.start()
+    assert os.listdir(plugin.work_root) == []  # in memory: a crashed run's dirs go at start
+    try:
+        h = await plugin.create(spec())
+        cwd = (await plugin.exec(h, "import os\nopen('f', 'w').write('x')\nos.getcwd()", timeout=5)).value
+        assert os.path.dirname(cwd) == plugin.work_root
+    finally:
+        await plugin.stop()
+    assert not os.path.exists(plugin.work_root)
+    configured = ProcessSandbox({"work_root": str(tmp_path / "w")}, Settings(data_dir=tmp_path))
+    assert configured.work_root == str(tmp_path / "w")
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_a_released_uid_stays_claimed_by_the_node_until_stop(tmp_path):
+    plugin = ProcessSandbox({"work_root": str(tmp_path)}, None)
+    await plugin.start()
+    name = None
+    try:
+        h = await plugin.create(spec())
+        uid = (await plugin.exec(h, "import os\nos.getuid()", timeout=5)).value
+        await plugin.destroy(h)
+        assert await wait_until(lambda: not pids_of_uid(uid))
+        name = f"\0envhub-process-sandbox-uid-{uid}"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+            with pytest.raises(OSError):
+                probe.bind(name)  # still this node's: its next sandbox claims nothing new
+        again = await plugin.create(spec())
+        assert (await plugin.exec(again, "import os\nos.getuid()", timeout=5)).value == uid
+    finally:
+        await plugin.stop()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+        probe.bind(name)  # returned to the host at stop

@@ -12,9 +12,11 @@ Policy and invariants:
   max_sandboxes)``, and all sandboxes share one network namespace that holds only a down
   loopback. A uid is claimed host-wide by binding an abstract Unix socket, so two nodes
   on one host never share one, and it returns to the pool only after every process of
-  that uid was killed. The uid makes RLIMIT_NPROC per sandbox and lets destroy kill
-  processes that left the process group; one more claimed uid, which no process runs
-  as, lets the zygote do that kill without forking.
+  that uid was killed. The node keeps the claims of the uids it has used (``_idle``)
+  until :meth:`~ProcessSandbox.stop`, so a new sandbox usually claims nothing. The uid
+  makes RLIMIT_NPROC per sandbox and lets destroy kill processes that left the process
+  group; one more claimed uid, which no process runs as, lets the zygote do that kill
+  without forking.
 - As root the zygote also has a private mount namespace in which sandbox uids can
   traverse the ancestors of ``work_root`` and of the Python install (a pyenv under
   ``/root``, pytest's 0700 temp dirs), without any change to the host.
@@ -30,6 +32,10 @@ Policy and invariants:
   the node kills the sandbox's processes and the next call transparently starts a fresh
   interpreter in the same dir, reporting ``restarted=True``; likewise after the
   interpreter died. Calls on one handle are serialized by its own lock.
+- The exec that starts an interpreter hands its code to the zygote with the spawn
+  request (when under ``_CARRIED_CELL_CHARS``), and the interpreter runs it right after
+  its ``ready`` frame: one round trip fewer for the common create, exec, destroy. The
+  timeout still counts from ``ready``, exactly as for a separately sent exec.
 - Output is captured at fd level in two memfds per interpreter, which the node holds too:
   the output of an interpreter it had to kill is still there to read.
 - An exec's result is reported by the interpreter that ran the code, so code that means
@@ -43,6 +49,7 @@ Policy and invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -66,6 +73,13 @@ from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 log = logging.getLogger(__name__)
 
 _INLINE_IO_BYTES = 1 << 20  # larger file transfers run in a thread, off the event loop
+# A cell up to this size rides with the spawn request. JSON may escape a character into
+# 12 bytes, and the request, env included, must fit one control message
+# (zygote.CTL_MAX_MESSAGE): a send past the socket buffer fails like a dead zygote.
+_CARRIED_CELL_CHARS = 4096
+_MAX_ENV_JSON = 16 << 10
+_SHM = "/dev/shm"
+_MIN_SHM_FREE = 1 << 30
 _RESULT_FIELDS = ("stdout", "stderr", "exit_code", "timed_out", "exception", "value",
                   "value_repr", "truncated")
 _SIGNAL_HINTS = {
@@ -172,9 +186,10 @@ class _Box:
 class ProcessSandbox(Sandbox):
     """Runs Python cells in a persistent interpreter per sandbox.
 
-    Config keys (``sandboxes: {process: {...}}``): ``work_root`` (default
-    ``<data_dir>/sandboxes``, else the system temp dir), ``memory_mb`` (1024, RLIMIT_AS),
-    ``cpu_seconds`` (300, RLIMIT_CPU soft limit, cumulative per interpreter),
+    Config keys (``sandboxes: {process: {...}}``): ``work_root`` (default: a dir on the
+    ``/dev/shm`` tmpfs, named after the data dir, when that is writable with 1 GiB free;
+    else ``<data_dir>/sandboxes``, else the system temp dir), ``memory_mb`` (1024,
+    RLIMIT_AS), ``cpu_seconds`` (300, RLIMIT_CPU soft limit, cumulative per interpreter),
     ``max_processes`` (64, RLIMIT_NPROC), ``max_file_mb`` (256, RLIMIT_FSIZE),
     ``output_limit`` (65536 bytes per stream, head and tail kept), ``kill_grace`` (1.0 s
     after the timeout before the hard kill), ``uid_base`` (200000), ``max_sandboxes``
@@ -186,6 +201,13 @@ class ProcessSandbox(Sandbox):
     episode that never runs code costs no process).
     ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
     ``max_processes``; ``cpus`` is not enforced.
+
+    Working dirs are made and removed for every sandbox: on a disk that is metadata
+    churn, which on ext4 without a journal even slows every later file creation on the
+    same disk (the trial logs), since new inodes skip those freed in the last 30 s. On
+    the tmpfs default, sandbox files use memory instead, charged to the node's memory
+    cgroup: ``max_file_mb`` caps each file and the tmpfs size caps them all; what a
+    crashed run left is removed at the next start. Set ``work_root`` to keep them on disk.
     """
 
     name = "process"
@@ -195,9 +217,9 @@ class ProcessSandbox(Sandbox):
     def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(config, settings)
         c = self.config
-        data_dir = getattr(settings, "data_dir", None)
-        default_root = os.path.join(str(data_dir), "sandboxes") if data_dir else tempfile.gettempdir()
+        default_root, own = _default_work_root(getattr(settings, "data_dir", None))
         self.work_root = os.path.abspath(str(c.get("work_root") or default_root))
+        self._own_shm_root = own and not c.get("work_root")  # stop() removes it
         self.memory_mb = int(c.get("memory_mb", 1024))
         self.cpu_seconds = int(c.get("cpu_seconds", 300))
         self.max_processes = c.get("max_processes")  # None: 64 as root, unset otherwise
@@ -219,6 +241,7 @@ class ProcessSandbox(Sandbox):
         # Free uid offsets, reused last-in first-out: few distinct uids get used, so the
         # purge on a uid's first use in this node (see _spawn) is rare.
         self._free = list(range(self.max_sandboxes - 1, -1, -1))
+        self._idle: list[tuple[int, socket.socket]] = []  # free uids still claimed by us
         self._purged: set[int] = set()  # uids already cleared of an earlier node's leftovers
         self._killer: tuple[int, socket.socket] | None = None  # see _process_zygote.kill_uid
         self._closing: set[asyncio.Task] = set()
@@ -250,12 +273,25 @@ class ProcessSandbox(Sandbox):
             await asyncio.gather(*self._closing, return_exceptions=True)
         await self._close_zygote()
         if self._killer is not None:
-            self._killer[1].close()
-            self._free.append(self._killer[0] - self.uid_base)
+            self._idle.append(self._killer)
             self._killer = None
+        for uid, claim in self._idle:
+            claim.close()
+            self._free.append(uid - self.uid_base)
+        self._idle = []
+        if self._own_shm_root:
+            try:
+                os.rmdir(self.work_root)  # empty now; in memory, unlike the disk default
+            except OSError:
+                pass
 
     def _prepare_work_root(self) -> None:
         os.makedirs(self.work_root, exist_ok=True)
+        if self._own_shm_root:
+            # Dirs a crashed run of this node left would hold memory until reboot; the
+            # dir is named after the data dir, which one node process uses at a time.
+            for entry in os.listdir(self.work_root):
+                zygote.remove_tree(os.path.join(self.work_root, entry))
         if self.root:
             # Sandbox uids must pass through it (the zygote opens up its ancestors), but
             # must not list the other sandboxes' dirs.
@@ -369,9 +405,12 @@ class ProcessSandbox(Sandbox):
                         raise SandboxError(e.message) from e
                 self._req_id += 1
                 req["id"] = self._req_id
+                data = json.dumps(req).encode()
+                if len(data) > zygote.CTL_MAX_MESSAGE:
+                    raise SandboxError(f"a {req['op']} request of {len(data)} bytes is too large")
                 self._waiters[self._req_id] = waiter = asyncio.get_running_loop().create_future()
                 try:
-                    self._ctl.send(json.dumps(req).encode())
+                    self._ctl.send(data)
                     break
                 except OSError as e:  # it died and the reader has not seen the EOF yet
                     self._drop_ctl()
@@ -395,6 +434,8 @@ class ProcessSandbox(Sandbox):
             raise SandboxError("the process sandbox is not running")
         if handle in self._boxes:
             raise SandboxError(f"sandbox {handle!r} already exists")
+        if spec.env and len(json.dumps(spec.env)) > _MAX_ENV_JSON:
+            raise SandboxError(f"the sandbox env is over {_MAX_ENV_JSON} bytes of JSON")
         uid, claim = self._allocate_uid()
         box = _Box(handle, uid, claim, self._spawn_request(spec, uid))
         self._boxes[handle] = box
@@ -412,8 +453,13 @@ class ProcessSandbox(Sandbox):
 
     async def destroy(self, handle: str) -> None:
         box = self._boxes.pop(handle, None)
-        if box is not None:
-            await self._teardown_shielded(box)
+        if box is None:
+            return
+        if not box.spawned and box.pending is None and not box.lock.locked():
+            box.destroyed = True
+            self._release_uid(box)  # never started (lazy start): no process, no dir, no task
+            return
+        await self._teardown_shielded(box)
 
     async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
         box = self._box(handle)
@@ -425,18 +471,22 @@ class ProcessSandbox(Sandbox):
             if box.destroyed:
                 raise NotFound(f"no sandbox {handle!r}")
             restarted = box.chan is None and box.spawned
+            carried = False
             if box.chan is None:
-                await self._spawn(box)
+                carried = len(code) <= _CARRIED_CELL_CHARS
+                await self._spawn(box, {"code": code, "timeout": timeout} if carried else None)
             started = time.monotonic()
-            result = await self._run(box, code, timeout)
+            result = await self._run(box, code, timeout, sent=carried)
             result.duration_s = time.monotonic() - started
             result.restarted = restarted
             return result
 
-    async def _run(self, box: _Box, code: str, timeout: float) -> ExecResult:
+    async def _run(self, box: _Box, code: str, timeout: float, *, sent: bool = False) -> ExecResult:
+        """Run ``code`` (already on its way when ``sent``: carried by the spawn)."""
         try:
             async with asyncio.timeout(timeout + self.kill_grace):
-                await box.chan.send({"code": code, "timeout": timeout})
+                if not sent:
+                    await box.chan.send({"code": code, "timeout": timeout})
                 reply = await box.chan.recv()
         except TimeoutError:
             # The code swallowed CellTimeout or is stuck in C: kill what it started too.
@@ -477,9 +527,14 @@ class ProcessSandbox(Sandbox):
         finally:
             _forget_interpreter(box)
 
-    async def _spawn(self, box: _Box) -> None:
-        """Start an interpreter for ``box`` (in its existing dir, if any) and await ready."""
+    async def _spawn(self, box: _Box, cell: dict[str, Any] | None = None) -> None:
+        """Start an interpreter for ``box`` (in its existing dir, if any) and await ready.
+
+        ``cell`` (code and timeout) is run by the interpreter right after ready.
+        """
         req = dict(box.spawn_req, workdir=box.workdir)
+        if cell is not None:
+            req["cell"] = cell
         req["purge"] = box.uid is not None and box.uid not in self._purged
         box.pending = asyncio.ensure_future(self._spawn_exchange(box, req))
         await asyncio.shield(box.pending)
@@ -583,6 +638,8 @@ class ProcessSandbox(Sandbox):
             if len(self._boxes) >= self.max_sandboxes:
                 raise SandboxError(f"all {self.max_sandboxes} process sandboxes are in use")
             return None, None
+        if self._idle:
+            return self._idle.pop()
         for i in range(len(self._free) - 1, -1, -1):
             offset = self._free[i]
             claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -597,9 +654,8 @@ class ProcessSandbox(Sandbox):
 
     def _release_uid(self, box: _Box) -> None:
         if box.claim is not None:
-            box.claim.close()
+            self._idle.append((box.uid, box.claim))  # kept claimed: the next one is free
             box.claim = None
-            self._free.append(box.uid - self.uid_base)
 
     # --- files ----------------------------------------------------------------------------
 
@@ -627,6 +683,22 @@ class ProcessSandbox(Sandbox):
         if os.fstat(fd).st_size > _INLINE_IO_BYTES:
             return await asyncio.to_thread(_read_fd, fd)
         return _read_fd(fd)
+
+
+def _default_work_root(data_dir: Any) -> tuple[str, bool]:
+    """The tmpfs when it is roomy (see the class docstring), else on disk; and whether
+    the dir is this node's alone (on the tmpfs, named after its data dir)."""
+    try:
+        st = os.statvfs(_SHM)
+        roomy = st.f_bavail * st.f_frsize >= _MIN_SHM_FREE and os.access(_SHM, os.W_OK | os.X_OK)
+    except OSError:
+        roomy = False
+    if roomy and data_dir:
+        digest = hashlib.sha256(os.path.abspath(str(data_dir)).encode()).hexdigest()[:16]
+        return f"{_SHM}/envhub-sandboxes-{digest}", True
+    if roomy:
+        return f"{_SHM}/envhub-sandboxes", False
+    return (os.path.join(str(data_dir), "sandboxes") if data_dir else tempfile.gettempdir()), False
 
 
 def _forget_interpreter(box: _Box) -> None:
