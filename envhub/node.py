@@ -193,7 +193,7 @@ class NodeService:
             episode = Episode(instance_id=instance_id, task=task, params=params, sandbox=sandbox,
                               handle=handle, spec=spec, log_dir=trial_log.dir)
             observation = await env.reset(episode)
-            trial_log.write_json("instance.json", {
+            trial_log.record("created", {
                 "instance_id": instance_id, "environment": env.name, "task_id": task.id, "trial": trial,
                 "node_id": self.settings.node_id, "params": params, "created_at": row.created_at,
                 "observation": observation})
@@ -251,8 +251,8 @@ class NodeService:
                                         env_state=live.episode.state, reward=result.reward if result.done else None)
             reply = {"observation": result.observation, "reward": result.reward, "done": result.done,
                      "info": result.info}
-            live.log.append("steps.jsonl", {
-                "step": live.row.step_count, "time": time.time(), "duration_s": live.last_active - started,
+            live.log.record("step", {
+                "step": live.row.step_count, "duration_s": live.last_active - started,
                 "action": {"tool": action.tool, "arguments": action.arguments}, **reply})
             result = {"instance_id": instance_id, "step": live.row.step_count, **reply}
             if request_id is not None:
@@ -268,7 +268,7 @@ class NodeService:
             reply = {"instance_id": instance_id, "reward": evaluation.reward, "details": evaluation.details}
             await instances.record_evaluation(self.db, instance_id, reward=evaluation.reward,
                                               evaluation=reply, env_state=live.episode.state)
-            live.log.write_json("evaluation.json", {**reply, "time": time.time()})
+            live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
             return reply
 
     async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
@@ -294,7 +294,7 @@ class NodeService:
         finally:
             self.slots.release()
             await instances.end(self.db, instance_id, state, error=error)
-            live.log.append("steps.jsonl", {"event": state, "time": time.time(), **({"error": error} if error else {})})
+            live.log.record(state, {"error": error} if error else None)
 
     def _ensure_still_live(self, live: Live) -> None:
         if self._live.get(live.row.id) is not live:
@@ -434,7 +434,7 @@ class NodeService:
         trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, row.trial, row.id)
         episode = Episode(instance_id=row.id, task=task, params=row.params, sandbox=sandbox,
                           handle=row.sandbox_handle, spec=spec, state=row.env_state, log_dir=trial_log.dir)
-        trial_log.append("steps.jsonl", {"event": "adopted", "time": time.time()})
+        trial_log.record("adopted")
         return Live(row=row, env=env, episode=episode, log=trial_log, done=row.state == "done")
 
     def stop_accepting(self) -> None:
@@ -452,7 +452,7 @@ class NodeService:
                 if sandbox.survives_restart and not release_all:
                     self._live.pop(live.row.id, None)
                     await sandbox.detach(live.episode.handle)
-                    live.log.append("steps.jsonl", {"event": "detached", "time": time.time()})
+                    live.log.record("detached")
                 else:
                     await self._end(live, "released", error="node shut down")
             except Exception:

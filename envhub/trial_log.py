@@ -1,18 +1,26 @@
 """Trial logs: trials/<trial>/<instance_id>/ under the data dir.
 
-Each instance directory holds ``instance.json`` (what was created and its initial
-observation), ``steps.jsonl`` (one JSON object per step: action, observation, reward,
-done, timing, then the release event) and ``evaluation.json`` (the last evaluation).
+Each instance directory holds ``episode.jsonl``: one JSON object per line, each with an
+``event`` and a ``time``, in the order things happened: ``created`` (what was asked for
+and the initial observation), one ``step`` per action (action, observation, reward,
+done, timing), ``evaluation`` (reward and details, once per evaluate) and the end
+(``released``, ``reaped``, ``failed`` ..., with ``error`` when there was one); a node
+restart adds ``detached`` and ``adopted``. Environments may add their own files next to
+it (the terminal-bench verifier output; a rollout's ``run_info.json``).
+
+One append-only file per episode, rather than a file per kind of record, because file
+creation is what a log write costs most on a disk (an inode, and on ext4 without a
+journal a scan past recently freed ones), and appends cannot leave a reader a torn
+mix of two versions: at worst the last line is incomplete while it is being written.
 
 Writes go through one :class:`TrialWriter` thread, so file creation (slow on network or
 virtual disks) never stalls the event loop. Invariants: writes for one instance land in
 the order they were made; :meth:`TrialWriter.close` (at shutdown) returns only after
 every queued write is on disk; a write that fails is logged and never fails the episode.
-The instance directory is made by its first write. A JSON file is created in place the
-first time (nothing older exists for a reader to prefer; a reader at that very instant
-may find it incomplete) and replaced atomically after that, so no reader ever sees a mix
-of two versions. The writer works on ``str`` paths with ``os`` calls: this thread
-shares the GIL with the event loop, so its Python overhead is the node's too.
+The instance directory is made by its first write. A whole-file JSON write (``write_json``)
+is created in place the first time and replaced atomically after that. The writer works
+on ``str`` paths with ``os`` calls: this thread shares the GIL with the event loop, so
+its Python overhead is the node's too.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ import os
 import queue
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("envhub.trials")
 
+EPISODE_FILE = "episode.jsonl"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -107,6 +117,7 @@ class TrialLog:
         self.writer = writer
         self._dir = os.path.join(trials_dir, safe_name(trial), safe_name(instance_id))
         self.dir = Path(self._dir)
+        self._episode = os.path.join(self._dir, EPISODE_FILE)
 
     def ensure_dir(self) -> Path:
         os.makedirs(self._dir, exist_ok=True)
@@ -115,5 +126,6 @@ class TrialLog:
     def write_json(self, name: str, obj: Any) -> None:
         self.writer.put("json", os.path.join(self._dir, name), obj)
 
-    def append(self, name: str, obj: Any) -> None:
-        self.writer.put("append", os.path.join(self._dir, name), obj)
+    def record(self, event: str, fields: dict[str, Any] | None = None) -> None:
+        """Append one ``event`` line, stamped with the time, to ``episode.jsonl``."""
+        self.writer.put("append", self._episode, {"event": event, "time": time.time(), **(fields or {})})

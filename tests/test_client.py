@@ -167,7 +167,7 @@ def test_sync_client_drives_an_mbpp_episode_on_a_node(light_node):
             assert env.release(iid)["released"] is True
         record = env.get(iid)
         assert record["state"] == "released" and record["step_count"] == 3 and record["trial"] == "client"
-    assert (light_node.data_dir / "trials" / "client" / iid / "evaluation.json").exists()
+    assert '"event": "evaluation"' in (light_node.data_dir / "trials" / "client" / iid / "episode.jsonl").read_text()
 
 
 async def test_async_client_drives_an_mbpp_episode_through_a_scheduler(scheduler, light_node):

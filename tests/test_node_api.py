@@ -64,11 +64,12 @@ def test_full_episode_lifecycle_scores_a_correct_submission(client, node):
     assert got["state"] == "released" and got["reward"] == 1.0 and got["step_count"] == 2
 
     trial_dir = node.data_dir / "trials" / "lifecycle" / iid
-    steps = wait_for_lines(trial_dir / "steps.jsonl", 3)  # written by the node's log thread
-    assert [s.get("action", {}).get("tool") for s in steps[:2]] == ["run_python", "submit_solution"]
-    assert steps[0]["observation"]["value_repr"] == "55" and steps[-1]["event"] == "released"
-    assert json.loads((trial_dir / "evaluation.json").read_text())["reward"] == 1.0
-    assert json.loads((trial_dir / "instance.json").read_text())["task_id"] == "13"
+    events = wait_for_lines(trial_dir / "episode.jsonl", 5)  # written by the node's log thread
+    assert [e["event"] for e in events] == ["created", "step", "step", "evaluation", "released"]
+    assert events[0]["task_id"] == "13" and events[0]["observation"]["tools"]
+    assert [e["action"]["tool"] for e in events[1:3]] == ["run_python", "submit_solution"]
+    assert events[1]["observation"]["value_repr"] == "55" and events[3]["reward"] == 1.0
+    assert sorted(p.name for p in trial_dir.iterdir()) == ["episode.jsonl"]
 
 
 def test_partial_and_missing_submissions_get_graded_rewards(client):
