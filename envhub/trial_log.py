@@ -15,7 +15,8 @@ mix of two versions: at worst the last line is incomplete while it is being writ
 
 Writes go through one :class:`TrialWriter` thread, so file creation (slow on network or
 virtual disks) never stalls the event loop. Invariants: writes for one instance land in
-the order they were made; :meth:`TrialWriter.close` (at shutdown) returns only after
+the order they were made, each within about ``flush_interval`` (20 ms) of being made;
+:meth:`TrialWriter.close` (at shutdown) returns only after
 every queued write is on disk; a write that fails is logged and never fails the episode.
 The instance directory is made by its first write. A whole-file JSON write (``write_json``)
 is created in place the first time and replaced atomically after that. The writer works
@@ -25,10 +26,10 @@ its Python overhead is the node's too.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
-import queue
 import re
 import threading
 import time
@@ -48,29 +49,69 @@ def safe_name(name: str) -> str:
 
 
 class TrialWriter:
-    """One background thread that performs every trial-log write in order."""
+    """One background thread that performs every trial-log write in order.
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[str, str, Any] | None] = queue.SimpleQueue()
+    Writes are gathered for up to ``flush_interval`` seconds and done as a batch, and the
+    lines a batch appends to one file go in one write: waking a thread costs more than
+    the write itself on a virtual machine, and an episode's events often come in bursts.
+    A record reaches the disk at most ``flush_interval`` after it was made (and at
+    :meth:`close`); a crash of the node can lose that much of the log, never the SQLite
+    record of the instance.
+    """
+
+    def __init__(self, flush_interval: float = 0.02) -> None:
+        self.flush_interval = flush_interval
+        self._items: collections.deque[tuple[str, str, Any]] = collections.deque()
+        self._signalled = False  # the thread has been told there is work; see put()
+        self._wake = threading.Event()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="envhub-trial-writer", daemon=True)
         self._thread.start()
 
     def put(self, op: str, path: str | Path, obj: Any) -> None:
         """Queue ``op`` on ``path``: ``"json"`` writes ``obj`` as the whole file, ``"append"``
         adds it as one line."""
-        self._queue.put((op, os.fspath(path), obj))
+        self._items.append((op, os.fspath(path), obj))
+        if not self._signalled:  # one wake-up per batch, not per record
+            self._signalled = True
+            self._wake.set()
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Write everything queued so far, then stop the thread."""
+        self._closing = True
+        self._wake.set()
         self._thread.join()
 
     def _run(self) -> None:
         _name_os_thread("envhub-trials")
-        while (item := self._queue.get()) is not None:
-            op, path, obj = item
+        while True:
+            self._wake.wait()
+            if not self._closing:
+                time.sleep(self.flush_interval)  # let the batch gather
+            self._wake.clear()
+            # Cleared before draining: a put() from here on sets the event again, and its
+            # record is written by this drain or the next.
+            self._signalled = False
+            batch: dict[str, list[tuple[str, Any]]] = {}
+            while self._items:
+                op, path, obj = self._items.popleft()
+                batch.setdefault(path, []).append((op, obj))
+            for path, ops in batch.items():
+                self._write_ops(path, ops)
+            if self._closing and not self._items:
+                return
+
+    def _write_ops(self, path: str, ops: list[tuple[str, Any]]) -> None:
+        """Perform one file's ops in order; consecutive appends become one write."""
+        lines: list[str] = []
+        for i, (op, obj) in enumerate(ops):
             try:
                 if op == "append":
-                    _write(path, (json.dumps(obj, default=str) + "\n").encode(), os.O_APPEND)
+                    lines.append(json.dumps(obj, default=str) + "\n")
+                    if i + 1 < len(ops) and ops[i + 1][0] == "append":
+                        continue
+                    data, lines = "".join(lines).encode(), []
+                    _write(path, data, os.O_APPEND)
                 else:
                     data = json.dumps(obj, indent=2, default=str).encode()
                     try:
@@ -80,6 +121,7 @@ class TrialWriter:
                         _write(tmp, data, os.O_TRUNC)
                         os.replace(tmp, path)  # a reader sees the old file or the new one
             except Exception:
+                lines = []
                 log.exception("writing trial log %s", path)
 
 

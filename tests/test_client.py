@@ -167,7 +167,11 @@ def test_sync_client_drives_an_mbpp_episode_on_a_node(light_node):
             assert env.release(iid)["released"] is True
         record = env.get(iid)
         assert record["state"] == "released" and record["step_count"] == 3 and record["trial"] == "client"
-    assert '"event": "evaluation"' in (light_node.data_dir / "trials" / "client" / iid / "episode.jsonl").read_text()
+    log = light_node.data_dir / "trials" / "client" / iid / "episode.jsonl"
+    deadline = time.monotonic() + 5  # the node's log thread writes in batches
+    while '"event": "released"' not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert '"event": "evaluation"' in log.read_text()
 
 
 async def test_async_client_drives_an_mbpp_episode_through_a_scheduler(scheduler, light_node):
