@@ -1,28 +1,41 @@
-"""The MBPP grader, sent as source into a fresh sandbox interpreter (never imported by the node).
+"""The MBPP grader, preloaded into the sandbox zygote and called by a cell in a fresh
+sandbox interpreter (the node imports it only to find its file).
 
 Order, as the data requires: the submitted code, then ``test_setup_code`` (tasks 367 and
-927 build objects only the solution defines), then each hidden test on its own. An
-``assert X[, msg]`` is rewritten to evaluate ``X``, so a false result (``failed``) is
-told apart from an exception (``error``) and a runaway test (``timeout``, CPU time).
-Tests are compiled and the builtins the grader needs are bound before the submission
-runs, so a submission that rebinds ``eval`` or ``ast`` cannot change how it is graded.
+927 build objects only the solution defines), then each hidden test on its own. The node
+has already split each test (see ``mbpp.prepare_tests``): an ``assert X[, msg]`` comes
+as the expression ``X`` to evaluate, so a false result (``failed``) is told apart from an
+exception (``error``) and a runaway test (``timeout``, CPU time); any other test comes as
+statements to run; a test that does not parse comes with its syntax error. Parsing there
+once per task, rather than in every grading interpreter, keeps the ``ast`` work out of
+each episode. Tests are compiled and the builtins the grader uses are bound (at import,
+in the zygote) before the submission runs, so a submission that rebinds ``eval`` or
+``compile`` cannot change how it is graded.
 """
+
+import contextlib
+import io
+import signal
+import traceback
+
+_eval, _bool, _compile = eval, bool, compile
+
+
+class _TestTimeout(BaseException):
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise _TestTimeout()
+
+
+def _error(e):
+    return "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
 
 
 def grade(solution, setup, tests, per_test_cpu):
-    import ast
-    import contextlib
-    import io
-    import signal
-    import traceback
-
-    _eval, _bool, _compile = eval, bool, compile
-
-    class _TestTimeout(BaseException):
-        pass
-
-    def _on_alarm(signum, frame):
-        raise _TestTimeout()
+    """``tests``: ``(text, source, mode)`` triples; ``mode`` is ``"eval"`` (an assert's
+    expression), ``"exec"`` (statements) or ``None`` (``source`` is the syntax error)."""
 
     def _run(code, ns):
         sink = io.StringIO()
@@ -33,18 +46,13 @@ def grade(solution, setup, tests, per_test_cpu):
         finally:
             signal.setitimer(signal.ITIMER_PROF, 0)
 
-    def _error(e):
-        return "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:]
-
     compiled = []
-    for text in tests:
+    for text, source, mode in tests:
+        if mode is None:
+            compiled.append((text, None, source))
+            continue
         try:
-            tree = ast.parse(text)
-            if len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert):
-                code = _compile(ast.Expression(tree.body[0].test), "<test>", "eval")
-                compiled.append((text, code, True))
-            else:
-                compiled.append((text, _compile(tree, "<test>", "exec"), False))
+            compiled.append((text, _compile(source, "<test>", mode), mode == "eval"))
         except SyntaxError as e:
             compiled.append((text, None, _error(e)))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import importlib.resources
 import json
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,27 @@ from envhub.hookspecs import hookimpl
 from envhub.plugins import _mbpp_harness
 
 _HARNESS = "_mbpp_harness"  # preloaded into the sandbox from envhub/plugins/_mbpp_harness.py
+
+
+def prepare_tests(tests: list[str]) -> list[tuple[str, str, str | None]]:
+    """Split hidden tests for the grader: ``(text, source, mode)`` per test.
+
+    A lone ``assert X[, msg]`` becomes ``(text, X, "eval")``, so the grader can tell a
+    false result from an exception; other code ``(text, text, "exec")``; a test that does
+    not parse ``(text, <the syntax error>, None)``.
+    """
+    out: list[tuple[str, str, str | None]] = []
+    for text in tests:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError as e:
+            out.append((text, "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:], None))
+            continue
+        if len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert):
+            out.append((text, ast.unparse(tree.body[0].test), "eval"))
+        else:
+            out.append((text, text, "exec"))
+    return out
 
 SPLITS = (("prompt", 1, 10), ("test", 11, 510), ("validation", 511, 600), ("train", 601, 974))
 
@@ -132,6 +154,7 @@ class MBPP(Environment):
         # submission is routine, and every hidden test may spend the whole budget.
         self.test_cpu = float(self.config.get("test_cpu_seconds", 3))
         self.challenge = bool(self.config.get("challenge_tests", False))
+        self._prepared: dict[str, list[tuple[str, str, str | None]]] = {}  # task id -> its split tests
 
     def sandbox_preload(self) -> list[str]:
         return [_mbpp_harness.__file__]  # the grader is imported once, in the zygote
@@ -188,8 +211,11 @@ class MBPP(Environment):
             return Evaluation(0.0, {"submitted": False, "passed": 0, "total": 0, "tests": []})
         private = episode.task.private
         tests = private["test_list"] + (private["challenge_test_list"] if self.challenge else [])
+        prepared = self._prepared.get(episode.task.id)
+        if prepared is None:
+            prepared = self._prepared[episode.task.id] = prepare_tests(tests)
         code = (f"import {_HARNESS}\n"
-                f"{_HARNESS}.grade({submission!r}, {private['test_setup_code']!r}, {tests!r}, {self.test_cpu!r})")
+                f"{_HARNESS}.grade({submission!r}, {private['test_setup_code']!r}, {prepared!r}, {self.test_cpu!r})")
         result = await episode.run_fresh(code, timeout=self.eval_timeout)
         graded = result.value if isinstance(result.value, dict) else None
         if graded is None or graded.get("stage") != "tests":
