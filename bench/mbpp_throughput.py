@@ -1,7 +1,8 @@
 """MBPP throughput: every reference solution evaluated through a running node over HTTP.
 
-Each task is one whole episode: create (a fresh interpreter process), step
-(submit_solution), evaluate (the hidden tests in a second, fresh interpreter), release.
+Each task is one whole episode: create, step (submit_solution), then evaluate (the hidden
+tests in a fresh interpreter process, forked from the node's warm zygote) releasing the
+instance in the same call; ``--separate-release`` releases with a fourth call instead.
 N concurrent clients share the task list. Prints tasks/s, p50/p99 latency per call and,
 for a node it started, the CPU ms per task of each node thread, the zygote, the sandbox
 interpreters and the client itself; writes the figures as JSON.
@@ -126,7 +127,8 @@ class Conn:
             await self.writer.wait_closed()
 
 
-async def run(url: str, api_key: str | None, task_ids: list[str], clients: int) -> dict:
+async def run(url: str, api_key: str | None, task_ids: list[str], clients: int,
+              separate_release: bool = False) -> dict:
     timings: dict[str, list[float]] = {"create": [], "step": [], "evaluate": [], "release": []}
     rewards: dict[str, float] = {}
     errors: list[str] = []
@@ -155,9 +157,12 @@ async def run(url: str, api_key: str | None, task_ids: list[str], clients: int) 
                     iid = created["instance_id"]
                     await call(conn, "step", "POST", f"/instances/{iid}/step",
                                {"action": {"tool": "submit_solution", "arguments": {"code": references[task_id]}}})
-                    ev = await call(conn, "evaluate", "POST", f"/instances/{iid}/evaluate")
+                    if separate_release:
+                        ev = await call(conn, "evaluate", "POST", f"/instances/{iid}/evaluate")
+                        await call(conn, "release", "POST", f"/instances/{iid}/release")
+                    else:  # one call grades and releases, as an RL client would
+                        ev = await call(conn, "evaluate", "POST", f"/instances/{iid}/evaluate", {"release": True})
                     rewards[task_id] = ev["reward"]
-                    await call(conn, "release", "POST", f"/instances/{iid}/release")
                 except Exception as e:  # noqa: BLE001 - a benchmark counts errors instead of stopping
                     errors.append(f"{task_id}: {e}")
                     await conn.close()
@@ -171,13 +176,14 @@ async def run(url: str, api_key: str | None, task_ids: list[str], clients: int) 
 
     return {
         "tasks": len(task_ids), "clients": clients, "elapsed_s": round(elapsed, 3),
+        "calls_per_task": 4 if separate_release else 3,
         "tasks_per_s": round(len(task_ids) / elapsed, 1),
         "full_reward": sum(1 for r in rewards.values() if r == 1.0),
         "not_full_reward": sorted((t for t, r in rewards.items() if r != 1.0), key=int),
         "errors": errors[:20], "error_count": len(errors),
         "latency_ms": {k: {"p50": round(pct(v, 0.5), 2), "p99": round(pct(v, 0.99), 2),
                            "mean": round(statistics.fmean(v) * 1000, 2) if v else None}
-                       for k, v in timings.items()},
+                       for k, v in timings.items() if v},
     }
 
 
@@ -203,6 +209,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--limit", type=int, help="only the first N problems")
+    ap.add_argument("--separate-release", action="store_true",
+                    help="release with its own call instead of evaluate's release option")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "mbpp_throughput.json")
     args = ap.parse_args()
 
@@ -218,7 +226,7 @@ def main() -> None:
         proc, url, tmp = start_node(args.data, args.capacity)
     try:
         before, client_before = (cpu_snapshot(proc.pid) if proc else {}), os.times()
-        result = _run_loop(run(url, args.api_key, task_ids, args.clients))
+        result = _run_loop(run(url, args.api_key, task_ids, args.clients, args.separate_release))
         client_after = os.times()
         if proc is not None:
             time.sleep(0.3)  # the zygote reaps its last children

@@ -297,12 +297,13 @@ class _ClientBase:
         return _Call("POST", f"/instances/{_q(instance_id)}/step", json=body, idempotent=request_id is not None,
                      fallback=fallback)
 
-    def _evaluate(self, instance_id: str) -> _Call:
+    def _evaluate(self, instance_id: str, release: bool = False) -> _Call:
         def fallback(error: EnvhubClientError) -> dict[str, Any]:
             return {"instance_id": instance_id, "reward": 0.0, "details": {}, "fallback": True,
                     "error": error.to_dict()}
 
-        return _Call("POST", f"/instances/{_q(instance_id)}/evaluate", idempotent=True, fallback=fallback)
+        return _Call("POST", f"/instances/{_q(instance_id)}/evaluate", json={"release": True} if release else None,
+                     idempotent=True, fallback=fallback)
 
     def _release(self, instance_id: str) -> _Call:
         def fallback(error: EnvhubClientError) -> dict[str, Any]:
@@ -397,9 +398,10 @@ class EnvhubClient(_ClientBase):
         ``request_id`` (generated when not given)."""
         return self._run(self._step(instance_id, tool, arguments, request_id))
 
-    def evaluate(self, instance_id: str) -> dict[str, Any]:
-        """Grade the episode: ``{reward, details}``."""
-        return self._run(self._evaluate(instance_id))
+    def evaluate(self, instance_id: str, *, release: bool = False) -> dict[str, Any]:
+        """Grade the episode: ``{reward, details}``. With ``release``, also end it in the same
+        call (adds ``released`` and ``state``); a retry returns the same evaluation."""
+        return self._run(self._evaluate(instance_id, release))
 
     def release(self, instance_id: str) -> dict[str, Any]:
         """End the episode and free its slot: ``{released, state}``; releasing twice is harmless."""
@@ -479,8 +481,8 @@ class AsyncEnvhubClient(_ClientBase):
                    request_id: str | None = None) -> dict[str, Any]:
         return await self._run(self._step(instance_id, tool, arguments, request_id))
 
-    async def evaluate(self, instance_id: str) -> dict[str, Any]:
-        return await self._run(self._evaluate(instance_id))
+    async def evaluate(self, instance_id: str, *, release: bool = False) -> dict[str, Any]:
+        return await self._run(self._evaluate(instance_id, release))
 
     async def release(self, instance_id: str) -> dict[str, Any]:
         return await self._run(self._release(instance_id))

@@ -259,8 +259,19 @@ class NodeService:
                 await step_results.record(self.db, instance_id, request_id, result)
             return result
 
-    async def evaluate(self, instance_id: str) -> dict[str, Any]:
-        live = await self._live_or_raise(instance_id)
+    async def evaluate(self, instance_id: str, *, release: Any = False) -> dict[str, Any]:
+        """Grade the episode. With ``release``, then end it as :meth:`release` does, in the
+        same call (one round trip fewer per episode). A repeated evaluate-and-release of
+        an instance that ended after its evaluation returns that evaluation again, so a
+        client may retry it like a release."""
+        if not isinstance(release, bool):
+            raise InvalidRequest("'release' must be true or false", field="release")
+        live = self._live.get(instance_id)
+        if live is None and release:
+            row = await instances.get(self.db, instance_id)
+            if row.evaluation is not None and row.state in instances.ENDED_STATES:
+                return {**row.evaluation, "released": False, "state": row.state}
+        live = live or await self._live_or_raise(instance_id)
         async with live.lock:
             self._ensure_still_live(live)
             evaluation = await live.env.evaluate(live.episode)
@@ -269,6 +280,9 @@ class NodeService:
             await instances.record_evaluation(self.db, instance_id, reward=evaluation.reward,
                                               evaluation=reply, env_state=live.episode.state)
             live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
+            if release:
+                await asyncio.shield(self._end(live, "released"))
+                return {**reply, "released": True, "state": "released"}
             return reply
 
     async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:

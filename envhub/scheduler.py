@@ -346,15 +346,33 @@ class SchedulerService:
         suffix = "/release" if method == "POST" else ""
         status, data = await self.forward(instance_id, method, suffix, idempotent=True)
         if status == 200:
-            self._route_cache.pop(instance_id, None)
-            route = await routes.get(self.db, instance_id)
-            if route.state != "ended":
-                await routes.set_state(self.db, instance_id, "ended")
-                node = self.by_url.get(route.node_url)
-                if node is not None:
-                    node.active = max(0, node.active - 1)
-                self._freed.set()
+            await self._ended(instance_id)
         return status, data
+
+    async def evaluate(self, instance_id: str, body: bytes | None) -> tuple[int, bytes]:
+        """Forward an evaluate; one that also released the instance (``{"release": true}``)
+        ends its route as a release does. Only such a request's reply is parsed."""
+        releasing = bool(body) and b'"release"' in body
+        status, data = await self.forward(instance_id, "POST", "/evaluate", body, idempotent=releasing)
+        if releasing and status == 200:
+            try:
+                ended = "released" in jsonlib.loads(data)  # true now, or false: it had ended before
+            except (ValueError, TypeError):
+                ended = False
+            if ended:
+                await self._ended(instance_id)
+        return status, data
+
+    async def _ended(self, instance_id: str) -> None:
+        """The node ended the instance: drop its route and count its slot free."""
+        self._route_cache.pop(instance_id, None)
+        route = await routes.get(self.db, instance_id)
+        if route.state != "ended":
+            await routes.set_state(self.db, instance_id, "ended")
+            node = self.by_url.get(route.node_url)
+            if node is not None:
+                node.active = max(0, node.active - 1)
+            self._freed.set()
 
     async def any_node(self, method: str, path: str, params: dict[str, str] | None = None) -> tuple[int, bytes]:
         """Read-only calls any node can answer (environment and task listings)."""

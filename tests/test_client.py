@@ -188,6 +188,10 @@ async def test_async_client_drives_an_mbpp_episode_through_a_scheduler(scheduler
         finally:
             assert (await env.release(iid))["released"] is True
         assert (await env.get(iid))["state"] == "released"
+        other = (await env.create("mbpp", "12"))["instance_id"]
+        graded = await env.evaluate(other, release=True)
+        assert graded["reward"] == 0.0 and graded["released"] is True
+        assert (await env.get(other))["state"] == "released"
     with EnvhubClient(light_node.url) as direct:
         assert direct.get(iid)["step_count"] == 2, "the episode ran on the node behind the scheduler"
 

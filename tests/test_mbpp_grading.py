@@ -14,12 +14,18 @@ _ORIGINAL = (builtins.bool, builtins.eval, builtins.compile)
 
 def test_tests_are_split_once_by_the_node():
     assert prepare_tests(["assert f(1) == 2", "assert f(2), 'two'", "x = f(3)", "assert f("]) == [
-        ("assert f(1) == 2", "f(1) == 2", "eval"),
-        ("assert f(2), 'two'", "f(2)", "eval"),
+        ("assert f(1) == 2", "(\nf(1) == 2\n)", "eval"),
+        ("assert f(2), 'two'", "(\nf(2)\n)", "eval"),
         ("x = f(3)", "x = f(3)", "exec"),
         ("assert f(", prepare_tests(["assert f("])[0][1], None),
     ]
     assert "SyntaxError" in prepare_tests(["assert f("])[0][1]
+
+
+def test_an_assert_over_several_lines_or_with_a_comment_still_grades():
+    tests = ["assert f(1) == \\\n    2  # one", "assert (f(2) ==\n        4)", "assert f(3) == 7  # wrong"]
+    out = grade("def f(n):\n    return 2 * n", tests)
+    assert [r["status"] for r in out["results"]] == ["passed", "passed", "failed"]
 
 
 def grade(solution, tests, cpu=2.0, setup=""):

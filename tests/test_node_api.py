@@ -72,6 +72,33 @@ def test_full_episode_lifecycle_scores_a_correct_submission(client, node):
     assert sorted(p.name for p in trial_dir.iterdir()) == ["episode.jsonl"]
 
 
+def test_evaluate_can_release_in_the_same_call_and_a_repeat_returns_the_same_grade(client):
+    iid = create(client, "13")["instance_id"]
+    client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
+        "code": "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)"}}})
+    active = client.get("/health").json()["active"]
+    ev = client.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
+    assert ev["reward"] == 1.0 and ev["released"] is True and ev["state"] == "released"
+    assert client.get("/health").json()["active"] == active - 1
+    got = client.get(f"/instances/{iid}").json()
+    assert got["state"] == "released" and got["reward"] == 1.0
+    again = client.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
+    assert again["released"] is False and again["reward"] == 1.0 and again["details"] == ev["details"]
+    assert client.post(f"/instances/{iid}/release").json()["released"] is False
+    # Without release, an ended instance cannot be graded again.
+    assert_error(client.post(f"/instances/{iid}/evaluate"), 409, "conflict")
+    # An instance released before any evaluation has none to return.
+    other = create(client, "13")["instance_id"]
+    client.post(f"/instances/{other}/release")
+    assert_error(client.post(f"/instances/{other}/evaluate", json={"release": True}), 409, "conflict")
+    bad = create(client, "13")["instance_id"]
+    r = client.post(f"/instances/{bad}/evaluate", json={"release": "yes"})
+    assert_error(r, 400, "invalid_request")
+    assert r.json()["field"] == "release"
+    assert client.get(f"/instances/{bad}").json()["state"] == "active"
+    client.post(f"/instances/{bad}/release")
+
+
 def test_partial_and_missing_submissions_get_graded_rewards(client):
     iid = create(client, "13")["instance_id"]
     assert client.post(f"/instances/{iid}/evaluate").json()["reward"] == 0.0

@@ -74,6 +74,20 @@ def test_a_group_of_one_task_lands_on_one_node_until_full_then_overflows(fleet):
         assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 0
 
 
+def test_an_evaluate_that_releases_frees_the_slot_in_the_scheduler_too(fleet):
+    sched, nodes, _ = fleet
+    with sched.client() as c:
+        iid = create(c, "13")["instance_id"]
+        assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 1
+        ev = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
+        assert ev["released"] is True and ev["reward"] == 0.0
+        assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 0
+        again = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+        assert again.status_code == 200 and again.json()["released"] is False
+        assert c.post(f"/instances/{iid}/release").json()["released"] is False
+        assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 0
+
+
 def test_different_tasks_are_balanced_by_free_ratio(fleet):
     sched, nodes, _ = fleet
     with sched.client() as c:

@@ -3,7 +3,7 @@
 POST /instances                       {environment, task_id, params?, instance_id?, trial?}
 GET  /instances/<id>
 POST /instances/<id>/step             {action: {tool, arguments}, request_id?}
-POST /instances/<id>/evaluate
+POST /instances/<id>/evaluate         {release?}
 POST /instances/<id>/release          (DELETE /instances/<id> does the same)
 """
 
@@ -50,8 +50,8 @@ async def step(request: Request, instance_id: str):
 
 @bp.post("/<instance_id>/evaluate")
 async def evaluate(request: Request, instance_id: str):
-    json_body(request, required=False)
-    return json(await request.app.ctx.node.evaluate(instance_id))
+    body = json_body(request, required=False)
+    return json(await request.app.ctx.node.evaluate(instance_id, release=body.get("release", False)))
 
 
 @bp.post("/<instance_id>/release")

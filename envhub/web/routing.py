@@ -53,8 +53,7 @@ async def step(request: Request, instance_id: str):
 
 @bp.post("/instances/<instance_id>/evaluate")
 async def evaluate(request: Request, instance_id: str):
-    return passthrough(*await request.app.ctx.scheduler.forward(instance_id, "POST", "/evaluate", request.body,
-                                                                idempotent=False))
+    return passthrough(*await request.app.ctx.scheduler.evaluate(instance_id, request.body))
 
 
 @bp.post("/instances/<instance_id>/release")
