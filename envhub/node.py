@@ -277,12 +277,13 @@ class NodeService:
             evaluation = await live.env.evaluate(live.episode)
             live.last_active = time.monotonic()
             reply = {"instance_id": instance_id, "reward": evaluation.reward, "details": evaluation.details}
-            await instances.record_evaluation(self.db, instance_id, reward=evaluation.reward,
-                                              evaluation=reply, env_state=live.episode.state)
+            record = instances.evaluation_statement(instance_id, reward=evaluation.reward, evaluation=reply,
+                                                    env_state=live.episode.state)
             live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
-            if release:
-                await asyncio.shield(self._end(live, "released"))
+            if release:  # one transaction records the evaluation and the end
+                await asyncio.shield(self._end(live, "released", also=[record]))
                 return {**reply, "released": True, "state": "released"}
+            await self.db.write(*record)
             return reply
 
     async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
@@ -300,14 +301,17 @@ class NodeService:
             await asyncio.shield(self._end(live, reason))
         return {"instance_id": instance_id, "released": True, "state": reason}
 
-    async def _end(self, live: Live, state: str, error: str | None = None) -> None:
+    async def _end(self, live: Live, state: str, error: str | None = None, *,
+                   also: list[tuple[str, Any]] = ()) -> None:
+        """Destroy the sandbox, free the slot and record the end (with ``also``, statements
+        to commit in the same transaction)."""
         instance_id = live.row.id
         self._live.pop(instance_id, None)
         try:
             await live.episode.sandbox.destroy(live.episode.handle)
         finally:
             self.slots.release()
-            await instances.end(self.db, instance_id, state, error=error)
+            await self.db.write_many([*also, instances.end_statement(instance_id, state, error=error)])
             live.log.record(state, {"error": error} if error else None)
 
     def _ensure_still_live(self, live: Live) -> None:

@@ -138,20 +138,24 @@ async def record_step(db: Database, instance_id: str, *, step_count: int, done: 
         (step_count, json.dumps(env_state), time.time(), done, reward, instance_id))
 
 
-async def record_evaluation(db: Database, instance_id: str, *, reward: float, evaluation: dict[str, Any],
-                            env_state: dict[str, Any]) -> None:
-    await db.write(
-        "UPDATE instances SET reward = ?, evaluation = ?, env_state = ?, last_active_at = ? WHERE id = ?",
-        (reward, json.dumps(evaluation), json.dumps(env_state), time.time(), instance_id))
+def evaluation_statement(instance_id: str, *, reward: float, evaluation: dict[str, Any],
+                         env_state: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+    """The write that records an evaluation (for ``db.write`` or a ``write_many`` batch)."""
+    return ("UPDATE instances SET reward = ?, evaluation = ?, env_state = ?, last_active_at = ? WHERE id = ?",
+            (reward, json.dumps(evaluation), json.dumps(env_state), time.time(), instance_id))
+
+
+def end_statement(instance_id: str, state: str, *, error: str | None = None) -> tuple[str, tuple[Any, ...]]:
+    """The write of :func:`end`."""
+    assert state in ENDED_STATES
+    return ("UPDATE instances SET state = ?, error = COALESCE(?, error), ended_at = ? "
+            f"WHERE id = ? AND state IN ({','.join('?' * len(LIVE_STATES))})",
+            (state, error, time.time(), instance_id, *LIVE_STATES))
 
 
 async def end(db: Database, instance_id: str, state: str, *, error: str | None = None) -> None:
     """Move a live instance to an ended state; rows already ended keep their first ending."""
-    assert state in ENDED_STATES
-    await db.write(
-        "UPDATE instances SET state = ?, error = COALESCE(?, error), ended_at = ? "
-        f"WHERE id = ? AND state IN ({','.join('?' * len(LIVE_STATES))})",
-        (state, error, time.time(), instance_id, *LIVE_STATES))
+    await db.write(*end_statement(instance_id, state, error=error))
 
 
 async def count_live(db: Database) -> int:
