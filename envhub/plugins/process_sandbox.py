@@ -416,10 +416,12 @@ class ProcessSandbox(Sandbox):
                     self._drop_ctl()
                     if attempt:
                         raise SandboxError(f"cannot reach the process-sandbox zygote: {e}") from e
-            try:
-                msg, fds = await waiter
-            finally:
-                self._waiters.pop(req["id"], None)
+        # Awaited outside the lock: requests pipeline, and the zygote answers several per
+        # wake-up when they queue. A zygote that dies fails every waiter (_drop_ctl).
+        try:
+            msg, fds = await waiter
+        finally:
+            self._waiters.pop(req["id"], None)
         if "error" in msg:
             for fd in fds:
                 os.close(fd)
