@@ -10,7 +10,7 @@ still knows what was submitted.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
@@ -121,9 +121,8 @@ class Episode:
     ``sandbox`` and ``handle`` address the episode's sandbox; ``state`` is the
     environment's own JSON-serialisable memory of the episode; ``log_dir`` is the
     episode's trial directory, where an environment may write extra files (verifier
-    output). An environment may open
-    extra sandboxes (a fresh one for grading) through :meth:`fresh_sandbox`; the node
-    destroys them when the episode ends even if the environment forgets to.
+    output). An environment may run code in a fresh sandbox of the episode's spec (to
+    grade it) with :meth:`run_fresh`, which leaves nothing behind.
     """
 
     instance_id: str
@@ -134,24 +133,16 @@ class Episode:
     spec: "SandboxSpec"
     state: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None
-    _extra_handles: list[str] = field(default_factory=list)
+    _fresh_runs: int = 0
 
     async def exec(self, code: str, *, timeout: float) -> "ExecResult":
         return await self.sandbox.exec(self.handle, code, timeout=timeout)
 
     async def run_fresh(self, code: str, *, timeout: float) -> "ExecResult":
-        """Run ``code`` in a new sandbox of the same spec, then destroy it."""
-        from dataclasses import replace
-
-        suffix = f"{self.instance_id}.fresh{len(self._extra_handles)}"
-        spec = replace(self.spec, instance_id=suffix)
-        handle = await self.sandbox.create(spec)
-        self._extra_handles.append(handle)
-        try:
-            return await self.sandbox.exec(handle, code, timeout=timeout)
-        finally:
-            await self.sandbox.destroy(handle)
-            self._extra_handles.remove(handle)
+        """Run ``code`` in a new sandbox of the same spec, gone when this returns."""
+        self._fresh_runs += 1
+        spec = replace(self.spec, instance_id=f"{self.instance_id}.fresh{self._fresh_runs}")
+        return await self.sandbox.run_once(spec, code, timeout=timeout)
 
 
 class Environment:

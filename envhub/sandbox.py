@@ -135,6 +135,15 @@ class Sandbox:
         """Run ``code`` in the sandbox with a wall-clock ``timeout`` in seconds."""
         raise NotImplementedError
 
+    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float) -> ExecResult:
+        """Run ``code`` in a new sandbox of ``spec`` that is gone once this returns (or
+        raises). The default creates, executes and destroys; a plugin may do it cheaper."""
+        handle = await self.create(spec)
+        try:
+            return await self.exec(handle, code, timeout=timeout)
+        finally:
+            await self.destroy(handle)
+
     async def write_file(self, handle: str, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` inside the sandbox (relative to its working dir)."""
         raise NotImplementedError

@@ -472,3 +472,36 @@ async def test_a_released_uid_stays_claimed_by_the_node_until_stop(tmp_path):
         await plugin.stop()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
         probe.bind(name)  # returned to the host at stop
+
+
+@pytest.mark.asyncio
+async def test_a_one_shot_run_answers_then_leaves_no_process_and_no_dir(sandboxes, tmp_path):
+    zygote_pid = sandboxes._proc.pid
+    r = await sandboxes.run_once(spec(), "import os\n(os.getpid(), os.getcwd())", timeout=5)
+    pid, cwd = r.value
+    assert r.exit_code == 0 and cwd.startswith(str(tmp_path))
+    assert not sandboxes._boxes, "the node forgets it at once"
+    # The zygote reaps it and removes its dir on its own: no kill request was sent.
+    assert await wait_until(lambda: not is_alive(pid) and not os.path.exists(cwd))
+    assert await wait_until(lambda: children_of(zygote_pid) == [])
+    timed_out = await sandboxes.run_once(spec(), "while True: pass", timeout=0.5)
+    assert timed_out.timed_out and not sandboxes._boxes
+    assert await wait_until(lambda: os.listdir(tmp_path) == [] and children_of(zygote_pid) == [])
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_what_a_one_shot_run_left_is_killed_before_its_uid_runs_again(sandboxes):
+    """The node reuses a uid as soon as the one-shot interpreter has answered; a process
+    it left behind must be dead before the next sandbox under that uid starts."""
+    leftover = await sandboxes.run_once(spec(), "import os, subprocess\n"
+                                        "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+                                        "(os.getuid(), p.pid)", timeout=5)
+    uid, sleeper = leftover.value
+    handle = await sandboxes.create(spec())
+    try:
+        again = await sandboxes.exec(handle, "import os\nos.getuid()", timeout=5)
+        assert again.value == uid, "the uid was reused (last in, first out)"
+        assert not is_alive(sleeper)
+    finally:
+        await sandboxes.destroy(handle)

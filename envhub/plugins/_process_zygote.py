@@ -30,8 +30,12 @@ working dir, passing as SCM_RIGHTS one end of a fresh socketpair and the two mem
 capture the interpreter's fd 1 and 2 (so the node can still read the output of an
 interpreter it had to kill); ``kill`` kills a sandbox (as root: every process of its
 uid, see :func:`kill_uid`) and answers how the interpreter had ended if it died on its
-own. Channel protocol to an interpreter (``SOCK_STREAM``): 4-byte big-endian length +
-JSON, first a ``ready`` frame, then one reply per ``exec`` request. A ``spawn`` may carry
+own. A ``spawn`` with ``once`` (and a carried cell) makes a one-shot interpreter: it
+exits after answering that cell, and the zygote cleans up after it (its uid's processes,
+its dir) when it reaps it, or before it forks another sandbox under the same uid,
+whichever comes first, so no ``kill`` is needed. Channel protocol to an interpreter
+(``SOCK_STREAM``): 4-byte big-endian length + JSON, first a ``ready`` frame, then one
+reply per ``exec`` request. A ``spawn`` may carry
 the first cell (``cell``: code and timeout): the interpreter then runs it right after
 ``ready``, as if it had been sent as the first ``exec``, which saves a round trip.
 """
@@ -204,7 +208,8 @@ class Zygote:
         self.killer_uid = killer_uid
         self.root = os.geteuid() == 0
         self.pid = os.getpid()
-        self.live: dict[int, tuple[int | None, str]] = {}  # pid -> (uid, workdir)
+        self.live: dict[int, tuple[int | None, str, bool]] = {}  # pid -> (uid, workdir, once)
+        self.once_uids: dict[int, int] = {}  # uid -> pid of a one-shot interpreter not yet cleaned up
         self.exited: dict[int, int] = {}  # tracked pids that died on their own -> status
 
     def serve(self) -> None:
@@ -245,6 +250,9 @@ class Zygote:
             info = self.live.get(pid)
             if info is None:
                 continue  # an orphan of user code, reparented to us as subreaper
+            if info[2]:  # a one-shot interpreter answered and exited: nobody sends a kill
+                self.clean_once(pid)
+                continue
             self.exited[pid] = status
             if info[0] is None:
                 # Without a uid, the process group is the sandbox; kill it now, while the
@@ -254,8 +262,30 @@ class Zygote:
                 except OSError:
                     pass
 
+    def clean_once(self, pid: int) -> None:
+        """Kill what a one-shot interpreter left (its uid's processes, or its process
+        group) and remove its dir; it may still be exiting, so it is reaped here too."""
+        uid, workdir, _ = self.live.pop(pid)
+        if uid is not None:
+            self.once_uids.pop(uid, None)
+            kill_uid(uid, self.killer_uid)
+        else:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass  # reaped by reap() already
+        remove_tree(workdir)
+
     def spawn(self, req: dict[str, Any]) -> None:
         uid = req.get("uid")
+        if uid is not None and uid in self.once_uids:
+            # The node reuses a uid as soon as a one-shot interpreter has answered; what it
+            # left must be gone before another sandbox runs under that uid.
+            self.clean_once(self.once_uids[uid])
         if uid is not None and req.get("purge"):
             kill_uid(uid, self.killer_uid)  # leftovers of a node that died uncleanly
         workdir = req.get("workdir")
@@ -289,7 +319,10 @@ class Zygote:
                 traceback.print_exc()
             finally:
                 os._exit(70)
-        self.live[pid] = (uid, workdir)
+        once = bool(req.get("once"))
+        self.live[pid] = (uid, workdir, once)
+        if once and uid is not None:
+            self.once_uids[uid] = pid
         reply = {"id": req.get("id"), "pid": pid, "workdir": workdir}
         try:
             socket.send_fds(self.ctl, [json.dumps(reply).encode()], fds)
@@ -306,6 +339,8 @@ class Zygote:
         """
         pid, uid, workdir = req.get("pid"), req.get("uid"), req.get("workdir")
         info = self.live.pop(pid, None) if pid is not None else None
+        if info is not None and info[2] and uid is not None:
+            self.once_uids.pop(uid, None)
         own_death = self.exited.pop(pid, None) if info is not None else None
         if info is not None and own_death is None:
             try:
@@ -337,7 +372,7 @@ class Zygote:
         return describe_status(own_death) if own_death is not None else None
 
     def shutdown(self) -> None:
-        for pid, (uid, workdir) in list(self.live.items()):
+        for pid, (uid, workdir, _) in list(self.live.items()):
             self.kill({"pid": pid, "uid": uid, "workdir": workdir, "remove": True})
         # Reap what the kills left as zombies; without a uid a setsid() escapee may
         # outlive us, so give up after a moment rather than hang the node's stop().
@@ -418,6 +453,8 @@ class Interpreter:
                 if req is None:
                     return
             self.send(self.run_cell(req["code"], float(req["timeout"])))
+            if self.req.get("once"):
+                os._exit(0)  # a one-shot interpreter: the zygote cleans up when it reaps us
             req = None
 
     def send(self, obj: Any) -> None:

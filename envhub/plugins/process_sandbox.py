@@ -483,6 +483,32 @@ class ProcessSandbox(Sandbox):
             result.restarted = restarted
             return result
 
+    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float) -> ExecResult:
+        """A one-shot interpreter: the spawn carries the code and the interpreter exits
+        once it has answered; the zygote then cleans up after it without being asked, so
+        the run costs one control request instead of two. Code too long to carry, and a
+        run that times out or dies, take the usual create/exec/destroy path."""
+        if not isinstance(code, str) or len(code) > _CARRIED_CELL_CHARS:
+            return await super().run_once(spec, code, timeout=timeout)
+        handle = await self.create(spec)
+        box = self._boxes[handle]
+        box.spawn_req["once"] = True
+        try:
+            result = await self.exec(handle, code, timeout=timeout)
+        except BaseException:
+            await self.destroy(handle)
+            raise
+        if box.chan is None or box.destroyed:  # killed (timeout, death) or destroyed meanwhile
+            await self.destroy(handle)
+            return result
+        # It answered and is exiting. Its uid may be reused at once: the zygote finishes
+        # cleaning up after it before it forks anything else under that uid.
+        del self._boxes[handle]
+        box.destroyed = True
+        _forget_interpreter(box)
+        self._release_uid(box)
+        return result
+
     async def _run(self, box: _Box, code: str, timeout: float, *, sent: bool = False) -> ExecResult:
         """Run ``code`` (already on its way when ``sent``: carried by the spawn)."""
         try:
