@@ -30,14 +30,13 @@ working dir, passing as SCM_RIGHTS one end of a fresh socketpair and the two mem
 capture the interpreter's fd 1 and 2 (so the node can still read the output of an
 interpreter it had to kill); ``kill`` kills a sandbox (as root: every process of its
 uid, see :func:`kill_uid`) and answers how the interpreter had ended if it died on its
-own. A ``spawn`` with ``once`` (and a carried cell) makes a one-shot interpreter: it
-exits after answering that cell, and the zygote cleans up after it (its uid's processes,
-its dir) when it reaps it, or before it forks another sandbox under the same uid,
-whichever comes first, so no ``kill`` is needed. Channel protocol to an interpreter
-(``SOCK_STREAM``): 4-byte big-endian length + JSON, first a ``ready`` frame, then one
-reply per ``exec`` request. A ``spawn`` may carry
+own. Channel protocol to an interpreter (``SOCK_STREAM``): 4-byte big-endian length +
+JSON, first a ``ready`` frame, then one reply per ``exec`` request. A ``spawn`` may carry
 the first cell (``cell``: code and timeout): the interpreter then runs it right after
-``ready``, as if it had been sent as the first ``exec``, which saves a round trip.
+``ready``, as if it had been sent as the first ``exec``, which saves a round trip. With
+``once`` as well, the interpreter is one-shot: it exits after answering that cell, and
+the zygote cleans up after it (its uid's processes, its dir) when it reaps it, or before
+it forks another sandbox under the same uid, whichever comes first; no ``kill`` is sent.
 """
 
 from __future__ import annotations

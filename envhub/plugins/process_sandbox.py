@@ -36,6 +36,9 @@ Policy and invariants:
   request (when under ``_CARRIED_CELL_CHARS``), and the interpreter runs it right after
   its ``ready`` frame: one round trip fewer for the common create, exec, destroy. The
   timeout still counts from ``ready``, exactly as for a separately sent exec.
+- :meth:`~ProcessSandbox.run_once` (grading) goes further: the interpreter exits after
+  answering, and the zygote cleans up after it unasked, before any other sandbox can run
+  under its uid; the node frees the box and the uid as soon as the answer is in.
 - Output is captured at fd level in two memfds per interpreter, which the node holds too:
   the output of an interpreter it had to kill is still there to read.
 - An exec's result is reported by the interpreter that ran the code, so code that means
