@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from envhub.threads import name_os_thread
+
 log = logging.getLogger("envhub.trials")
 
 EPISODE_FILE = "episode.jsonl"
@@ -83,7 +85,7 @@ class TrialWriter:
         self._thread.join()
 
     def _run(self) -> None:
-        _name_os_thread("envhub-trials")
+        name_os_thread("envhub-trials")
         while True:
             self._wake.wait()
             if not self._closing:
@@ -123,15 +125,6 @@ class TrialWriter:
             except Exception:
                 lines = []
                 log.exception("writing trial log %s", path)
-
-
-def _name_os_thread(name: str) -> None:
-    """Name the calling thread for ``top -H`` and ``ps -L`` (Python 3.11 names none)."""
-    try:
-        with open("/proc/thread-self/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:
-        pass
 
 
 def _write(path: str, data: bytes, flag: int) -> None:

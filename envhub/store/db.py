@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 import aiosqlite
 
 from envhub.errors import StartupError
+from envhub.threads import name_os_thread
 
 Params = Sequence[Any] | dict[str, Any]
 
@@ -69,7 +70,7 @@ class Database:
         conn = await aiosqlite.connect(str(path), isolation_level=None)
         conn.row_factory = sqlite3.Row
         try:
-            await conn._execute(_name_os_thread, "envhub-sqlite")
+            await conn._execute(name_os_thread, "envhub-sqlite")
             await conn.execute("PRAGMA journal_mode=WAL")
             await conn.execute("PRAGMA synchronous=NORMAL")
             await conn.execute("PRAGMA foreign_keys=ON")
@@ -207,15 +208,6 @@ def _write_alone(conn: sqlite3.Connection, statements: list[tuple[str, Params]])
         if conn.in_transaction:
             conn.rollback()
         raise
-
-
-def _name_os_thread(name: str) -> None:
-    """Name the calling thread for ``top -H`` and ``ps -L`` (Python 3.11 names none)."""
-    try:
-        with open("/proc/thread-self/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:
-        pass
 
 
 def _fetch(conn: sqlite3.Connection, sql: str, params: Params, one: bool) -> Any:
