@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from envhub.plugins.process_sandbox import default_work_root
+
 REPO = Path(__file__).resolve().parents[1]
 IDLE_TTL = 5.0
 UID_BASE = 200000
@@ -153,7 +155,8 @@ def main() -> None:
     z = zygote_pid(node.pid)
     end_rss = {"node_kb": rss_kb(node.pid), "zygote_kb": rss_kb(z) if z else None}
     leaked_processes = sandbox_processes() if os.geteuid() == 0 else None
-    leaked_dirs = len(list((tmp / "data" / "sandboxes").glob("*"))) if (tmp / "data" / "sandboxes").exists() else 0
+    work_root = Path(default_work_root(tmp / "data")[0])  # where this node keeps sandbox dirs
+    leaked_dirs = len(list(work_root.iterdir())) if work_root.is_dir() else 0
     expired = httpx.get(url + "/instances", params={"state": "expired", "limit": 1}).json()["total"]
     node.terminate()
     node_rc = node.wait(60)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import sandbox_uids_processes
+from conftest import sandbox_dirs, sandbox_uids_processes
 
 TESTS = Path(__file__).resolve().parent
 
@@ -46,6 +46,6 @@ def test_failed_create_leaks_no_slot_sandbox_or_live_row(faulty_node):
         failed = c.get("/instances", params={"state": "failed"}).json()
         assert failed["total"] == 3 and "reset exploded" in failed["instances"][0]["error"]
         assert c.get("/instances", params={"state": "creating,active"}).json()["total"] == 0
-    assert not any((faulty_node.data_dir / "sandboxes").glob("*"))
+    assert sandbox_dirs(faulty_node.data_dir) == []
     if os.geteuid() == 0:
         assert sandbox_uids_processes() == []

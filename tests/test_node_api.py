@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from conftest import sandbox_uids_processes
+from conftest import sandbox_dirs, sandbox_uids_processes
 
 
 def create(client, task_id="13", **body):
@@ -328,6 +328,7 @@ def test_idle_reaper_expires_instances_and_frees_their_slots(start_node):
     with node.client() as c:
         iid = create(c)["instance_id"]
         run(c, iid, "import os\nprint(os.getpid())")
+        assert len(sandbox_dirs(node.data_dir)) == 1, "the interpreter works in its own dir"
         deadline = time.monotonic() + 10
         while c.get(f"/instances/{iid}").json()["state"] != "expired" and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -337,7 +338,7 @@ def test_idle_reaper_expires_instances_and_frees_their_slots(start_node):
         err = assert_error(c.post(f"/instances/{iid}/step", json={
             "action": {"tool": "run_python", "arguments": {"code": "1"}}}), 409, "conflict")
         assert err["state"] == "expired"
-    assert not any((node.data_dir / "sandboxes").glob("*")), "the sandbox's working dir was removed"
+    assert sandbox_dirs(node.data_dir) == [], "the sandbox's working dir was removed"
 
 
 def test_restart_keeps_every_instance_row(start_node, tmp_path):

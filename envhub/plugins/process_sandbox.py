@@ -220,7 +220,7 @@ class ProcessSandbox(Sandbox):
     def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(config, settings)
         c = self.config
-        default_root, own = _default_work_root(getattr(settings, "data_dir", None))
+        default_root, own = default_work_root(getattr(settings, "data_dir", None))
         self.work_root = os.path.abspath(str(c.get("work_root") or default_root))
         self._own_shm_root = own and not c.get("work_root")  # stop() removes it
         self.memory_mb = int(c.get("memory_mb", 1024))
@@ -716,9 +716,11 @@ class ProcessSandbox(Sandbox):
         return _read_fd(fd)
 
 
-def _default_work_root(data_dir: Any) -> tuple[str, bool]:
-    """The tmpfs when it is roomy (see the class docstring), else on disk; and whether
-    the dir is this node's alone (on the tmpfs, named after its data dir)."""
+def default_work_root(data_dir: Any) -> tuple[str, bool]:
+    """Where a node with ``data_dir`` keeps its sandbox dirs unless ``work_root`` is set:
+    the tmpfs when it is roomy (see the class docstring), else on disk; and whether the
+    dir is this node's alone (on the tmpfs, named after its data dir). Tests and the soak
+    benchmark use it to look for leftover dirs."""
     try:
         st = os.statvfs(_SHM)
         roomy = st.f_bavail * st.f_frsize >= _MIN_SHM_FREE and os.access(_SHM, os.W_OK | os.X_OK)
