@@ -16,10 +16,8 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -28,6 +26,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from launch import start
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = REPO / "envhub" / "data" / "terminal-bench" / "hello-envhub"
@@ -64,22 +64,9 @@ def main() -> None:
     cfg = tmp / "node.yaml"
     cfg.write_text(yaml.safe_dump({"node_id": node_id, "capacity": 64, "image_map": {"debian:bookworm": args.base},
                                    "environments": {"terminal-bench": {"datasets": [str(tasks)]}}}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
-    proc = subprocess.Popen([sys.executable, "-m", "envhub", "serve", "--port", str(port), "--config", str(cfg),
-                             "--data-dir", str(tmp / "data")], env=env, stdout=subprocess.DEVNULL,
-                            stderr=open(tmp / "node.log", "w"))
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = start(["--config", str(cfg), "--data-dir", str(tmp / "data")], tmp / "node.log")
     images = []
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         c = httpx.Client(base_url=url, timeout=600)
 
         def create(task_id: str) -> tuple[float, str]:

@@ -19,16 +19,14 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
+from launch import start
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
@@ -75,24 +73,9 @@ def cpu_snapshot(node_pid: int) -> dict[str, float]:
 
 def start_node(data: Path, capacity: int) -> tuple[subprocess.Popen, str, tempfile.TemporaryDirectory]:
     tmp = tempfile.TemporaryDirectory(prefix="envhub-bench-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
-    proc = subprocess.Popen([sys.executable, "-m", "envhub", "serve", "--role", "node", "--port", str(port),
-                             "--data-dir", tmp.name, "--capacity", str(capacity),
-                             "--set", f"environments.mbpp.path={data}"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(Path(tmp.name) / "node.log", "w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, tmp
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("node did not start")
+    proc, url, _ = start(["--role", "node", "--data-dir", tmp.name, "--capacity", str(capacity),
+                          "--set", f"environments.mbpp.path={data}"], Path(tmp.name) / "node.log")
+    return proc, url, tmp
 
 
 class Conn:

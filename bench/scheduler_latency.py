@@ -15,41 +15,18 @@ import asyncio
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import start  # noqa: E402
 from mbpp_throughput import Conn  # noqa: E402  the same lean client as the throughput bench
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str, int]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
-    proc = subprocess.Popen([sys.executable, "-m", "envhub", "serve", "--port", str(port), *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, port
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise SystemExit(f"{args} did not start; see {log}")
 
 
 def pct(values: list[float], q: float) -> float:

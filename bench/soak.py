@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from envhub.plugins.process_sandbox import default_work_root
+from launch import start
 
 REPO = Path(__file__).resolve().parents[1]
 IDLE_TTL = 5.0
@@ -104,22 +104,9 @@ def main() -> None:
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="envhub-soak-"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
-    node = subprocess.Popen([sys.executable, "-m", "envhub", "serve", "--port", str(port), "--data-dir",
-                             str(tmp / "data"), "--capacity", str(args.clients * 2),
-                             "--set", f"idle_ttl={IDLE_TTL}", "--set", "reap_interval=1",
-                             "--set", "environments.terminal-bench.enabled=false"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / "node.log", "w"))
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.1)
+    node, url, _ = start(["--data-dir", str(tmp / "data"), "--capacity", str(args.clients * 2),
+                          "--set", f"idle_ttl={IDLE_TTL}", "--set", "reap_interval=1",
+                          "--set", "environments.terminal-bench.enabled=false"], tmp / "node.log")
     outs = tmp / "clients"
     outs.mkdir()
     seq = iter(range(10**9))

@@ -1,0 +1,46 @@
+"""Start an ``envhub serve`` process for a benchmark and wait until it answers /health.
+
+Shared by every script in bench/ (run as ``python bench/<name>.py``, so this directory
+is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str], log: Path, timeout: float = 60.0) -> tuple[subprocess.Popen, str, int]:
+    """``envhub serve --port <free port> *args`` with stderr to ``log``, free of the
+    caller's ENVHUB_* settings; returns the process, its URL and its port."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
+    with open(log, "w") as err:  # the child keeps its own copy of the fd
+        proc = subprocess.Popen([sys.executable, "-m", "envhub", "serve", "--port", str(port), *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url, port
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    raise SystemExit(f"envhub serve {' '.join(args)} did not start; see {log}")
