@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -67,12 +68,18 @@ def main() -> None:
     nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": node_url, "slots": 32}]}))
     sched, _, sched_port = start(["--role", "scheduler", "--data-dir", str(tmp / "sched"),
                                   "--set", f"nodes_file={nodes_yaml}"], tmp / "sched.log")
+    done = False
     try:
         direct, via = asyncio.run(measure(node_port, sched_port, args.steps))
+        done = True
     finally:
         for p in (sched, node):
             p.terminate()
             p.wait(30)
+        if done:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"logs kept in {tmp}", file=sys.stderr)
     result = {
         "steps": args.steps,
         "direct_ms": {"p50": pct(direct, 0.5), "p90": pct(direct, 0.9), "p99": pct(direct, 0.99)},

@@ -17,6 +17,7 @@ import collections
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,10 @@ def main() -> None:
         "node_exit_code": node_rc,
     }
     print(json.dumps(result, indent=2))
+    if node_rc == 0 and not kinds and not any(result["leaked"].values()):
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        print(f"node state and logs kept in {tmp}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
