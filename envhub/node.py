@@ -145,6 +145,8 @@ class NodeService:
         try:
             # A generated id is new by construction; only a client's id can be a retry.
             existing = await instances.find(self.db, instance_id) if client_chosen else None
+            if existing is not None and instances.never_started(existing):
+                existing = None  # an attempt cut off before it finished: this retry starts over
             if existing is not None:
                 result = self._replay(existing, env.name, task.id), False
             elif not self._accepting:

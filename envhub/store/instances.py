@@ -3,8 +3,11 @@
 States: ``creating`` (slot held, sandbox starting) -> ``active`` -> ``done`` (the
 environment ended the episode; evaluate still allowed) -> ``released``. ``expired``
 is a release by the idle reaper, ``failed`` a create that did not finish, ``lost`` an
-instance whose sandbox is gone. Rows are never deleted. JSON columns are decoded
-into the dataclass, never handed out as cursors.
+instance whose sandbox is gone. Rows are never deleted. A create that never finished
+(``failed`` or ``lost`` without an observation: cut off by its client, a killed
+scheduler or a node restart) does not claim its id: a retried create of that id
+starts over in the same row (:func:`never_started`). JSON columns are decoded into
+the dataclass, never handed out as cursors.
 """
 
 from __future__ import annotations
@@ -78,19 +81,33 @@ def _decode(row: sqlite3.Row) -> InstanceRow:
     return InstanceRow(**d)
 
 
+def never_started(row: InstanceRow) -> bool:
+    """A create that ended before the instance was ever active; its id may be created again."""
+    return row.observation is None and row.state in ("failed", "lost")
+
+
 async def insert(db: Database, *, id: str, environment: str, task_id: str, trial: str, node_id: str,
                  sandbox: str, params: dict[str, Any]) -> InstanceRow:
-    """Record a new instance in state ``creating``; ``Conflict`` if the id is taken."""
+    """Record a new instance in state ``creating``, in place of a row that
+    :func:`never_started`; ``Conflict`` if the id is taken."""
     now = time.time()
     try:
-        await db.write_many([
+        _, inserted = await db.write_many([
             (trials.ENSURE_SQL, (trial, now)),
             ("INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, "
-             "created_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, 'creating', ?, ?, ?)",
+             "created_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, 'creating', ?, ?, ?) "
+             "ON CONFLICT(id) DO UPDATE SET environment = excluded.environment, task_id = excluded.task_id, "
+             "trial = excluded.trial, node_id = excluded.node_id, sandbox = excluded.sandbox, "
+             "sandbox_handle = NULL, state = 'creating', params = excluded.params, env_state = '{}', "
+             "step_count = 0, reward = NULL, evaluation = NULL, error = NULL, "
+             "created_at = excluded.created_at, last_active_at = excluded.last_active_at, ended_at = NULL "
+             "WHERE instances.observation IS NULL AND instances.state IN ('failed', 'lost')",
              (id, environment, task_id, trial, node_id, sandbox, json.dumps(params), now, now)),
         ])
     except sqlite3.IntegrityError:
-        raise Conflict(f"instance id {id!r} is already taken", extra={"instance_id": id}) from None
+        inserted = 0
+    if not inserted:
+        raise Conflict(f"instance id {id!r} is already taken", extra={"instance_id": id})
     return InstanceRow(id=id, environment=environment, task_id=task_id, trial=trial, node_id=node_id,
                        sandbox=sandbox, sandbox_handle=None, state="creating", params=params,
                        observation=None, env_state={}, step_count=0, reward=None, evaluation=None,

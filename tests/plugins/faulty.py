@@ -3,6 +3,8 @@
 Loaded into node subprocesses through a generated dist-info (see test_error_shape.py).
 """
 
+import asyncio
+
 import envhub
 
 
@@ -12,11 +14,14 @@ class Faulty(envhub.Environment):
     sandbox = "process"
 
     def tasks(self, split=None):
-        return [envhub.Task(id="ok", split="train"), envhub.Task(id="bad-reset", split="train")]
+        return [envhub.Task(id="ok", split="train"), envhub.Task(id="bad-reset", split="train"),
+                envhub.Task(id="slow-reset", split="train")]
 
     async def reset(self, episode):
         if episode.task.id == "bad-reset":
             raise RuntimeError("reset exploded")
+        if episode.task.id == "slow-reset":
+            await asyncio.sleep(float(episode.params.get("reset_s", 1.0)))
         return {"system_prompt": "", "instruction": "", "tools": []}
 
     async def step(self, episode, action):
