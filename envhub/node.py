@@ -69,7 +69,9 @@ class NodeService:
         self._live: dict[str, Live] = {}
         self._creating: dict[str, asyncio.Future[tuple[dict[str, Any], bool]]] = {}
         self._accepting = True
-        self.rollouts_running = 0  # whole rollouts holding a slot (their instances count in `active` too)
+        # Instances of whole rollouts that hold a slot (so are in `active` too). Joined and
+        # left together with the slot, so /health never counts a rollout twice or not at all.
+        self._rollout_slots: set[str] = set()
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -112,7 +114,7 @@ class NodeService:
             "active": self.slots.used,
             "free": self.slots.free,
             "queued": self.slots.queued,
-            "rollouts": self.rollouts_running,
+            "rollouts": len(self._rollout_slots),
             "accepting": self._accepting,
             "environments": sorted(self.environments),
         }
@@ -120,8 +122,10 @@ class NodeService:
     # -- create ----------------------------------------------------------------------
 
     async def create(self, environment: Any, task_id: Any, params: Any = None, *,
-                     instance_id: Any = None, trial: Any = None) -> tuple[dict[str, Any], bool]:
-        """Start an episode. Returns ``(reply, created)``; ``created`` is False for a replay."""
+                     instance_id: Any = None, trial: Any = None, rollout: bool = False
+                     ) -> tuple[dict[str, Any], bool]:
+        """Start an episode. Returns ``(reply, created)``; ``created`` is False for a replay.
+        ``rollout``: the instance of a whole rollout, reported as such in /health."""
         env = self.environment(environment)
         if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
             raise InvalidRequest("'task_id' must be a string", field="task_id")
@@ -152,7 +156,7 @@ class NodeService:
             elif not self._accepting:
                 raise Unavailable("node is shutting down and takes no new instances")
             else:
-                result = await self._create(env, task, params, instance_id, trial)
+                result = await self._create(env, task, params, instance_id, trial, rollout)
             fut.set_result(result)
             return result
         except BaseException as e:
@@ -177,10 +181,12 @@ class NodeService:
                 "trial": trial, "state": state, "observation": observation}
 
     async def _create(self, env: Environment, task: Any, params: dict[str, Any], instance_id: str,
-                      trial: str) -> tuple[dict[str, Any], bool]:
+                      trial: str, rollout: bool = False) -> tuple[dict[str, Any], bool]:
         sandbox = self.sandboxes[env.sandbox]
         await env.prepare(task, params)  # image builds happen before a slot is taken
         await self.slots.acquire()
+        if rollout:
+            self._rollout_slots.add(instance_id)
         handle: str | None = None
         try:
             row = await instances.insert(self.db, id=instance_id, environment=env.name, task_id=task.id,
@@ -221,6 +227,7 @@ class NodeService:
             log.exception("cleaning up the failed create of %s", instance_id)
         finally:
             self.slots.release()
+            self._rollout_slots.discard(instance_id)
 
     # -- step, evaluate, release -------------------------------------------------------
 
@@ -313,6 +320,7 @@ class NodeService:
             await live.episode.sandbox.destroy(live.episode.handle)
         finally:
             self.slots.release()
+            self._rollout_slots.discard(instance_id)
             await self.db.write_many([*also, instances.end_statement(instance_id, state, error=error)])
             live.log.record(state, {"error": error} if error else None)
 

@@ -126,9 +126,9 @@ async def _run(node: NodeService, agent: Agent, http: aiohttp.ClientSession, req
 
     t0 = time.monotonic()
     try:
-        reply, _ = await node.create(req.environment, req.task_id, req.params, instance_id=req.uid, trial=trial)
+        reply, _ = await node.create(req.environment, req.task_id, req.params, instance_id=req.uid, trial=trial,
+                                     rollout=True)
         created = True
-        node.rollouts_running += 1  # holds a slot from here to its release
     except EnvhubError as e:
         fail("reset", e.message)
     timings["1_reset_env"] = round(time.monotonic() - t0, 3)
@@ -179,8 +179,6 @@ async def _run(node: NodeService, agent: Agent, http: aiohttp.ClientSession, req
                 await asyncio.shield(node.release(req.uid))
             except EnvhubError as e:
                 fail("close", e.message)
-            finally:
-                node.rollouts_running -= 1
             timings["5_close"] = round(time.monotonic() - t4, 3)
         log_dir = TrialLog(node.trial_writer, node.settings.trials_dir, trial, req.uid)
         log_dir.write_json("run_info.json", run_info)

@@ -67,8 +67,9 @@ class Node:
 
     @property
     def used(self) -> int:
-        # A running rollout's instance is in the node's `active` once the node reports
-        # it; count ours only beyond what the last report already covers.
+        # The node reports as `rollouts` the rollout instances holding a slot, which its
+        # `active` counts too; ours beyond that (building, queued, not yet reported)
+        # are counted here.
         return self.active + self.pending + max(0, self.rollouts - self.reported_rollouts)
 
     @property

@@ -165,3 +165,21 @@ def sandbox_uids_processes(uid_min: int = 200000) -> list[tuple[int, int]]:
         except (OSError, ValueError):
             continue
     return out
+
+
+def faulty_plugin_env(tmp_path: Path) -> dict[str, str]:
+    """The environment under which an envhub process loads tests/plugins/faulty.py
+    through a real entry point (a generated dist-info on PYTHONPATH)."""
+    site = tmp_path / "site"
+    dist = site / "envhub_test_faulty-0.0.0.dist-info"
+    if not dist.is_dir():
+        dist.mkdir(parents=True)
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: envhub-test-faulty\nVersion: 0.0.0\n")
+        (dist / "entry_points.txt").write_text("[envhub]\nfaulty = plugins.faulty\n")
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parent)])}
+
+
+@pytest.fixture
+def faulty_node(start_node, tmp_path):
+    """A node with the faulty test environment (see faulty_plugin_env)."""
+    return start_node("--capacity", "2", env=faulty_plugin_env(tmp_path))

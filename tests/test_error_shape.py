@@ -4,25 +4,10 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import sandbox_dirs, sandbox_uids_processes
-
-TESTS = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def faulty_node(start_node, tmp_path):
-    """A node that loads tests/plugins/faulty.py through a real entry point."""
-    site = tmp_path / "site"
-    dist = site / "envhub_test_faulty-0.0.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: envhub-test-faulty\nVersion: 0.0.0\n")
-    (dist / "entry_points.txt").write_text("[envhub]\nfaulty = plugins.faulty\n")
-    return start_node("--capacity", "2", env={"PYTHONPATH": os.pathsep.join([str(site), str(TESTS)])})
-
 
 def test_unexpected_exception_is_a_500_envelope_without_traceback(faulty_node):
     with faulty_node.client() as c:
@@ -77,3 +62,4 @@ def test_create_cut_off_by_its_client_can_be_retried_with_the_same_id(faulty_nod
         other = c.post("/instances", json={**body, "task_id": "ok"})
         assert other.status_code == 409, "an id that was created stays taken"
         c.post("/instances/cut-off/release")
+

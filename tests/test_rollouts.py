@@ -166,3 +166,27 @@ def test_rollouts_through_the_scheduler_rewrite_the_model_url_and_share_one_buil
             client.images.remove(image, force=True)
     finally:
         client.close()
+
+
+def test_health_counts_a_rollout_once_from_the_moment_it_holds_a_slot(faulty_node):
+    """While a rollout's instance is being created (slot taken, reset running), /health
+    already reports it among `rollouts`, which the scheduler subtracts from its own
+    count: reported any later, the scheduler saw the slot twice and sent the rest of a
+    GRPO group to another node. The model URL points nowhere: the agent fails, which
+    this test does not look at."""
+    body = {"environment": "faulty", "task_id": "slow-reset", "params": {"reset_s": 1.5},
+            "uid": "counted-once", "model_url": "http://127.0.0.1:9/v1", "model_api_key": "k"}
+    done: list[httpx.Response] = []
+    with faulty_node.client(timeout=60) as c:
+        t = threading.Thread(target=lambda: done.append(c.post("/rollouts", json=body)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while (health := c.get("/health").json())["active"] == 0:
+            assert time.monotonic() < deadline, "the rollout never took a slot"
+            time.sleep(0.02)
+        assert c.get("/instances/counted-once").json()["state"] == "creating"
+        assert (health["active"], health["rollouts"]) == (1, 1)
+        t.join(60)
+        assert done and done[0].status_code in (200, 503), done
+        health = c.get("/health").json()
+        assert (health["active"], health["rollouts"]) == (0, 0)
