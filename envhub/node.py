@@ -37,6 +37,11 @@ log = logging.getLogger("envhub.node")
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
 
 
+class _CreateAbandoned(EnvhubError):
+    """What a concurrent duplicate of a create sees when the first attempt's own caller
+    went away (its task was cancelled): not an answer to the duplicate, which retries."""
+
+
 @dataclass
 class Live:
     """What the node keeps in memory for one live instance."""
@@ -139,10 +144,12 @@ class NodeService:
         client_chosen = instance_id is not None
         instance_id = validate_instance_id(instance_id) if client_chosen else f"{env.name}-{secrets.token_hex(8)}"
 
-        inflight = self._creating.get(instance_id)
-        if inflight is not None:
-            reply, _ = await asyncio.shield(inflight)
-            return reply, False
+        while (inflight := self._creating.get(instance_id)) is not None:
+            try:
+                reply, _ = await asyncio.shield(inflight)
+                return reply, False
+            except _CreateAbandoned:
+                continue  # its caller went away mid-way; this call makes the instance itself
         # Registered before the first await, so a concurrent duplicate always finds it.
         fut: asyncio.Future[tuple[dict[str, Any], bool]] = asyncio.get_running_loop().create_future()
         self._creating[instance_id] = fut
@@ -160,7 +167,7 @@ class NodeService:
             fut.set_result(result)
             return result
         except BaseException as e:
-            fut.set_exception(e if isinstance(e, Exception) else EnvhubError("create was cancelled"))
+            fut.set_exception(e if isinstance(e, Exception) else _CreateAbandoned("create was cancelled"))
             fut.exception()  # mark retrieved: waiters may not exist
             raise
         finally:

@@ -49,6 +49,11 @@ class AllNodesBusy(EnvhubError):
     code = "capacity_exceeded"
 
 
+class _CreateAbandoned(EnvhubError):
+    """What a concurrent retry of a create sees when the first attempt's own caller went
+    away (its task was cancelled): not an answer to the retry, which carries on."""
+
+
 @dataclass
 class Node:
     url: str
@@ -147,6 +152,7 @@ class SchedulerService:
         # instance id -> node url for live routes: routes never move, so the hot path
         # (every step) needs no SQLite read. Filled on create and on first lookup.
         self._route_cache: dict[str, str] = {}
+        self._creating: dict[str, asyncio.Future[tuple[int, bytes]]] = {}  # creates in flight, by id
 
     # -- start and health ----------------------------------------------------------------
 
@@ -262,24 +268,63 @@ class SchedulerService:
         instance_id = body.get("instance_id")
         instance_id = validate_instance_id(instance_id) if instance_id is not None else \
             f"{environment}-{secrets.token_hex(8)}"
+        while (inflight := self._creating.get(instance_id)) is not None:
+            try:
+                status, data = await asyncio.shield(inflight)  # a concurrent retry: one attempt at a time
+                return (200 if status == 201 else status), data  # as the node answers a replay
+            except _CreateAbandoned:
+                continue  # its caller went away mid-way; this call carries on
+        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._creating[instance_id] = fut
+        try:
+            result = await self._create(body, environment, str(task_id), params, instance_id)
+            fut.set_result(result)
+            return result
+        except BaseException as e:
+            fut.set_exception(e if isinstance(e, Exception) else _CreateAbandoned("create was cancelled"))
+            fut.exception()  # mark retrieved: waiters may not exist
+            raise
+        finally:
+            del self._creating[instance_id]
+
+    async def _create(self, body: dict[str, Any], environment: str, task_id: str, params: dict[str, Any],
+                      instance_id: str) -> tuple[int, bytes]:
+        """Forward a create, recording its route first.
+
+        The route stays ``creating`` when the outcome is unknown (the call failed or this
+        call was cancelled): the instance may exist on that node, so a retry goes there
+        again rather than to another node. A node's own non-2xx answer drops the route.
+        """
         existing = await routes.find(self.db, instance_id)
-        if existing is not None and existing.state != "creating":
-            # A retried create: the node that has it replays its first answer.
-            reply = await self._call(self.by_url[existing.node_url], "POST", "/instances", idempotent=True,
-                                     json={**body, "instance_id": instance_id})
-            return reply.status, reply.body
+        node: Node | None = None
+        if existing is not None:
+            node = self.by_url.get(existing.node_url)
+            if existing.state != "creating":
+                # A retried create: the node that has it replays its first answer.
+                if node is None:
+                    raise Unavailable(f"instance {instance_id!r} is on node {existing.node_url}, "
+                                      "which is no longer configured")
+                reply = await self._call(node, "POST", "/instances", idempotent=True,
+                                         json={**body, "instance_id": instance_id})
+                return reply.status, reply.body
+            if node is not None and node.healthy:
+                node.pending += 1  # an earlier attempt's node: it may hold the instance already
+            else:
+                node = None
         if isinstance(params.get("model_url"), str):
             params = {**params, "model_url": self.network.rewrite(params["model_url"])}
         forwarded = {**body, "instance_id": instance_id, "params": params}
         task_key = f"{environment}/{task_id}"
-        node = await self._pick(task_key)
-        created = False
+        if node is None:
+            node = await self._pick(task_key)
+        created = answered = False
         try:
             await routes.put(self.db, instance_id=instance_id, node_url=node.url, environment=environment,
-                             task_id=str(task_id))
+                             task_id=task_id)
             await routes.touch_affinity(self.db, task_key, node.url)
             reply = await self._call(node, "POST", "/instances", json=forwarded, idempotent=True,
                                      timeout=self.settings.forward_timeout)
+            answered = True
             created = reply.status in (200, 201)
             if created:
                 await routes.set_state(self.db, instance_id, "live")
@@ -290,7 +335,8 @@ class SchedulerService:
             if created:
                 node.active += 1
             else:
-                await asyncio.shield(routes.delete(self.db, instance_id))
+                if answered:
+                    await asyncio.shield(routes.delete(self.db, instance_id))
                 self._freed.set()
 
     async def rollout(self, body: dict[str, Any], *, seta: bool) -> tuple[int, bytes]:

@@ -164,7 +164,8 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
             assert len(holders) == 1, f"{iid} exists on {len(holders)} nodes"
             r = httpx.post(f"{sched.url}/instances/{iid}/step",
                            json={"action": {"tool": "run_python", "arguments": {"code": "1 + 1"}}})
-            assert r.json()["observation"]["value_repr"] == "2", "routable through the restarted scheduler"
+            assert r.status_code == 200, f"{iid} not routable through the restarted scheduler: {r.text}"
+            assert r.json()["observation"]["value_repr"] == "2"
         assert sum(httpx.get(n.url + "/health").json()["active"] for n in nodes) == 24
     finally:
         for p in (sched, *nodes):

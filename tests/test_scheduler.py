@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import EnvhubProcess
+from conftest import EnvhubProcess, faulty_plugin_env
 
 NODE_ARGS = ("--capacity", "4", "--set", "environments.terminal-bench.enabled=false")
 
@@ -210,3 +210,50 @@ def test_listings_and_health_through_the_scheduler(fleet):
         assert c.get("/environments/mbpp/tasks", params={"split": "test"}).json()["total"] == 4
         health = c.get("/health").json()
         assert health["role"] == "scheduler" and health["nodes"] == 3 and health["total_slots"] == 12
+
+
+def test_a_retried_create_joins_the_attempt_in_flight_or_follows_it_to_its_node(tmp_path):
+    """Without task affinity, each create goes to the freest node; a retry of a create
+    still in flight (a client timeout) must still not make a second instance elsewhere,
+    and a retry after the scheduler lost the answer goes to the node the first went to."""
+    env = faulty_plugin_env(tmp_path)
+    nodes = [EnvhubProcess(tmp_path / f"node{i}", *NODE_ARGS, env=env).start() for i in range(2)]
+    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", nodes), "--set", "affinity_window=0")
+    body = {"environment": "faulty", "task_id": "slow-reset", "params": {"reset_s": 1.0}}
+
+    def states(iid: str) -> list[str | None]:
+        out = []
+        for n in nodes:
+            r = httpx.get(f"{n.url}/instances/{iid}")
+            out.append(r.json()["state"] if r.status_code == 200 else None)
+        return out
+
+    try:
+        answers: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: answers.append(
+            httpx.post(sched.url + "/instances", json={**body, "instance_id": "twice"}, timeout=30)))
+            for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(r.status_code for r in answers) == [200, 201], [r.text for r in answers]
+        held = states("twice")
+        assert held.count("active") == 1 and held.count(None) == 1, f"one instance, on one node: {held}"
+
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up; the node abandons the create
+            httpx.post(sched.url + "/instances", json={**body, "instance_id": "cut"}, timeout=0.3)
+        deadline = time.monotonic() + 10
+        while "failed" not in states("cut"):
+            assert time.monotonic() < deadline, states("cut")
+            time.sleep(0.05)
+        first = states("cut").index("failed")
+        r = httpx.post(sched.url + "/instances", json={**body, "instance_id": "cut"}, timeout=30)
+        assert r.status_code == 201, r.text
+        assert states("cut")[first] == "active" and states("cut").count(None) == 1, states("cut")
+        step = httpx.post(f"{sched.url}/instances/cut/step",
+                          json={"action": {"tool": "run", "arguments": {"code": "print(3)"}}})
+        assert step.json()["observation"]["content"] == "3\n"
+    finally:
+        for p in (sched, *nodes):
+            assert p.stop() == 0, p.log()
