@@ -28,6 +28,7 @@ from envhub.environment import Action, Environment, Episode
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
 from envhub.sandbox import Sandbox, SandboxSpec
 from envhub.settings import Settings
+from envhub.singleflight import SingleFlight
 from envhub.store import instances, step_results
 from envhub.store.db import Database
 from envhub.trial_log import TrialLog, TrialWriter
@@ -35,11 +36,6 @@ from envhub.trial_log import TrialLog, TrialWriter
 log = logging.getLogger("envhub.node")
 
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
-
-
-class _CreateAbandoned(EnvhubError):
-    """What a concurrent duplicate of a create sees when the first attempt's own caller
-    went away (its task was cancelled): not an answer to the duplicate, which retries."""
 
 
 @dataclass
@@ -72,7 +68,7 @@ class NodeService:
         self.slots = Slots(settings.capacity, queue_size=settings.queue_size, queue_timeout=settings.queue_timeout)
         self.trial_writer = TrialWriter()
         self._live: dict[str, Live] = {}
-        self._creating: dict[str, asyncio.Future[tuple[dict[str, Any], bool]]] = {}
+        self._creating: SingleFlight[tuple[dict[str, Any], bool]] = SingleFlight()  # by instance id
         self._accepting = True
         # Instances of whole rollouts that hold a slot (so are in `active` too). Joined and
         # left together with the slot, so /health never counts a rollout twice or not at all.
@@ -144,34 +140,20 @@ class NodeService:
         client_chosen = instance_id is not None
         instance_id = validate_instance_id(instance_id) if client_chosen else f"{env.name}-{secrets.token_hex(8)}"
 
-        while (inflight := self._creating.get(instance_id)) is not None:
-            try:
-                reply, _ = await asyncio.shield(inflight)
-                return reply, False
-            except _CreateAbandoned:
-                continue  # its caller went away mid-way; this call makes the instance itself
-        # Registered before the first await, so a concurrent duplicate always finds it.
-        fut: asyncio.Future[tuple[dict[str, Any], bool]] = asyncio.get_running_loop().create_future()
-        self._creating[instance_id] = fut
-        try:
+        async def create_or_replay() -> tuple[dict[str, Any], bool]:
             # A generated id is new by construction; only a client's id can be a retry.
             existing = await instances.find(self.db, instance_id) if client_chosen else None
             if existing is not None and instances.never_started(existing):
                 existing = None  # an attempt cut off before it finished: this retry starts over
             if existing is not None:
-                result = self._replay(existing, env.name, task.id), False
-            elif not self._accepting:
+                return self._replay(existing, env.name, task.id), False
+            if not self._accepting:
                 raise Unavailable("node is shutting down and takes no new instances")
-            else:
-                result = await self._create(env, task, params, instance_id, trial, rollout)
-            fut.set_result(result)
-            return result
-        except BaseException as e:
-            fut.set_exception(e if isinstance(e, Exception) else _CreateAbandoned("create was cancelled"))
-            fut.exception()  # mark retrieved: waiters may not exist
-            raise
-        finally:
-            del self._creating[instance_id]
+            return await self._create(env, task, params, instance_id, trial, rollout)
+
+        # A concurrent duplicate (a retry while the first try runs) joins it: a replay.
+        (reply, created), ran = await self._creating.run(instance_id, create_or_replay)
+        return reply, created and ran
 
     def _replay(self, row: instances.InstanceRow, environment: str, task_id: str) -> dict[str, Any]:
         if (row.environment, row.task_id) != (environment, task_id):

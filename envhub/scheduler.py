@@ -36,6 +36,7 @@ from envhub.errors import EnvhubError, InvalidRequest, StartupError, Unavailable
 from envhub.network import NetworkMode
 from envhub.node import validate_instance_id
 from envhub.settings import Settings
+from envhub.singleflight import SingleFlight
 from envhub.store import routes
 from envhub.store.db import Database
 
@@ -47,11 +48,6 @@ class AllNodesBusy(EnvhubError):
 
     status = 503
     code = "capacity_exceeded"
-
-
-class _CreateAbandoned(EnvhubError):
-    """What a concurrent retry of a create sees when the first attempt's own caller went
-    away (its task was cancelled): not an answer to the retry, which carries on."""
 
 
 @dataclass
@@ -152,7 +148,7 @@ class SchedulerService:
         # instance id -> node url for live routes: routes never move, so the hot path
         # (every step) needs no SQLite read. Filled on create and on first lookup.
         self._route_cache: dict[str, str] = {}
-        self._creating: dict[str, asyncio.Future[tuple[int, bytes]]] = {}  # creates in flight, by id
+        self._creating: SingleFlight[tuple[int, bytes]] = SingleFlight()  # creates in flight, by id
 
     # -- start and health ----------------------------------------------------------------
 
@@ -268,24 +264,12 @@ class SchedulerService:
         instance_id = body.get("instance_id")
         instance_id = validate_instance_id(instance_id) if instance_id is not None else \
             f"{environment}-{secrets.token_hex(8)}"
-        while (inflight := self._creating.get(instance_id)) is not None:
-            try:
-                status, data = await asyncio.shield(inflight)  # a concurrent retry: one attempt at a time
-                return (200 if status == 201 else status), data  # as the node answers a replay
-            except _CreateAbandoned:
-                continue  # its caller went away mid-way; this call carries on
-        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._creating[instance_id] = fut
-        try:
-            result = await self._create(body, environment, str(task_id), params, instance_id)
-            fut.set_result(result)
-            return result
-        except BaseException as e:
-            fut.set_exception(e if isinstance(e, Exception) else _CreateAbandoned("create was cancelled"))
-            fut.exception()  # mark retrieved: waiters may not exist
-            raise
-        finally:
-            del self._creating[instance_id]
+        # A concurrent retry (a client that timed out while this runs) joins the attempt.
+        (status, data), ran = await self._creating.run(
+            instance_id, lambda: self._create(body, environment, str(task_id), params, instance_id))
+        if not ran and status == 201:
+            status = 200  # as a node answers a replay
+        return status, data
 
     async def _create(self, body: dict[str, Any], environment: str, task_id: str, params: dict[str, Any],
                       instance_id: str) -> tuple[int, bytes]:
