@@ -177,6 +177,7 @@ class NodeService:
         if rollout:
             self._rollout_slots.add(instance_id)
         handle: str | None = None
+        logged: TrialLog | None = None  # the log, once "created" is in it
         try:
             row = await instances.insert(self.db, id=instance_id, environment=env.name, task_id=task.id,
                                          trial=trial, node_id=self.settings.node_id, sandbox=sandbox.name,
@@ -194,6 +195,7 @@ class NodeService:
                 "instance_id": instance_id, "environment": env.name, "task_id": task.id, "trial": trial,
                 "node_id": self.settings.node_id, "params": params, "created_at": row.created_at,
                 "observation": observation})
+            logged = trial_log
             await instances.activate(self.db, instance_id, handle=handle, observation=observation,
                                      env_state=episode.state)
             row.state, row.sandbox_handle, row.observation = "active", handle, observation
@@ -202,6 +204,8 @@ class NodeService:
             # Nothing of a failed create may outlive it: sandbox, slot and row are settled
             # even when the client went away and this task is being cancelled.
             await asyncio.shield(self._abort_create(instance_id, sandbox, handle, e))
+            if logged is not None:  # a retry of the id appends its own "created"
+                logged.record("failed", {"error": _describe(e)})
             raise
         return self._create_reply(instance_id, env.name, task.id, trial, observation, "active"), True
 
@@ -211,7 +215,7 @@ class NodeService:
             if handle is not None:
                 await sandbox.destroy(handle)
             if not isinstance(error, EnvhubError) or error.code != "conflict":
-                await instances.end(self.db, instance_id, "failed", error=_describe(error))
+                await instances.fail_create(self.db, instance_id, error=_describe(error))
         except Exception:
             log.exception("cleaning up the failed create of %s", instance_id)
         finally:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 
 import pytest
@@ -62,4 +64,59 @@ def test_create_cut_off_by_its_client_can_be_retried_with_the_same_id(faulty_nod
         other = c.post("/instances", json={**body, "task_id": "ok"})
         assert other.status_code == 409, "an id that was created stays taken"
         c.post("/instances/cut-off/release")
+
+
+def test_create_cut_off_while_its_row_is_being_activated_can_be_retried(faulty_node):
+    """The cut can land after the environment's reset, while the row's activation is
+    being committed: the write commits, the create still fails and its sandbox is gone.
+    That instance never reached anyone, so the id stays free for a retry (a killed
+    scheduler's burst of creates hit this). The test holds SQLite's write lock from
+    its own connection to the node's real database file so that the cut lands there."""
+    import sqlite3
+
+    import httpx
+
+    body = {"environment": "faulty", "task_id": "slow-reset", "instance_id": "cut-late", "params": {"reset_s": 0.6}}
+    db = sqlite3.connect(faulty_node.data_dir / "envhub.db", isolation_level=None, check_same_thread=False)
+    with faulty_node.client() as c:
+        result: list[object] = []
+        t = threading.Thread(target=lambda: result.append(_post_or_timeout(c, body, timeout=1.5)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while c.get("/instances/cut-late").status_code != 200:  # inserted: reset is sleeping
+            assert time.monotonic() < deadline, "the create never started"
+            time.sleep(0.02)
+        db.execute("BEGIN IMMEDIATE")  # the activation after reset waits on this lock
+        t.join()
+        assert result == ["timeout"], result
+        time.sleep(0.3)
+        db.execute("COMMIT")
+        db.close()
+        deadline = time.monotonic() + 10
+        while (row := c.get("/instances/cut-late").json())["state"] != "failed":
+            assert time.monotonic() < deadline, f"the abandoned create never ended: {row}"
+            time.sleep(0.05)
+        r = c.post("/instances", json=body, timeout=10)
+        assert (r.status_code, r.json()["state"]) == (201, "active"), r.text
+        ok = c.post("/instances/cut-late/step", json={"action": {"tool": "run", "arguments": {"code": "print(3)"}}})
+        assert ok.json()["observation"]["content"] == "3\n"
+        assert c.get("/health").json()["active"] == 1
+        c.post("/instances/cut-late/release")
+    log = faulty_node.data_dir / "trials" / "default" / "cut-late" / "episode.jsonl"
+    deadline = time.monotonic() + 5
+    while True:
+        events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+        if events[-1:] == ["released"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert events == ["created", "failed", "created", "step", "released"], events
+
+
+def _post_or_timeout(c, body, *, timeout: float) -> object:
+    import httpx
+
+    try:
+        return c.post("/instances", json=body, timeout=timeout).status_code
+    except httpx.ReadTimeout:
+        return "timeout"
 

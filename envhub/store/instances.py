@@ -175,6 +175,15 @@ async def end(db: Database, instance_id: str, state: str, *, error: str | None =
     await db.write(*end_statement(instance_id, state, error=error))
 
 
+async def fail_create(db: Database, instance_id: str, *, error: str) -> None:
+    """End a create that did not finish as ``failed`` without an observation, so that it
+    :func:`never_started` even when its activation had already committed: the reply never
+    left the node and the sandbox is gone, so nobody ever had that instance."""
+    await db.write(
+        "UPDATE instances SET state = 'failed', observation = NULL, error = ?, ended_at = ? "
+        "WHERE id = ? AND state IN ('creating', 'active')", (error, time.time(), instance_id))
+
+
 async def count_live(db: Database) -> int:
     return await db.scalar(
         f"SELECT COUNT(*) FROM instances WHERE state IN ({','.join('?' * len(LIVE_STATES))})", LIVE_STATES)
