@@ -178,6 +178,7 @@ class NodeService:
             self._rollout_slots.add(instance_id)
         handle: str | None = None
         logged: TrialLog | None = None  # the log, once "created" is in it
+        row: instances.InstanceRow | None = None
         try:
             row = await instances.insert(self.db, id=instance_id, environment=env.name, task_id=task.id,
                                          trial=trial, node_id=self.settings.node_id, sandbox=sandbox.name,
@@ -203,18 +204,20 @@ class NodeService:
         except BaseException as e:
             # Nothing of a failed create may outlive it: sandbox, slot and row are settled
             # even when the client went away and this task is being cancelled.
-            await asyncio.shield(self._abort_create(instance_id, sandbox, handle, e))
+            # The row is this create's unless the insert itself found the id taken.
+            ours = row is not None or not isinstance(e, Conflict)
+            await asyncio.shield(self._abort_create(instance_id, sandbox, handle, e, ours=ours))
             if logged is not None:  # a retry of the id appends its own "created"
                 logged.record("failed", {"error": _describe(e)})
             raise
         return self._create_reply(instance_id, env.name, task.id, trial, observation, "active"), True
 
     async def _abort_create(self, instance_id: str, sandbox: Sandbox, handle: str | None,
-                            error: BaseException) -> None:
+                            error: BaseException, *, ours: bool) -> None:
         try:
             if handle is not None:
                 await sandbox.destroy(handle)
-            if not isinstance(error, EnvhubError) or error.code != "conflict":
+            if ours:
                 await instances.fail_create(self.db, instance_id, error=_describe(error))
         except Exception:
             log.exception("cleaning up the failed create of %s", instance_id)

@@ -33,6 +33,11 @@ def test_failed_create_leaks_no_slot_sandbox_or_live_row(faulty_node):
         assert (health["active"], health["free"]) == (0, 2)
         failed = c.get("/instances", params={"state": "failed"}).json()
         assert failed["total"] == 3 and "reset exploded" in failed["instances"][0]["error"]
+        # A typed error from the environment is answered as such, and still ends the row.
+        r = c.post("/instances", json={"environment": "faulty", "task_id": "bad-reset", "params": {"raise": "conflict"},
+                                        "instance_id": "busy"})
+        assert (r.status_code, r.json()["code"]) == (409, "conflict"), r.text
+        assert c.get("/instances/busy").json()["state"] == "failed"
         assert c.get("/instances", params={"state": "creating,active"}).json()["total"] == 0
     assert sandbox_dirs(faulty_node.data_dir) == []
     if os.geteuid() == 0:

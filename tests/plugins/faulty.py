@@ -19,6 +19,8 @@ class Faulty(envhub.Environment):
 
     async def reset(self, episode):
         if episode.task.id == "bad-reset":
+            if episode.params.get("raise") == "conflict":  # a typed error, mapped to 409
+                raise envhub.Conflict("reset found the task busy")
             raise RuntimeError("reset exploded")
         if episode.task.id == "slow-reset":
             await asyncio.sleep(float(episode.params.get("reset_s", 1.0)))
