@@ -5,8 +5,10 @@ Each instance directory holds ``episode.jsonl``: one JSON object per line, each 
 and the initial observation), one ``step`` per action (action, observation, reward,
 done, timing), ``evaluation`` (reward and details, once per evaluate) and the end
 (``released``, ``reaped``, ``failed`` ..., with ``error`` when there was one); a node
-restart adds ``detached`` and ``adopted``. Environments may add their own files next to
-it (the terminal-bench verifier output; a rollout's ``run_info.json``).
+restart adds ``detached`` and ``adopted``. A create that fails after its ``created`` was
+written adds ``failed``; a retry of that id then appends its own ``created``.
+Environments may add their own files next to it (the terminal-bench verifier output; a
+rollout's ``run_info.json``).
 
 One append-only file per episode, rather than a file per kind of record, because file
 creation is what a log write costs most on a disk (an inode, and on ext4 without a
