@@ -57,6 +57,24 @@ async def test_failed_file_leaves_user_version_unchanged(tmp_path):
         await db.close()
 
 
+@pytest.mark.parametrize("states", [None, ("released",)])
+async def test_listing_instances_reads_the_page_in_index_order(tmp_path, states):
+    """A night of episodes leaves a node hundreds of thousands of ended rows; a listing
+    that sorted them all would hold the one connection every write waits on."""
+    from envhub.store import instances
+
+    db = await Database.open(tmp_path / "x.db")
+    try:
+        await migrate(db)
+        count, page = instances.list_statements(states, 100, 0)
+        for sql, params in (count, page):
+            plan = " | ".join(r[3] for r in await db.rows(f"EXPLAIN QUERY PLAN {sql}", params))
+            assert "USING" in plan and "INDEX" in plan, plan  # not a scan of the table itself
+            assert "TEMP B-TREE" not in plan, plan
+    finally:
+        await db.close()
+
+
 def test_files_are_numbered_without_gaps_and_open_with_a_comment():
     files = migration_files()
     for n, f in enumerate(files, start=1):

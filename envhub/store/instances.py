@@ -126,15 +126,23 @@ async def find(db: Database, instance_id: str) -> InstanceRow | None:
     return None if row is None else _decode(row)
 
 
-async def list_(db: Database, *, states: tuple[str, ...] | None = None, limit: int = 100,
-                offset: int = 0) -> tuple[list[InstanceRow], int]:
+def list_statements(states: tuple[str, ...] | None, limit: int, offset: int
+                    ) -> tuple[tuple[str, list[Any]], tuple[str, list[Any]]]:
+    """The count and the page of :func:`list_`. Indexed (migration 006): a page of all
+    rows or of one state is read in order, never sorted from the whole table."""
     where, params = "", []
     if states:
         where = f"WHERE state IN ({','.join('?' * len(states))})"
         params = list(states)
-    total = await db.scalar(f"SELECT COUNT(*) FROM instances {where}", params)
-    rows = await db.rows(f"SELECT * FROM instances {where} ORDER BY created_at LIMIT ? OFFSET ?",
-                         [*params, limit, offset])
+    return ((f"SELECT COUNT(*) FROM instances {where}", params),
+            (f"SELECT * FROM instances {where} ORDER BY created_at LIMIT ? OFFSET ?", [*params, limit, offset]))
+
+
+async def list_(db: Database, *, states: tuple[str, ...] | None = None, limit: int = 100,
+                offset: int = 0) -> tuple[list[InstanceRow], int]:
+    count, page = list_statements(states, limit, offset)
+    total = await db.scalar(*count)
+    rows = await db.rows(*page)
     return [_decode(r) for r in rows], total
 
 
