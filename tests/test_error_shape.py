@@ -79,24 +79,25 @@ def test_create_cut_off_while_its_row_is_being_activated_can_be_retried(faulty_n
     its own connection to the node's real database file so that the cut lands there."""
     import sqlite3
 
-    import httpx
-
     body = {"environment": "faulty", "task_id": "slow-reset", "instance_id": "cut-late", "params": {"reset_s": 0.6}}
     db = sqlite3.connect(faulty_node.data_dir / "envhub.db", isolation_level=None, check_same_thread=False)
     with faulty_node.client() as c:
         result: list[object] = []
         t = threading.Thread(target=lambda: result.append(_post_or_timeout(c, body, timeout=1.5)))
         t.start()
-        deadline = time.monotonic() + 10
-        while c.get("/instances/cut-late").status_code != 200:  # inserted: reset is sleeping
-            assert time.monotonic() < deadline, "the create never started"
-            time.sleep(0.02)
-        db.execute("BEGIN IMMEDIATE")  # the activation after reset waits on this lock
-        t.join()
-        assert result == ["timeout"], result
-        time.sleep(0.3)
-        db.execute("COMMIT")
-        db.close()
+        try:
+            deadline = time.monotonic() + 10
+            while c.get("/instances/cut-late").status_code != 200:  # inserted: reset is sleeping
+                assert time.monotonic() < deadline, "the create never started"
+                time.sleep(0.02)
+            db.execute("BEGIN IMMEDIATE")  # the activation after reset waits on this lock
+            t.join()
+            assert result == ["timeout"], result
+            time.sleep(0.3)
+            db.execute("COMMIT")
+        finally:
+            db.close()  # rolls back a transaction a failed assertion left open
+            t.join()
         deadline = time.monotonic() + 10
         while (row := c.get("/instances/cut-late").json())["state"] != "failed":
             assert time.monotonic() < deadline, f"the abandoned create never ended: {row}"
@@ -124,4 +125,3 @@ def _post_or_timeout(c, body, *, timeout: float) -> object:
         return c.post("/instances", json=body, timeout=timeout).status_code
     except httpx.ReadTimeout:
         return "timeout"
-
