@@ -138,11 +138,15 @@ class Episode:
     async def exec(self, code: str, *, timeout: float) -> "ExecResult":
         return await self.sandbox.exec(self.handle, code, timeout=timeout)
 
-    async def run_fresh(self, code: str, *, timeout: float) -> "ExecResult":
-        """Run ``code`` in a new sandbox of the same spec, gone when this returns."""
+    async def run_fresh(self, code: str, *, timeout: float, inputs: dict[str, Any] | None = None
+                        ) -> "ExecResult":
+        """Run ``code`` in a new sandbox of the same spec, gone when this returns;
+        ``inputs``: JSON values bound as variables first (see ``Sandbox.run_once``)."""
         self._fresh_runs += 1
         spec = replace(self.spec, instance_id=f"{self.instance_id}.fresh{self._fresh_runs}")
-        return await self.sandbox.run_once(spec, code, timeout=timeout)
+        if inputs is None:  # sandboxes written before inputs existed keep working
+            return await self.sandbox.run_once(spec, code, timeout=timeout)
+        return await self.sandbox.run_once(spec, code, timeout=timeout, inputs=inputs)
 
 
 class Environment:

@@ -135,9 +135,19 @@ class Sandbox:
         """Run ``code`` in the sandbox with a wall-clock ``timeout`` in seconds."""
         raise NotImplementedError
 
-    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float) -> ExecResult:
+    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float,
+                       inputs: Mapping[str, Any] | None = None) -> ExecResult:
         """Run ``code`` in a new sandbox of ``spec`` that is gone once this returns (or
-        raises). The default creates, executes and destroys; a plugin may do it cheaper."""
+        raises). The default creates, executes and destroys; a plugin may do it cheaper.
+
+        ``inputs`` (Python sandboxes): JSON values bound as global variables before
+        ``code`` runs, so that data need not be written into the code as literals. The
+        default prepends one assignment per input, ``name = repr(value)``; the process
+        sandbox passes them as data, which spares the interpreter compiling them."""
+        if inputs:
+            if self.language != "python":
+                raise ValueError(f"sandbox {self.name!r} runs {self.language}; inputs need a python sandbox")
+            code = bind_inputs(inputs) + code
         handle = await self.create(spec)
         try:
             return await self.exec(handle, code, timeout=timeout)
@@ -177,3 +187,17 @@ class Sandbox:
         """At start: remove every sandbox labelled for ``node_id`` whose handle is not in
         ``keep`` (left by a process that died); returns how many."""
         return 0
+
+
+def check_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """``inputs`` as a dict, every name a Python identifier (``ValueError`` if not)."""
+    for name in inputs:
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ValueError(f"input name {name!r} is not a Python identifier")
+    return dict(inputs)
+
+
+def bind_inputs(inputs: Mapping[str, Any]) -> str:
+    """Python source assigning each of ``inputs`` (JSON values, whose ``repr`` is a
+    Python literal) to its name."""
+    return "".join(f"{name} = {value!r}\n" for name, value in check_inputs(inputs).items())

@@ -505,3 +505,26 @@ async def test_what_a_one_shot_run_left_is_killed_before_its_uid_runs_again(sand
         assert not is_alive(sleeper)
     finally:
         await sandboxes.destroy(handle)
+
+
+@pytest.mark.asyncio
+async def test_a_one_shot_run_binds_its_inputs_each_run_afresh(sandboxes):
+    """The zygote compiles a cell that has inputs once (the grader's path); every run
+    still gets its own values, and an error in that cell is reported with its line."""
+    cell = "def total(xs):\n    return sum(xs) * factor\n[total(xs), label, type(meta).__name__]"
+    for xs, factor in (([1, 2, 3], 2), ([10], 3)):
+        r = await sandboxes.run_once(spec(), cell, timeout=5,
+                                     inputs={"xs": xs, "factor": factor, "label": "é\n", "meta": {"a": None}})
+        assert (r.exit_code, r.value) == (0, [sum(xs) * factor, "é\n", "dict"]), r
+    bad = await sandboxes.run_once(spec(), "x = 1\nraise ValueError(word)", timeout=5, inputs={"word": "nope"})
+    assert "raise ValueError(word)" in bad.exception and "ValueError: nope" in bad.exception
+    broken = await sandboxes.run_once(spec(), "x = (", timeout=5, inputs={"a": 1})
+    assert broken.exit_code == 1 and "SyntaxError" in broken.exception
+    # Past what a spawn carries, the inputs go as assignments ahead of the code.
+    long = await sandboxes.run_once(spec(), "#" * 5000 + "\n[a, b]", timeout=5, inputs={"a": [1, "x"], "b": True})
+    assert long.value == [[1, "x"], True]
+    big = await sandboxes.run_once(spec(), "len(blob)", timeout=5, inputs={"blob": "y" * 20000})
+    assert big.value == 20000
+    with pytest.raises(ValueError, match="not a Python identifier"):
+        await sandboxes.run_once(spec(), "1", timeout=5, inputs={"not-a-name": 1})
+    assert not sandboxes._boxes

@@ -33,10 +33,12 @@ uid, see :func:`kill_uid`) and answers how the interpreter had ended if it died 
 own. Channel protocol to an interpreter (``SOCK_STREAM``): 4-byte big-endian length +
 JSON, first a ``ready`` frame, then one reply per ``exec`` request. A ``spawn`` may carry
 the first cell (``cell``: code and timeout): the interpreter then runs it right after
-``ready``, as if it had been sent as the first ``exec``, which saves a round trip. With
-``once`` as well, the interpreter is one-shot: it exits after answering that cell, and
-the zygote cleans up after it (its uid's processes, its dir) when it reaps it, or before
-it forks another sandbox under the same uid, whichever comes first; no ``kill`` is sent.
+``ready``, as if it had been sent as the first ``exec``, which saves a round trip. A
+cell (carried or sent) may have ``inputs``, an object whose values are bound as globals
+before the cell runs. With ``once`` as well, the interpreter is one-shot: it exits after
+answering that cell, and the zygote cleans up after it (its uid's processes, its dir)
+when it reaps it, or before it forks another sandbox under the same uid, whichever
+comes first; no ``kill`` is sent.
 """
 
 from __future__ import annotations
@@ -280,6 +282,9 @@ class Zygote:
         remove_tree(workdir)
 
     def spawn(self, req: dict[str, Any]) -> None:
+        cell = req.get("cell")
+        if cell is not None and "inputs" in cell:
+            _cache_cell(cell["code"])
         uid = req.get("uid")
         if uid is not None and uid in self.once_uids:
             # The node reuses a uid as soon as a one-shot interpreter has answered; what it
@@ -451,7 +456,7 @@ class Interpreter:
                 req = _recv_frame(self.chan)
                 if req is None:
                     return
-            self.send(self.run_cell(req["code"], float(req["timeout"])))
+            self.send(self.run_cell(req["code"], float(req["timeout"]), req.get("inputs")))
             if self.req.get("once"):
                 os._exit(0)  # a one-shot interpreter: the zygote cleans up when it reaps us
             req = None
@@ -498,7 +503,7 @@ class Interpreter:
             self.fired = True
             raise CellTimeout()
 
-    def run_cell(self, code: str, timeout: float) -> dict[str, Any]:
+    def run_cell(self, code: str, timeout: float, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         for f in (sys.stdout, sys.stderr):
             _flush_quietly(f)
         os.ftruncate(self.out_fd, 0)
@@ -508,11 +513,14 @@ class Interpreter:
         result: dict[str, Any] = {"exit_code": 0, "timed_out": False, "exception": None,
                                   "value": None, "value_repr": None}
         try:
-            body, last = _compile_cell(code, filename)
+            cached = _CELL_CACHE.get(code) if self.cells == 1 else None  # compiled as cell 1
+            body, last = cached or _compile_cell(code, filename)
         except BaseException as e:
             result.update(exit_code=1, exception=_format_exception(e))
             return self.finish(result)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        if inputs:
+            self.globals.update(inputs)
         # Re-installed each cell: an earlier cell may have replaced the handler.
         signal.signal(signal.SIGALRM, self.on_alarm)
         self.fired = False
@@ -557,6 +565,25 @@ def _set_limit(res: int, soft: int, hard: int) -> None:
     if cur_hard != resource.RLIM_INFINITY and os.geteuid() != 0:
         soft, hard = min(soft, cur_hard), min(hard, cur_hard)
     resource.setrlimit(res, (soft, hard))
+
+
+# Cells that carry inputs are an environment's fixed program (a grader) run on varying
+# data; their code comes from environments, never from the model (exec sends no inputs).
+# The zygote compiles each once, before it forks, so no interpreter parses it again:
+# parsing and compiling in a fresh fork writes many copy-on-write pages (for the MBPP
+# grader, about 0.45 ms of CPU per run on a 2-core VM, measured with the throughput
+# bench). First come, first kept, up to _CELL_CACHE_SIZE.
+_CELL_CACHE: dict[str, tuple[types.CodeType, types.CodeType | None]] = {}
+_CELL_CACHE_SIZE = 32
+
+
+def _cache_cell(code: str) -> None:
+    if code in _CELL_CACHE or len(_CELL_CACHE) >= _CELL_CACHE_SIZE:
+        return
+    try:
+        _CELL_CACHE[code] = _compile_cell(code, f"{CELL_PREFIX}1>")
+    except Exception:  # a syntax error: the interpreter compiles it again and reports it
+        pass
 
 
 def _compile_cell(code: str, filename: str) -> tuple[types.CodeType, types.CodeType | None]:

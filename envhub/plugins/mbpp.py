@@ -29,6 +29,7 @@ from envhub.hookspecs import hookimpl
 from envhub.plugins import _mbpp_harness
 
 _HARNESS = "_mbpp_harness"  # preloaded into the sandbox from envhub/plugins/_mbpp_harness.py
+_GRADE_CELL = f"import {_HARNESS}\n{_HARNESS}.grade(submission, setup, tests, cpu)"
 
 
 def prepare_tests(tests: list[str]) -> list[tuple[str, str, str | None]]:
@@ -218,10 +219,11 @@ class MBPP(Environment):
             return Evaluation(0.0, {"submitted": False, "passed": 0, "total": 0, "tests": []})
         private = episode.task.private
         tests = self._hidden_tests(episode.task)
-        code = (f"import {_HARNESS}\n"
-                f"{_HARNESS}.grade({submission!r}, {private['test_setup_code']!r}, "
-                f"{self._prepared[episode.task.id]!r}, {self.test_cpu!r})")
-        result = await episode.run_fresh(code, timeout=self.eval_timeout)
+        # The submission and tests go as data: a cell holding them as literals would be
+        # parsed and compiled by every grading interpreter.
+        result = await episode.run_fresh(_GRADE_CELL, timeout=self.eval_timeout, inputs={
+            "submission": submission, "setup": private["test_setup_code"],
+            "tests": self._prepared[episode.task.id], "cpu": self.test_cpu})
         graded = result.value if isinstance(result.value, dict) else None
         if graded is None or graded.get("stage") != "tests":
             if graded is not None:

@@ -71,7 +71,7 @@ from typing import Any, Mapping
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.hookspecs import hookimpl
 from envhub.plugins import _process_zygote as zygote
-from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec, check_inputs
 
 log = logging.getLogger(__name__)
 
@@ -467,6 +467,9 @@ class ProcessSandbox(Sandbox):
         await self._teardown_shielded(box)
 
     async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        return await self._exec(handle, code, timeout, None)
+
+    async def _exec(self, handle: str, code: str, timeout: float, inputs: dict[str, Any] | None) -> ExecResult:
         box = self._box(handle)
         if not isinstance(code, str):
             raise InvalidRequest("code must be a string", field="code")
@@ -477,27 +480,34 @@ class ProcessSandbox(Sandbox):
                 raise NotFound(f"no sandbox {handle!r}")
             restarted = box.chan is None and box.spawned
             carried = False
+            cell = {"code": code, "timeout": timeout}
+            if inputs:
+                cell["inputs"] = inputs
             if box.chan is None:
-                carried = len(code) <= _CARRIED_CELL_CHARS
-                await self._spawn(box, {"code": code, "timeout": timeout} if carried else None)
+                carried = len(code) + (len(json.dumps(inputs)) if inputs else 0) <= _CARRIED_CELL_CHARS
+                await self._spawn(box, cell if carried else None)
             started = time.monotonic()
-            result = await self._run(box, code, timeout, sent=carried)
+            result = await self._run(box, cell, sent=carried)
             result.duration_s = time.monotonic() - started
             result.restarted = restarted
             return result
 
-    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float) -> ExecResult:
+    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float,
+                       inputs: dict[str, Any] | None = None) -> ExecResult:
         """A one-shot interpreter: the spawn carries the code and the interpreter exits
         once it has answered; the zygote then cleans up after it without being asked, so
-        the run costs one control request instead of two. Code too long to carry, and a
-        run that times out or dies, take the usual create/exec/destroy path."""
+        the run costs one control request instead of two. ``inputs`` travel as data with
+        the cell, and the zygote compiles a cell that has inputs once, before it forks (see
+        ``_process_zygote``). Code too long to carry, and a run that times out or dies,
+        take the usual create/exec/destroy path."""
         if not isinstance(code, str) or len(code) > _CARRIED_CELL_CHARS:
-            return await super().run_once(spec, code, timeout=timeout)
+            return await super().run_once(spec, code, timeout=timeout, inputs=inputs)
+        inputs = check_inputs(inputs) if inputs else None
         handle = await self.create(spec)
         box = self._boxes[handle]
         box.spawn_req["once"] = True
         try:
-            result = await self.exec(handle, code, timeout=timeout)
+            result = await self._exec(handle, code, timeout, inputs)
         except BaseException:
             await self.destroy(handle)
             raise
@@ -512,12 +522,13 @@ class ProcessSandbox(Sandbox):
         self._release_uid(box)
         return result
 
-    async def _run(self, box: _Box, code: str, timeout: float, *, sent: bool = False) -> ExecResult:
-        """Run ``code`` (already on its way when ``sent``: carried by the spawn)."""
+    async def _run(self, box: _Box, cell: dict[str, Any], *, sent: bool = False) -> ExecResult:
+        """Run ``cell`` (already on its way when ``sent``: carried by the spawn)."""
+        timeout = cell["timeout"]
         try:
             async with asyncio.timeout(timeout + self.kill_grace):
                 if not sent:
-                    await box.chan.send({"code": code, "timeout": timeout})
+                    await box.chan.send(cell)
                 reply = await box.chan.recv()
         except TimeoutError:
             # The code swallowed CellTimeout or is stuck in C: kill what it started too.
