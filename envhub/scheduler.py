@@ -163,7 +163,9 @@ class SchedulerService:
 
     async def _settle_unfinished_creates(self) -> None:
         """Creates a killed scheduler left half-done: keep the route if the node has the
-        instance, drop it if not (the client's retry, carrying the same id, then lands)."""
+        instance, drop it if not (the client's retry, carrying the same id, then lands).
+        A ``failed`` row is a create the node abandoned (the scheduler died mid-call): it
+        never was an instance and does not hold the id, so its route is dropped too."""
         rows = await self.db.rows("SELECT instance_id, node_url FROM routes WHERE state = 'creating'")
         for instance_id, node_url in rows:
             node = self.by_url.get(node_url)
@@ -171,12 +173,13 @@ class SchedulerService:
                 continue
             try:
                 reply = await self._call(node, "GET", f"/instances/{instance_id}", idempotent=True)
-            except UpstreamUnavailable:
+                state = reply.json().get("state") if reply.status == 200 else None
+            except (UpstreamUnavailable, ValueError, AttributeError):
                 continue
-            if reply.status == 200:
-                await routes.set_state(self.db, instance_id, "live")
-            elif reply.status == 404:
+            if reply.status == 404 or state == "failed":
                 await routes.delete(self.db, instance_id)
+            elif reply.status == 200:
+                await routes.set_state(self.db, instance_id, "live")
 
     async def check_health(self) -> None:
         await asyncio.gather(*(self._check(node) for node in self.nodes))

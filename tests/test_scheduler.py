@@ -257,3 +257,51 @@ def test_a_retried_create_joins_the_attempt_in_flight_or_follows_it_to_its_node(
     finally:
         for p in (sched, *nodes):
             assert p.stop() == 0, p.log()
+
+
+def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
+    """A scheduler killed mid-create leaves 'creating' routes; at its next start it keeps
+    the route of an instance the node has, and drops the route of one the node never
+    had or abandoned (a 'failed' row). The half-done routes are written into the
+    scheduler's real SQLite file while it is stopped: a kill -9 cannot land on each of
+    these points on demand."""
+    import sqlite3
+
+    node = EnvhubProcess(tmp_path / "node", *NODE_ARGS, env=faulty_plugin_env(tmp_path)).start()
+    nodes_yaml = write_nodes_yaml(tmp_path / "nodes.yaml", [node])
+    sched = start_scheduler(tmp_path, nodes_yaml)
+    try:
+        with node.client() as c:
+            assert c.post("/instances", json={"environment": "mbpp", "task_id": "13",
+                                              "instance_id": "kept"}).status_code == 201
+            with pytest.raises(httpx.ReadTimeout):  # the node abandons this create: its caller left
+                c.post("/instances", json={"environment": "faulty", "task_id": "slow-reset",
+                                           "instance_id": "abandoned", "params": {"reset_s": 1.0}}, timeout=0.3)
+            deadline = time.monotonic() + 10
+            while c.get("/instances/abandoned").json()["state"] != "failed":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert sched.stop() == 0
+        with sqlite3.connect(sched.data_dir / "envhub.db") as db:
+            now = time.time()
+            db.executemany("INSERT INTO routes VALUES (?, ?, ?, ?, 'creating', ?, ?)",
+                           [("kept", node.url, "mbpp", "13", now, now),
+                            ("abandoned", node.url, "faulty", "slow-reset", now, now),
+                            ("never-arrived", node.url, "mbpp", "13", now, now)])
+        db.close()
+        sched.start()
+        with sched.client() as c:
+            assert c.get("/instances/kept").json()["state"] == "active"
+            assert c.get("/instances/abandoned").status_code == 404, "a route to a create that never finished"
+            assert c.get("/instances/never-arrived").status_code == 404
+            retried = c.post("/instances", json={"environment": "faulty", "task_id": "slow-reset",
+                                                 "instance_id": "abandoned", "params": {"reset_s": 0.1}})
+            assert retried.status_code == 201, retried.text
+            assert c.post("/instances/abandoned/step",
+                          json={"action": {"tool": "run", "arguments": {"code": "print(5)"}}}).status_code == 200
+            for iid in ("kept", "abandoned"):
+                assert c.post(f"/instances/{iid}/release").status_code == 200
+    finally:
+        for p in (sched, node):
+            if p.proc is not None and p.proc.poll() is None:
+                p.stop()
