@@ -56,22 +56,22 @@ def create(c: httpx.Client, task="13", **body) -> dict:
     return r.json()
 
 
-def test_a_group_of_one_task_lands_on_one_node_until_full_then_overflows(tmp_path):
-    """Placement by the scheduler's own slot accounting. No health report lands during
-    the test (a 60 s interval after the first): a report that arrives between a create's
+@pytest.fixture
+def quiet_fleet(tmp_path):
+    """Like ``fleet``, for tests of the scheduler's own slot accounting: no health report
+    lands after the first (a 60 s interval). A report that arrives between a create's
     completion on the node and the scheduler reading its reply counts that instance
-    twice until the next report, which would move one create elsewhere (the README's
-    slot accounting states this imprecision)."""
-    nodes = start_nodes(tmp_path, 3)
-    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", nodes), "--set", "health_interval=60")
-    try:
-        _group_lands_on_one_node_until_full(sched, nodes)
-    finally:
-        for p in (sched, *nodes):
-            assert p.stop() == 0, p.log()
+    twice until the next report (the README's slot accounting states this imprecision),
+    which would move a create elsewhere or show one slot too many."""
+    procs = start_nodes(tmp_path, 3)
+    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", procs), "--set", "health_interval=60")
+    yield sched, procs, [sched, *procs]
+    for p in (sched, *procs):
+        assert p.stop() == 0, p.log()
 
 
-def _group_lands_on_one_node_until_full(sched: EnvhubProcess, nodes: list[EnvhubProcess]) -> None:
+def test_a_group_of_one_task_lands_on_one_node_until_full_then_overflows(quiet_fleet):
+    sched, nodes, _ = quiet_fleet
     with sched.client() as c:
         ids = [create(c, "13")["instance_id"] for _ in range(8)]
         where = [node_of(sched, nodes, i) for i in ids]
@@ -88,8 +88,8 @@ def _group_lands_on_one_node_until_full(sched: EnvhubProcess, nodes: list[Envhub
         assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 0
 
 
-def test_an_evaluate_that_releases_frees_the_slot_in_the_scheduler_too(fleet):
-    sched, nodes, _ = fleet
+def test_an_evaluate_that_releases_frees_the_slot_in_the_scheduler_too(quiet_fleet):
+    sched, nodes, _ = quiet_fleet
     with sched.client() as c:
         iid = create(c, "13")["instance_id"]
         assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 1
