@@ -81,9 +81,13 @@ def _decode(row: sqlite3.Row) -> InstanceRow:
     return InstanceRow(**d)
 
 
+# A row in one of these states without an observation is a create that never finished.
+_UNFINISHED_CREATE_STATES = ("failed", "lost")
+
+
 def never_started(row: InstanceRow) -> bool:
     """A create that ended before the instance was ever active; its id may be created again."""
-    return row.observation is None and row.state in ("failed", "lost")
+    return row.observation is None and row.state in _UNFINISHED_CREATE_STATES
 
 
 async def insert(db: Database, *, id: str, environment: str, task_id: str, trial: str, node_id: str,
@@ -101,7 +105,7 @@ async def insert(db: Database, *, id: str, environment: str, task_id: str, trial
              "sandbox_handle = NULL, state = 'creating', params = excluded.params, env_state = '{}', "
              "step_count = 0, reward = NULL, evaluation = NULL, error = NULL, "
              "created_at = excluded.created_at, last_active_at = excluded.last_active_at, ended_at = NULL "
-             "WHERE instances.observation IS NULL AND instances.state IN ('failed', 'lost')",
+             f"WHERE instances.observation IS NULL AND instances.state IN {_UNFINISHED_CREATE_STATES!r}",
              (id, environment, task_id, trial, node_id, sandbox, json.dumps(params), now, now)),
         ])
     except sqlite3.IntegrityError:

@@ -1,6 +1,6 @@
 """A real entry-point plugin whose environment fails on purpose, to test error paths.
 
-Loaded into node subprocesses through a generated dist-info (see test_error_shape.py).
+Loaded into node subprocesses through a generated dist-info (see conftest.faulty_plugin_env).
 """
 
 import asyncio
