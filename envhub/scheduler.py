@@ -164,8 +164,9 @@ class SchedulerService:
     async def _settle_unfinished_creates(self) -> None:
         """Creates a killed scheduler left half-done: keep the route if the node has the
         instance, drop it if not (the client's retry, carrying the same id, then lands).
-        A ``failed`` row is a create the node abandoned (the scheduler died mid-call): it
-        never was an instance and does not hold the id, so its route is dropped too."""
+        A ``failed`` row (a create the node abandoned when the scheduler died mid-call) or a
+        ``lost`` one (the node restarted) has no instance to give either: the client never
+        got its create answer, so its retry is placed afresh instead of replaying a dead id."""
         rows = await self.db.rows("SELECT instance_id, node_url FROM routes WHERE state = 'creating'")
         for instance_id, node_url in rows:
             node = self.by_url.get(node_url)
@@ -176,7 +177,7 @@ class SchedulerService:
                 state = reply.json().get("state") if reply.status == 200 else None
             except (UpstreamUnavailable, ValueError, AttributeError):
                 continue
-            if reply.status == 404 or state == "failed":
+            if reply.status == 404 or state in ("failed", "lost"):
                 await routes.delete(self.db, instance_id)
             elif reply.status == 200:
                 await routes.set_state(self.db, instance_id, "live")

@@ -276,7 +276,7 @@ def test_a_retried_create_joins_the_attempt_in_flight_or_follows_it_to_its_node(
 def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
     """A scheduler killed mid-create leaves 'creating' routes; at its next start it keeps
     the route of an instance the node has, and drops the route of one the node never
-    had or abandoned (a 'failed' row). The half-done routes are written into the
+    had, abandoned (a 'failed' row) or lost in a restart. The half-done routes are written into the
     scheduler's real SQLite file while it is stopped: a kill -9 cannot land on each of
     these points on demand."""
     import sqlite3
@@ -286,8 +286,6 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
     sched = start_scheduler(tmp_path, nodes_yaml)
     try:
         with node.client() as c:
-            assert c.post("/instances", json={"environment": "mbpp", "task_id": "13",
-                                              "instance_id": "kept"}).status_code == 201
             with pytest.raises(httpx.ReadTimeout):  # the node abandons this create: its caller left
                 c.post("/instances", json={"environment": "faulty", "task_id": "slow-reset",
                                            "instance_id": "abandoned", "params": {"reset_s": 1.0}}, timeout=0.3)
@@ -295,12 +293,23 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
             while c.get("/instances/abandoned").json()["state"] != "failed":
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
+            assert c.post("/instances", json={"environment": "mbpp", "task_id": "13",
+                                              "instance_id": "lost"}).status_code == 201
         assert sched.stop() == 0
+        node.proc.send_signal(signal.SIGKILL)  # a crash: the restarted node finds 'lost' gone
+        node.proc.wait()
+        node._log.close()
+        node.start()
+        with node.client() as c:
+            assert c.get("/instances/lost").json()["state"] == "lost"
+            assert c.post("/instances", json={"environment": "mbpp", "task_id": "13",
+                                              "instance_id": "kept"}).status_code == 201
         with sqlite3.connect(sched.data_dir / "envhub.db") as db:
             now = time.time()
             db.executemany("INSERT INTO routes VALUES (?, ?, ?, ?, 'creating', ?, ?)",
                            [("kept", node.url, "mbpp", "13", now, now),
                             ("abandoned", node.url, "faulty", "slow-reset", now, now),
+                            ("lost", node.url, "mbpp", "13", now, now),
                             ("never-arrived", node.url, "mbpp", "13", now, now)])
         db.close()
         sched.start()
@@ -308,6 +317,7 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
             assert c.get("/instances/kept").json()["state"] == "active"
             assert c.get("/instances/abandoned").status_code == 404, "a route to a create that never finished"
             assert c.get("/instances/never-arrived").status_code == 404
+            assert c.get("/instances/lost").status_code == 404, "a route to an instance its node lost"
             retried = c.post("/instances", json={"environment": "faulty", "task_id": "slow-reset",
                                                  "instance_id": "abandoned", "params": {"reset_s": 0.1}})
             assert retried.status_code == 201, retried.text
