@@ -438,3 +438,17 @@ async def test_stop_removes_every_container_it_created(engine):
             engine.containers.get(handle)
     with pytest.raises(SandboxError):
         await sb.create(spec())
+
+
+async def test_a_shell_sandbox_refuses_inputs_before_starting_anything(engine):
+    """``inputs`` are Python variables; a shell sandbox has nowhere to bind them."""
+    sb = DockerSandbox({})
+    await sb.start()
+    try:
+        refused = spec()
+        with pytest.raises(ValueError, match="inputs need a python sandbox"):
+            await sb.run_once(refused, "echo hi", timeout=10, inputs={"a": 1})
+        label = f"envhub.instance={refused.instance_id}"
+        assert engine.containers.list(all=True, filters={"label": label}) == []
+    finally:
+        await sb.stop()
