@@ -5,7 +5,9 @@ tests in a fresh interpreter process, forked from the node's warm zygote) releas
 instance in the same call; ``--separate-release`` releases with a fourth call instead.
 N concurrent clients share the task list. Prints tasks/s, p50/p99 latency per call and,
 for a node it started, the CPU ms per task of each node thread, the zygote, the sandbox
-interpreters and the client itself; writes the figures as JSON.
+interpreters and the client itself, and the page faults per task of the zygote and of
+the interpreters (a figure that, unlike CPU time, hardly moves with the host's speed, so
+it shows a change in the fork path even in a noisy phase); writes the figures as JSON.
 
     python bench/mbpp_throughput.py                      # starts its own node
     python bench/mbpp_throughput.py --runs 5             # five passes; prints the median
@@ -57,7 +59,8 @@ def _stat(pid: int, tid: int | None = None) -> list[str]:
 
 
 def cpu_snapshot(node_pid: int) -> dict[str, float]:
-    """CPU ms so far of the node (per thread), its zygote and the zygote's reaped children.
+    """CPU ms so far of the node (per thread), its zygote and the zygote's reaped children,
+    and (``faults:*``) the minor page faults of the zygote and of its reaped children.
 
     Threads go by the names envhub gives them (``envhub-sqlite``, ``envhub-trials``);
     ``other`` is any ``to_thread`` worker. Linux only; empty where /proc is missing.
@@ -76,6 +79,10 @@ def cpu_snapshot(node_pid: int) -> dict[str, float]:
             st = _stat(child)
             out["zygote"] = out.get("zygote", 0.0) + (int(st[11]) + int(st[12])) * _TICK_MS
             out["zygote.children"] = out.get("zygote.children", 0.0) + (int(st[13]) + int(st[14])) * _TICK_MS
+            # Page faults: each copy-on-write fault after a fork costs microseconds on a VM,
+            # and unlike CPU time their count hardly moves with the host's speed.
+            out["faults:zygote"] = out.get("faults:zygote", 0.0) + int(st[7])
+            out["faults:zygote.children"] = out.get("faults:zygote.children", 0.0) + int(st[8])
     except OSError:
         return {}
     return out
@@ -279,7 +286,9 @@ def measure(url: str, api_key: str | None, task_ids: list[str], args: argparse.N
     if proc is not None:
         time.sleep(0.3)  # the zygote reaps its last children
         after = cpu_snapshot(proc.pid)
-        cpu = {k: round((after[k] - before.get(k, 0.0)) / len(task_ids), 2) for k in after}
+        per_task = {k: round((after[k] - before.get(k, 0.0)) / len(task_ids), 2) for k in after}
+        cpu = {k: v for k, v in per_task.items() if not k.startswith("faults:")}
+        result["faults_per_task"] = {k[7:]: v for k, v in per_task.items() if k.startswith("faults:")}
         cpu["client"] = round((client_after.user + client_after.system - client_before.user
                                - client_before.system) * 1000 / len(task_ids), 2)
         result["cpu_ms_per_task"] = cpu
@@ -293,6 +302,8 @@ def report(result: dict) -> None:
         print(f"  {kind:9s} p50 {lat['p50']:8.2f} ms   p99 {lat['p99']:8.2f} ms")
     if result.get("cpu_ms_per_task"):
         print("  CPU ms/task: " + ", ".join(f"{k} {v}" for k, v in result["cpu_ms_per_task"].items()))
+    if result.get("faults_per_task"):
+        print("  page faults/task: " + ", ".join(f"{k} {v:.0f}" for k, v in result["faults_per_task"].items()))
     if result["not_full_reward"]:
         print("  below 1.0:", ", ".join(result["not_full_reward"]))
 
