@@ -4,7 +4,12 @@ HTTP handlers are thin wrappers over :class:`NodeService`; tests and the reaper 
 it directly. Invariants:
 
 - Every live instance holds exactly one slot, from before its sandbox starts until
-  its sandbox is destroyed; ``slots.used == len(self._live) + creates in flight``.
+  its sandbox is destroyed; ``slots.used == len(self._live) + creates in flight``
+  (+ OpenEnv sessions holding a slot before their instance exists).
+- The ids holding a slot are ``slot_ids``, and every change to that set advances
+  ``slot_seq``. /health reports both and a create's reply carries the seq it was
+  answered at (``X-Envhub-Slots``), so a scheduler can tell whether a health report
+  already counts a create it has seen answered (see envhub/scheduler.py).
 - Every sandbox that :meth:`NodeService.create` started is destroyed on release, on
   idle expiry, on shutdown, or at once when the create fails or is cancelled.
 - Calls on one instance are serialised by its lock; calls on different instances run
@@ -73,6 +78,9 @@ class NodeService:
         # Instances of whole rollouts that hold a slot (so are in `active` too). Joined and
         # left together with the slot, so /health never counts a rollout twice or not at all.
         self._rollout_slots: set[str] = set()
+        self.slot_ids: set[str] = set()
+        self.slot_seq = 0
+        self.slot_boot = secrets.token_hex(4)  # a restarted node counts its seq from 0 again
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -116,9 +124,23 @@ class NodeService:
             "free": self.slots.free,
             "queued": self.slots.queued,
             "rollouts": len(self._rollout_slots),
+            "slot_ids": list(self.slot_ids),
+            "slot_mark": self.slot_mark(),
             "accepting": self._accepting,
             "environments": sorted(self.environments),
         }
+
+    def slot_mark(self) -> str:
+        """``<boot>.<seq>``: where this node's slot events stand now."""
+        return f"{self.slot_boot}.{self.slot_seq}"
+
+    def _hold(self, instance_id: str) -> None:
+        self.slot_ids.add(instance_id)
+        self.slot_seq += 1
+
+    def _unhold(self, instance_id: str) -> None:
+        self.slot_ids.discard(instance_id)
+        self.slot_seq += 1
 
     # -- create ----------------------------------------------------------------------
 
@@ -174,6 +196,7 @@ class NodeService:
         sandbox = self.sandboxes[env.sandbox]
         await env.prepare(task, params)  # image builds happen before a slot is taken
         await self.slots.acquire()
+        self._hold(instance_id)
         if rollout:
             self._rollout_slots.add(instance_id)
         handle: str | None = None
@@ -223,6 +246,7 @@ class NodeService:
             log.exception("cleaning up the failed create of %s", instance_id)
         finally:
             self.slots.release()
+            self._unhold(instance_id)
             self._rollout_slots.discard(instance_id)
 
     # -- step, evaluate, release -------------------------------------------------------
@@ -316,6 +340,7 @@ class NodeService:
             await live.episode.sandbox.destroy(live.episode.handle)
         finally:
             self.slots.release()
+            self._unhold(instance_id)
             self._rollout_slots.discard(instance_id)
             await self.db.write_many([*also, instances.end_statement(instance_id, state, error=error)])
             live.log.record(state, {"error": error} if error else None)
@@ -429,6 +454,7 @@ class NodeService:
                 continue
             self._live[row.id] = live
             self.slots.used += 1  # may pass capacity for a while: adopted work is not refused
+            self._hold(row.id)
             adopted[row.sandbox].add(row.sandbox_handle)
         removed = 0
         for name, sandbox in self.sandboxes.items():

@@ -40,6 +40,7 @@ class PeerReply:
     status: int
     body: bytes
     content_type: str
+    slots: str | None = None  # a node's X-Envhub-Slots header (its create replies carry it)
 
     def json(self) -> Any:
         return jsonlib.loads(self.body)
@@ -73,7 +74,7 @@ async def call(http: aiohttp.ClientSession, base_url: str, method: str, path: st
             body = await response.read()
             if response.status in RETRYABLE_STATUS and attempts > 1:
                 raise _Retryable(response.status)
-            return PeerReply(response.status, body, response.content_type)
+            return PeerReply(response.status, body, response.content_type, response.headers.get("X-Envhub-Slots"))
 
     try:
         if attempts == 1:

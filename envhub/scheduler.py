@@ -9,10 +9,15 @@ Invariants:
   forwarded create carries the instance id, so a retried or repeated create never makes
   two instances and a restarted scheduler routes every instance as before. Affinity is
   in SQLite too.
-- Slot accounting is the scheduler's own between health checks and is reset from each
-  node's own report (``active``) at every check, plus the creates still in flight, so a
-  restarted node or a node shared by two schedulers never drifts for longer than one
-  ``health_interval``.
+- Slot accounting counts each instance once. A node's health report lists the ids
+  holding its slots (``slot_ids``) and where its slot events stand (``slot_mark``); a
+  create's reply carries the mark it was answered at. A node's used slots are the
+  union of the reported ids, our creates in flight and our creates answered since
+  (kept until a report at or past their mark), less the instances we saw end, plus the
+  report's slots without an id (OpenEnv sessions). So neither a report that lands while
+  a create is in flight nor one taken before a create finished counts it twice or
+  not at all, and whatever the scheduler cannot see (reaps, other clients, a restarted
+  node) is right again at the next ``health_interval``.
 - A node that fails a health check is down: it gets no creates, and calls for its
   instances get 503 at once; it is up again at its next good check.
 """
@@ -58,8 +63,12 @@ class Node:
     name: str = ""
     healthy: bool = False
     capacity: int = 0  # min(slots, the node's own capacity)
-    active: int = 0  # the node's last report, adjusted by our creates and releases since
-    pending: int = 0  # creates forwarded and not answered yet
+    active: int = 0  # slots held without an id at the last report, adjusted by our OpenEnv sessions
+    pending: int = 0  # picks without an instance id not answered yet (OpenEnv, rollouts)
+    holders: set[str] = field(default_factory=set)  # ids holding a slot at the last report
+    creating: set[str] = field(default_factory=set)  # our creates forwarded and not answered yet
+    created: dict[str, tuple[str, int]] = field(default_factory=dict)  # answered since: id -> (boot, seq)
+    ended: set[str] = field(default_factory=set)  # ids we saw end that the last report still lists
     rollouts: int = 0  # our whole rollouts running there
     reported_rollouts: int = 0  # the node's own count at its last health report
     last_seen: float | None = None
@@ -68,10 +77,15 @@ class Node:
 
     @property
     def used(self) -> int:
-        # The node reports as `rollouts` the rollout instances holding a slot, which its
-        # `active` counts too; ours beyond that (building, queued, not yet reported)
-        # are counted here.
-        return self.active + self.pending + max(0, self.rollouts - self.reported_rollouts)
+        # The size of (holders | creating | created) - ended, without building the union:
+        # holders may be a node's whole capacity, the other three are small. The node
+        # reports as `rollouts` the rollout instances holding a slot, which its ids hold
+        # too; ours beyond that (building, queued, not yet reported) are counted here.
+        n = len(self.holders)
+        n += sum(1 for i in self.creating if i not in self.holders)
+        n += sum(1 for i in self.created if i not in self.holders and i not in self.creating)
+        n -= sum(1 for i in self.ended if i in self.holders or i in self.creating or i in self.created)
+        return n + self.active + self.pending + max(0, self.rollouts - self.reported_rollouts)
 
     @property
     def free(self) -> int:
@@ -80,6 +94,37 @@ class Node:
     @property
     def free_ratio(self) -> float:
         return self.free / self.capacity if self.capacity else 0.0
+
+    def report(self, report: dict[str, Any]) -> None:
+        """Take a health report: its ids replace ours where it is at least as new."""
+        ids = report.get("slot_ids")
+        self.holders = {i for i in ids if isinstance(i, str)} if isinstance(ids, list) else set()
+        self.active = max(0, int(report.get("active", 0)) - len(self.holders))
+        boot, seq = parse_mark(report.get("slot_mark"))
+        self.created = {i: (b, s) for i, (b, s) in self.created.items()
+                        if i not in self.holders and b == boot and s > seq}
+        self.ended &= self.holders
+
+    def answered(self, instance_id: str, created: bool, mark: str | None) -> None:
+        """Our create of ``instance_id`` is over: created (the node answered so at
+        ``mark``), or not or not known. A failed create that a report took while it ran
+        is counted until the next report: the id may name another instance (409)."""
+        self.creating.discard(instance_id)
+        if created:
+            self.created[instance_id] = parse_mark(mark)
+
+    def end(self, instance_id: str) -> None:
+        self.created.pop(instance_id, None)
+        self.ended.add(instance_id)
+
+
+def parse_mark(mark: Any) -> tuple[str, int]:
+    """``<boot>.<seq>`` from a node; ``("", 0)`` if missing or malformed."""
+    if isinstance(mark, str):
+        boot, _, seq = mark.rpartition(".")
+        if seq.isdigit():
+            return boot, int(seq)
+    return "", 0
 
 
 @dataclass
@@ -184,6 +229,20 @@ class SchedulerService:
 
     async def check_health(self) -> None:
         await asyncio.gather(*(self._check(node) for node in self.nodes))
+        self._prune_route_cache()
+
+    def _prune_route_cache(self) -> None:
+        """Forget the cached routes of instances their node no longer holds (reaped idle,
+        their client gone): without this the cache grows by one entry for every instance
+        not released through us. Safe whatever it drops: a miss reads SQLite."""
+        gone = []
+        for instance_id, url in self._route_cache.items():
+            node = self.by_url.get(url)
+            if node is not None and node.healthy and instance_id not in node.holders \
+                    and instance_id not in node.created and instance_id not in node.creating:
+                gone.append(instance_id)
+        for instance_id in gone:
+            del self._route_cache[instance_id]
 
     async def _check(self, node: Node) -> None:
         try:
@@ -200,8 +259,7 @@ class SchedulerService:
             log.info("node %s is up", node.url)
         node.healthy, node.error, node.last_seen, node.info = True, None, time.time(), report
         node.capacity = min(node.slots, int(report.get("capacity", node.slots)))
-        # The node's own count is the truth; creates still in flight are in `pending`.
-        node.active = int(report.get("active", node.active))
+        node.report(report)
         node.reported_rollouts = int(report.get("rollouts", 0))
         if not report.get("accepting", True):
             node.capacity = 0
@@ -220,13 +278,18 @@ class SchedulerService:
 
     # -- choosing a node -----------------------------------------------------------------
 
-    async def _pick(self, task_key: str) -> Node:
+    async def _pick(self, task_key: str, instance_id: str | None = None) -> Node:
+        """Take a slot on the best node: ``instance_id`` joins its creates in flight, or
+        (no id) its ``pending`` count goes up; the caller settles either when answered."""
         deadline = time.monotonic() + self.settings.scheduler_wait
         while True:
             async with self._lock:
                 node = self._choose(task_key)
                 if node is not None:
-                    node.pending += 1
+                    if instance_id is None:
+                        node.pending += 1
+                    else:
+                        node.creating.add(instance_id)
                     self._affinity[task_key] = (node.url, time.time())
                     return node
                 self._freed.clear()
@@ -296,7 +359,7 @@ class SchedulerService:
                                          json={**body, "instance_id": instance_id})
                 return reply.status, reply.body
             if node is not None and node.healthy:
-                node.pending += 1  # an earlier attempt's node: it may hold the instance already
+                node.creating.add(instance_id)  # an earlier attempt's node: it may hold the instance already
             else:
                 node = None
         if isinstance(params.get("model_url"), str):
@@ -304,25 +367,24 @@ class SchedulerService:
         forwarded = {**body, "instance_id": instance_id, "params": params}
         task_key = f"{environment}/{task_id}"
         if node is None:
-            node = await self._pick(task_key)
+            node = await self._pick(task_key, instance_id)
         created = answered = False
+        mark: str | None = None
         try:
             await routes.put(self.db, instance_id=instance_id, node_url=node.url, environment=environment,
                              task_id=task_id)
             await routes.touch_affinity(self.db, task_key, node.url)
             reply = await self._call(node, "POST", "/instances", json=forwarded, idempotent=True,
                                      timeout=self.settings.forward_timeout)
-            answered = True
+            answered, mark = True, reply.slots
             created = reply.status in (200, 201)
             if created:
                 await routes.set_state(self.db, instance_id, "live")
                 self._route_cache[instance_id] = node.url
             return reply.status, reply.body
         finally:
-            node.pending -= 1
-            if created:
-                node.active += 1
-            else:
+            node.answered(instance_id, created, mark)
+            if not created:
                 if answered:
                     await asyncio.shield(routes.delete(self.db, instance_id))
                 self._freed.set()
@@ -406,7 +468,7 @@ class SchedulerService:
             await routes.set_state(self.db, instance_id, "ended")
             node = self.by_url.get(route.node_url)
             if node is not None:
-                node.active = max(0, node.active - 1)
+                node.end(instance_id)
             self._freed.set()
 
     async def any_node(self, method: str, path: str, params: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -458,4 +520,4 @@ class SchedulerService:
                 "last_seen_s": None if node.last_seen is None else round(now - node.last_seen, 3),
                 "task_affinity": {k: round(now - t, 3) for k, (url, t) in self._affinity.items()
                                   if url == node.url and now - t <= window}})
-        return {"nodes": out}
+        return {"nodes": out, "cached_routes": len(self._route_cache)}

@@ -253,6 +253,27 @@ def test_concurrent_duplicate_creates_make_one_instance(client, node):
     client.post("/instances/dup-burst/release")
 
 
+def test_health_lists_the_slot_holders_and_a_create_carries_its_slot_mark(client):
+    """What a scheduler counts slots by: the ids holding slots, and a seq that every
+    change to them advances, which a create's reply carries as it stood when answered."""
+    def mark(value):
+        boot, _, seq = value.rpartition(".")
+        return boot, int(seq)
+
+    before = client.get("/health").json()
+    r = client.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "marked-1"})
+    assert r.status_code == 201
+    boot, seq = mark(r.headers["X-Envhub-Slots"])
+    assert boot == mark(before["slot_mark"])[0] and seq > mark(before["slot_mark"])[1]
+    during = client.get("/health").json()
+    assert "marked-1" in during["slot_ids"] and mark(during["slot_mark"]) == (boot, seq)
+    replay = client.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "marked-1"})
+    assert replay.status_code == 200 and mark(replay.headers["X-Envhub-Slots"]) == (boot, seq)
+    client.post("/instances/marked-1/release")
+    after = client.get("/health").json()
+    assert "marked-1" not in after["slot_ids"] and mark(after["slot_mark"])[1] > seq
+
+
 def test_environment_and_task_listing_with_splits_and_paging(client):
     envs = client.get("/environments").json()["environments"]
     mbpp = next(e for e in envs if e["name"] == "mbpp")

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import EnvhubProcess, faulty_plugin_env
+from envhub.scheduler import Node
 
 NODE_ARGS = ("--capacity", "4", "--set", "environments.terminal-bench.enabled=false")
 
@@ -57,21 +58,20 @@ def create(c: httpx.Client, task="13", **body) -> dict:
 
 
 @pytest.fixture
-def quiet_fleet(tmp_path):
-    """Like ``fleet``, for tests of the scheduler's own slot accounting: no health report
-    lands after the first (a 60 s interval). A report that arrives between a create's
-    completion on the node and the scheduler reading its reply counts that instance
-    twice until the next report (the README's slot accounting states this imprecision),
-    which would move a create elsewhere or show one slot too many."""
+def busy_fleet(tmp_path):
+    """Like ``fleet``, for tests of the scheduler's own slot accounting: a health report
+    every 20 ms, so reports keep landing while creates and releases are in flight and
+    between a create finishing on its node and the scheduler reading its reply. Each
+    instance must still be counted exactly once."""
     procs = start_nodes(tmp_path, 3)
-    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", procs), "--set", "health_interval=60")
+    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", procs), "--set", "health_interval=0.02")
     yield sched, procs, [sched, *procs]
     for p in (sched, *procs):
         assert p.stop() == 0, p.log()
 
 
-def test_a_group_of_one_task_lands_on_one_node_until_full_then_overflows(quiet_fleet):
-    sched, nodes, _ = quiet_fleet
+def test_a_group_of_one_task_lands_on_one_node_until_full_then_overflows(busy_fleet):
+    sched, nodes, _ = busy_fleet
     with sched.client() as c:
         ids = [create(c, "13")["instance_id"] for _ in range(8)]
         where = [node_of(sched, nodes, i) for i in ids]
@@ -88,8 +88,8 @@ def test_a_group_of_one_task_lands_on_one_node_until_full_then_overflows(quiet_f
         assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 0
 
 
-def test_an_evaluate_that_releases_frees_the_slot_in_the_scheduler_too(quiet_fleet):
-    sched, nodes, _ = quiet_fleet
+def test_an_evaluate_that_releases_frees_the_slot_in_the_scheduler_too(busy_fleet):
+    sched, nodes, _ = busy_fleet
     with sched.client() as c:
         iid = create(c, "13")["instance_id"]
         assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 1
@@ -100,6 +100,79 @@ def test_an_evaluate_that_releases_frees_the_slot_in_the_scheduler_too(quiet_fle
         assert again.status_code == 200 and again.json()["released"] is False
         assert c.post(f"/instances/{iid}/release").json()["released"] is False
         assert sum(n["active_slots"] for n in c.get("/status").json()["nodes"]) == 0
+
+
+def test_slot_accounting_counts_each_instance_once_in_any_order_of_reports_and_replies():
+    """The races a live fleet hits now and then, each set up in order on the scheduler's
+    own Node (plain Python, no process): reports taken before, during and after a
+    create, a release, a failed create, a restarted node and OpenEnv sessions."""
+    def report(node, ids, mark, anonymous=0):
+        node.report({"slot_ids": ids, "active": len(ids) + anonymous, "slot_mark": mark})
+
+    node = Node(url="http://n", slots=4, capacity=4)
+    report(node, [], "b.0")
+    node.creating.add("a")  # forwarded
+    assert node.used == 1
+    report(node, ["a"], "b.1")  # the node took it; its reply is still on the way
+    assert node.used == 1
+    node.answered("a", True, "b.1")
+    assert node.used == 1
+    # A create answered at b.3, then a report the node made at b.2, before it took it.
+    node.creating.add("c")
+    node.answered("c", True, "b.3")
+    report(node, ["a"], "b.2")
+    assert node.used == 2
+    report(node, ["a", "c"], "b.3")
+    assert node.used == 2 and node.created == {}
+    # Released through us; a report made before the release still lists it.
+    node.end("c")
+    assert node.used == 1
+    report(node, ["a", "c"], "b.3")
+    assert node.used == 1
+    report(node, ["a"], "b.4")
+    assert node.used == 1 and node.ended == set()
+    # Reaped by the node after we saw it created: gone at the next report past its mark.
+    report(node, [], "b.5")
+    assert node.used == 0
+    # A failed create that a report took mid-flight counts until the next report.
+    node.creating.add("f")
+    report(node, ["f"], "b.6")
+    node.answered("f", False, None)
+    assert node.used == 1
+    report(node, [], "b.7")
+    assert node.used == 0
+    # A restarted node counts from 0 again: a create answered by the old process is
+    # not kept against the new one's report.
+    node.creating.add("g")
+    node.answered("g", True, "b.9")
+    report(node, [], "n.1")
+    assert node.used == 0 and node.created == {}
+    # Slots without an id (OpenEnv sessions) come from the report's count.
+    report(node, ["h"], "n.2", anonymous=2)
+    assert node.used == 3 and node.free == 1
+
+
+def test_instances_a_node_reaps_leave_neither_slots_nor_cached_routes_in_the_scheduler(tmp_path):
+    """Clients that die leave their instances to the node's idle reaper, which tells the
+    scheduler nothing; its next health report must free their slots and their routes."""
+    node = EnvhubProcess(tmp_path / "node", *NODE_ARGS, "--set", "idle_ttl=3", "--set", "reap_interval=0.2").start()
+    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", [node]))
+    try:
+        with sched.client() as c:
+            ids = [create(c, task)["instance_id"] for task in ("11", "12", "13")]
+            assert c.post(f"/instances/{ids[0]}/release").json()["released"] is True
+            status = c.get("/status").json()
+            assert status["cached_routes"] == 2 and status["nodes"][0]["active_slots"] == 2
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                status = c.get("/status").json()
+                if status["cached_routes"] == 0 and status["nodes"][0]["active_slots"] == 0:
+                    break
+                time.sleep(0.2)
+            assert status["cached_routes"] == 0 and status["nodes"][0]["active_slots"] == 0, status
+            assert httpx.get(f"{node.url}/instances/{ids[1]}").json()["state"] == "expired"
+    finally:
+        assert sched.stop() == 0 and node.stop() == 0
 
 
 def test_different_tasks_are_balanced_by_free_ratio(fleet):

@@ -24,7 +24,8 @@ async def create(request: Request):
     reply, created = await request.app.ctx.node.create(
         body.get("environment"), body.get("task_id"), body.get("params"),
         instance_id=body.get("instance_id"), trial=body.get("trial"))
-    return json(reply, status=201 if created else 200)
+    node = request.app.ctx.node
+    return json(reply, status=201 if created else 200, headers={"X-Envhub-Slots": node.slot_mark()})
 
 
 @bp.get("/")
