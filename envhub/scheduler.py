@@ -212,8 +212,7 @@ class SchedulerService:
         A ``failed`` row (a create the node abandoned when the scheduler died mid-call) or a
         ``lost`` one (the node restarted) has no instance to give either: the client never
         got its create answer, so its retry is placed afresh instead of replaying a dead id."""
-        rows = await self.db.rows("SELECT instance_id, node_url FROM routes WHERE state = 'creating'")
-        for instance_id, node_url in rows:
+        for instance_id, node_url in await routes.unfinished(self.db):
             node = self.by_url.get(node_url)
             if node is None or not node.healthy:
                 continue

@@ -75,6 +75,20 @@ async def test_listing_instances_reads_the_page_in_index_order(tmp_path, states)
         await db.close()
 
 
+async def test_a_scheduler_start_reads_only_the_routes_not_yet_ended(tmp_path):
+    """A night leaves a scheduler millions of ended routes; its start must not read them."""
+    from envhub.store import routes
+
+    db = await Database.open(tmp_path / "x.db")
+    try:
+        await migrate(db)
+        for sql in (routes.LIVE_COUNTS_SQL, routes.UNFINISHED_SQL):
+            plan = " | ".join(r[3] for r in await db.rows(f"EXPLAIN QUERY PLAN {sql}"))
+            assert "SEARCH routes USING" in plan and "routes_state_node" in plan, plan
+    finally:
+        await db.close()
+
+
 def test_files_are_numbered_without_gaps_and_open_with_a_comment():
     files = migration_files()
     for n, f in enumerate(files, start=1):

@@ -56,9 +56,19 @@ async def find(db: Database, instance_id: str) -> Route | None:
     return None if row is None else Route(**dict(row))
 
 
+# Both read only routes not yet ended, through routes_state_node (migration 007).
+LIVE_COUNTS_SQL = "SELECT node_url, COUNT(*) FROM routes WHERE state IN ('creating', 'live') GROUP BY node_url"
+UNFINISHED_SQL = "SELECT instance_id, node_url FROM routes WHERE state = 'creating'"
+
+
 async def live_counts(db: Database) -> dict[str, int]:
-    rows = await db.rows("SELECT node_url, COUNT(*) FROM routes WHERE state != 'ended' GROUP BY node_url")
+    rows = await db.rows(LIVE_COUNTS_SQL)
     return {r[0]: r[1] for r in rows}
+
+
+async def unfinished(db: Database) -> list[tuple[str, str]]:
+    """``(instance_id, node_url)`` of every create whose outcome was never recorded."""
+    return [(r[0], r[1]) for r in await db.rows(UNFINISHED_SQL)]
 
 
 async def touch_affinity(db: Database, task_key: str, node_url: str) -> None:
