@@ -13,11 +13,15 @@ _ORIGINAL = (builtins.bool, builtins.eval, builtins.compile)
 
 
 def test_tests_are_split_once_by_the_node():
-    assert prepare_tests(["assert f(1) == 2", "assert f(2), 'two'", "x = f(3)", "assert f("]) == [
-        ("assert f(1) == 2", "(\nf(1) == 2\n)", "eval"),
+    assert prepare_tests(["assert f(1) == 2", "assert f(2), 'two'", "x = f(3)", "assert f(", "assert 1 < f(4) < 9",
+                          "assert f(5) not in (1, 2)", "assert (y := f(6)) == 6"]) == [
+        ("assert f(1) == 2", "(\nf(1)\n,\n2\n)", "=="),
         ("assert f(2), 'two'", "(\nf(2)\n)", "eval"),
         ("x = f(3)", "x = f(3)", "exec"),
         ("assert f(", prepare_tests(["assert f("])[0][1], None),
+        ("assert 1 < f(4) < 9", "(\n1 < f(4) < 9\n)", "eval"),  # a chain is not one comparison
+        ("assert f(5) not in (1, 2)", "(\nf(5)\n,\n(1, 2)\n)", "not in"),
+        ("assert (y := f(6)) == 6", "(\ny := f(6)\n,\n6\n)", "=="),
     ]
     assert "SyntaxError" in prepare_tests(["assert f("])[0][1]
 
@@ -55,3 +59,36 @@ def test_a_solution_that_rebinds_builtins_cannot_change_its_grade():
 def test_a_broken_solution_or_setup_fails_at_its_stage():
     assert grade("def f(:", ["assert True"])["stage"] == "solution"
     assert grade("x = 1", ["assert True"], setup="raise RuntimeError('setup')")["stage"] == "setup"
+
+
+def test_an_answer_whose_comparison_the_solution_defined_is_not_counted():
+    """The reward hack RL finds first: an object equal to everything. Also inside a list,
+    through an int subclass, against ``!=``, ``in`` and ``<``, and as a truth value."""
+    solution = (
+        "class Any:\n    def __eq__(self, other): return True\n    def __ne__(self, other): return False\n"
+        "    __hash__ = None\n"
+        "class Num(int):\n    __eq__ = lambda self, other: True\n"
+        "class Yes:\n    def __bool__(self): return True\n"
+        "class Below:\n    def __lt__(self, other): return True\n"
+        "def f(x): return Any()\ndef g(x): return [1, Any()]\ndef h(x): return Num(x)\n"
+        "def t(x): return Yes()\ndef b(x): return Below()\ndef honest(x): return x + 1\n")
+    tests = ["assert f(1) == 2", "assert g(1) == [1, 5]", "assert h(1) == 2", "assert f(1) != 3",
+             "assert 7 in [f(1)]", "assert t(0)", "assert b(1) < 0", "assert honest(1) == 2",
+             "assert h(1) is not None"]
+    out = grade(solution, tests)
+    assert [r["status"] for r in out["results"]] == ["failed"] * 7 + ["passed", "passed"], out
+    assert "Any, whose __eq__ the solution defined" in out["results"][0]["error"]
+    assert "Num, whose __eq__" in out["results"][2]["error"]
+    assert "Yes, whose __bool__" in out["results"][5]["error"]
+
+
+def test_answers_of_the_solution_s_own_plain_classes_still_count():
+    """Only comparison methods the solution wrote are distrusted: subclasses of built-in
+    types and dataclasses (whose __eq__ the standard library writes) compare as usual."""
+    solution = ("import dataclasses, collections\n"
+                "@dataclasses.dataclass\nclass P:\n    x: int\n"
+                "class L(list):\n    pass\n"
+                "def p(x): return P(x)\ndef l(x): return L([x])\ndef c(s): return collections.Counter(s)\n")
+    out = grade(solution, ["assert p(1) == P(1)", "assert l(2) == [2]", "assert c('aab') == {'a': 2, 'b': 1}",
+                           "assert p(1) == P(2)"])
+    assert [r["status"] for r in out["results"]] == ["passed", "passed", "passed", "failed"], out

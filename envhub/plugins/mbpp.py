@@ -32,12 +32,18 @@ _HARNESS = "_mbpp_harness"  # preloaded into the sandbox from envhub/plugins/_mb
 _GRADE_CELL = f"import {_HARNESS}\n{_HARNESS}.grade(submission, setup, tests, cpu)"
 
 
+_OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
+        ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
+
+
 def prepare_tests(tests: list[str]) -> list[tuple[str, str, str | None]]:
     """Split hidden tests for the grader: ``(text, source, mode)`` per test.
 
-    A lone ``assert X[, msg]`` becomes ``(text, X, "eval")``, so the grader can tell a
-    false result from an exception; other code ``(text, text, "exec")``; a test that does
-    not parse ``(text, <the syntax error>, None)``.
+    A lone ``assert L <op> R[, msg]`` (one comparison) becomes ``(text, "(L, R)", op)``,
+    so the grader can look at both sides before it compares them (see
+    ``_mbpp_harness``); any other lone ``assert X[, msg]`` becomes ``(text, X, "eval")``.
+    Either way the grader tells a false result from an exception. Other code becomes
+    ``(text, text, "exec")``; a test that does not parse ``(text, <the syntax error>, None)``.
     """
     out: list[tuple[str, str, str | None]] = []
     for text in tests:
@@ -47,13 +53,36 @@ def prepare_tests(tests: list[str]) -> list[tuple[str, str, str | None]]:
             out.append((text, "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:], None))
             continue
         if len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert):
-            expr = ast.get_source_segment(text, tree.body[0].test)
-            # In parentheses, on lines of their own: the expression may span lines or end
-            # in a comment.
-            out.append((text, f"(\n{expr}\n)" if expr is not None else ast.unparse(tree.body[0].test), "eval"))
+            test = tree.body[0].test
+            # Each part in parentheses, on lines of its own: it may span lines or end in
+            # a comment.
+            pair = _compared(text, test)
+            if pair is not None:
+                out.append((text, pair, _OPS[type(test.ops[0])]))
+            else:
+                out.append((text, f"(\n{_segment(text, test)}\n)", "eval"))
         else:
             out.append((text, text, "exec"))
     return out
+
+
+def _compared(text: str, test: ast.expr) -> str | None:
+    """``(L, R)`` of a test that is one comparison, if its two sides as written still
+    parse as a pair; else None, and the test is graded as one expression."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPS):
+        return None
+    pair = f"(\n{_segment(text, test.left)}\n,\n{_segment(text, test.comparators[0])}\n)"
+    try:
+        compile(pair, "<test>", "eval", dont_inherit=True)
+    except SyntaxError:
+        return None
+    return pair
+
+
+def _segment(text: str, node: ast.expr) -> str:
+    segment = ast.get_source_segment(text, node)
+    return segment if segment is not None else ast.unparse(node)
+
 
 SPLITS = (("prompt", 1, 10), ("test", 11, 510), ("validation", 511, 600), ("train", 601, 974))
 
