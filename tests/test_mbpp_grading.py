@@ -63,20 +63,23 @@ def test_a_broken_solution_or_setup_fails_at_its_stage():
 
 def test_an_answer_whose_comparison_the_solution_defined_is_not_counted():
     """The reward hack RL finds first: an object equal to everything. Also inside a list,
-    through an int subclass, against ``!=``, ``in`` and ``<``, and as a truth value."""
+    through an int subclass (one that claims to be an int, inside a dict too), against
+    ``!=``, ``in`` and ``<``, and as a truth value."""
     solution = (
         "class Any:\n    def __eq__(self, other): return True\n    def __ne__(self, other): return False\n"
         "    __hash__ = None\n"
         "class Num(int):\n    __eq__ = lambda self, other: True\n"
         "class Yes:\n    def __bool__(self): return True\n"
         "class Below:\n    def __lt__(self, other): return True\n"
+        "class Sneaky(int):\n    __class__ = property(lambda self: int)\n    def __eq__(self, other): return True\n"
         "def f(x): return Any()\ndef g(x): return [1, Any()]\ndef h(x): return Num(x)\n"
-        "def t(x): return Yes()\ndef b(x): return Below()\ndef honest(x): return x + 1\n")
+        "def t(x): return Yes()\ndef b(x): return Below()\ndef honest(x): return x + 1\n"
+        "def s(x): return {'k': Sneaky(x)}\n")
     tests = ["assert f(1) == 2", "assert g(1) == [1, 5]", "assert h(1) == 2", "assert f(1) != 3",
              "assert 7 in [f(1)]", "assert t(0)", "assert b(1) < 0", "assert honest(1) == 2",
-             "assert h(1) is not None"]
+             "assert h(1) is not None", "assert s(1) == {'k': 2}"]
     out = grade(solution, tests)
-    assert [r["status"] for r in out["results"]] == ["failed"] * 7 + ["passed", "passed"], out
+    assert [r["status"] for r in out["results"]] == ["failed"] * 7 + ["passed", "passed", "failed"], out
     assert "Any, whose __eq__ the solution defined" in out["results"][0]["error"]
     assert "Num, whose __eq__" in out["results"][2]["error"]
     assert "Yes, whose __bool__" in out["results"][5]["error"]

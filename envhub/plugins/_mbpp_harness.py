@@ -28,7 +28,7 @@ import operator
 import signal
 import traceback
 
-_eval, _bool, _compile, _isinstance, _type = eval, bool, compile, isinstance, type
+_eval, _bool, _compile, _issubclass, _type = eval, bool, compile, issubclass, type
 
 _COMPARE = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
             ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
@@ -55,8 +55,9 @@ def _error(e):
 
 def _solution_made(hook):
     """Whether a comparison or truth method came from the solution's code."""
-    func = hook.__func__ if _isinstance(hook, (staticmethod, classmethod)) else hook
-    if _isinstance(func, _FunctionType):
+    # By type, not isinstance(): that would read __class__, which the solution may define.
+    func = hook.__func__ if _issubclass(_type(hook), (staticmethod, classmethod)) else hook
+    if _type(func) is _FunctionType:
         return func.__code__.co_filename == "<solution>"
     return _type(func).__module__ == "__main__"  # a callable object the graded code made
 
@@ -81,12 +82,12 @@ def _forged(value, hooks, walk=True):
                     break
         if not walk:
             return None
-        if _isinstance(item, dict):
+        if _issubclass(cls, dict):
             stack.extend(dict.keys(item))
             stack.extend(dict.values(item))
             continue
         for base, iterate in _ITERATE:
-            if _isinstance(item, base):
+            if _issubclass(cls, base):
                 stack.extend(iterate(item))
                 break
     return None
