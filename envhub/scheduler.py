@@ -217,7 +217,7 @@ class SchedulerService:
             if node is None or not node.healthy:
                 continue
             try:
-                reply = await self._call(node, "GET", f"/instances/{instance_id}", idempotent=True)
+                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True)
                 state = reply.json().get("state") if reply.status == 200 else None
             except (UpstreamUnavailable, ValueError, AttributeError):
                 continue
@@ -354,7 +354,7 @@ class SchedulerService:
                 if node is None:
                     raise Unavailable(f"instance {instance_id!r} is on node {existing.node_url}, "
                                       "which is no longer configured")
-                reply = await self._call(node, "POST", "/instances", idempotent=True,
+                reply = await self.call(node, "POST", "/instances", idempotent=True,
                                          json={**body, "instance_id": instance_id})
                 return reply.status, reply.body
             if node is not None and node.healthy:
@@ -373,7 +373,7 @@ class SchedulerService:
             await routes.put(self.db, instance_id=instance_id, node_url=node.url, environment=environment,
                              task_id=task_id)
             await routes.touch_affinity(self.db, task_key, node.url)
-            reply = await self._call(node, "POST", "/instances", json=forwarded, idempotent=True,
+            reply = await self.call(node, "POST", "/instances", json=forwarded, idempotent=True,
                                      timeout=self.settings.forward_timeout)
             answered, mark = True, reply.slots
             created = reply.status in (200, 201)
@@ -408,7 +408,7 @@ class SchedulerService:
         node.pending -= 1  # counted as a rollout instead, for as long as it runs
         node.rollouts += 1
         try:
-            reply = await self._call(node, "POST", path, json=body, timeout=self.settings.forward_timeout)
+            reply = await self.call(node, "POST", path, json=body, timeout=self.settings.forward_timeout)
             return reply.status, reply.body
         except UpstreamUnavailable as e:
             if not seta:
@@ -434,7 +434,7 @@ class SchedulerService:
         if not node.healthy:
             raise UpstreamUnavailable(f"instance {instance_id!r} is on node {node.url}, which is down",
                                       extra={"node": node.url, "instance_id": instance_id})
-        reply = await self._call(node, method, f"/instances/{instance_id}{suffix}", data=body or None,
+        reply = await self.call(node, method, f"/instances/{instance_id}{suffix}", data=body or None,
                                  idempotent=idempotent, timeout=self.settings.forward_timeout)
         return reply.status, reply.body
 
@@ -470,18 +470,43 @@ class SchedulerService:
                 node.end(instance_id)
             self._freed.set()
 
+    # -- OpenEnv sessions (envhub/web/openenv_proxy.py) ----------------------------------
+
+    async def session_slot(self, environment: str) -> Node:
+        """A slot for an OpenEnv session or episode call, placed like a create (task key
+        ``<environment>/openenv``). Give it back with :meth:`session_closed`, after
+        :meth:`session_opened` if the node took a session that holds its slot."""
+        return await self._pick(f"{environment}/openenv")
+
+    def session_opened(self, node: Node) -> None:
+        """The node holds the session's slot now: an id-less slot until its next report."""
+        node.pending -= 1
+        node.active += 1
+
+    def session_closed(self, node: Node, *, opened: bool) -> None:
+        if opened:
+            node.active = max(0, node.active - 1)
+        else:
+            node.pending -= 1
+        self._freed.set()  # a create waiting for a slot (scheduler_wait) may go now
+
+    @staticmethod
+    def mark_down(node: Node, why: str) -> None:
+        """Take ``node`` out of placement until its next good health check."""
+        node.healthy, node.error = False, why
+
     async def any_node(self, method: str, path: str, params: dict[str, str] | None = None) -> tuple[int, bytes]:
         """Read-only calls any node can answer (environment and task listings)."""
         for node in self.nodes:
             if node.healthy:
-                reply = await self._call(node, method, path, params=params, idempotent=True)
+                reply = await self.call(node, method, path, params=params, idempotent=True)
                 return reply.status, reply.body
         raise UpstreamUnavailable("no node is healthy")
 
     async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
         async def one(node: Node) -> dict[str, Any]:
             try:
-                reply = await self._call(node, method, path, json=body, idempotent=True, timeout=120)
+                reply = await self.call(node, method, path, json=body, idempotent=True, timeout=120)
                 try:
                     result = reply.json()
                 except ValueError:
@@ -492,7 +517,8 @@ class SchedulerService:
 
         return list(await asyncio.gather(*(one(n) for n in self.nodes)))
 
-    async def _call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
+    async def call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
+        """One call to ``node`` (``peers.call``); a transport failure marks it down."""
         try:
             return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
         except UpstreamUnavailable:

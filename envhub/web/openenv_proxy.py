@@ -11,9 +11,9 @@ healthy node, or the node going away mid-session: a ``SESSION_ERROR`` frame, the
 HTTP: ``reset`` and ``step`` start an episode, so they go to a node picked like a create;
 ``mcp`` and the read-only routes go to any healthy node. Replies pass through unchanged.
 
-Accounting: a socket is a create that lasts: ``pending`` while the node's socket opens,
-then ``active`` until it closes; each health check resets ``active`` from the node's own
-report, which counts the session's slot.
+Accounting (SchedulerService.session_*): a socket is a create that lasts, ``pending``
+while the node's socket opens, then an id-less slot until it closes; each health report
+counts the session's slot again.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ async def known_environment(request: Request) -> None:
 async def session_socket(request: Request, ws: Any, environment: str) -> None:
     scheduler: SchedulerService = request.app.ctx.scheduler
     try:
-        node = await scheduler._pick(f"{environment}/openenv")
+        node = await scheduler.session_slot(environment)
     except AllNodesBusy:
         healthy = [n for n in scheduler.nodes if n.healthy]
         error = (capacity_reached(sum(n.used for n in healthy), sum(n.capacity for n in healthy)) if healthy else
@@ -64,19 +64,16 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
                 heartbeat=_heartbeat(request.app.config), max_msg_size=MAX_FRAME)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             if not isinstance(e, aiohttp.WSServerHandshakeError):
-                node.healthy, node.error = False, f"OpenEnv socket: {type(e).__name__}: {e}"
+                scheduler.mark_down(node, f"OpenEnv socket: {type(e).__name__}: {e}")
             await close_with(ws, WireError("SESSION_ERROR", f"node {node.url} did not take the session: "
                                            f"{type(e).__name__}: {e}").frame())
             return
-        node.pending, node.active, connected = node.pending - 1, node.active + 1, True
+        scheduler.session_opened(node)
+        connected = True
         async with upstream:
             await _pump(ws, upstream, node)
     finally:
-        if connected:
-            node.active = max(0, node.active - 1)
-        else:
-            node.pending -= 1
-        scheduler._freed.set()  # a create waiting for a slot (scheduler_wait) may go now
+        scheduler.session_closed(node, opened=connected)
 
 
 def _heartbeat(config: Any) -> float | None:
@@ -140,14 +137,13 @@ async def read_only(request: Request, environment: str):
 async def episode_call(request: Request, environment: str):
     scheduler: SchedulerService = request.app.ctx.scheduler
     route = request.path.rsplit("/", 1)[-1]
-    node = await scheduler._pick(f"{environment}/openenv")
+    node = await scheduler.session_slot(environment)
     try:
-        reply = await scheduler._call(node, "POST", f"/openenv/{environment}/{route}", data=request.body or b"{}",
-                                      idempotent=False, timeout=scheduler.settings.forward_timeout)
+        reply = await scheduler.call(node, "POST", f"/openenv/{environment}/{route}", data=request.body or b"{}",
+                                     idempotent=False, timeout=scheduler.settings.forward_timeout)
         return passthrough(reply.status, reply.body)
     finally:
-        node.pending -= 1
-        scheduler._freed.set()
+        scheduler.session_closed(node, opened=False)
 
 
 for _route in ("health", "metadata", "schema", "state", "openapi.json"):
@@ -162,6 +158,6 @@ async def mcp(request: Request, environment: str):
     node = next((n for n in scheduler.nodes if n.healthy), None)
     if node is None:
         raise UpstreamUnavailable("no node is healthy")
-    reply = await scheduler._call(node, "POST", f"/openenv/{environment}/mcp", data=request.body or b"",
-                                  idempotent=False, timeout=scheduler.settings.forward_timeout)
+    reply = await scheduler.call(node, "POST", f"/openenv/{environment}/mcp", data=request.body or b"",
+                                 idempotent=False, timeout=scheduler.settings.forward_timeout)
     return passthrough(reply.status, reply.body)
