@@ -96,7 +96,10 @@ class Node:
         return self.free / self.capacity if self.capacity else 0.0
 
     def report(self, report: dict[str, Any]) -> None:
-        """Take a health report: its ids replace ours where it is at least as new."""
+        """Take a health report: its ids and id-less count replace ours. A create we saw
+        answered stays counted on its own only if the report, made by the same node
+        process before the create's mark, may lack it; an end we saw, only while the
+        report still lists the instance."""
         ids = report.get("slot_ids")
         self.holders = {i for i in ids if isinstance(i, str)} if isinstance(ids, list) else set()
         self.active = max(0, int(report.get("active", 0)) - len(self.holders))
