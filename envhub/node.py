@@ -41,6 +41,8 @@ from envhub.trial_log import TrialLog, TrialWriter
 log = logging.getLogger("envhub.node")
 
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
+_PRUNE_BATCH = 500  # retention (prune_ended): rows per transaction
+_PRUNE_PER_PASS = 20_000  # and per reaper pass
 
 
 @dataclass
@@ -433,8 +435,28 @@ class NodeService:
             await asyncio.sleep(self.settings.reap_interval)
             try:
                 await self.reap_idle()
+                await self.prune_ended()
             except Exception:
                 log.exception("idle reaper")
+
+    async def prune_ended(self, *, now: float | None = None) -> int:
+        """With ``retention_hours`` set, delete the rows of instances that ended and were
+        created longer ago than that; returns how many. Their trial logs stay. At most
+        ``_PRUNE_BATCH`` rows per transaction and ``_PRUNE_PER_PASS`` per reaper pass, so
+        the one SQLite connection every create and step waits on is never held long."""
+        hours = self.settings.retention_hours
+        if hours is None:
+            return 0
+        cutoff = (time.time() if now is None else now) - hours * 3600
+        deleted = 0
+        while deleted < _PRUNE_PER_PASS:
+            n = await instances.delete_ended(self.db, cutoff, _PRUNE_BATCH)
+            deleted += n
+            if n < _PRUNE_BATCH:
+                break
+        if deleted:
+            log.info("retention: deleted %d ended instance(s) created over %g h ago", deleted, hours)
+        return deleted
 
     async def reconcile(self) -> dict[str, int]:
         """At start: make SQLite and the sandboxes that exist agree.

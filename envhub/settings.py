@@ -27,7 +27,8 @@ _PREFIX = "ENVHUB_"
 
 @dataclass
 class Settings:
-    """Every option of a node or scheduler; see docs/config.md for each one."""
+    """Every option of a node or scheduler; the README's configuration reference says
+    what each one does."""
 
     role: str = "node"
     host: str = "127.0.0.1"
@@ -41,6 +42,7 @@ class Settings:
     queue_timeout: float = 30.0
     idle_ttl: float = 900.0
     reap_interval: float = 5.0
+    retention_hours: float | None = None
     default_trial: str = "default"
     load_entrypoints: bool = True
     disabled_plugins: list[str] = field(default_factory=list)
@@ -78,6 +80,8 @@ class Settings:
                 raise StartupError(f"{name} must not be negative")
         if self.capacity < 1:
             raise StartupError("capacity must be at least 1")
+        if self.retention_hours is not None and self.retention_hours <= 0:
+            raise StartupError("retention_hours must be positive (leave it unset to keep every instance)")
 
     @property
     def trials_dir(self) -> Path:
@@ -180,7 +184,7 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
             return str(value)
         if kind == "int":
             return int(value)
-        if kind == "float":
+        if kind in ("float", "float | None"):
             return float(value)
         if kind == "bool":
             if isinstance(value, str):

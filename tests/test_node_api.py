@@ -355,6 +355,27 @@ def test_api_key_is_required_on_every_route_but_health(start_node):
     assert httpx.post(url + f"/instances/{iid}/release", headers={"X-API-Key": "s3cret"}).status_code == 200
 
 
+def test_retention_deletes_ended_rows_and_keeps_live_ones_and_trial_logs(start_node):
+    node = start_node("--set", "retention_hours=0.0005", "--set", "reap_interval=0.2")  # 1.8 s
+    with node.client() as c:
+        create(c, "13", instance_id="old-1")
+        step = c.post("/instances/old-1/step", json={"request_id": "r1", "action": {
+            "tool": "run_python", "arguments": {"code": "1"}}})  # a recorded step reply goes too
+        assert step.status_code == 200
+        assert c.post("/instances/old-1/release").json()["released"] is True
+        create(c, "12", instance_id="live-1")
+        deadline = time.monotonic() + 15
+        while c.get("/instances/old-1").status_code != 404 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert_error(c.get("/instances/old-1"), 404, "not_found")
+        assert c.get("/instances/live-1").json()["state"] == "active"
+        assert (node.data_dir / "trials" / "default" / "old-1" / "episode.jsonl").exists()
+        again = c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "old-1"})
+        assert again.status_code == 201, "an id whose row is gone is free again"
+        for iid in ("old-1", "live-1"):
+            c.post(f"/instances/{iid}/release")
+
+
 def test_idle_reaper_expires_instances_and_frees_their_slots(start_node):
     node = start_node("--capacity", "2", "--set", "idle_ttl=1", "--set", "reap_interval=0.2")
     with node.client() as c:

@@ -33,6 +33,8 @@ def test_set_assignments_parse_yaml_values():
     ("capacty: 3\n", "unknown setting"),
     ("capacity: lots\n", "bad value"),
     ("capacity: 0\n", "at least 1"),
+    ("retention_hours: 0\n", "retention_hours must be positive"),
+    ("retention_hours: soon\n", "bad value"),
     ("- a\n", "mapping"),
     ("a: [\n", "not valid YAML"),
 ])

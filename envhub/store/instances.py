@@ -3,7 +3,8 @@
 States: ``creating`` (slot held, sandbox starting) -> ``active`` -> ``done`` (the
 environment ended the episode; evaluate still allowed) -> ``released``. ``expired``
 is a release by the idle reaper, ``failed`` a create that did not finish, ``lost`` an
-instance whose sandbox is gone. Rows are never deleted. A create that never finished
+instance whose sandbox is gone. Rows are deleted only by the node's opt-in retention
+(:func:`delete_ended`: ended rows past ``retention_hours``). A create that never finished
 (``failed`` or ``lost`` without an observation: cut off by its client, a killed
 scheduler or a node restart) does not claim its id: a retried create of that id
 starts over in the same row (:func:`never_started`). JSON columns are decoded into
@@ -199,3 +200,19 @@ async def fail_create(db: Database, instance_id: str, *, error: str) -> None:
 async def count_live(db: Database) -> int:
     return await db.scalar(
         f"SELECT COUNT(*) FROM instances WHERE state IN ({','.join('?' * len(LIVE_STATES))})", LIVE_STATES)
+
+
+async def delete_ended(db: Database, created_before: float, limit: int) -> int:
+    """Delete up to ``limit`` ended instances created before ``created_before`` (with the
+    step replies recorded for them); returns how many. Rows are chosen first and deleted
+    by id, in one transaction: an ended row never comes back to life, so the choice
+    holds. Served by the (state, created_at) index of migration 006."""
+    marks = ",".join("?" * len(ENDED_STATES))
+    rows = await db.rows(f"SELECT id FROM instances WHERE state IN ({marks}) AND created_at < ? LIMIT ?",
+                         (*ENDED_STATES, created_before, limit))
+    ids = [r[0] for r in rows]
+    if ids:
+        in_ids = ",".join("?" * len(ids))
+        await db.write_many([(f"DELETE FROM step_results WHERE instance_id IN ({in_ids})", ids),
+                             (f"DELETE FROM instances WHERE id IN ({in_ids})", ids)])
+    return len(ids)
