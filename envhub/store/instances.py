@@ -204,15 +204,19 @@ async def count_live(db: Database) -> int:
 
 async def delete_ended(db: Database, created_before: float, limit: int) -> int:
     """Delete up to ``limit`` ended instances created before ``created_before`` (with the
-    step replies recorded for them); returns how many. Rows are chosen first and deleted
-    by id, in one transaction: an ended row never comes back to life, so the choice
-    holds. Served by the (state, created_at) index of migration 006."""
-    marks = ",".join("?" * len(ENDED_STATES))
-    rows = await db.rows(f"SELECT id FROM instances WHERE state IN ({marks}) AND created_at < ? LIMIT ?",
+    step replies recorded for them); returns how many. Rows are chosen first (served by
+    the (state, created_at) index of migration 006), then deleted by id in one
+    transaction that checks the condition again: a create that never started may be
+    retried in between, which makes its row live again with a new ``created_at``."""
+    ended = ",".join("?" * len(ENDED_STATES))
+    rows = await db.rows(f"SELECT id FROM instances WHERE state IN ({ended}) AND created_at < ? LIMIT ?",
                          (*ENDED_STATES, created_before, limit))
     ids = [r[0] for r in rows]
-    if ids:
-        in_ids = ",".join("?" * len(ids))
-        await db.write_many([(f"DELETE FROM step_results WHERE instance_id IN ({in_ids})", ids),
-                             (f"DELETE FROM instances WHERE id IN ({in_ids})", ids)])
-    return len(ids)
+    if not ids:
+        return 0
+    still = (f"SELECT id FROM instances WHERE id IN ({','.join('?' * len(ids))}) "
+             f"AND state IN ({ended}) AND created_at < ?")
+    params = [*ids, *ENDED_STATES, created_before]
+    counts = await db.write_many([(f"DELETE FROM step_results WHERE instance_id IN ({still})", params),
+                                  (f"DELETE FROM instances WHERE id IN ({still})", params)])
+    return counts[1]
