@@ -30,7 +30,8 @@ def test_a_record_is_written_within_the_flush_interval_while_the_node_runs(tmp_p
         log.record("created")
         path = log.dir / "episode.jsonl"
         deadline = time.monotonic() + 5
-        while not path.exists() and time.monotonic() < deadline:
+        # The writer opens the file before it writes the line: wait for a whole line.
+        while not (path.exists() and path.read_text().endswith("\n")) and time.monotonic() < deadline:
             time.sleep(0.005)
         assert json.loads(path.read_text())["event"] == "created"
     finally:
