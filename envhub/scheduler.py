@@ -55,6 +55,10 @@ class AllNodesBusy(EnvhubError):
     code = "capacity_exceeded"
 
 
+_PRUNE_BATCH = 500  # retention (prune_routes): routes per transaction
+_PRUNE_PER_ROUND = 5_000  # and per health round
+
+
 @dataclass
 class Node:
     url: str
@@ -275,8 +279,24 @@ class SchedulerService:
                 cutoff = time.time() - 2 * self.settings.affinity_window
                 await routes.expire_affinity(self.db, older_than=cutoff)
                 self._affinity = {k: v for k, v in self._affinity.items() if v[1] >= cutoff}
+                await self.prune_routes()
             except Exception:
                 log.exception("health check")
+
+    async def prune_routes(self) -> int:
+        """With ``retention_hours`` set, delete routes that ended longer ago than that (a
+        call for such an instance then gets 404 here); returns how many. In batches, a
+        bounded number per health round, so the database is never held long."""
+        hours = self.settings.retention_hours
+        if hours is None:
+            return 0
+        cutoff, deleted = time.time() - hours * 3600, 0
+        while deleted < _PRUNE_PER_ROUND:
+            n = await routes.delete_ended(self.db, cutoff, _PRUNE_BATCH)
+            deleted += n
+            if n < _PRUNE_BATCH:
+                break
+        return deleted
 
     # -- choosing a node -----------------------------------------------------------------
 

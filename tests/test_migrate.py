@@ -84,7 +84,25 @@ async def test_a_scheduler_start_reads_only_the_routes_not_yet_ended(tmp_path):
         await migrate(db)
         for sql in (routes.LIVE_COUNTS_SQL, routes.UNFINISHED_SQL):
             plan = " | ".join(r[3] for r in await db.rows(f"EXPLAIN QUERY PLAN {sql}"))
-            assert "SEARCH routes USING" in plan and "routes_state_node" in plan, plan
+            assert "SEARCH routes USING" in plan and "(state=?)" in plan and "SCAN routes" not in plan, plan
+    finally:
+        await db.close()
+
+
+async def test_retention_finds_the_old_rows_without_reading_the_rest(tmp_path):
+    """Retention runs every reaper pass or health round; on a night's rows it must seek
+    the old ended rows, not read every ended row to check its time."""
+    from envhub.store import instances, routes
+
+    db = await Database.open(tmp_path / "x.db")
+    try:
+        await migrate(db)
+        plan = " | ".join(r[3] for r in await db.rows(f"EXPLAIN QUERY PLAN {routes.DELETE_ENDED_SQL}", (0.0, 10)))
+        assert "routes_state_updated (state=? AND updated_at<?)" in plan, plan
+        marks = ",".join("?" * len(instances.ENDED_STATES))
+        sql = f"SELECT id FROM instances WHERE state IN ({marks}) AND created_at < ? LIMIT ?"
+        plan = " | ".join(r[3] for r in await db.rows(f"EXPLAIN QUERY PLAN {sql}", (*instances.ENDED_STATES, 0.0, 10)))
+        assert "instances_state_created (state=? AND created_at<?)" in plan, plan
     finally:
         await db.close()
 

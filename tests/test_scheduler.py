@@ -175,6 +175,26 @@ def test_instances_a_node_reaps_leave_neither_slots_nor_cached_routes_in_the_sch
         assert sched.stop() == 0 and node.stop() == 0
 
 
+def test_retention_deletes_the_routes_of_instances_that_ended_long_ago(tmp_path):
+    node = start_nodes(tmp_path, 1)[0]
+    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", [node]),
+                            "--set", "retention_hours=0.0005")  # 1.8 s
+    try:
+        with sched.client() as c:
+            old, live = (create(c, task)["instance_id"] for task in ("11", "12"))
+            assert c.post(f"/instances/{old}/release").json()["released"] is True
+            deadline = time.monotonic() + 15
+            while c.get(f"/instances/{old}").status_code != 404 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            gone = c.get(f"/instances/{old}")
+            assert gone.status_code == 404 and gone.json()["code"] == "not_found"
+            assert httpx.get(f"{node.url}/instances/{old}").json()["state"] == "released", "the node's own row stays"
+            assert c.get(f"/instances/{live}").json()["state"] == "active", "a live route stays"
+            assert c.post(f"/instances/{live}/release").json()["released"] is True
+    finally:
+        assert sched.stop() == 0 and node.stop() == 0
+
+
 def test_different_tasks_are_balanced_by_free_ratio(fleet):
     sched, nodes, _ = fleet
     with sched.client() as c:

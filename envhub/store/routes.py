@@ -2,7 +2,8 @@
 
 A route is written (``creating``) before a create is forwarded, so a scheduler killed
 mid-create still knows where the instance may exist; it becomes ``live`` when the node
-answers and ``ended`` on release (rows are kept, so a late call gets a clear answer).
+answers and ``ended`` on release (rows are kept, so a late call gets a clear answer,
+until the opt-in retention deletes them: :func:`delete_ended`).
 Affinity maps ``<environment>/<task_id>`` to the node that last got it.
 """
 
@@ -44,6 +45,12 @@ async def delete(db: Database, instance_id: str) -> None:
     await db.write("DELETE FROM routes WHERE instance_id = ?", (instance_id,))
 
 
+async def delete_ended(db: Database, ended_before: float, limit: int) -> int:
+    """Delete up to ``limit`` routes that ended before ``ended_before``; returns how many.
+    One statement, so the rows it picks are the rows it deletes."""
+    return await db.write(DELETE_ENDED_SQL, (ended_before, limit))
+
+
 async def get(db: Database, instance_id: str) -> Route:
     row = await db.row("SELECT * FROM routes WHERE instance_id = ?", (instance_id,))
     if row is None:
@@ -56,7 +63,10 @@ async def find(db: Database, instance_id: str) -> Route | None:
     return None if row is None else Route(**dict(row))
 
 
-# Both read only routes not yet ended, through routes_state_node (migration 007).
+# Served by routes_state_updated (migration 008).
+DELETE_ENDED_SQL = ("DELETE FROM routes WHERE instance_id IN (SELECT instance_id FROM routes "
+                    "WHERE state = 'ended' AND updated_at < ? LIMIT ?)")
+# Both read only routes not yet ended, seeking them by state (migrations 007 and 008).
 LIVE_COUNTS_SQL = "SELECT node_url, COUNT(*) FROM routes WHERE state IN ('creating', 'live') GROUP BY node_url"
 UNFINISHED_SQL = "SELECT instance_id, node_url FROM routes WHERE state = 'creating'"
 
