@@ -26,6 +26,17 @@ def test_tests_are_split_once_by_the_node():
     assert "SyntaxError" in prepare_tests(["assert f("])[0][1]
 
 
+def test_every_kind_of_compared_side_still_grades():
+    """The grader gets a comparison's two sides as a tuple: whatever an operand may be
+    (a bare ``:=``, lambda, conditional, ``not``, generator, nested comparison), the pair
+    must parse and grade like the assert."""
+    tests = ["assert (y := f(1)) == 2", "assert (lambda: f(1))() == 2", "assert (f(1) if True else 0) == 2",
+             "assert (not f(0)) == True", "assert sum(f(i) for i in (1, 2)) == 6", "assert (f(1) == 2) == True",
+             "assert [f(1)] == [\n    2,  # a comment\n]"]
+    out = grade("def f(n):\n    return 2 * n", tests)
+    assert [r["status"] for r in out["results"]] == ["passed"] * len(tests), out
+
+
 def test_an_assert_over_several_lines_or_with_a_comment_still_grades():
     tests = ["assert f(1) == \\\n    2  # one", "assert (f(2) ==\n        4)", "assert f(3) == 7  # wrong"]
     out = grade("def f(n):\n    return 2 * n", tests)
