@@ -63,10 +63,10 @@ async def find(db: Database, instance_id: str) -> Route | None:
     return None if row is None else Route(**dict(row))
 
 
-# Served by routes_state_updated (migration 008).
+# Served by routes_state_updated (migration 007).
 DELETE_ENDED_SQL = ("DELETE FROM routes WHERE instance_id IN (SELECT instance_id FROM routes "
                     "WHERE state = 'ended' AND updated_at < ? LIMIT ?)")
-# Both read only routes not yet ended, seeking them by state (migrations 007 and 008).
+# Both read only routes not yet ended, seeking them by state (migration 007).
 LIVE_COUNTS_SQL = "SELECT node_url, COUNT(*) FROM routes WHERE state IN ('creating', 'live') GROUP BY node_url"
 UNFINISHED_SQL = "SELECT instance_id, node_url FROM routes WHERE state = 'creating'"
 
