@@ -88,7 +88,7 @@ def cpu_snapshot(node_pid: int) -> dict[str, float]:
     return out
 
 
-def start_node(data: Path, capacity: int, data_dir: Path | None
+def start_node(data: Path, capacity: int, data_dir: Path | None, settings: list[str] = ()
                ) -> tuple[subprocess.Popen, str, Path, tempfile.TemporaryDirectory | None]:
     """A node on ``data_dir``, or on a fresh temp dir (tmpfs when there is one) that the
     returned TemporaryDirectory owns."""
@@ -99,7 +99,8 @@ def start_node(data: Path, capacity: int, data_dir: Path | None
         data_dir = Path(tmp.name)
     data_dir.mkdir(parents=True, exist_ok=True)
     proc, url, _ = start(["--role", "node", "--data-dir", str(data_dir), "--capacity", str(capacity),
-                          "--set", f"environments.mbpp.path={data}"], data_dir / "node.log")
+                          "--set", f"environments.mbpp.path={data}",
+                          *(arg for kv in settings for arg in ("--set", kv))], data_dir / "node.log")
     return proc, url, data_dir, tmp
 
 
@@ -237,6 +238,8 @@ def main() -> None:
                     help="release with its own call instead of evaluate's release option")
     ap.add_argument("--data-dir", type=Path,
                     help="where the node it starts keeps its state (kept); default: a temp dir on tmpfs")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                    help="a setting for the node it starts, as envhub serve --set (repeatable)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "mbpp_throughput.json")
     args = ap.parse_args()
 
@@ -249,7 +252,7 @@ def main() -> None:
     proc = tmp = data_dir = None
     url = args.url
     if url is None:
-        proc, url, data_dir, tmp = start_node(args.data, args.capacity, args.data_dir)
+        proc, url, data_dir, tmp = start_node(args.data, args.capacity, args.data_dir, args.settings)
     runs: list[dict] = []
     try:
         for _ in range(args.runs):  # on one node: a new node per run would churn its disk
@@ -265,7 +268,8 @@ def main() -> None:
         "runs": runs, "tasks_per_s": [r["tasks_per_s"] for r in runs],
         "tasks_per_s_median": statistics.median(r["tasks_per_s"] for r in runs)}
     result.update(machine={"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "platform": platform.platform()}, node=url if args.url else "started by the bench")
+                           "platform": platform.platform()}, node=url if args.url else "started by the bench",
+                  settings=args.settings)
     if data_dir is not None:
         result["node_data_dir"] = {"path": str(data_dir) if tmp is None else "temp dir",
                                    "filesystem": filesystem(data_dir)}
