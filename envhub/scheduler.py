@@ -100,17 +100,24 @@ class Node:
         return self.free / self.capacity if self.capacity else 0.0
 
     def report(self, report: dict[str, Any]) -> None:
-        """Take a health report: its ids and id-less count replace ours. A create we saw
-        answered stays counted on its own only if the report, made by the same node
+        """Take a health report: its capacity, ids and id-less count replace ours. A create
+        we saw answered stays counted on its own only if the report, made by the same node
         process before the create's mark, may lack it; an end we saw, only while the
-        report still lists the instance."""
+        report still lists the instance. A report with a field of the wrong type raises
+        ``ValueError`` naming it, and changes nothing."""
+        capacity = _count(report, "capacity", self.slots)
+        active = _count(report, "active", 0)
+        rollouts = _count(report, "rollouts", 0)
         ids = report.get("slot_ids")
-        self.holders = {i for i in ids if isinstance(i, str)} if isinstance(ids, list) else set()
-        self.active = max(0, int(report.get("active", 0)) - len(self.holders))
+        holders = {i for i in ids if isinstance(i, str)} if isinstance(ids, list) else set()
         boot, seq = parse_mark(report.get("slot_mark"))
+        self.capacity = min(self.slots, capacity) if report.get("accepting", True) else 0
+        self.holders = holders
+        self.active = max(0, active - len(holders))
+        self.reported_rollouts = rollouts
         self.created = {i: (b, s) for i, (b, s) in self.created.items()
-                        if i not in self.holders and b == boot and s > seq}
-        self.ended &= self.holders
+                        if i not in holders and b == boot and s > seq}
+        self.ended &= holders
 
     def answered(self, instance_id: str, created: bool, mark: str | None) -> None:
         """Our create of ``instance_id`` is over: created (the node answered so at
@@ -123,6 +130,13 @@ class Node:
     def end(self, instance_id: str) -> None:
         self.created.pop(instance_id, None)
         self.ended.add(instance_id)
+
+
+def _count(report: dict[str, Any], key: str, default: int) -> int:
+    value = report.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"malformed health report: {key!r} is {value!r}, not a count")
+    return value
 
 
 def parse_mark(mark: Any) -> tuple[str, int]:
@@ -234,7 +248,13 @@ class SchedulerService:
                 await routes.set_state(self.db, instance_id, "live")
 
     async def check_health(self) -> None:
-        await asyncio.gather(*(self._check(node) for node in self.nodes))
+        """One health round. Each node's check stands alone: one that fails in a way
+        :meth:`_check` does not expect marks that node down, and the round goes on."""
+        results = await asyncio.gather(*(self._check(node) for node in self.nodes), return_exceptions=True)
+        for node, result in zip(self.nodes, results):
+            if isinstance(result, Exception):
+                log.error("health check of %s", node.url, exc_info=result)
+                node.healthy, node.error = False, f"{type(result).__name__}: {result}"
         self._prune_route_cache()
 
     def _prune_route_cache(self) -> None:
@@ -256,6 +276,7 @@ class SchedulerService:
             report = reply.json()
             if reply.status != 200 or not isinstance(report, dict):
                 raise ValueError(f"HTTP {reply.status}")
+            node.report(report)
         except (UpstreamUnavailable, ValueError) as e:
             if node.healthy:
                 log.warning("node %s is down: %s", node.url, e)
@@ -264,11 +285,6 @@ class SchedulerService:
         if not node.healthy:
             log.info("node %s is up", node.url)
         node.healthy, node.error, node.last_seen, node.info = True, None, time.time(), report
-        node.capacity = min(node.slots, int(report.get("capacity", node.slots)))
-        node.report(report)
-        node.reported_rollouts = int(report.get("rollouts", 0))
-        if not report.get("accepting", True):
-            node.capacity = 0
         self._freed.set()
 
     async def health_forever(self) -> None:

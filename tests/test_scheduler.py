@@ -3,9 +3,11 @@ fan-out and URL rewriting."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -192,6 +194,61 @@ def test_retention_deletes_the_routes_of_instances_that_ended_long_ago(tmp_path)
             assert c.get(f"/instances/{live}").json()["state"] == "active", "a live route stays"
             assert c.post(f"/instances/{live}/release").json()["released"] is True
     finally:
+        assert sched.stop() == 0 and node.stop() == 0
+
+
+def test_a_malformed_health_report_names_its_field_and_changes_nothing():
+    node = Node(url="http://n", slots=4, capacity=4)
+    node.report({"slot_ids": ["a"], "active": 1, "capacity": 4, "slot_mark": "b.1"})
+    for key, value in (("capacity", "lots"), ("active", None), ("rollouts", -1), ("capacity", True)):
+        with pytest.raises(ValueError, match=f"'{key}'"):
+            node.report({"slot_ids": [], "active": 0, "capacity": 2, "slot_mark": "b.2", key: value})
+        assert (node.holders, node.capacity, node.used) == ({"a"}, 4, 1)
+
+
+class _MalformedHealth(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"ok": True, "role": "node", "capacity": 4, "active": 0, "rollouts": "two",
+                           "slot_ids": [], "slot_mark": "x.0", "accepting": True}).encode()
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_node_with_a_malformed_health_report_is_down_and_the_health_round_goes_on(tmp_path):
+    """The node that sends a malformed report is a stand-in (a small HTTP server): a real
+    envhub node does not send one, but a node of another version, or a proxy in front
+    of one, can. It must count as down, naming the field, and its report must not stop
+    the round's other work: the retention step still deletes an old route."""
+    bad = ThreadingHTTPServer(("127.0.0.1", 0), _MalformedHealth)
+    threading.Thread(target=bad.serve_forever, daemon=True).start()
+    node = start_nodes(tmp_path, 1)[0]
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": f"http://127.0.0.1:{bad.server_port}", "slots": 4},
+                                                    {"url": node.url, "slots": 4}]}))
+    sched = start_scheduler(tmp_path, nodes_yaml, "--set", "retention_hours=0.0005")  # 1.8 s
+    try:
+        with sched.client() as c:
+            down, up = c.get("/status").json()["nodes"]
+            assert not down["healthy"] and "'rollouts'" in down["error"], down
+            assert up["healthy"], up
+            ids = [create(c, task)["instance_id"] for task in ("11", "12", "13", "14")]
+            assert all(httpx.get(f"{node.url}/instances/{i}").status_code == 200 for i in ids)
+            assert c.post(f"/instances/{ids[0]}/release").json()["released"] is True
+            deadline = time.monotonic() + 15
+            while c.get(f"/instances/{ids[0]}").status_code != 404 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert c.get(f"/instances/{ids[0]}").status_code == 404, "the round's retention step ran"
+            for i in ids[1:]:
+                assert c.post(f"/instances/{i}/release").json()["released"] is True
+    finally:
+        bad.shutdown()
+        bad.server_close()
         assert sched.stop() == 0 and node.stop() == 0
 
 
