@@ -241,6 +241,13 @@ class Environment:
         preload ignore it."""
         return []
 
+    def sandbox_hidden(self) -> list[str]:
+        """Paths episode code must not read: the environment's dataset, which holds the
+        hidden tests (or anything else a grader keeps from the model). Added to the
+        ``hide`` config of this environment's sandbox; sandboxes that share the host's
+        files cover them, and sandboxes that do not (a container) ignore it."""
+        return []
+
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: "SandboxSpec") -> "SandboxSpec":
         """Adjust the sandbox spec the node proposes (image, limits) for ``task``."""
         return spec

@@ -58,6 +58,9 @@ class NodeRuntime:
                     preload = [m for n in users for m in envs[n].sandbox_preload()]
                     if preload:
                         config["preload"] = [*config.get("preload", []), *preload]
+                    hidden = [p for n in users for p in envs[n].sandbox_hidden()]
+                    if hidden:
+                        config["hide"] = [*config.get("hide", []), *hidden]
                     sandbox = cls(config, settings)
                     await sandbox.start()
                 except EnvhubError as e:

@@ -7,9 +7,12 @@ import os
 import threading
 import time
 
+from pathlib import Path
+
 import httpx
 import pytest
 
+import envhub
 from conftest import sandbox_dirs, sandbox_uids_processes
 
 
@@ -178,6 +181,46 @@ def test_fork_bomb_is_contained_and_leaves_no_process(client):
     while [p for p in sandbox_uids_processes() if p[1] == uid] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert uid >= 200000 and [p for p in sandbox_uids_processes() if p[1] == uid] == []
+
+
+FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids and the zygote's mount namespace need root")
+def test_episode_code_cannot_read_the_dataset_or_the_node_records(start_node, tmp_path):
+    """The hidden tests stay hidden from run_python: the dataset file, and the node's data
+    dir, whose database and trial logs record every grading, are covered for sandboxes,
+    even with the sandboxes' own dirs inside that data dir (which they may pass through
+    but not list). Grading still works."""
+    dataset = tmp_path / "mbpp.jsonl"
+    dataset.write_text((Path(envhub.__file__).parent / "data" / "mbpp_sample.jsonl").read_text())
+    data = tmp_path / "data0"  # start_node's first data dir
+    node = start_node("--set", f"environments.mbpp.path={dataset}",
+                      "--set", f"sandboxes.process.work_root={data / 'sandboxes'}")
+    with node.client() as client:
+        graded = create(client, trial="hidden")["instance_id"]
+        client.post(f"/instances/{graded}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": FIB}}})
+        assert client.post(f"/instances/{graded}/evaluate", json={"release": True}).json()["reward"] == 1.0
+        log = data / "trials" / "hidden" / graded / "episode.jsonl"
+        assert "fib(30)" in json.dumps(wait_for_lines(log, 3)), "the log holds the hidden tests"
+        iid = create(client)["instance_id"]
+        probe = run(client, iid, f"""
+import os
+seen = {{}}
+for path in {[str(dataset), str(data / "envhub.db"), str(data), str(data / "trials"), str(log),
+              str(data / "sandboxes")]!r}:
+    try:
+        seen[path] = os.listdir(path) if os.path.isdir(path) else open(path).read(100)
+    except OSError as e:
+        seen[path] = type(e).__name__
+open("mine.txt", "w").write("ok")
+seen, open("mine.txt").read()""")["observation"]
+        seen, own = eval(probe["value_repr"])
+        assert own == "ok", "the sandbox's own dir still works"
+        assert all(v in ("PermissionError", "FileNotFoundError") for v in seen.values()), seen
+        client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": FIB}}})
+        assert client.post(f"/instances/{iid}/evaluate", json={"release": True}).json()["reward"] == 1.0
+    assert "episode code can read" not in node.log()
 
 
 @pytest.mark.parametrize("body, status, code, field", [

@@ -80,6 +80,7 @@ CLONE_NEWNS = 0x00020000
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
+MNT_DETACH = 2
 VALUE_REPR_LIMIT = 4096
 CELL_PREFIX = "<cell-"
 _HEADER = struct.Struct(">I")
@@ -722,6 +723,38 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
         raise OSError(err, f"mount {target}: {os.strerror(err)}")
 
 
+_private_mounts = False  # whether the zygote has its own mount namespace yet
+
+
+def _own_mount_namespace() -> None:
+    """Give the zygote (and so every sandbox) a mount namespace of its own, once; nothing
+    mounted in it reaches the host."""
+    global _private_mounts
+    if not _private_mounts:
+        if _libc.unshare(CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+        _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+        _private_mounts = True
+
+
+def _cover(folder: str, children: set[str], mode: str) -> None:
+    """Mount an empty tmpfs of ``mode`` over ``folder``, holding bind mounts of the
+    original ``children`` only (opened before the cover hides them)."""
+    fds = {c: os.open(os.path.join(folder, c), os.O_PATH | os.O_CLOEXEC) for c in children}
+    try:
+        _mount("envhub", folder, "tmpfs", 0, f"mode={mode},size=64k")
+        for child, fd in fds.items():
+            target = os.path.join(folder, child)
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.mkdir(target, 0o711)
+            else:
+                os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+            _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def open_up(paths: list[str]) -> list[str]:
     """Let sandbox uids reach ``paths`` without changing the host; return what stays blocked.
 
@@ -733,24 +766,77 @@ def open_up(paths: list[str]) -> list[str]:
     blocked = _blocked_ancestors(paths)
     if blocked:
         try:
-            if _libc.unshare(CLONE_NEWNS) != 0:
-                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-            _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing leaks to the host
+            _own_mount_namespace()
             for ancestor in sorted(blocked, key=lambda a: a.count("/") - (a == "/")):
-                fds = {c: os.open(os.path.join(ancestor, c), os.O_PATH | os.O_CLOEXEC)
-                       for c in blocked[ancestor]}
-                _mount("envhub", ancestor, "tmpfs", 0, "mode=0711,size=64k")
-                for child, fd in fds.items():
-                    target = os.path.join(ancestor, child)
-                    if os.path.isdir(f"/proc/self/fd/{fd}"):
-                        os.mkdir(target, 0o711)
-                    else:
-                        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-                    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC, None)
-                    os.close(fd)
+                _cover(ancestor, blocked[ancestor], "0711")
         except OSError as e:
             print(f"envhub zygote: cannot open paths up for sandbox uids: {e}", file=sys.stderr)
     return sorted(_blocked_ancestors(paths))
+
+
+def _cover_files(files: list[str], scratch: str) -> list[str]:
+    """Bind an empty file of mode 0 over each of ``files``; return those it could not
+    cover, with why. The file lives on a tmpfs mounted on ``scratch`` and detached at
+    once: the bind mounts keep it, and ``scratch`` shows its own contents again."""
+    left = []
+    _mount("envhub", scratch, "tmpfs", 0, "mode=0700,size=4k")
+    try:
+        empty = os.path.join(scratch, "hidden")
+        os.close(os.open(empty, os.O_CREAT | os.O_WRONLY, 0))
+        for path in files:
+            try:
+                _mount(empty, path, None, MS_BIND, None)
+            except OSError as e:
+                left.append(f"{path}: {e}")
+    finally:
+        if _libc.umount2(scratch.encode(), MNT_DETACH) != 0:
+            raise OSError(ctypes.get_errno(), f"umount {scratch}")
+    return left
+
+
+def hide(paths: list[str], keep: list[str], scratch: str) -> list[str]:
+    """Make ``paths`` unreadable to sandbox uids, in the zygote's mount namespace only;
+    return those left readable, each with the reason.
+
+    These are what episode code must not read: the node's data dir (its database and
+    trial logs hold every grading) and environments' datasets (their hidden tests). A
+    dir is covered by an empty root-owned tmpfs of mode 0700, or, when a path sandboxes
+    need (``keep``: the work root, Python) lies inside it, of mode 0711 holding only the
+    children on the way to those. A file is covered by a bind mount of an empty file of
+    mode 0, made on a tmpfs mounted on ``scratch`` for the moment it takes (no sandbox
+    exists yet). Files come first: one inside a dir hidden too must still be there to be
+    covered.
+    """
+    found = [os.path.realpath(p) for p in paths if os.path.lexists(p)]
+    files = [p for p in found if not os.path.isdir(p)]
+    dirs = sorted({p for p in found if os.path.isdir(p)}, key=lambda p: p.count("/"))
+    kept = [os.path.realpath(k) for k in keep]
+    left: list[str] = []
+    try:
+        _own_mount_namespace()
+    except OSError as e:
+        return [f"{p}: {e}" for p in found]
+    if files:
+        try:
+            left += _cover_files(files, scratch)
+        except OSError as e:
+            left += [f"{p}: {e}" for p in files]
+    covered: dict[str, set[str]] = {}  # dir -> the children its cover still shows
+    for path in dirs:
+        if any(path.startswith(c + "/") and path[len(c) + 1:].split("/")[0] not in shown
+               for c, shown in covered.items()):
+            continue  # inside a dir already covered, out of sight
+        inside = [k for k in kept if k == path or k.startswith(path + "/")]
+        if path in inside or path == "/":
+            left.append(f"{path}: sandboxes need it")
+            continue
+        children = {k[len(path) + 1:].split("/")[0] for k in inside}
+        try:
+            _cover(path, children, "0711" if children else "0700")
+            covered[path] = children
+        except OSError as e:
+            left.append(f"{path}: {e}")
+    return left
 
 
 def main(argv: list[str]) -> None:
@@ -764,17 +850,20 @@ def main(argv: list[str]) -> None:
     root = os.geteuid() == 0
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of user code come to us and get reaped
     killer_uid = conf.get("killer_uid")
-    netns, blocked = False, []
+    netns, blocked, unhidden = False, [], []
     if root:
-        # Sandboxes run as other uids, which must still reach Python and their dirs.
-        blocked = open_up([conf["work_root"], *_python_dirs()])
+        # Sandboxes run as other uids, which must still reach Python and their dirs, and
+        # must not read the node's records or the datasets behind the hidden tests.
+        keep = [conf["work_root"], *_python_dirs()]
+        blocked = open_up(keep)
+        unhidden = hide(conf.get("hide") or [], keep, conf["work_root"])
         if conf["isolate_network"]:
             # Once, here: every child inherits a network namespace holding only a down
             # loopback. Unix sockets and passed fds are not affected.
             netns = _libc.unshare(CLONE_NEWNET) == 0
     prepare(conf["preload"])
     ctl.send(json.dumps({"ready": True, "root": root, "network_isolated": netns,
-                         "unreachable": blocked}).encode())
+                         "unreachable": blocked, "unhidden": unhidden}).encode())
     Zygote(ctl, killer_uid).serve()
 
 

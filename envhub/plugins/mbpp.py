@@ -167,10 +167,12 @@ class MBPP(Environment):
                 text = Path(path).read_text()
             except OSError as e:
                 raise StartupError(f"mbpp: cannot read dataset {path}: {e}") from None
-            where = str(path)
+            where = self._source = str(path)
         else:
-            text = (importlib.resources.files("envhub") / "data" / "mbpp_sample.jsonl").read_text()
+            bundled = importlib.resources.files("envhub") / "data" / "mbpp_sample.jsonl"
+            text = bundled.read_text()
             where = "bundled sample"
+            self._source = str(bundled) if isinstance(bundled, Path) else None
         tasks = [parse_line(line, f"{where} line {n}")
                  for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
         self._tasks = {t.id: t for t in tasks}
@@ -191,6 +193,11 @@ class MBPP(Environment):
 
     def sandbox_preload(self) -> list[str]:
         return [_mbpp_harness.__file__]  # the grader is imported once, in the zygote
+
+    def sandbox_hidden(self) -> list[str]:
+        # The dataset holds every hidden test and reference solution; run_python must
+        # not be able to open it.
+        return [self._source] if self._source else []
 
     def splits(self) -> list[str]:
         present = {t.split for t in self._order}

@@ -19,11 +19,15 @@ Policy and invariants:
   without forking.
 - As root the zygote also has a private mount namespace in which sandbox uids can
   traverse the ancestors of ``work_root`` and of the Python install (a pyenv under
-  ``/root``, pytest's 0700 temp dirs), without any change to the host.
+  ``/root``, pytest's 0700 temp dirs), without any change to the host, and in which the
+  node's data dir (database and trial logs, which hold every grading) and the datasets
+  environments name (``Environment.sandbox_hidden``: the hidden tests) are covered by
+  empty, root-only mounts. A path that cannot be covered is logged at start.
 - Without root there is no uid switch and no isolation: RLIMIT_NPROC is only set when
   configured (it would count every process of the node's user), destroy kills the
   process group only (a ``setsid()`` escapee survives), sandboxes can read each other's
-  files and have the network. Run the node as root for untrusted code.
+  files, the node's data dir and the datasets, and have the network. Run the node as
+  root for untrusted code.
 - Control requests to the zygote are serialized by one ``asyncio.Lock`` and replies are
   matched by request id, so a cancelled caller never puts the channel out of step; a
   spawn runs in a shielded task that takes ownership of the new interpreter's fds.
@@ -199,7 +203,8 @@ class ProcessSandbox(Sandbox):
     (4096), ``isolate_network`` (true; root only), ``python`` (the interpreter,
     default ``sys.executable``), ``preload`` (extra fork-safe modules, or ``.py`` files imported under their
     file's stem, to import in the
-    zygote), ``env`` (variables for every sandbox), ``start_timeout`` (30 s), ``lazy_start`` (true:
+    zygote), ``hide`` (paths episode code must not read, as root; the node's data dir
+    and its environments' datasets are always hidden), ``env`` (variables for every sandbox), ``start_timeout`` (30 s), ``lazy_start`` (true:
     the interpreter is forked by the first :meth:`exec`, not by :meth:`create`, so an
     episode that never runs code costs no process).
     ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
@@ -234,6 +239,7 @@ class ProcessSandbox(Sandbox):
         self.isolate_network = bool(c.get("isolate_network", True))
         self.python = str(c.get("python") or sys.executable)
         self.preload = [str(m) for m in c.get("preload", [])]
+        self.hide = [os.path.abspath(str(p)) for p in [*c.get("hide", []), *_node_records(settings)]]
         self.start_timeout = float(c.get("start_timeout", 30.0))
         self.lazy_start = bool(c.get("lazy_start", True))
         self.env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
@@ -299,8 +305,8 @@ class ProcessSandbox(Sandbox):
             # Sandbox uids must pass through it (the zygote opens up its ancestors), but
             # must not list the other sandboxes' dirs.
             mode = stat.S_IMODE(os.stat(self.work_root).st_mode)
-            if mode & 0o011 != 0o011:
-                os.chmod(self.work_root, (mode | 0o011) & ~0o044)
+            if mode != (mode | 0o011) & ~0o066:  # a new dir is 0755 under the usual umask
+                os.chmod(self.work_root, (mode | 0o011) & ~0o066)
 
     async def _launch(self) -> None:
         """Start a zygote and wait for its hello. Called with ``_ctl_lock`` held."""
@@ -310,7 +316,7 @@ class ProcessSandbox(Sandbox):
             self._proc = subprocess.Popen(
                 [self.python, "-I", "-B", str(Path(zygote.__file__)), json.dumps({
                     "ctl_fd": theirs.fileno(), "parent_pid": os.getpid(),
-                    "isolate_network": self.isolate_network, "preload": self.preload,
+                    "isolate_network": self.isolate_network, "preload": self.preload, "hide": self.hide,
                     "work_root": self.work_root,
                     "killer_uid": self._killer[0] if self._killer else None})],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
@@ -339,6 +345,8 @@ class ProcessSandbox(Sandbox):
                 f"{', '.join(hello['unreachable'])} (on the way to work_root or to Python) "
                 "and the zygote could not open them up in a mount namespace; grant o+x or "
                 "move sandboxes.process.work_root / python elsewhere")
+        if hello.get("unhidden"):
+            log.warning("process sandbox: episode code can read %s", "; ".join(hello["unhidden"]))
         self.network_isolated = bool(hello.get("network_isolated"))
         if self.root and self.isolate_network and not self.network_isolated:
             log.warning("process sandbox: unshare(CLONE_NEWNET) failed; sandboxes have network access")
@@ -725,6 +733,19 @@ class ProcessSandbox(Sandbox):
         if os.fstat(fd).st_size > _INLINE_IO_BYTES:
             return await asyncio.to_thread(_read_fd, fd)
         return _read_fd(fd)
+
+
+def _node_records(settings: Any) -> list[str]:
+    """The node's own files that episode code must not read: its data dir (database,
+    trial logs) and a database kept outside it, with its WAL files."""
+    data_dir = getattr(settings, "data_dir", None)
+    if data_dir is None:
+        return []
+    paths = [os.path.abspath(str(data_dir))]
+    db = getattr(settings, "db_path", None)
+    if db is not None and not os.path.abspath(str(db)).startswith(paths[0] + os.sep):
+        paths += [f"{os.path.abspath(str(db))}{suffix}" for suffix in ("", "-wal", "-shm")]
+    return paths
 
 
 def default_work_root(data_dir: Any) -> tuple[str, bool]:
