@@ -841,7 +841,8 @@ def hide(paths: list[str], keep: list[str], scratch: str) -> list[str]:
 
 def main(argv: list[str]) -> None:
     """``argv[1]`` is JSON: ctl_fd, parent_pid, isolate_network, preload, work_root,
-    killer_uid (root only: a uid no process runs as, see :func:`kill_uid`)."""
+    hide (root only: see :func:`hide`), killer_uid (root only: a uid no process runs as,
+    see :func:`kill_uid`)."""
     conf = json.loads(argv[1])
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != conf["parent_pid"]:

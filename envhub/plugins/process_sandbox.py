@@ -201,12 +201,12 @@ class ProcessSandbox(Sandbox):
     ``output_limit`` (65536 bytes per stream, head and tail kept), ``kill_grace`` (1.0 s
     after the timeout before the hard kill), ``uid_base`` (200000), ``max_sandboxes``
     (4096), ``isolate_network`` (true; root only), ``python`` (the interpreter,
-    default ``sys.executable``), ``preload`` (extra fork-safe modules, or ``.py`` files imported under their
-    file's stem, to import in the
-    zygote), ``hide`` (paths episode code must not read, as root; the node's data dir
-    and its environments' datasets are always hidden), ``env`` (variables for every sandbox), ``start_timeout`` (30 s), ``lazy_start`` (true:
-    the interpreter is forked by the first :meth:`exec`, not by :meth:`create`, so an
-    episode that never runs code costs no process).
+    default ``sys.executable``), ``preload`` (extra fork-safe modules, or ``.py`` files
+    imported under their file's stem, to import in the zygote), ``hide`` (more paths
+    episode code must not read, as root; the node's data dir and its environments'
+    datasets are always hidden), ``env`` (variables for every sandbox), ``start_timeout``
+    (30 s), ``lazy_start`` (true: the interpreter is forked by the first :meth:`exec`,
+    not by :meth:`create`, so an episode that never runs code costs no process).
     ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
     ``max_processes``; ``cpus`` is not enforced.
 
@@ -316,8 +316,8 @@ class ProcessSandbox(Sandbox):
             self._proc = subprocess.Popen(
                 [self.python, "-I", "-B", str(Path(zygote.__file__)), json.dumps({
                     "ctl_fd": theirs.fileno(), "parent_pid": os.getpid(),
-                    "isolate_network": self.isolate_network, "preload": self.preload, "hide": self.hide,
-                    "work_root": self.work_root,
+                    "isolate_network": self.isolate_network, "preload": self.preload,
+                    "hide": self.hide, "work_root": self.work_root,
                     "killer_uid": self._killer[0] if self._killer else None})],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, env=self.env,  # interpreters inherit it
