@@ -6,7 +6,6 @@ import json
 import os
 import threading
 import time
-
 from pathlib import Path
 
 import httpx

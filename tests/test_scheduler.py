@@ -250,7 +250,7 @@ def test_a_node_with_a_malformed_health_report_is_down_and_the_health_round_goes
     finally:
         bad.shutdown()
         bad.server_close()
-        assert (sched is None or sched.stop() == 0) & (node.stop() == 0)
+        assert (sched is None or sched.stop() == 0) & (node.stop() == 0)  # `&`: both are stopped
 
 
 def test_different_tasks_are_balanced_by_free_ratio(fleet):
