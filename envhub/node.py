@@ -35,7 +35,7 @@ from envhub.sandbox import Sandbox, SandboxSpec
 from envhub.settings import Settings
 from envhub.singleflight import SingleFlight
 from envhub.store import instances, step_results
-from envhub.store.db import Database
+from envhub.store.db import Database, delete_in_batches
 from envhub.trial_log import TrialLog, TrialWriter
 
 log = logging.getLogger("envhub.node")
@@ -448,12 +448,8 @@ class NodeService:
         if hours is None:
             return 0
         cutoff = (time.time() if now is None else now) - hours * 3600
-        deleted = 0
-        while deleted < _PRUNE_PER_PASS:
-            n = await instances.delete_ended(self.db, cutoff, _PRUNE_BATCH)
-            deleted += n
-            if n < _PRUNE_BATCH:
-                break
+        deleted = await delete_in_batches(lambda n: instances.delete_ended(self.db, cutoff, n),
+                                          _PRUNE_BATCH, _PRUNE_PER_PASS)
         if deleted:
             log.info("retention: deleted %d ended instance(s) created over %g h ago", deleted, hours)
         return deleted

@@ -43,7 +43,7 @@ from envhub.node import validate_instance_id
 from envhub.settings import Settings
 from envhub.singleflight import SingleFlight
 from envhub.store import routes
-from envhub.store.db import Database
+from envhub.store.db import Database, delete_in_batches
 
 log = logging.getLogger("envhub.scheduler")
 
@@ -254,7 +254,7 @@ class SchedulerService:
         for node, result in zip(self.nodes, results):
             if isinstance(result, Exception):
                 log.error("health check of %s", node.url, exc_info=result)
-                node.healthy, node.error = False, f"{type(result).__name__}: {result}"
+                self.mark_down(node, f"{type(result).__name__}: {result}")
         self._prune_route_cache()
 
     def _prune_route_cache(self) -> None:
@@ -280,7 +280,7 @@ class SchedulerService:
         except (UpstreamUnavailable, ValueError) as e:
             if node.healthy:
                 log.warning("node %s is down: %s", node.url, e)
-            node.healthy, node.error = False, f"{type(e).__name__}: {e}"
+            self.mark_down(node, f"{type(e).__name__}: {e}")
             return
         if not node.healthy:
             log.info("node %s is up", node.url)
@@ -306,13 +306,9 @@ class SchedulerService:
         hours = self.settings.retention_hours
         if hours is None:
             return 0
-        cutoff, deleted = time.time() - hours * 3600, 0
-        while deleted < _PRUNE_PER_ROUND:
-            n = await routes.delete_ended(self.db, cutoff, _PRUNE_BATCH)
-            deleted += n
-            if n < _PRUNE_BATCH:
-                break
-        return deleted
+        cutoff = time.time() - hours * 3600
+        return await delete_in_batches(lambda n: routes.delete_ended(self.db, cutoff, n),
+                                       _PRUNE_BATCH, _PRUNE_PER_ROUND)
 
     # -- choosing a node -----------------------------------------------------------------
 
@@ -561,7 +557,7 @@ class SchedulerService:
         try:
             return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
         except UpstreamUnavailable:
-            node.healthy, node.error = False, f"{method} {path} failed"  # the next check may bring it back
+            self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
             raise
 
     # -- status --------------------------------------------------------------------------

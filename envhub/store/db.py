@@ -28,7 +28,7 @@ import contextlib
 import importlib.resources
 import sqlite3
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 import aiosqlite
 
@@ -159,6 +159,19 @@ class Database:
     async def scalar(self, sql: str, params: Params = ()) -> Any:
         row = await self.row(sql, params)
         return None if row is None else row[0]
+
+
+async def delete_in_batches(delete: Callable[[int], Awaitable[int]], batch: int, most: int) -> int:
+    """Call ``delete(batch)`` (one transaction deleting up to ``batch`` rows, returning how
+    many) until it deletes fewer than ``batch`` or ``most`` rows are gone; returns how
+    many. Retention uses it so the one connection is never held long."""
+    deleted = 0
+    while deleted < most:
+        n = await delete(batch)
+        deleted += n
+        if n < batch:
+            break
+    return deleted
 
 
 def _write_batch(conn: sqlite3.Connection,
