@@ -55,12 +55,8 @@ class NodeRuntime:
                 try:
                     cls = sandbox_registry.get(sandbox_name)
                     config = dict(settings.sandboxes.get(sandbox_name) or {})
-                    preload = [m for n in users for m in envs[n].sandbox_preload()]
-                    if preload:
-                        config["preload"] = [*config.get("preload", []), *preload]
-                    hidden = [p for n in users for p in envs[n].sandbox_hidden()]
-                    if hidden:
-                        config["hide"] = [*config.get("hide", []), *hidden]
+                    _extend(config, "preload", [m for n in users for m in envs[n].sandbox_preload()])
+                    _extend(config, "hide", [p for n in users for p in envs[n].sandbox_hidden()])
                     sandbox = cls(config, settings)
                     await sandbox.start()
                 except EnvhubError as e:
@@ -100,3 +96,11 @@ class NodeRuntime:
 
     def describe(self) -> dict[str, Any]:
         return {"environments": sorted(self.environments), "skipped": self.skipped}
+
+
+def _extend(config: dict[str, Any], key: str, more: list[str]) -> None:
+    """Add what environments ask for to a sandbox's list option. A value that is not a
+    list is left for the sandbox to refuse: spread, a string would become its letters."""
+    value = config.get(key) or []
+    if more and isinstance(value, list):
+        config[key] = [*value, *more]

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import pytest_asyncio
 
-from envhub.errors import InvalidRequest, NotFound
+from envhub.errors import InvalidRequest, NotFound, StartupError
 from envhub.plugins import process_sandbox
 from envhub.plugins.process_sandbox import ProcessSandbox
 from envhub.sandbox import Limits, SandboxSpec
@@ -86,6 +86,14 @@ async def sandboxes(tmp_path):
 @pytest_asyncio.fixture
 async def handle(sandboxes):
     return await sandboxes.create(spec())
+
+
+@pytest.mark.parametrize("key, value", [("hide", "/srv/data"), ("hide", [1]), ("preload", "json"), ("preload", [""])])
+def test_hide_and_preload_must_be_lists_of_names(tmp_path, key, value):
+    """A lone string would be read letter by letter: each letter a path to hide or a
+    module to load."""
+    with pytest.raises(StartupError, match=f"sandboxes.process.{key} must be a list"):
+        ProcessSandbox({"work_root": str(tmp_path), key: value}, None)
 
 
 def test_registers_the_process_sandbox_through_the_hook():

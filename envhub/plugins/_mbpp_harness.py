@@ -8,9 +8,9 @@ as the expression ``X`` to evaluate (or as a pair, below), so a false result (``
 is told apart from an exception (``error``) and a runaway test (``timeout``, CPU time);
 any other test comes as statements to run; a test that does not parse comes with its
 syntax error. Parsing there once per task, rather than in every grading interpreter,
-keeps the ``ast`` work out of each episode. Tests are compiled and the builtins the grader uses are bound (at import,
-in the zygote) before the submission runs, so a submission that rebinds ``eval`` or
-``compile`` cannot change how it is graded.
+keeps the ``ast`` work out of each episode. Tests are compiled and the builtins the
+grader uses are bound (at import, in the zygote) before the submission runs, so a
+submission that rebinds ``eval`` or ``compile`` cannot change how it is graded.
 
 A test that is one comparison (``assert f(x) == y``) comes as the pair ``(L, R)`` and
 its operator. Before comparing, the grader looks through both values (into lists,

@@ -238,8 +238,8 @@ class ProcessSandbox(Sandbox):
         self.max_sandboxes = int(c.get("max_sandboxes", 4096))
         self.isolate_network = bool(c.get("isolate_network", True))
         self.python = str(c.get("python") or sys.executable)
-        self.preload = [str(m) for m in c.get("preload", [])]
-        self.hide = [os.path.abspath(str(p)) for p in [*c.get("hide", []), *_node_records(settings)]]
+        self.preload = [str(m) for m in _path_list(c, "preload")]
+        self.hide = [os.path.abspath(p) for p in [*_path_list(c, "hide"), *_node_records(settings)]]
         self.start_timeout = float(c.get("start_timeout", 30.0))
         self.lazy_start = bool(c.get("lazy_start", True))
         self.env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
@@ -733,6 +733,14 @@ class ProcessSandbox(Sandbox):
         if os.fstat(fd).st_size > _INLINE_IO_BYTES:
             return await asyncio.to_thread(_read_fd, fd)
         return _read_fd(fd)
+
+
+def _path_list(config: Mapping[str, Any], key: str) -> list[str]:
+    """``config[key]``, a list of strings (a lone string would be read letter by letter)."""
+    value = config.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise StartupError(f"sandboxes.process.{key} must be a list of paths or names, not {value!r}")
+    return value
 
 
 def _node_records(settings: Any) -> list[str]:
