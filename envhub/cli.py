@@ -6,6 +6,7 @@ and runs the group; none of that happens at import.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import logging
@@ -63,6 +64,7 @@ def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
     from envhub.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = None
     try:
         settings = _settings(config, sets, **flags)
         if not settings.api_keys and not _is_loopback(settings.host):
@@ -74,6 +76,17 @@ def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
         Sanic.serve_single(app)
     except EnvhubError as e:
         raise click.ClickException(e.message) from None
+    finally:
+        _close_store_left_open(app)
+
+
+def _close_store_left_open(app: Any) -> None:
+    """Close the database of a start that failed after the store opened it: Sanic runs no
+    stop listener then, and the connection's thread, which is not a daemon, would keep
+    the process from ever exiting. After a normal stop the store is closed already."""
+    db = getattr(app.ctx, "db", None) if app is not None else None
+    if db is not None:
+        asyncio.run(db.close())
 
 
 @cli.command()

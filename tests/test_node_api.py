@@ -483,3 +483,24 @@ def test_binds_loopback_by_default(node):
     for address in addresses:  # this machine's own other addresses: the node is not reachable there
         with pytest.raises(httpx.TransportError):
             httpx.get(f"http://{address}:{node.port}/health", timeout=2)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("environments.mbpp.path=/nonexistent/mbpp.jsonl", "mbpp: cannot read dataset /nonexistent/mbpp.jsonl"),
+    ("sandboxes.process.hide=/etc", "sandboxes.process.hide must be a list of paths or names, not '/etc'"),
+])
+def test_a_start_that_fails_exits_with_its_reason(tmp_path, setting, message):
+    """A start that fails after the store opened used to print its error and then hang:
+    the database's thread kept the process alive. It must exit 1, saying why."""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
+    done = subprocess.run([sys.executable, "-m", "envhub", "serve", "--role", "node", "--port", str(free_port()),
+                           "--data-dir", str(tmp_path / "data"), "--set", "environments.mbpp.run_timeout=10",
+                           "--set", setting], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("Error: ") and message in last, done.stderr[-2000:]
