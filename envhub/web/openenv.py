@@ -54,7 +54,7 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
     try:
         session = service.open(environment)
     except WireError as e:  # CAPACITY_REACHED: after the upgrade, never as an HTTP status
-        await close_with(ws, e.frame())
+        await refuse(ws, e.frame())
         return
     try:
         while True:
@@ -74,6 +74,24 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
             await ws.send(jsonlib.dumps(reply))
     finally:
         await asyncio.shield(service.close(session))
+
+
+async def refuse(ws: Any, frame: dict[str, Any], wait: float = 2.0) -> None:
+    """Turn a session away at connect: the error frame at once, the close 1000 only after the
+    client's first frame (or ``wait`` s without one). OpenEnv clients talk first, and a
+    client that finds the socket already closed when it sends its ``reset`` raises
+    ``ConnectionClosedOK`` without reading the frame (the 0.3.0 client did so whenever the
+    close beat its send). Held open, the send succeeds and the reply it reads is the error,
+    so the user sees ``Server at capacity ... (code: CAPACITY_REACHED)``."""
+    with contextlib.suppress(ConnectionClosed, WebsocketClosed):
+        await ws.send(jsonlib.dumps(frame))
+        try:
+            await ws.recv(timeout=wait)  # whatever it is, it is not answered
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # a real cancellation (shutdown)
+                raise
+            return  # Sanic's recv raises CancelledError when the client has closed
+    await close_with(ws, None, wait=wait)
 
 
 async def close_with(ws: Any, frame: dict[str, Any] | None, code: int = 1000, wait: float = 2.0) -> None:

@@ -27,7 +27,7 @@ from sanic import Blueprint, Request
 from envhub.errors import NotFound, UpstreamUnavailable
 from envhub.openenv import ADAPTERS, WireError, capacity_reached
 from envhub.scheduler import AllNodesBusy, Node, SchedulerService
-from envhub.web.openenv import close_with
+from envhub.web.openenv import close_with, refuse
 from envhub.web.routing import passthrough
 
 bp = Blueprint("openenv_proxy", url_prefix="/openenv/<environment>")
@@ -54,7 +54,7 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
         healthy = [n for n in scheduler.nodes if n.healthy]
         error = (capacity_reached(sum(n.used for n in healthy), sum(n.capacity for n in healthy)) if healthy else
                  WireError("SESSION_ERROR", "no node is healthy"))
-        await close_with(ws, error.frame())
+        await refuse(ws, error.frame())
         return
     connected = False
     try:
@@ -65,8 +65,8 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             if not isinstance(e, aiohttp.WSServerHandshakeError):
                 scheduler.mark_down(node, f"OpenEnv socket: {type(e).__name__}: {e}")
-            await close_with(ws, WireError("SESSION_ERROR", f"node {node.url} did not take the session: "
-                                           f"{type(e).__name__}: {e}").frame())
+            await refuse(ws, WireError("SESSION_ERROR", f"node {node.url} did not take the session: "
+                                       f"{type(e).__name__}: {e}").frame())
             return
         scheduler.session_opened(node)
         connected = True
