@@ -354,6 +354,29 @@ def test_a_full_node_sends_capacity_reached_after_accept_and_closes_1000(fleet):
         assert env.reset().reward == 0.0
 
 
+def test_a_session_the_node_turns_away_gives_its_slot_back_at_once(fleet, tmp_path):
+    """A scheduler with the wrong key for ``small``: the node refuses the upgrade (403),
+    so the scheduler sends SESSION_ERROR and holds the socket for the client's first
+    frame. The slot it picked must be free while it waits, not 2 s later."""
+    small = fleet["small"]
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"nodes": [{"url": small.url, "slots": 1}], "api_key": "wrong"}))
+    sched = EnvhubProcess(tmp_path / "sched", "--set", f"nodes_file={nodes}", "--set", "health_interval=0.2",
+                          role="scheduler")
+    start_all(sched)
+    try:
+        wait_for(lambda: node_is_up(sched), timeout=10, what="the scheduler to see its node")
+        with open_ws(sched) as ws:  # silent: the close waits up to 2 s
+            frame = json.loads(ws.recv(timeout=10))
+            assert frame["data"]["code"] == "SESSION_ERROR" and "did not take the session" in frame["data"]["message"]
+            assert "403" in frame["data"]["message"], frame
+            node, = httpx.get(sched.url + "/status", timeout=5).json()["nodes"]
+            assert node["healthy"] and node["active_slots"] == 0, node
+            assert closed_with(ws) == 1000
+    finally:
+        stop_all(sched)
+
+
 def test_a_connection_dropped_without_a_close_frame_releases_its_instance(fleet):
     node = fleet["node"]
     sock = raw_socket(node)

@@ -56,24 +56,25 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
                  WireError("SESSION_ERROR", "no node is healthy"))
         await refuse(ws, error.frame())
         return
-    connected = False
     try:
-        try:
-            upstream = await request.app.ctx.http.ws_connect(
-                f"{node.url}/openenv/{environment}/ws", headers={"X-API-Key": node.api_key} if node.api_key else None,
-                heartbeat=_heartbeat(request.app.config), max_msg_size=MAX_FRAME)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            if not isinstance(e, aiohttp.WSServerHandshakeError):
-                scheduler.mark_down(node, f"OpenEnv socket: {type(e).__name__}: {e}")
-            await refuse(ws, WireError("SESSION_ERROR", f"node {node.url} did not take the session: "
-                                       f"{type(e).__name__}: {e}").frame())
-            return
-        scheduler.session_opened(node)
-        connected = True
+        upstream = await request.app.ctx.http.ws_connect(
+            f"{node.url}/openenv/{environment}/ws", headers={"X-API-Key": node.api_key} if node.api_key else None,
+            heartbeat=_heartbeat(request.app.config), max_msg_size=MAX_FRAME)
+    except BaseException as e:
+        scheduler.session_closed(node, opened=False)  # before a refusal waits on the client
+        if not isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError)):
+            raise
+        if not isinstance(e, aiohttp.WSServerHandshakeError):
+            scheduler.mark_down(node, f"OpenEnv socket: {type(e).__name__}: {e}")
+        await refuse(ws, WireError("SESSION_ERROR", f"node {node.url} did not take the session: "
+                                   f"{type(e).__name__}: {e}").frame())
+        return
+    scheduler.session_opened(node)
+    try:
         async with upstream:
             await _pump(ws, upstream, node)
     finally:
-        scheduler.session_closed(node, opened=connected)
+        scheduler.session_closed(node, opened=True)
 
 
 def _heartbeat(config: Any) -> float | None:
