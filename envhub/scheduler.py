@@ -390,7 +390,7 @@ class SchedulerService:
                     raise Unavailable(f"instance {instance_id!r} is on node {existing.node_url}, "
                                       "which is no longer configured")
                 reply = await self.call(node, "POST", "/instances", idempotent=True,
-                                         json={**body, "instance_id": instance_id})
+                                        json={**body, "instance_id": instance_id})
                 return reply.status, reply.body
             if node is not None and node.healthy:
                 node.creating.add(instance_id)  # an earlier attempt's node: it may hold the instance already
@@ -409,7 +409,7 @@ class SchedulerService:
                              task_id=task_id)
             await routes.touch_affinity(self.db, task_key, node.url)
             reply = await self.call(node, "POST", "/instances", json=forwarded, idempotent=True,
-                                     timeout=self.settings.forward_timeout)
+                                    timeout=self.settings.forward_timeout)
             answered, mark = True, reply.slots
             created = reply.status in (200, 201)
             if created:
@@ -470,7 +470,7 @@ class SchedulerService:
             raise UpstreamUnavailable(f"instance {instance_id!r} is on node {node.url}, which is down",
                                       extra={"node": node.url, "instance_id": instance_id})
         reply = await self.call(node, method, f"/instances/{instance_id}{suffix}", data=body or None,
-                                 idempotent=idempotent, timeout=self.settings.forward_timeout)
+                                idempotent=idempotent, timeout=self.settings.forward_timeout)
         return reply.status, reply.body
 
     async def release(self, instance_id: str, method: str = "POST") -> tuple[int, bytes]:
