@@ -59,7 +59,9 @@ class EnvhubProcess:
     """``python -m envhub serve`` in a subprocess, polled until /health answers."""
 
     def __init__(self, data_dir: Path, *args: str, role: str = "node", env: dict[str, str] | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, python: str = sys.executable, prefix: tuple[str, ...] = ()) -> None:
+        """``prefix`` goes before the command (``setpriv ...`` to run it as another user,
+        say), which must then exec it, so that the pid stays the node's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
@@ -70,12 +72,13 @@ class EnvhubProcess:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
         self.env.update(env or {})
         self.log_path = data_dir.parent / f"envhub-{self.port}.log"
+        self.command = [*prefix, python, "-m", "envhub"]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30) -> "EnvhubProcess":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "envhub", *self.args], stdout=self._log,
+        self.proc = subprocess.Popen([*self.command, *self.args], stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, cwd=REPO)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

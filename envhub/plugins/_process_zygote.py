@@ -16,6 +16,8 @@ Invariants:
   A copy of it made by ``os.fork()`` in user code never writes to the channel.
 - As root, the zygote lives in its own network namespace (no network for sandboxes) and
   mount namespace (see :func:`open_up`); the node's view of the host never changes.
+  Without root, or where a namespace could not be made, every interpreter restricts
+  itself with Landlock before it runs any cell (see :func:`use_landlock`).
 - The zygote dies with the node (``PR_SET_PDEATHSIG``) and interpreters die with the
   zygote. When the node closes the control socket, the zygote kills every sandbox,
   removes their working dirs and exits.
@@ -481,6 +483,9 @@ class Interpreter:
             os.setgid(uid)
             os.setuid(uid)
         _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries would escape the uid kill
+        if _landlock is not None:  # after no_new_privs, which Landlock requires
+            _landlock.restrict_self(_landlock_fd)
+            os.close(_landlock_fd)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
         if os.getppid() != self.zygote_pid:
             raise RuntimeError("the zygote died while the sandbox started")
@@ -839,10 +844,60 @@ def hide(paths: list[str], keep: list[str], scratch: str) -> list[str]:
     return left
 
 
+# Set by use_landlock(): the module (loaded by path, see _landlock.py) and the ruleset
+# that each interpreter puts itself under in Interpreter.setup().
+_landlock: Any = None
+_landlock_fd = -1
+
+
+def use_landlock(hidden: list[str], keep: list[str], deny_tcp: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """Have every interpreter restrict itself with Landlock: ``hidden`` out of reach
+    (``keep`` excepted), and with ``deny_tcp`` no TCP. Returns what the ruleset covers,
+    or ``None`` and why it is not used.
+
+    A forked probe applies the ruleset first and must fail to open a hidden path, so an
+    interpreter never starts under a ruleset that does not take or does not hide.
+    """
+    global _landlock, _landlock_fd
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "_envhub_landlock", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_landlock.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        fd, info = module.ruleset(hidden, keep, deny_tcp=deny_tcp)
+    except OSError as e:
+        return None, str(e)
+    probe = next((p for p in hidden if os.path.exists(p)), None)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _prctl(PR_SET_NO_NEW_PRIVS, 1)
+            module.restrict_self(fd)
+            if probe is not None:
+                try:
+                    os.close(os.open(probe, os.O_RDONLY | os.O_CLOEXEC))
+                    code = 3
+                except PermissionError:
+                    pass
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        os.close(fd)
+        why = "could still open " + probe if os.waitstatus_to_exitcode(status) == 3 else "did not take"
+        return None, f"the Landlock ruleset {why} in a test process"
+    _landlock, _landlock_fd = module, fd
+    return info, None
+
+
 def main(argv: list[str]) -> None:
     """``argv[1]`` is JSON: ctl_fd, parent_pid, isolate_network, preload, work_root,
-    hide (root only: see :func:`hide`), killer_uid (root only: a uid no process runs as,
-    see :func:`kill_uid`)."""
+    hide (see :func:`hide` and :func:`use_landlock`), killer_uid (root only: a uid no
+    process runs as, see :func:`kill_uid`)."""
     conf = json.loads(argv[1])
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != conf["parent_pid"]:
@@ -851,20 +906,32 @@ def main(argv: list[str]) -> None:
     root = os.geteuid() == 0
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of user code come to us and get reaped
     killer_uid = conf.get("killer_uid")
-    netns, blocked, unhidden = False, [], []
+    netns, blocked, unhidden, landlock = False, [], [], None
+    hidden = conf.get("hide") or []
+    keep = [conf["work_root"], *_python_dirs()]
     if root:
         # Sandboxes run as other uids, which must still reach Python and their dirs, and
         # must not read the node's records or the datasets behind the hidden tests.
-        keep = [conf["work_root"], *_python_dirs()]
         blocked = open_up(keep)
-        unhidden = hide(conf.get("hide") or [], keep, conf["work_root"])
+        unhidden = hide(hidden, keep, conf["work_root"])
         if conf["isolate_network"]:
             # Once, here: every child inherits a network namespace holding only a down
             # loopback. Unix sockets and passed fds are not affected.
             netns = _libc.unshare(CLONE_NEWNET) == 0
+    else:
+        unhidden = [f"{p}: no root to cover it" for p in hidden if os.path.lexists(p)]
+    if not root or unhidden or (conf["isolate_network"] and not netns):
+        # What the namespaces could not do (no root, or root without CAP_SYS_ADMIN in a
+        # container), Landlock does: without root, sandboxes run as the node's own user.
+        landlock, why = use_landlock(hidden, keep, conf["isolate_network"] and not netns)
+        if landlock is not None:
+            unhidden = []
+        else:
+            unhidden = [f"{u} ({why})" for u in unhidden]
     prepare(conf["preload"])
-    ctl.send(json.dumps({"ready": True, "root": root, "network_isolated": netns,
-                         "unreachable": blocked, "unhidden": unhidden}).encode())
+    ctl.send(json.dumps({"ready": True, "root": root,
+                         "network_isolated": netns or bool(landlock and landlock["tcp_denied"]),
+                         "landlock": landlock, "unreachable": blocked, "unhidden": unhidden}).encode())
     Zygote(ctl, killer_uid).serve()
 
 

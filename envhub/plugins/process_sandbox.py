@@ -23,11 +23,16 @@ Policy and invariants:
   node's data dir (database and trial logs, which hold every grading) and the datasets
   environments name (``Environment.sandbox_hidden``: the hidden tests) are covered by
   empty, root-only mounts. A path that cannot be covered is logged at start.
-- Without root there is no uid switch and no isolation: RLIMIT_NPROC is only set when
-  configured (it would count every process of the node's user), destroy kills the
-  process group only (a ``setsid()`` escapee survives), sandboxes can read each other's
-  files, the node's data dir and the datasets, and have the network. Run the node as
-  root for untrusted code.
+- Without root (or where root cannot make those namespaces, as in a container without
+  CAP_SYS_ADMIN), every interpreter restricts itself with Landlock (Linux 5.13+, see
+  ``_landlock.py``) before it runs a cell: the node's data dir and the datasets can be
+  neither read nor written, TCP is denied when ``isolate_network`` is on (ABI 4+; UDP
+  is not covered), and signals to processes outside the sandbox, the node's included,
+  are refused (ABI 6+). What Landlock cannot cover is logged at start.
+- Without root there is still no uid switch: RLIMIT_NPROC is only set when configured
+  (it would count every process of the node's user), destroy kills the process group
+  only (a ``setsid()`` escapee survives), and sandboxes can read each other's dirs. Run
+  the node as root for untrusted code.
 - Control requests to the zygote are serialized by one ``asyncio.Lock`` and replies are
   matched by request id, so a cancelled caller never puts the channel out of step; a
   spawn runs in a shielded task that takes ownership of the new interpreter's fds.
@@ -200,10 +205,11 @@ class ProcessSandbox(Sandbox):
     ``max_processes`` (64, RLIMIT_NPROC), ``max_file_mb`` (256, RLIMIT_FSIZE),
     ``output_limit`` (65536 bytes per stream, head and tail kept), ``kill_grace`` (1.0 s
     after the timeout before the hard kill), ``uid_base`` (200000), ``max_sandboxes``
-    (4096), ``isolate_network`` (true; root only), ``python`` (the interpreter,
+    (4096), ``isolate_network`` (true; as root a network namespace, else Landlock's TCP
+    denial), ``python`` (the interpreter,
     default ``sys.executable``), ``preload`` (extra fork-safe modules, or ``.py`` files
     imported under their file's stem, to import in the zygote), ``hide`` (more paths
-    episode code must not read, as root; the node's data dir and its environments'
+    episode code must not read; the node's data dir and its environments'
     datasets are always hidden), ``env`` (variables for every sandbox), ``start_timeout``
     (30 s), ``lazy_start`` (true: the interpreter is forked by the first :meth:`exec`,
     not by :meth:`create`, so an episode that never runs code costs no process).
@@ -246,6 +252,7 @@ class ProcessSandbox(Sandbox):
                     **{str(k): str(v) for k, v in (c.get("env") or {}).items()}}
         self.root = os.geteuid() == 0
         self.network_isolated = False  # known once the zygote has started
+        self.landlock: dict[str, Any] | None = None  # what the zygote's Landlock ruleset covers, if one is used
         self._boxes: dict[str, _Box] = {}
         # Free uid offsets, reused last-in first-out: few distinct uids get used, so the
         # purge on a uid's first use in this node (see _spawn) is rare.
@@ -347,9 +354,16 @@ class ProcessSandbox(Sandbox):
                 "move sandboxes.process.work_root / python elsewhere")
         if hello.get("unhidden"):
             log.warning("process sandbox: episode code can read %s", "; ".join(hello["unhidden"]))
+        self.landlock = hello.get("landlock")
+        if self.landlock:
+            log.info("process sandbox: Landlock ABI %s (%s rules)%s%s", self.landlock["abi"], self.landlock["rules"],
+                     "; TCP denied" if self.landlock["tcp_denied"] else "",
+                     "; signals and abstract sockets scoped" if self.landlock["scoped"] else "")
         self.network_isolated = bool(hello.get("network_isolated"))
-        if self.root and self.isolate_network and not self.network_isolated:
-            log.warning("process sandbox: unshare(CLONE_NEWNET) failed; sandboxes have network access")
+        if self.isolate_network and not self.network_isolated:
+            log.warning("process sandbox: sandboxes have network access (%s)",
+                        "unshare(CLONE_NEWNET) failed and Landlock cannot deny TCP" if self.root
+                        else "without root only Landlock ABI 4+ can deny TCP, and it is not available")
 
     async def _close_zygote(self) -> None:
         if self._ctl is not None:
