@@ -154,15 +154,16 @@ def sandbox_dirs(data_dir: Path) -> list[Path]:
     return sorted(root.iterdir()) if root.is_dir() else []
 
 
-def sandbox_uids_processes(uid_min: int = 200000) -> list[tuple[int, int]]:
-    """(pid, uid) of every process running under a sandbox uid."""
+def sandbox_uids_processes(uid_min: int = 200000, uid_max: int = 2**32) -> list[tuple[int, int]]:
+    """(pid, uid) of every process running under a sandbox uid (in ``[uid_min, uid_max)``:
+    a node's own ``uid_base`` range, so that other nodes on the machine do not count)."""
     out = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             for line in status.read_text().splitlines():
                 if line.startswith("Uid:"):
                     uid = int(line.split()[1])
-                    if uid >= uid_min:
+                    if uid_min <= uid < uid_max:
                         out.append((int(status.parent.name), uid))
                     break
         except (OSError, ValueError):
@@ -182,7 +183,12 @@ def faulty_plugin_env(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parent)])}
 
 
+FAULTY_UID_BASE = 3_100_000  # the faulty node's sandbox uids: [FAULTY_UID_BASE, + 64)
+
+
 @pytest.fixture
 def faulty_node(start_node, tmp_path):
-    """A node with the faulty test environment (see faulty_plugin_env)."""
-    return start_node("--capacity", "2", env=faulty_plugin_env(tmp_path))
+    """A node with the faulty test environment (see faulty_plugin_env), its sandboxes
+    under uids of their own, which no other node on the machine uses."""
+    return start_node("--capacity", "2", "--set", f"sandboxes.process.uid_base={FAULTY_UID_BASE}",
+                      "--set", "sandboxes.process.max_sandboxes=64", env=faulty_plugin_env(tmp_path))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import sandbox_dirs, sandbox_uids_processes
+from conftest import FAULTY_UID_BASE, sandbox_dirs, sandbox_uids_processes
 
 def test_unexpected_exception_is_a_500_envelope_without_traceback(faulty_node):
     with faulty_node.client() as c:
@@ -21,6 +21,10 @@ def test_unexpected_exception_is_a_500_envelope_without_traceback(faulty_node):
         assert "secret traceback" in faulty_node.log(), "the traceback goes to the server log"
         ok = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run", "arguments": {"code": "print(1)"}}})
         assert ok.json()["observation"]["content"] == "1\n", "the instance survives a crashing step"
+        if os.geteuid() == 0:  # the uid range the leak check below looks at
+            uid = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run", "arguments": {
+                "code": "import os; print(os.getuid())"}}}).json()["observation"]["content"]
+            assert FAULTY_UID_BASE <= int(uid) < FAULTY_UID_BASE + 64
         c.post(f"/instances/{iid}/release")
 
 
@@ -41,7 +45,7 @@ def test_failed_create_leaks_no_slot_sandbox_or_live_row(faulty_node):
         assert c.get("/instances", params={"state": "creating,active"}).json()["total"] == 0
     assert sandbox_dirs(faulty_node.data_dir) == []
     if os.geteuid() == 0:
-        assert sandbox_uids_processes() == []
+        assert sandbox_uids_processes(FAULTY_UID_BASE, FAULTY_UID_BASE + 64) == []
 
 
 def test_create_cut_off_by_its_client_can_be_retried_with_the_same_id(faulty_node):
