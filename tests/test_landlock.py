@@ -52,6 +52,24 @@ def test_allowed_paths_reach_everything_but_the_hidden(tmp_path):
     assert _landlock.allowed_paths([], keep) == ["/"]
 
 
+def test_a_hidden_file_inside_a_kept_dir_stays_hidden(tmp_path):
+    """An editable install puts the repo on the zygote's sys.path (kept), and the bundled
+    dataset lies inside it (hidden): everything in the repo but the dataset is allowed."""
+    repo = tmp_path / "repo"
+    (repo / "envhub" / "data").mkdir(parents=True)
+    (repo / "envhub" / "data" / "mbpp_sample.jsonl").write_text("")
+    (repo / "envhub" / "data" / "terminal-bench").mkdir()
+    (repo / "envhub" / "cli.py").write_text("")
+    (repo / "README.md").write_text("")
+
+    allowed = set(_landlock.allowed_paths([str(repo / "envhub" / "data" / "mbpp_sample.jsonl")], [str(repo)]))
+
+    assert {str(repo / "README.md"), str(repo / "envhub" / "cli.py"),
+            str(repo / "envhub" / "data" / "terminal-bench")} <= allowed
+    assert not allowed & {str(repo), str(repo / "envhub"), str(repo / "envhub" / "data"),
+                          str(repo / "envhub" / "data" / "mbpp_sample.jsonl")}
+
+
 def _python_for(prefix: list[str]) -> tuple[str, dict[str, str]] | None:
     """A Python of this minor version that can run envhub from this checkout under
     ``prefix`` (another user may not reach a pyenv under /root), and its environment."""

@@ -20,7 +20,8 @@ Invariants:
   ancestors themselves get none, so episode code can still open paths inside them
   that have rules but cannot list them or create entries directly in them.
 - A path in ``keep`` (the sandboxes' work root, Python's own dirs) is allowed even inside
-  a hidden dir; only the way to it is traversed there.
+  a hidden dir; only the way to it is traversed there. A hidden path inside a kept one
+  stays hidden: the deeper of the two decides.
 - A symlink entry gets a rule for its target (the rule is taken on the resolved inode)
   only when that target is neither hidden nor on the way to a hidden path, so no link
   reopens what is hidden. Landlock checks the resolved location, never the path used.
@@ -112,10 +113,9 @@ def allowed_paths(hidden: Iterable[str], keep: Iterable[str]) -> list[str]:
             return  # unlistable: nothing in it gets a rule but what keep names
         for name in names:
             path = os.path.join(folder, name)
-            if path in keep:
-                out.append(path)
-                continue
-            inside = denied or path in hidden
+            # The deepest of hidden and keep decides: the repo on an editable install's
+            # sys.path is kept, the bundled dataset inside it hidden all the same.
+            inside = True if path in hidden else False if path in keep else denied
             if path in split and os.path.isdir(path) and not os.path.islink(path):
                 walk(path, inside)
                 continue
@@ -127,7 +127,7 @@ def allowed_paths(hidden: Iterable[str], keep: Iterable[str]) -> list[str]:
             out.append(path)
 
     walk("/", "/" in hidden)
-    for k in inner_keep:  # a keep path whose way in could not be listed
+    for k in inner_keep - split:  # a keep path whose way in could not be listed
         if k not in out and os.path.exists(k):
             out.append(k)
     return out

@@ -855,8 +855,8 @@ def use_landlock(hidden: list[str], keep: list[str], deny_tcp: bool) -> tuple[di
     (``keep`` excepted), and with ``deny_tcp`` no TCP. Returns what the ruleset covers,
     or ``None`` and why it is not used.
 
-    A forked probe applies the ruleset first and must fail to open a hidden path, so an
-    interpreter never starts under a ruleset that does not take or does not hide.
+    A forked probe applies the ruleset first and must fail to open every hidden path, so
+    an interpreter never starts under a ruleset that does not take or does not hide.
     """
     global _landlock, _landlock_fd
     import importlib.util
@@ -869,26 +869,28 @@ def use_landlock(hidden: list[str], keep: list[str], deny_tcp: bool) -> tuple[di
         fd, info = module.ruleset(hidden, keep, deny_tcp=deny_tcp)
     except OSError as e:
         return None, str(e)
-    probe = next((p for p in hidden if os.path.exists(p)), None)
+    probes = [p for p in hidden if os.path.exists(p)]
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             _prctl(PR_SET_NO_NEW_PRIVS, 1)
             module.restrict_self(fd)
-            if probe is not None:
+            for n, probe in enumerate(probes):
                 try:
-                    os.close(os.open(probe, os.O_RDONLY | os.O_CLOEXEC))
-                    code = 3
+                    os.close(os.open(probe, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY))
+                    code = 10 + n
+                    break
                 except PermissionError:
                     pass
         except BaseException:
             code = 2
-        os._exit(code)
+        os._exit(min(code, 255))
     _, status = os.waitpid(pid, 0)
     if status != 0:
         os.close(fd)
-        why = "could still open " + probe if os.waitstatus_to_exitcode(status) == 3 else "did not take"
+        code = os.waitstatus_to_exitcode(status)
+        why = f"could still open {probes[code - 10]}" if 10 <= code < 10 + len(probes) else "did not take"
         return None, f"the Landlock ruleset {why} in a test process"
     _landlock, _landlock_fd = module, fd
     return info, None
