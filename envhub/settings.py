@@ -67,6 +67,9 @@ class Settings:
     network: dict[str, dict[str, Any]] = field(default_factory=dict)
     access_log: bool = False
     release_on_shutdown: bool = False
+    # Not a setting: the YAML file load() read, if any. The process sandbox hides it
+    # from episode code, since it may hold API keys.
+    config_file: Path | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -99,7 +102,10 @@ class Settings:
             data = _read_yaml(Path(config_path))
         _deep_merge(data, _from_environ(environ))
         _deep_merge(data, dict(overrides or {}))
-        return cls.from_dict(data)
+        settings = cls.from_dict(data)
+        if config_path:
+            settings.config_file = Path(config_path).resolve()
+        return settings
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -108,7 +114,7 @@ class Settings:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Settings":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise StartupError(f"unknown setting(s): {', '.join(unknown)}")
@@ -212,4 +218,4 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
         raise StartupError(f"setting {name!r} has a bad value {value!r}: {e}") from None
 
 
-_FIELD_NAMES = {f.name for f in dataclasses.fields(Settings)}
+_FIELD_NAMES = {f.name for f in dataclasses.fields(Settings) if f.init}

@@ -110,8 +110,8 @@ def open_dir():
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenario, open_dir):
-    """Episode code cannot open the dataset, the node's database or its trial logs, nor
-    connect to the node's port; beside each of those, a file it may read shows that only
+    """Episode code cannot open the dataset, the node's database, its trial logs or its
+    config file, nor connect to the node's port; beside each of those, a file it may read shows that only
     the cover stops it (the uids and modes alone would let it through). Grading works."""
     prefix = SCENARIOS[scenario]
     found = _python_for(SCENARIOS["nobody"])  # the zygote's too: sandbox uids must reach it
@@ -126,7 +126,10 @@ def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenar
     data.mkdir()
     if scenario == "nobody":
         os.chown(data, NOBODY, NOBODY)
-    node = EnvhubProcess(data, "--set", f"environments.mbpp.path={dataset}",
+    config = open_dir / "node.yaml"  # beside visible.txt; it may hold API keys
+    config.write_text("capacity: 8  # and a key for the network mode: secret\n")
+    config.chmod(0o644)
+    node = EnvhubProcess(data, "--config", str(config), "--set", f"environments.mbpp.path={dataset}",
                          "--set", "environments.terminal-bench.enabled=false",
                          "--set", f"sandboxes.process.python={python}", python=python, prefix=tuple(prefix), env=env)
     try:
@@ -145,7 +148,7 @@ def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenar
             assert "fib(30)" in log.read_text(), "the log holds the hidden tests"
             iid = client.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
             paths = [str(dataset), str(data / "envhub.db"), str(data / "envhub.db-wal"), str(data),
-                     str(data / "trials"), str(log)]
+                     str(data / "trials"), str(log), str(config)]
             code = f"""
 import os, socket, tempfile
 seen = {{}}

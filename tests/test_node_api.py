@@ -188,15 +188,17 @@ FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a
 @pytest.mark.skipif(os.geteuid() != 0, reason="sandbox uids and the zygote's mount namespace need root")
 def test_episode_code_cannot_read_the_dataset_or_the_node_records(start_node, tmp_path):
     """The hidden tests stay hidden from run_python: the dataset file, the node's data dir
-    (its trial logs record every grading) and its database, here kept elsewhere, are
-    covered for sandboxes, even with the sandboxes' own dirs inside that data dir (which
+    (its trial logs record every grading), its database, here kept elsewhere, and its
+    config file are covered for sandboxes, even with the sandboxes' own dirs inside that data dir (which
     they may pass through but not list). Grading still works."""
     tmp_path.chmod(0o755)  # pytest makes it 0700, which alone would keep sandbox uids out of it
     dataset = tmp_path / "mbpp.jsonl"
     dataset.write_text((Path(envhub.__file__).parent / "data" / "mbpp_sample.jsonl").read_text())
     data = tmp_path / "data0"  # start_node's first data dir
     db = tmp_path / "elsewhere" / "envhub.db"  # a database outside the data dir, and its WAL
-    node = start_node("--set", f"environments.mbpp.path={dataset}", "--set", f"db_path={db}",
+    config = tmp_path / "node.yaml"  # its config file, which may hold API keys
+    config.write_text("capacity: 8  # and a key for the network mode: secret\n")
+    node = start_node("--config", str(config), "--set", f"environments.mbpp.path={dataset}", "--set", f"db_path={db}",
                       "--set", f"sandboxes.process.work_root={data / 'sandboxes'}")
     with node.client() as client:
         graded = create(client, trial="hidden")["instance_id"]
@@ -209,7 +211,7 @@ def test_episode_code_cannot_read_the_dataset_or_the_node_records(start_node, tm
 import os
 seen = {{}}
 for path in {[str(dataset), str(db), f"{db}-wal", str(data), str(data / "trials"), str(log),
-              str(data / "sandboxes")]!r}:
+              str(data / "sandboxes"), str(config)]!r}:
     try:
         seen[path] = os.listdir(path) if os.path.isdir(path) else open(path).read(100)
     except OSError as e:

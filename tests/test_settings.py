@@ -48,3 +48,16 @@ def test_bad_config_is_refused_with_a_clear_message(tmp_path, yaml_text, message
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(StartupError, match="does not exist"):
         Settings.load(tmp_path / "nope.yaml", environ={})
+
+
+def test_the_config_file_read_is_remembered_but_is_not_a_setting(tmp_path):
+    """The process sandbox hides the file settings came from (it may hold API keys), so
+    load() keeps its path; nobody can set that path as a setting."""
+    cfg = tmp_path / "node.yaml"
+    cfg.write_text("capacity: 3\n")
+    assert Settings.load(cfg, environ={}).config_file == cfg.resolve()
+    assert Settings.load(None, environ={}).config_file is None
+    cfg.write_text("config_file: /elsewhere.yaml\n")
+    with pytest.raises(StartupError, match="unknown setting"):
+        Settings.load(cfg, environ={})
+    assert Settings.load(None, environ={"ENVHUB_CONFIG_FILE": "/x.yaml"}).config_file is None

@@ -20,15 +20,16 @@ Policy and invariants:
 - As root the zygote also has a private mount namespace in which sandbox uids can
   traverse the ancestors of ``work_root`` and of the Python install (a pyenv under
   ``/root``, pytest's 0700 temp dirs), without any change to the host, and in which the
-  node's data dir (database and trial logs, which hold every grading) and the datasets
-  environments name (``Environment.sandbox_hidden``: the hidden tests) are covered by
-  empty, root-only mounts. A path that cannot be covered is logged at start.
+  node's data dir (database and trial logs, which hold every grading), its config file
+  (API keys) and the datasets environments name (``Environment.sandbox_hidden``: the
+  hidden tests) are covered by empty, root-only mounts. A path that cannot be covered is
+  logged at start.
 - Without root (or where root cannot make those namespaces, as in a container without
   CAP_SYS_ADMIN), every interpreter restricts itself with Landlock (Linux 5.13+, see
-  ``_landlock.py``) before it runs a cell: the node's data dir and the datasets can be
-  neither read nor written, TCP is denied when ``isolate_network`` is on (ABI 4+; UDP
-  is not covered), and signals to processes outside the sandbox, the node's included,
-  are refused (ABI 6+). What Landlock cannot cover is logged at start.
+  ``_landlock.py``) before it runs a cell: the same paths can be neither read nor
+  written, TCP is denied when ``isolate_network`` is on (ABI 4+; UDP is not covered),
+  and signals to processes outside the sandbox, the node's included, are refused
+  (ABI 6+). What Landlock cannot cover is logged at start.
 - Without root there is still no uid switch: RLIMIT_NPROC is only set when configured
   (it would count every process of the node's user), destroy kills the process group
   only (a ``setsid()`` escapee survives), and sandboxes can read each other's dirs. Run
@@ -209,8 +210,8 @@ class ProcessSandbox(Sandbox):
     denial), ``python`` (the interpreter,
     default ``sys.executable``), ``preload`` (extra fork-safe modules, or ``.py`` files
     imported under their file's stem, to import in the zygote), ``hide`` (more paths
-    episode code must not read; the node's data dir and its environments'
-    datasets are always hidden), ``env`` (variables for every sandbox), ``start_timeout``
+    episode code must not read; the node's data dir and config file and its
+    environments' datasets are always hidden), ``env`` (variables for every sandbox), ``start_timeout``
     (30 s), ``lazy_start`` (true: the interpreter is forked by the first :meth:`exec`,
     not by :meth:`create`, so an episode that never runs code costs no process).
     ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
@@ -759,7 +760,8 @@ def _path_list(config: Mapping[str, Any], key: str) -> list[str]:
 
 def _node_records(settings: Any) -> list[str]:
     """The node's own files that episode code must not read: its data dir (database,
-    trial logs) and a database kept outside it, with its WAL files."""
+    trial logs), a database kept outside it, with its WAL files, and its config file
+    (API keys)."""
     data_dir = getattr(settings, "data_dir", None)
     if data_dir is None:
         return []
@@ -767,6 +769,9 @@ def _node_records(settings: Any) -> list[str]:
     db = getattr(settings, "db_path", None)
     if db is not None and not os.path.abspath(str(db)).startswith(paths[0] + os.sep):
         paths += [f"{os.path.abspath(str(db))}{suffix}" for suffix in ("", "-wal", "-shm")]
+    config = getattr(settings, "config_file", None)
+    if config is not None:
+        paths.append(os.path.abspath(str(config)))
     return paths
 
 
