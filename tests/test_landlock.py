@@ -111,8 +111,9 @@ def open_dir():
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenario, open_dir):
     """Episode code cannot open the dataset, the node's database, its trial logs or its
-    config file, nor connect to the node's port; beside each of those, a file it may read shows that only
-    the cover stops it (the uids and modes alone would let it through). Grading works."""
+    config file, nor connect to the node's port or signal the node. A file beside the
+    dataset and the config, which it may read, shows that only the cover stops it (the
+    uids and modes alone would let it through). Grading still works."""
     prefix = SCENARIOS[scenario]
     found = _python_for(SCENARIOS["nobody"])  # the zygote's too: sandbox uids must reach it
     if found is None:

@@ -207,13 +207,13 @@ class ProcessSandbox(Sandbox):
     ``output_limit`` (65536 bytes per stream, head and tail kept), ``kill_grace`` (1.0 s
     after the timeout before the hard kill), ``uid_base`` (200000), ``max_sandboxes``
     (4096), ``isolate_network`` (true; as root a network namespace, else Landlock's TCP
-    denial), ``python`` (the interpreter,
-    default ``sys.executable``), ``preload`` (extra fork-safe modules, or ``.py`` files
-    imported under their file's stem, to import in the zygote), ``hide`` (more paths
-    episode code must not read; the node's data dir and config file and its
-    environments' datasets are always hidden), ``env`` (variables for every sandbox), ``start_timeout``
-    (30 s), ``lazy_start`` (true: the interpreter is forked by the first :meth:`exec`,
-    not by :meth:`create`, so an episode that never runs code costs no process).
+    denial), ``python`` (the interpreter, default ``sys.executable``), ``preload``
+    (extra fork-safe modules, or ``.py`` files imported under their file's stem, to
+    import in the zygote), ``hide`` (more paths episode code must not read; the node's
+    data dir and config file and its environments' datasets are always hidden), ``env``
+    (variables for every sandbox), ``start_timeout`` (30 s), ``lazy_start`` (true: the
+    interpreter is forked by the first :meth:`exec`, not by :meth:`create`, so an
+    episode that never runs code costs no process).
     ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
     ``max_processes``; ``cpus`` is not enforced.
 
