@@ -645,15 +645,10 @@ def prepare(preload: list[str]) -> None:
     import gc
     import importlib
 
-    import importlib.util
-
     for name in (*PRELOAD, *preload):
         try:
             if name.endswith(".py"):  # a file: importable as its stem, e.g. an environment's grader
-                spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[spec.name] = module
-                spec.loader.exec_module(module)
+                _load_file(name, os.path.basename(name)[:-3])
             else:
                 importlib.import_module(name)
         except Exception as e:
@@ -672,6 +667,18 @@ def prepare(preload: list[str]) -> None:
     gc.collect()
     gc.freeze()
     _libc.malloc_trim(0)  # freed heap pages would be copied by every fork
+
+
+def _load_file(path: str, name: str) -> types.ModuleType:
+    """Import the ``.py`` file at ``path`` as module ``name``: ``python -I`` puts no script
+    dir on ``sys.path``, so the zygote's own helpers and environments' graders come so."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _dry_run() -> None:
@@ -859,13 +866,9 @@ def use_landlock(hidden: list[str], keep: list[str], deny_tcp: bool) -> tuple[di
     an interpreter never starts under a ruleset that does not take or does not hide.
     """
     global _landlock, _landlock_fd
-    import importlib.util
-
     try:
-        spec = importlib.util.spec_from_file_location(
-            "_envhub_landlock", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_landlock.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _load_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_landlock.py"),
+                            "_envhub_landlock")
         fd, info = module.ruleset(hidden, keep, deny_tcp=deny_tcp)
     except OSError as e:
         return None, str(e)

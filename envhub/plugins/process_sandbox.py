@@ -253,7 +253,6 @@ class ProcessSandbox(Sandbox):
                     **{str(k): str(v) for k, v in (c.get("env") or {}).items()}}
         self.root = os.geteuid() == 0
         self.network_isolated = False  # known once the zygote has started
-        self.landlock: dict[str, Any] | None = None  # what the zygote's Landlock ruleset covers, if one is used
         self._boxes: dict[str, _Box] = {}
         # Free uid offsets, reused last-in first-out: few distinct uids get used, so the
         # purge on a uid's first use in this node (see _spawn) is rare.
@@ -355,11 +354,11 @@ class ProcessSandbox(Sandbox):
                 "move sandboxes.process.work_root / python elsewhere")
         if hello.get("unhidden"):
             log.warning("process sandbox: episode code can read %s", "; ".join(hello["unhidden"]))
-        self.landlock = hello.get("landlock")
-        if self.landlock:
-            log.info("process sandbox: Landlock ABI %s (%s rules)%s%s", self.landlock["abi"], self.landlock["rules"],
-                     "; TCP denied" if self.landlock["tcp_denied"] else "",
-                     "; signals and abstract sockets scoped" if self.landlock["scoped"] else "")
+        landlock = hello.get("landlock")
+        if landlock:
+            log.info("process sandbox: Landlock ABI %s (%s rules)%s%s", landlock["abi"], landlock["rules"],
+                     "; TCP denied" if landlock["tcp_denied"] else "",
+                     "; signals and abstract sockets scoped" if landlock["scoped"] else "")
         self.network_isolated = bool(hello.get("network_isolated"))
         if self.isolate_network and not self.network_isolated:
             log.warning("process sandbox: sandboxes have network access (%s)",
