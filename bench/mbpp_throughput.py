@@ -13,6 +13,7 @@ it shows a change in the fork path even in a noisy phase); writes the figures as
     python bench/mbpp_throughput.py --runs 5             # five passes; prints the median
     python bench/mbpp_throughput.py --url http://127.0.0.1:8000 --api-key K
     python bench/mbpp_throughput.py --data-dir /var/tmp/envhub-bench   # node state on that disk
+    python bench/mbpp_throughput.py --runs 5 --baseline  # and the host's reference after each
 
 The node it starts keeps its state (SQLite, trial logs) in a fresh dir on tmpfs
 (/dev/shm) by default, removed afterwards. The figure is then the cost of envhub, not
@@ -33,6 +34,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -240,6 +242,8 @@ def main() -> None:
                     help="where the node it starts keeps its state (kept); default: a temp dir on tmpfs")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                     help="a setting for the node it starts, as envhub serve --set (repeatable)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="after each pass, measure the host's reference (mbpp_baseline.py --mode fork)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "mbpp_throughput.json")
     args = ap.parse_args()
 
@@ -257,6 +261,9 @@ def main() -> None:
     try:
         for _ in range(args.runs):  # on one node: a new node per run would churn its disk
             runs.append(measure(url, args.api_key, task_ids, args, proc))
+            if args.baseline:
+                ref = runs[-1]["baseline"] = baseline(args.data, args.limit)
+                ref["of_baseline"] = round(runs[-1]["tasks_per_s"] / ref["tasks_per_s"], 3)
             report(runs[-1])
     finally:
         if proc is not None:
@@ -276,6 +283,9 @@ def main() -> None:
     if len(runs) > 1:
         print(f"{len(runs)} runs: median {result['tasks_per_s_median']} tasks/s "
               f"(min {min(result['tasks_per_s'])}, max {max(result['tasks_per_s'])})")
+        if args.baseline:
+            result["of_baseline_median"] = statistics.median(r["baseline"]["of_baseline"] for r in runs)
+            print(f"  median of the passes' shares of their reference: {result['of_baseline_median']:.0%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
@@ -299,6 +309,18 @@ def measure(url: str, api_key: str | None, task_ids: list[str], args: argparse.N
     return result
 
 
+def baseline(data: Path, limit: int | None) -> dict:
+    """The host's reference figure, measured right after a pass by ``mbpp_baseline.py
+    --mode fork`` in a process of its own: forked from this one, which holds an event
+    loop and the client's state, each child would cost more and the reference read low."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "baseline.json"
+        subprocess.run([sys.executable, str(Path(__file__).with_name("mbpp_baseline.py")), "--mode", "fork",
+                        "--data", str(data), "--out", str(out), *(["--limit", str(limit)] if limit else [])],
+                       check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["results"][0]
+
+
 def report(result: dict) -> None:
     print(f"{result['tasks']} tasks, {result['clients']} clients: {result['tasks_per_s']} tasks/s "
           f"({result['elapsed_s']} s), full reward {result['full_reward']}, errors {result['error_count']}")
@@ -310,6 +332,10 @@ def report(result: dict) -> None:
         print("  page faults/task: " + ", ".join(f"{k} {v:.0f}" for k, v in result["faults_per_task"].items()))
     if result["not_full_reward"]:
         print("  below 1.0:", ", ".join(result["not_full_reward"]))
+    if result.get("baseline"):
+        ref = result["baseline"]
+        print(f"  reference right after, {ref['reference']} (no HTTP, no sandbox): {ref['tasks_per_s']} tasks/s;"
+              f" this pass ran at {ref['of_baseline']:.0%} of it")
 
 
 if __name__ == "__main__":
