@@ -5,6 +5,7 @@ a sandbox interpreter; the API tests cover it inside a real sandbox."""
 from __future__ import annotations
 
 import builtins
+import sys
 
 from envhub.plugins import _mbpp_harness
 from envhub.plugins.mbpp import prepare_tests
@@ -55,6 +56,19 @@ def test_passed_failed_error_and_timeout_are_told_apart():
     assert [r["status"] for r in out["results"]] == ["passed", "failed", "error", "timeout", "error"]
     assert "ValueError: negative" in out["results"][2]["error"]
     assert "SyntaxError" in out["results"][4]["error"]
+
+
+def test_what_graded_code_prints_goes_nowhere_and_the_streams_come_back(capsys):
+    """The grader swaps sys.stdout and sys.stderr by hand around each run; a timeout and a
+    solution that replaces the streams itself must not leave them swapped."""
+    streams = sys.stdout, sys.stderr
+    solution = ("import sys\nprint('solution says')\ndef f(n):\n    print('f says', n)\n"
+                "    sys.stderr.write('f complains')\n    while n == 99: pass\n    sys.stdout = None\n    return n")
+    out = grade(solution, ["assert f(1) == 1", "assert f(99) == 0", "print('test says') or f(2) == 2"], cpu=0.3)
+    assert [r["status"] for r in out["results"]] == ["passed", "timeout", "passed"], out
+    assert (sys.stdout, sys.stderr) == streams
+    printed = capsys.readouterr()
+    assert "says" not in printed.out and "complains" not in printed.err
 
 
 def test_a_solution_that_rebinds_builtins_cannot_change_its_grade():

@@ -155,6 +155,10 @@ async def test_trailing_expression_gives_value_and_repr(sandboxes, handle):
     assert (r.value, r.value_repr) == (None, "<class 'object'>")  # not JSON: repr only
     r = await sandboxes.exec(handle, "float('nan')", timeout=5)
     assert (r.value, r.value_repr) == (None, "nan")
+    r = await sandboxes.exec(handle, "c = [1]; c.append(c); c", timeout=5)
+    assert (r.value, r.value_repr, r.exception) == (None, "[1, [...]]", None)  # a cycle is not JSON
+    r = await sandboxes.exec(handle, "{'k': ('t', True, -0.5, 10**30, 'é')}", timeout=5)
+    assert r.value == {"k": ["t", True, -0.5, 10**30, "é"]}
     r = await sandboxes.exec(handle, "print('hi')", timeout=5)
     assert (r.value, r.value_repr, r.stdout) == (None, None, "hi\n")
     r = await sandboxes.exec(handle, "'x' * 10000", timeout=5)

@@ -45,6 +45,7 @@ comes first; no ``kill`` is sent.
 
 from __future__ import annotations
 
+import _signal
 import ast
 import builtins
 import ctypes
@@ -94,8 +95,35 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 # --- helpers shared with the node --------------------------------------------------
 
+def _c_encoder(allow_nan: bool) -> Any:
+    """The C encoder ``json.dumps`` uses with its default arguments, made once.
+
+    ``json.dumps`` makes one per call, through three Python frames. In a forked child each
+    page those first touch is a copy-on-write fault, about 5 us of CPU each on a VM;
+    encoding a grader's result this way costs the child about 15 faults fewer. There is
+    no circular-reference check: a cycle raises RecursionError, as nesting too deep does
+    with ``json.dumps``. None where ``_json`` is missing.
+    """
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return None
+    return make(None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None,
+                ": ", ", ", False, False, allow_nan)
+
+
+_ENCODERS = {True: _c_encoder(True), False: _c_encoder(False)}
+
+
+def dumps(obj: Any, allow_nan: bool = True) -> str:
+    """``json.dumps(obj, allow_nan=allow_nan)``, for less work (see :func:`_c_encoder`)."""
+    encoder = _ENCODERS[allow_nan]
+    if encoder is None:
+        return json.dumps(obj, allow_nan=allow_nan)
+    return "".join(encoder(obj, 0))
+
+
 def encode_frame(obj: Any) -> bytes:
-    body = json.dumps(obj).encode()
+    body = dumps(obj).encode()
     return _HEADER.pack(len(body)) + body
 
 
@@ -241,7 +269,7 @@ class Zygote:
         except Exception as e:  # the node turns it into SandboxError; the zygote stays up
             reply = {"error": f"{type(e).__name__}: {e}"}
         reply["id"] = req.get("id")
-        self.ctl.send(json.dumps(reply).encode())
+        self.ctl.send(dumps(reply).encode())
 
     def reap(self) -> None:
         while True:
@@ -315,7 +343,7 @@ class Zygote:
                 theirs.close()
             if created and workdir:
                 remove_tree(workdir)
-            self.ctl.send(json.dumps({"id": req.get("id"), "error": f"{type(e).__name__}: {e}"}).encode())
+            self.ctl.send(dumps({"id": req.get("id"), "error": f"{type(e).__name__}: {e}"}).encode())
             return
         if pid == 0:
             try:
@@ -332,7 +360,7 @@ class Zygote:
             self.once_uids[uid] = pid
         reply = {"id": req.get("id"), "pid": pid, "workdir": workdir}
         try:
-            socket.send_fds(self.ctl, [json.dumps(reply).encode()], fds)
+            socket.send_fds(self.ctl, [dumps(reply).encode()], fds)
         finally:
             theirs.close()
             for fd in fds:
@@ -527,8 +555,10 @@ class Interpreter:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         if inputs:
             self.globals.update(inputs)
-        # Re-installed each cell: an earlier cell may have replaced the handler.
-        signal.signal(signal.SIGALRM, self.on_alarm)
+        # Re-installed each cell: an earlier cell may have replaced the handler. Through
+        # _signal: signal.signal's conversions to and from enums cost a fresh child about
+        # 30 copy-on-write faults.
+        _signal.signal(signal.SIGALRM, self.on_alarm)
         self.fired = False
         try:
             try:
@@ -621,7 +651,7 @@ def _safe_repr(value: Any) -> str:
 
 def _json_value(value: Any, limit: int) -> Any:
     try:
-        text = json.dumps(value, allow_nan=False)  # NaN is not JSON; the node must relay it
+        text = dumps(value, allow_nan=False)  # NaN is not JSON; the node must relay it
     except (TypeError, ValueError, RecursionError):
         return None
     return value if len(text) <= limit else None
