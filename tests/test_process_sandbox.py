@@ -281,6 +281,19 @@ async def test_runs_as_an_unprivileged_uid_that_cannot_reach_other_sandboxes(san
 
 
 @pytest.mark.asyncio
+async def test_sandboxes_run_with_no_new_privs_and_die_with_the_zygote(sandboxes, handle):
+    """no_new_privs comes from the zygote (inherited), the parent-death signal from each
+    interpreter's setup (a uid change clears it): check both, in a persistent sandbox and
+    in a one-shot run."""
+    code = ("import ctypes\nsig = ctypes.c_int()\nctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)\n"
+            "[line.split()[1] for line in open('/proc/self/status') if line.startswith('NoNewPrivs')] + [sig.value]")
+    r = await sandboxes.exec(handle, code, timeout=5)
+    assert r.value == ["1", 9], r
+    r = await sandboxes.run_once(spec(), code, timeout=5)
+    assert r.value == ["1", 9], r
+
+
+@pytest.mark.asyncio
 async def test_sandboxes_are_isolated_in_variables_and_files(sandboxes):
     a, b = await sandboxes.create(spec()), await sandboxes.create(spec())
     await sandboxes.exec(a, "shared = 'a'\nopen('mine.txt', 'w').write('a')", timeout=5)

@@ -510,8 +510,7 @@ class Interpreter:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries would escape the uid kill
-        if _landlock is not None:  # after no_new_privs, which Landlock requires
+        if _landlock is not None:  # needs no_new_privs, inherited from the zygote (see main)
             _landlock.restrict_self(_landlock_fd)
             os.close(_landlock_fd)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
@@ -596,9 +595,14 @@ class Interpreter:
         return result
 
 
+# Without root, the zygote's hard limits, read once by prepare(): a sandbox can only
+# lower its limits to them. Nothing lowers the zygote's own, so they stay valid.
+_HARD_LIMITS: dict[int, int] = {}
+
+
 def _set_limit(res: int, soft: int, hard: int) -> None:
-    _, cur_hard = resource.getrlimit(res)
-    if cur_hard != resource.RLIM_INFINITY and os.geteuid() != 0:
+    cur_hard = _HARD_LIMITS.get(res, resource.RLIM_INFINITY)
+    if cur_hard != resource.RLIM_INFINITY:
         soft, hard = min(soft, cur_hard), min(hard, cur_hard)
     resource.setrlimit(res, (soft, hard))
 
@@ -692,6 +696,10 @@ def prepare(preload: list[str]) -> None:
         io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
         write_through=True)
     _libc.prctl.restype = ctypes.c_int
+    if os.geteuid() != 0:
+        for res in (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, resource.RLIMIT_CORE,
+                    resource.RLIMIT_NPROC):
+            _HARD_LIMITS[res] = resource.getrlimit(res)[1]
     sys.argv = [""]
     _dry_run()
     gc.collect()
@@ -964,6 +972,9 @@ def main(argv: list[str]) -> None:
         else:
             unhidden = [f"{u} ({why})" for u in unhidden]
     prepare(conf["preload"])
+    # Set once here, so every sandbox starts with it: setuid binaries would escape the uid
+    # kill. The zygote itself never executes another program.
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
     ctl.send(json.dumps({"ready": True, "root": root,
                          "network_isolated": netns or bool(landlock and landlock["tcp_denied"]),
                          "landlock": landlock, "unreachable": blocked, "unhidden": unhidden}).encode())

@@ -430,7 +430,7 @@ class ProcessSandbox(Sandbox):
                         raise SandboxError(e.message) from e
                 self._req_id += 1
                 req["id"] = self._req_id
-                data = json.dumps(req).encode()
+                data = zygote.dumps(req).encode()
                 if len(data) > zygote.CTL_MAX_MESSAGE:
                     raise SandboxError(f"a {req['op']} request of {len(data)} bytes is too large")
                 self._waiters[self._req_id] = waiter = asyncio.get_running_loop().create_future()
@@ -506,7 +506,7 @@ class ProcessSandbox(Sandbox):
             if inputs:
                 cell["inputs"] = inputs
             if box.chan is None:
-                carried = len(code) + (len(json.dumps(inputs)) if inputs else 0) <= _CARRIED_CELL_CHARS
+                carried = len(code) + (len(zygote.dumps(inputs)) if inputs else 0) <= _CARRIED_CELL_CHARS
                 await self._spawn(box, cell if carried else None)
             started = time.monotonic()
             result = await self._run(box, cell, sent=carried)
