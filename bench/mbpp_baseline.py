@@ -20,11 +20,11 @@ pass and its reference see the same phase of the host.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
 import resource
-import signal
 import subprocess
 import sys
 import time
@@ -35,10 +35,17 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
 TEST_CPU_SECONDS = 3.0
 
-# The modules envhub's zygote preloads (_process_zygote.PRELOAD), so "warm" means the same.
-WARM = ("array", "ast", "bisect", "collections", "copy", "enum", "functools", "heapq", "io",
-        "itertools", "json", "math", "operator", "os", "re", "string", "sys", "time",
-        "traceback", "typing")
+
+def _zygote_preloads() -> tuple[str, ...]:
+    """The modules envhub's zygote preloads, so that "warm" means the same here. Its file
+    is read, not imported through ``envhub``: the package would grow this process, and a
+    fork costs more the bigger the process."""
+    tree = ast.parse((REPO / "envhub" / "plugins" / "_process_zygote.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PRELOAD" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise SystemExit("no PRELOAD in envhub/plugins/_process_zygote.py")
+
 
 # What one problem runs, in either reference: 0 when every test passed, 1 otherwise.
 _CHILD = """
@@ -82,7 +89,7 @@ def _child_namespace() -> dict:
 
 def fork_per_problem(problems: list[dict], workers: int) -> dict:
     """A warm interpreter (this one, with the zygote's preloads) forked per problem."""
-    for name in WARM:
+    for name in _zygote_preloads():
         __import__(name)
     child = _child_namespace()["main"]
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
