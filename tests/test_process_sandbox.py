@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -145,6 +146,21 @@ async def test_syntax_error_and_system_exit_are_reported_and_interpreter_survive
     assert r.exit_code == 1 and "SystemExit: 3" in r.exception
     r = await sandboxes.exec(handle, "y", timeout=5)
     assert (r.value, r.restarted) == (5, False)
+
+
+@pytest.mark.parametrize("value", [
+    {"a": 1, 2: "b", True: None, None: 1.5, 3.25: [1, 2]}, "é\"\\\n\u2028", [float("inf"), -0.0, 1e300, 10**40],
+    {"t": (1, 2)}, [], {}, float("nan"), {(1, 2): 3}, object()])
+@pytest.mark.parametrize("allow_nan", [True, False])
+def test_the_zygote_s_encoder_writes_and_refuses_what_json_dumps_does(value, allow_nan):
+    """Frames and the zygote's replies are encoded by a C encoder made once
+    (_process_zygote.dumps), not by json.dumps: same text, same errors."""
+    def outcome(dumps):
+        try:
+            return dumps(value, allow_nan=allow_nan)
+        except (TypeError, ValueError) as e:
+            return type(e)
+    assert outcome(process_sandbox.zygote.dumps) == outcome(json.dumps)
 
 
 @pytest.mark.asyncio
