@@ -7,6 +7,7 @@ is on ``sys.path``).
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -14,6 +15,22 @@ import time
 from pathlib import Path
 
 import httpx
+
+
+def interpreter() -> dict:
+    """The CPython build running this script, and so the node it starts and that node's
+    sandboxes (``sys.executable`` unless ``--set sandboxes.process.python`` says otherwise).
+
+    The build moves every figure: pyenv's default (no PGO or LTO, a shared libpython) ran
+    the MBPP bench about a tenth slower here than Debian's PGO and LTO build."""
+    with open("/proc/self/maps") as f:
+        shared = "libpython" in f.read()
+    return {"version": platform.python_version(), "executable": os.path.realpath(sys.executable),
+            "libpython": "shared" if shared else "static"}
+
+
+def describe(python: dict) -> str:
+    return f"Python {python['version']} ({python['executable']}, {python['libpython']} libpython)"
 
 
 def free_port() -> int:

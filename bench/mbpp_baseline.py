@@ -170,10 +170,15 @@ def main() -> None:
     if args.mode in ("spawn", "both"):
         results.append(spawn_per_problem(problems, args.workers))
         report(results[-1])
+    # Imported only now: launch imports httpx, which would make every fork above dearer.
+    from launch import describe, interpreter
+
+    python = interpreter()
+    print(f"on {describe(python)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"workers": args.workers, "test_cpu_seconds": TEST_CPU_SECONDS,
                                     "results": results, "machine": {"cpus": os.cpu_count(),
-                                    "python": platform.python_version(), "platform": platform.platform()}},
+                                    "python": python, "platform": platform.platform()}},
                                    indent=2))
     print(f"wrote {args.out}")
 

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from launch import start
+from launch import describe, interpreter, start
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "mbpp" / "mbpp.jsonl"
@@ -255,8 +255,10 @@ def main() -> None:
 
     proc = tmp = data_dir = None
     url = args.url
+    python = interpreter()
     if url is None:
         proc, url, data_dir, tmp = start_node(args.data, args.capacity, args.data_dir, args.settings)
+        print(f"node on {describe(python)}")
     runs: list[dict] = []
     try:
         for _ in range(args.runs):  # on one node: a new node per run would churn its disk
@@ -274,8 +276,8 @@ def main() -> None:
     result = dict(runs[-1]) if len(runs) == 1 else {
         "runs": runs, "tasks_per_s": [r["tasks_per_s"] for r in runs],
         "tasks_per_s_median": statistics.median(r["tasks_per_s"] for r in runs)}
-    result.update(machine={"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "platform": platform.platform()}, node=url if args.url else "started by the bench",
+    result.update(machine={"cpus": os.cpu_count(), "python": python, "platform": platform.platform()},
+                  node=url if args.url else "started by the bench",
                   settings=args.settings)
     if data_dir is not None:
         result["node_data_dir"] = {"path": str(data_dir) if tmp is None else "temp dir",
