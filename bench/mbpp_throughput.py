@@ -258,7 +258,7 @@ def main() -> None:
     python = interpreter()
     if url is None:
         proc, url, data_dir, tmp = start_node(args.data, args.capacity, args.data_dir, args.settings)
-        print(f"node on {describe(python)}")
+    print(f"{'client' if args.url else 'node and client'} on {describe(python)}")
     runs: list[dict] = []
     try:
         for _ in range(args.runs):  # on one node: a new node per run would churn its disk
