@@ -40,11 +40,11 @@ def _zygote_preloads() -> tuple[str, ...]:
     """The modules envhub's zygote preloads, so that "warm" means the same here. Its file
     is read, not imported through ``envhub``: the package would grow this process, and a
     fork costs more the bigger the process."""
-    tree = ast.parse((REPO / "envhub" / "plugins" / "_process_zygote.py").read_text())
+    tree = ast.parse((REPO / "envhub" / "plugins" / "process_sandbox" / "zygote" / "interpreter.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PRELOAD" for t in node.targets):
             return tuple(ast.literal_eval(node.value))
-    raise SystemExit("no PRELOAD in envhub/plugins/_process_zygote.py")
+    raise SystemExit("no PRELOAD in envhub/plugins/process_sandbox/zygote/interpreter.py")
 
 
 # What one problem runs, in either reference: 0 when every test passed, 1 otherwise.

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from envhub.plugins.process_sandbox import default_work_root
+from envhub.plugins.process_sandbox.sandbox import default_work_root
 from launch import start
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def rss_kb(pid: int) -> int:
 
 def zygote_pid(node_pid: int) -> int | None:
     for child in Path(f"/proc/{node_pid}/task/{node_pid}/children").read_text().split():
-        if "_process_zygote" in Path(f"/proc/{child}/cmdline").read_text():
+        if "zygote/__main__.py" in Path(f"/proc/{child}/cmdline").read_text():
             return int(child)
     return None
 

@@ -7,6 +7,7 @@ classes whose docstrings are the plugin contract, and the error types a plugin r
 from envhub.agent import Agent, AgentResult, AgentSession, Budgets
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import (
+    BuildFailed,
     CapacityExceeded,
     Conflict,
     EnvhubError,
@@ -17,7 +18,7 @@ from envhub.errors import (
 )
 from envhub.hookspecs import hookimpl
 from envhub.network import NetworkMode
-from envhub.sandbox import ExecResult, Limits, Sandbox, SandboxSpec
+from envhub.sandbox import BuildRequest, ExecResult, ImageBuilder, Limits, Sandbox, SandboxSpec
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,8 @@ __all__ = [
     "AgentResult",
     "AgentSession",
     "Budgets",
+    "BuildFailed",
+    "BuildRequest",
     "CapacityExceeded",
     "Conflict",
     "EnvContext",
@@ -35,6 +38,7 @@ __all__ = [
     "Episode",
     "Evaluation",
     "ExecResult",
+    "ImageBuilder",
     "InvalidRequest",
     "Limits",
     "NetworkMode",

@@ -18,16 +18,17 @@ import pluggy
 from sanic import Sanic
 from sanic.config import Config
 
-from envhub import peers
+from envhub.scheduler import peers
 from envhub.network import NetworkMode
-from envhub.node import NodeService
+from envhub.node.service import NodeService
 from envhub.plugins import Registry, collect, get_plugin_manager
-from envhub.runtime import NodeRuntime
+from envhub.node.runtime import NodeRuntime
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
-from envhub.scheduler import SchedulerService, load_fleet
-from envhub.backends import NodeBackend, SchedulerBackend
-from envhub.openenv import OpenEnvService
+from envhub.scheduler.fleet import load_fleet
+from envhub.scheduler.service import SchedulerService
+from envhub.compat.backends import NodeBackend, SchedulerBackend
+from envhub.compat.openenv import OpenEnvService
 from envhub.web import (admin, builds, compat, environments, fleet, health, instances, openenv, openenv_proxy,
                         rollouts, routing)
 from envhub.web.auth import setup_auth
@@ -83,7 +84,7 @@ def blueprints_for(role: str) -> list[Any]:
 
 
 def setup_http(app: Any) -> None:
-    """One HTTP client session per process for calls to other envhub processes (envhub/peers.py)."""
+    """One HTTP client session per process for calls to other envhub processes (envhub/scheduler/peers.py)."""
 
     @app.before_server_start(priority=900)
     async def open_http(app: Any) -> None:

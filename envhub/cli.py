@@ -120,7 +120,7 @@ def build(tasks: tuple[str, ...], environment: str, all_tasks: bool, config: str
     """Prebuild task images (each once; unchanged tasks are not rebuilt), with a progress bar."""
     import asyncio
 
-    from envhub.prebuild import prebuild
+    from envhub.node.prebuild import prebuild
 
     if not tasks and not all_tasks:
         raise click.UsageError("name one or more TASKS, or --all")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 from envhub.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from envhub.builds import BuildGate
+    from envhub.node.builds import BuildGate
     from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 
 

@@ -95,6 +95,13 @@ class SandboxError(EnvhubError):
     code = "sandbox_error"
 
 
+class BuildFailed(EnvhubError):
+    """A task's image did not build; the message ends with the tail of the build log."""
+
+    status = 500
+    code = "build_failed"
+
+
 class Unavailable(EnvhubError):
     """This process cannot take the call right now (it is shutting down)."""
 

@@ -10,7 +10,8 @@ after which nothing the plugin started may still run.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Protocol
 
 
 @dataclass
@@ -201,3 +202,26 @@ def bind_inputs(inputs: Mapping[str, Any]) -> str:
     """Python source assigning each of ``inputs`` (JSON values, whose ``repr`` is a
     Python literal) to its name."""
     return "".join(f"{name} = {value!r}\n" for name, value in check_inputs(inputs).items())
+
+
+@dataclass
+class BuildRequest:
+    environment: str
+    task_id: str
+    context_hash: str
+    image: str
+    context_dir: Path
+    dockerfile: str
+    timeout: float = 600.0
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+
+
+class ImageBuilder(Protocol):
+    """What a container sandbox offers the gate (the docker sandbox implements it)."""
+
+    async def image_exists(self, image: str) -> bool: ...
+
+    async def build_image(self, *, context_dir: Path, dockerfile: str, image: str, log_path: Path,
+                          timeout: float, extra_files: dict[str, bytes]) -> None:
+        """Build ``image`` from ``context_dir`` with ``dockerfile`` as its Dockerfile text;
+        raise ``BuildFailed`` (message: what went wrong and the log's tail) on failure."""

@@ -148,7 +148,7 @@ def client(node: EnvhubProcess) -> Iterator[httpx.Client]:
 def sandbox_dirs(data_dir: Path) -> list[Path]:
     """The process-sandbox working dirs a node with ``data_dir`` has now (its default
     work root: on /dev/shm when that is roomy, else under the data dir)."""
-    from envhub.plugins.process_sandbox import default_work_root
+    from envhub.plugins.process_sandbox.workdirs import default_work_root
 
     root = Path(default_work_root(data_dir)[0])
     return sorted(root.iterdir()) if root.is_dir() else []

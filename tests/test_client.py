@@ -33,7 +33,7 @@ FAST = RetryPolicy(attempts=3, multiplier=0.01, max_wait=0.05)
 PATIENT = RetryPolicy(attempts=200, multiplier=0.05, max_wait=0.1)
 
 REFERENCE = {str(p["task_id"]): p["code"] for p in
-             map(json.loads, (REPO / "envhub" / "data" / "mbpp_sample.jsonl").read_text().splitlines())}
+             map(json.loads, (REPO / "envhub" / "plugins" / "mbpp" / "data" / "mbpp_sample.jsonl").read_text().splitlines())}
 
 
 def names(listing: dict[str, Any]) -> set[str]:

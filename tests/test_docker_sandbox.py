@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.docker_sandbox import DEFAULT_CAPS, DockerSandbox
+from envhub.plugins.docker_sandbox.sandbox import DEFAULT_CAPS, DockerSandbox
 from envhub.sandbox import Limits, SandboxSpec
 
 from conftest import BASE_IMAGE as IMAGE, needs_docker

@@ -19,7 +19,7 @@ import pytest
 
 import envhub
 from conftest import REPO, EnvhubProcess
-from envhub.plugins import _landlock
+from envhub.plugins.process_sandbox.zygote import landlock as _landlock
 
 NOBODY = 65534
 FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
@@ -120,7 +120,7 @@ def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenar
         pytest.skip(f"no Python of this version can run envhub from {REPO} as nobody")
     python, env = found
     dataset = open_dir / "mbpp.jsonl"
-    dataset.write_text((Path(envhub.__file__).parent / "data" / "mbpp_sample.jsonl").read_text())
+    dataset.write_text((Path(envhub.__file__).parent / "plugins" / "mbpp" / "data" / "mbpp_sample.jsonl").read_text())
     visible = open_dir / "visible.txt"
     visible.write_text("visible")
     data = open_dir / "data"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import builtins
 import sys
 
-from envhub.plugins import _mbpp_harness
-from envhub.plugins.mbpp import prepare_tests
+from envhub.plugins.mbpp import _mbpp_harness
+from envhub.plugins.mbpp.environment import prepare_tests
 
 _ORIGINAL = (builtins.bool, builtins.eval, builtins.compile)
 

@@ -123,4 +123,4 @@ def test_wheel_ships_the_migrations_and_the_sample(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for f in migration_files():
         assert f"envhub/migrations/{f.name}" in names
-    assert "envhub/data/mbpp_sample.jsonl" in names
+    assert "envhub/plugins/mbpp/data/mbpp_sample.jsonl" in names

@@ -1,4 +1,4 @@
-"""The rewrite, runpod and frp network modes (envhub/plugins/network_modes.py)."""
+"""The rewrite, runpod and frp network modes (envhub/plugins/network/)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import yaml
 
 from envhub.errors import InvalidRequest, StartupError
 from envhub.plugins import collect, get_plugin_manager
-from envhub.plugins import network_modes
-from envhub.plugins.network_modes import FrpNetwork, RewriteNetwork, RunPodNetwork
+from envhub.plugins.network.frp import FrpNetwork
+from envhub.plugins.network.rewrite import RewriteNetwork, RunPodNetwork
 
 RELAY = "relay.example"
 
@@ -37,8 +37,6 @@ def tunnel(*machines: tuple[str, int, int], relay_port: int | None = None) -> di
 
 def test_registers_three_modes_beside_direct():
     pm = get_plugin_manager(load_entrypoints=False)
-    if not pm.is_registered(network_modes):  # until it is listed in DEFAULT_PLUGINS
-        pm.register(network_modes, name="envhub.plugins.network_modes")
     registry = collect(pm, "register_network_modes", "network mode")
     assert registry.get("rewrite") is RewriteNetwork
     assert registry.get("runpod") is RunPodNetwork

@@ -193,7 +193,7 @@ def test_episode_code_cannot_read_the_dataset_or_the_node_records(start_node, tm
     they may pass through but not list). Grading still works."""
     tmp_path.chmod(0o755)  # pytest makes it 0700, which alone would keep sandbox uids out of it
     dataset = tmp_path / "mbpp.jsonl"
-    dataset.write_text((Path(envhub.__file__).parent / "data" / "mbpp_sample.jsonl").read_text())
+    dataset.write_text((Path(envhub.__file__).parent / "plugins" / "mbpp" / "data" / "mbpp_sample.jsonl").read_text())
     data = tmp_path / "data0"  # start_node's first data dir
     db = tmp_path / "elsewhere" / "envhub.db"  # a database outside the data dir, and its WAL
     config = tmp_path / "node.yaml"  # its config file, which may hold API keys

@@ -37,7 +37,7 @@ from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
 KEY = "small-node-key"
 MBPP_ONLY = ("--set", "environments.terminal-bench.enabled=false")
 FAST_PINGS = {"SANIC_WEBSOCKET_PING_INTERVAL": "1", "SANIC_WEBSOCKET_PING_TIMEOUT": "2"}
-SAMPLE = {p["task_id"]: p for p in map(json.loads, (REPO / "envhub/data/mbpp_sample.jsonl").read_text().splitlines())}
+SAMPLE = {p["task_id"]: p for p in map(json.loads, (REPO / "envhub/plugins/mbpp/data/mbpp_sample.jsonl").read_text().splitlines())}
 
 
 # The upstream models typed clients parse with (extra="forbid"): coding_env and tbench2_env.

@@ -66,7 +66,7 @@ def test_rejects_duplicate_environment_name():
     pm.register(ClashPlugin(), name="clash")
     with pytest.raises(StartupError) as e:
         collect(pm, "register_environments", "environment")
-    assert "envhub.plugins.mbpp.MBPP" in str(e.value) and "FakeMBPP" in str(e.value)
+    assert "envhub.plugins.mbpp.environment.MBPP" in str(e.value) and "FakeMBPP" in str(e.value)
     assert "clash" in str(e.value)
 
 

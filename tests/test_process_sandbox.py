@@ -14,8 +14,9 @@ import pytest
 import pytest_asyncio
 
 from envhub.errors import InvalidRequest, NotFound, StartupError
-from envhub.plugins import process_sandbox
-from envhub.plugins.process_sandbox import ProcessSandbox
+import envhub.plugins.process_sandbox as plugin
+from envhub.plugins.process_sandbox import sandbox as process_sandbox
+from envhub.plugins.process_sandbox.sandbox import ProcessSandbox
 from envhub.sandbox import Limits, SandboxSpec
 
 ROOT = os.geteuid() == 0
@@ -98,7 +99,7 @@ def test_hide_and_preload_must_be_lists_of_names(tmp_path, key, value):
 
 
 def test_registers_the_process_sandbox_through_the_hook():
-    assert process_sandbox.register_sandboxes() == [ProcessSandbox]
+    assert plugin.register_sandboxes() == [ProcessSandbox]
     assert ProcessSandbox.name == "process" and ProcessSandbox.language == "python"
 
 
@@ -133,7 +134,7 @@ async def test_exception_is_reported_with_traceback_and_interpreter_survives(san
     assert r.exception.startswith("Traceback (most recent call last):")
     assert "ZeroDivisionError: division by zero" in r.exception
     assert "return 1 / 0" in r.exception  # source line of the function from the earlier cell
-    assert "_process_zygote" not in r.exception  # the sandbox's own frames are left out
+    assert "zygote" not in r.exception  # the sandbox's own frames are left out
     r = await sandboxes.exec(handle, "kept", timeout=5)
     assert (r.value, r.restarted) == (7, False)
 
@@ -154,7 +155,7 @@ async def test_syntax_error_and_system_exit_are_reported_and_interpreter_survive
 @pytest.mark.parametrize("allow_nan", [True, False])
 def test_the_zygote_s_encoder_writes_and_refuses_what_json_dumps_does(value, allow_nan):
     """Frames and the zygote's replies are encoded by a C encoder made once
-    (_process_zygote.dumps), not by json.dumps: same text, same errors."""
+    (zygote.shared.dumps), not by json.dumps: same text, same errors."""
     def outcome(dumps):
         try:
             return dumps(value, allow_nan=allow_nan)

@@ -15,7 +15,7 @@ import yaml
 
 from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
 
-BUNDLED = REPO / "envhub" / "data" / "terminal-bench"
+BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 
 
 def tb_node(tmp_path: Path, node_id: str, *args: str) -> EnvhubProcess:

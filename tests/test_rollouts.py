@@ -23,7 +23,7 @@ from openai_standin import StandIn
 
 pytestmark = [needs_docker]
 
-BUNDLED = REPO / "envhub" / "data" / "terminal-bench"
+BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 
 
 def node_config(path: Path, node_id: str, *datasets: Path) -> Path:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import EnvhubProcess, faulty_plugin_env
-from envhub.scheduler import Node
+from envhub.scheduler.fleet import Node
 
 NODE_ARGS = ("--capacity", "4", "--set", "environments.terminal-bench.enabled=false")
 

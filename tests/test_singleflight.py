@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from envhub.singleflight import SingleFlight
+from envhub.util.singleflight import SingleFlight
 
 
 async def test_concurrent_callers_of_one_key_share_one_call():

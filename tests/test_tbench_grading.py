@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from envhub.plugins._tbench_grading import (
+from envhub.plugins.terminal_bench.grading import (
     GradingError,
     parse_ctrf,
     parse_pytest_summary,

@@ -11,13 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from envhub.plugins._tbench_tasks import (
-    TaskFormatError,
-    context_hash,
-    load_dataset,
-    load_task,
-    substitute_base,
-)
+from envhub.plugins.terminal_bench.images import context_hash, substitute_base
+from envhub.plugins.terminal_bench.model import TaskFormatError
+from envhub.plugins.terminal_bench.tasks import load_dataset, load_task
 
 TB_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "terminal-bench"
 needs_data = pytest.mark.skipif(not TB_DATA.is_dir(), reason=f"{TB_DATA} is absent")

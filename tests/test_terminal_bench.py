@@ -1,6 +1,6 @@
 """terminal-bench on the real Docker engine: builds, episodes, grading, isolation.
 
-Tasks: the two bundled ones (envhub/data/terminal-bench: word-count in tb1, hello-envhub
+Tasks: the two bundled ones (envhub/plugins/terminal_bench/data: word-count in tb1, hello-envhub
 in tb2) and two test-only ones (tests/data/terminal-bench: a broken Dockerfile, a
 verifier that hangs). All build offline: their ``debian:bookworm`` base is mapped to the
 local image that scripts/setup-docker.sh makes.
@@ -25,7 +25,7 @@ from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
 
 pytestmark = [needs_docker]
 
-BUNDLED = REPO / "envhub" / "data" / "terminal-bench"
+BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 TEST_TASKS = Path(__file__).resolve().parent / "data" / "terminal-bench"
 NODE_ID = f"tbtest-{uuid.uuid4().hex[:8]}"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from envhub.trial_log import TrialLog, TrialWriter
+from envhub.node.trial_log import TrialLog, TrialWriter
 
 
 def test_records_land_in_order_per_file_and_close_flushes_everything(tmp_path):

@@ -23,8 +23,7 @@ DEFAULT_PLUGINS = (
     "envhub.plugins.docker_sandbox",
     "envhub.plugins.mbpp",
     "envhub.plugins.terminal_bench",
-    "envhub.plugins.direct_network",
-    "envhub.plugins.network_modes",
+    "envhub.plugins.network",
     "envhub.plugins.terminal_agent",
 )
 

@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 import aiosqlite
 
 from envhub.errors import StartupError
-from envhub.threads import name_os_thread
+from envhub.util.threads import name_os_thread
 
 Params = Sequence[Any] | dict[str, Any]
 

@@ -1,10 +1,10 @@
 """Drop-in routes for clients people already run, on node and scheduler alike.
 
 AgentEvolver's env_service: GET /healthz, POST /get_env_profile, /create, /step,
-/evaluate, /get_info, /release (envhub/agentevolver.py). SETA's POST /step (a whole
+/evaluate, /get_info, /release (envhub/compat/agentevolver.py). SETA's POST /step (a whole
 rollout) shares the path with AgentEvolver's: a body with ``uid`` or ``task`` is SETA's
 StepRequest, one with ``instance_id`` is AgentEvolver's. Each role puts its backend on
-``app.ctx.backend`` (envhub/backends.py), so no handler knows which role it runs in.
+``app.ctx.backend`` (envhub/compat/backends.py), so no handler knows which role it runs in.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import json as jsonlib
 from sanic import Blueprint, Request
 from sanic.response import json, text
 
-from envhub import agentevolver as ae
+from envhub.compat import agentevolver as ae
+from envhub.compat import seta
 from envhub.errors import InvalidRequest
 
 bp = Blueprint("compat")
@@ -61,7 +62,7 @@ async def step(request: Request):
         body = _body(request)
     except ae.AEError as e:
         raise InvalidRequest(e.detail) from None
-    if "uid" in body or "task" in body:  # SETA's StepRequest: one whole rollout
+    if seta.is_step_request(body):  # one whole rollout
         return json(await request.app.ctx.backend.seta_step(body))
     if "instance_id" not in body:
         raise InvalidRequest("POST /step takes SETA's StepRequest (task, uid, ...) or AgentEvolver's "

@@ -1,6 +1,6 @@
 """OpenEnv endpoints of a node, one set per environment under ``/openenv/<environment>``.
 
-WS   /openenv/<env>/ws             one session per socket (envhub/openenv.py has the protocol)
+WS   /openenv/<env>/ws             one session per socket (envhub/compat/openenv/ has the protocol)
 GET  /openenv/<env>/health         {"status": "healthy"}
 GET  /openenv/<env>/metadata, /schema, /state, /openapi.json
 POST /openenv/<env>/reset, /step   stateless: one episode per call, released before the reply
@@ -25,7 +25,7 @@ from sanic.response import json
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from envhub.openenv import OpenEnvService, ValidationFailed, WireError
+from envhub.compat.openenv import OpenEnvService, ValidationFailed, WireError
 
 bp = Blueprint("openenv", url_prefix="/openenv/<environment>")
 

@@ -25,8 +25,9 @@ import aiohttp
 from sanic import Blueprint, Request
 
 from envhub.errors import NotFound, UpstreamUnavailable
-from envhub.openenv import ADAPTERS, WireError, capacity_reached
-from envhub.scheduler import AllNodesBusy, Node, SchedulerService
+from envhub.compat.openenv import ADAPTERS, WireError, capacity_reached
+from envhub.scheduler.fleet import Node
+from envhub.scheduler.service import AllNodesBusy, SchedulerService
 from envhub.web.openenv import close_with, refuse
 from envhub.web.routing import passthrough
 

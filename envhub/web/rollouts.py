@@ -10,7 +10,7 @@ from __future__ import annotations
 from sanic import Blueprint, Request
 from sanic.response import json
 
-from envhub.rollouts import RolloutRequest, run_rollout
+from envhub.node.rollouts import RolloutRequest, run_rollout
 from envhub.web.requests import json_body
 
 bp = Blueprint("rollouts")

@@ -68,4 +68,6 @@ async def delete(request: Request, instance_id: str):
 
 @bp.post("/rollouts")
 async def rollout(request: Request):
-    return passthrough(*await request.app.ctx.scheduler.rollout(json_body(request), seta=False))
+    body = json_body(request)
+    return passthrough(*await request.app.ctx.scheduler.rollout(body, environment=body.get("environment"),
+                                                                task_id=body.get("task_id")))

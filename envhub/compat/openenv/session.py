@@ -1,0 +1,339 @@
+"""OpenEnv sessions over envhub episodes, in plain Python (the blueprints only move frames).
+
+An OpenEnv client talks to one environment per path prefix (``/openenv/<environment>``).
+Each environment with an OpenEnv mapping has an :class:`Adapter` that turns OpenEnv's
+action, observation and state shapes into envhub tool calls and back: ``mbpp`` speaks
+``coding_env``'s (``CodeAction`` / ``CodeObservation`` / ``CodeState``), ``terminal-bench``
+speaks ``tbench2_env``'s. Invariants:
+
+- One WebSocket is one :class:`Session`, and a session has at most one envhub instance at
+  a time: ``reset`` releases the previous one and creates a new one; ``close``, a dropped
+  socket or an idle timeout releases it. There is no resume: a new socket is a new session.
+- A session holds one node slot from connect to close: a reservation (taken without
+  waiting, at connect: a full node answers ``CAPACITY_REACHED``) until its first ``reset``,
+  its instance's slot afterwards. The first reset hands the reservation to the create with
+  no await in between (the task is prepared, its image built, beforehand), so only creates
+  already queued for a slot can come first. A later reset releases its instance before
+  creating the next, and a concurrent create may take the freed slot meanwhile. Such a
+  reset waits in the node's queue like any create (``queue_timeout``, then an error reply).
+- Requests are answered strictly in order, one reply per request (``close`` has none).
+  Errors a request causes are reply frames and the session survives them; only a session
+  that can no longer work ends with ``SESSION_ERROR``.
+- A session idle (no reset, step or tool call) for the node's ``idle_ttl`` is over: its
+  instance is released (the idle reaper expires it at the same moment) and the socket closed.
+- Observations hold only the fields the upstream model declares, so typed clients that
+  parse with ``extra="forbid"`` accept them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from envhub import __version__
+from envhub.errors import EnvhubError, InvalidRequest, NotFound
+from envhub.node.service import NodeService
+from envhub.compat.openenv.wire import (METADATA, NotReady, RESET_FIELDS, STEP_FIELDS, ValidationFailed, WireError, JSONRPC_FIELDS, MESSAGE_FIELDS, capacity_reached, error, rpc_error, rpc_result, validate)
+from envhub.compat.openenv.adapters import ADAPTERS, Adapter, Wire
+
+
+log = logging.getLogger("envhub.openenv")
+
+# -- sessions --------------------------------------------------------------------------------
+
+class Session:
+    """One OpenEnv session: the envhub instance it holds, its clock and its state fields."""
+
+    def __init__(self, service: "OpenEnvService", adapter: Adapter, *, reserved: bool) -> None:
+        self.service = service
+        self.node: NodeService = service.node
+        self.adapter = adapter
+        self.reserved = reserved  # holds a slot of its own (no instance yet)
+        self.instance_id: str | None = None
+        self.episode_id: str | None = None
+        self.step_count = 0
+        self.instruction = ""
+        self.extra: dict[str, Any] = {}
+        self.last_activity = time.monotonic()
+        self.task: asyncio.Task | None = None  # the socket's handler, cancelled at shutdown
+
+    # -- the slot -----------------------------------------------------------------------------
+
+    def reserve(self) -> bool:
+        """Hold a slot without an instance, if one is free and no create waits for one."""
+        slots = self.node.slots
+        if slots.free > 0 and not slots.queued:
+            slots.used += 1  # what acquire() does when a slot is free and nobody waits
+            self.reserved = True
+        return self.reserved
+
+    def _unreserve(self) -> None:
+        if self.reserved:
+            self.reserved = False
+            self.node.slots.release()
+
+    async def release_instance(self, reason: str = "released") -> None:
+        iid, self.instance_id = self.instance_id, None
+        if iid is not None:
+            try:
+                await asyncio.shield(self.node.release(iid, reason=reason))
+            except EnvhubError as e:
+                log.warning("releasing %s: %s", iid, e.message)
+
+    async def close(self, reason: str = "released") -> None:
+        await self.release_instance(reason)
+        self._unreserve()
+
+    def idle_for(self) -> float:
+        return time.monotonic() - self.last_activity
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def reset(self, data: dict[str, Any]) -> Wire:
+        task = self.adapter.task(data)
+        params, trial = data.get("params") or {}, data.get("trial")
+        if not isinstance(params, dict):
+            raise InvalidRequest("'params' must be an object")
+        await self.adapter.env.prepare(task, params)  # a build happens while the session still holds its slot
+        if self.instance_id is not None:
+            await self.release_instance()
+        self._unreserve()  # no await from here to the create taking the slot
+        try:
+            created, _ = await self.node.create(self.adapter.env.name, task.id, params, trial=trial)
+        except BaseException:
+            self.reserve()  # best effort: the session goes on holding a slot if one is free
+            raise
+        self.instance_id = created["instance_id"]
+        self.episode_id = data["episode_id"] if isinstance(data.get("episode_id"), str) else self.instance_id
+        self.step_count = 0
+        self.instruction = created["observation"].get("instruction", "")
+        self.last_activity = time.monotonic()
+        return self.adapter.reset(self, task, created)
+
+    async def step(self, data: dict[str, Any]) -> Wire:
+        action = validate(data, {**self.adapter.action, "metadata": METADATA})
+        if self.instance_id is None:
+            raise NotReady(self.adapter.not_ready)
+        self.step_count += 1
+        try:
+            return await self.adapter.step(self, action)
+        except EnvhubError as e:
+            await self.end_if_episode_gone(e)
+            raise
+        finally:
+            self.last_activity = time.monotonic()
+
+    async def call_tool(self, name: str, arguments: Any) -> dict[str, Any]:
+        """An envhub tool call in the session's episode (MCP ``tools/call``); counts as a step."""
+        if self.instance_id is None:
+            raise NotReady(self.adapter.not_ready)
+        self.step_count += 1
+        try:
+            return await self.node.step(self.instance_id, {"tool": name, "arguments": arguments})
+        except EnvhubError as e:
+            await self.end_if_episode_gone(e)
+            raise
+        finally:
+            self.last_activity = time.monotonic()
+
+    async def end_if_episode_gone(self, error: EnvhubError) -> None:
+        """An instance ended behind the session's back (the idle reaper, a release through
+        the REST API, an admin cleanup) ends the session: nothing it could do would work."""
+        if self.instance_id is None:
+            return
+        try:
+            state = (await self.node.get(self.instance_id))["state"]
+        except EnvhubError:
+            state = "unknown"
+        if state not in ("active", "done"):
+            iid, self.instance_id = self.instance_id, None
+            raise WireError("SESSION_ERROR", f"the episode ({iid}) is {state}: {error.message}") from error
+
+    def state(self) -> dict[str, Any]:
+        if self.instance_id is None and not self.extra:
+            return self.adapter.fresh_state()
+        return {"episode_id": self.episode_id, "step_count": self.step_count, **self.extra}
+
+    async def handle(self, text: str | bytes) -> dict[str, Any] | None:
+        """The reply frame to one client frame; ``None`` for ``close``. Raises ``WireError``
+        (``SESSION_ERROR``) when the session cannot go on: send its frame, then close."""
+        try:
+            message = json.loads(text)
+        except ValueError as e:
+            return WireError("INVALID_JSON", f"Invalid JSON: {e}").frame()
+        kind = message.get("type", "") if isinstance(message, dict) else None
+        try:
+            if not isinstance(message, dict):  # upstream's handler crashes here (SESSION_ERROR); we go on
+                raise ValidationFailed([error("model_type", (), "Input should be a valid dictionary", message)])
+            if not isinstance(kind, str) or kind not in MESSAGE_FIELDS:
+                return WireError("UNKNOWN_TYPE", f"Unknown message type: {kind}").frame()
+            message = validate(message, MESSAGE_FIELDS[kind])
+            if kind == "close":
+                return None
+            if kind == "state":
+                return {"type": "state", "data": self.state()}
+            if kind == "mcp":
+                return {"type": "mcp", "data": await self.service.mcp(self.adapter, message["data"], session=self)}
+            reply = await (self.reset(message["data"]) if kind == "reset" else self.step(message["data"]))
+            return {"type": "observation", "data": reply}
+        except ValidationFailed as e:
+            return WireError("VALIDATION_ERROR", "Invalid message", errors=e.errors).frame()
+        except WireError:
+            raise
+        except EnvhubError as e:
+            return WireError("EXECUTION_ERROR", e.message).frame()
+        except Exception as e:
+            log.exception("OpenEnv %s on %s", kind, self.adapter.name)
+            return WireError("EXECUTION_ERROR", str(e) or type(e).__name__).frame()
+
+
+class OpenEnvService:
+    """The node's OpenEnv sessions and stateless calls, over one :class:`NodeService`."""
+
+    def __init__(self, node: NodeService) -> None:
+        self.node = node
+        self.sessions: set[Session] = set()
+        self._closing: dict[Session, asyncio.Future[None]] = {}
+
+    def adapter(self, environment: str) -> Adapter:
+        env = self.node.environments.get(environment)
+        if env is None or environment not in ADAPTERS:
+            known = ", ".join(sorted(n for n in self.node.environments if n in ADAPTERS)) or "none"
+            raise NotFound(f"no OpenEnv environment {environment!r} on this node (OpenEnv environments: {known})",
+                           extra={"environment": environment})
+        return ADAPTERS[environment](env)
+
+    def open(self, environment: str) -> Session:
+        """A new session holding a slot; ``WireError(CAPACITY_REACHED)`` when none is free."""
+        session = Session(self, self.adapter(environment), reserved=False)
+        if not session.reserve():
+            raise capacity_reached(self.node.slots.used, self.node.slots.capacity)
+        session.task = asyncio.current_task()
+        self.sessions.add(session)
+        return session
+
+    def idle_deadline(self, session: Session) -> float:
+        """Seconds until ``session`` is idle for ``idle_ttl`` (<= 0: it is)."""
+        return self.node.settings.idle_ttl - session.idle_for()
+
+    async def expire(self, session: Session) -> WireError:
+        await asyncio.shield(self.close(session, reason="expired"))
+        return WireError("SESSION_ERROR", f"Session idle for more than {self.node.settings.idle_ttl:g} s; "
+                         "its episode was released")
+
+    def close(self, session: Session, reason: str = "released") -> asyncio.Future[None]:
+        """Release the session's instance and slot, once; a task of its own, so that a
+        handler cancelled while it waits (shutdown) leaves the release running, and
+        :meth:`shutdown` can wait for it."""
+        closing = self._closing.get(session)
+        if closing is None:
+            self.sessions.discard(session)
+            closing = self._closing[session] = asyncio.ensure_future(session.close(reason))
+            closing.add_done_callback(lambda _: self._closing.pop(session, None))
+        return closing
+
+    async def shutdown(self) -> None:
+        """Cancel every session's socket handler and wait until each released its instance."""
+        tasks = [s.task for s in self.sessions if s.task is not None and not s.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for session in list(self.sessions):  # a handler that never got to its cleanup
+            self.close(session)
+        await asyncio.gather(*self._closing.values(), return_exceptions=True)
+
+    # -- stateless HTTP (an episode per call, released before the reply) ----------------------
+
+    async def _one_shot(self, adapter: Adapter, data: dict[str, Any],
+                        then: Callable[[Session], Awaitable[Any]] | None = None) -> Any:
+        session = Session(self, adapter, reserved=False)
+        try:
+            reply = await session.reset(data)
+            return reply if then is None else await then(session)
+        finally:
+            await session.close()
+
+    async def http_reset(self, environment: str, body: Any) -> Wire:
+        data = validate(body, RESET_FIELDS, loc=("body",), extra=True)
+        return _http_reward(await self._one_shot(self.adapter(environment), data))
+
+    async def http_step(self, environment: str, body: Any) -> Wire:
+        data = validate(body, STEP_FIELDS, loc=("body",), extra=True)
+        adapter = self.adapter(environment)
+        validate(data["action"], {**adapter.action, "metadata": METADATA})  # 422 before an episode starts
+        return _http_reward(await self._one_shot(adapter, data, lambda session: session.step(data["action"])))
+
+    def fresh_state(self, environment: str) -> dict[str, Any]:
+        return {"episode_id": None, "step_count": 0}  # 0.3.0 answers with the base State model
+
+    def metadata(self, environment: str) -> dict[str, Any]:
+        adapter = self.adapter(environment)
+        return {"name": adapter.env.name, "description": adapter.env.description or f"{adapter.env.name} environment",
+                "readme_content": None, "version": __version__, "author": "envhub", "documentation_url": None}
+
+    def schema(self, environment: str) -> dict[str, Any]:
+        return self.adapter(environment).schemas()
+
+    async def mcp_http(self, environment: str, raw: bytes) -> dict[str, Any]:
+        adapter = self.adapter(environment)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return rpc_error(None, -32700, "Parse error")
+        return await self.mcp(adapter, body)
+
+    async def mcp(self, adapter: Adapter, body: Any, *, session: Session | None = None) -> dict[str, Any]:
+        """One JSON-RPC 2.0 request: ``tools/list``, and ``tools/call`` in the session's
+        episode (over the socket) or in a one-call episode (over HTTP)."""
+        try:
+            request = validate(body, JSONRPC_FIELDS)
+            if request["jsonrpc"] != "2.0":
+                raise ValidationFailed([error("literal_error", ("jsonrpc",), "Input should be '2.0'",
+                                              request["jsonrpc"])])
+        except ValidationFailed as e:
+            return rpc_error(None, -32600, "Invalid request: " + "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}" for err in e.errors))
+        rid, method, params = request["id"], request["method"], request["params"]
+        if method == "tools/list":
+            return rpc_result(rid, {"tools": [
+                {"name": f["name"], "description": f.get("description", ""), "inputSchema": f["parameters"]}
+                for f in (t["function"] for t in adapter.tools())]})
+        if method != "tools/call":
+            return rpc_error(rid, -32601, f"Method not found: {method}")
+        name, arguments = params.get("name"), params.get("arguments") or {}
+        if not name:
+            return rpc_error(rid, -32602, "Missing 'name' in params")
+        if name not in {t["function"]["name"] for t in adapter.tools()}:
+            return rpc_error(rid, -32602, f"Tool not found: {name}")
+        try:
+            if session is not None:
+                reply = await session.call_tool(name, arguments)
+            else:
+                reply = await self._one_shot(adapter, {}, lambda once: once.call_tool(name, arguments))
+        except EnvhubError as e:
+            return rpc_error(rid, -32603, e.message)
+        obs = reply["observation"]
+        return rpc_result(rid, {"content": [{"type": "text", "text": str(obs.get("content", ""))}],
+                                "structuredContent": obs, "isError": False})
+
+    def openapi(self, environment: str, prefix: str) -> dict[str, Any]:
+        """Enough OpenAPI for ``openenv validate --url``: the version and the routes."""
+        adapter = self.adapter(environment)
+        ops = {"/reset": ("post", "Reset the environment"), "/step": ("post", "Execute an action"),
+               "/state": ("get", "Get the state of a new environment"), "/health": ("get", "Health check"),
+               "/metadata": ("get", "Get environment metadata"), "/schema": ("get", "Get all JSON schemas"),
+               "/mcp": ("post", "MCP JSON-RPC endpoint")}
+        return {"openapi": "3.1.0", "servers": [{"url": prefix}],
+                "info": {"title": f"envhub OpenEnv: {adapter.env.name}", "version": "1.0.0"},
+                "paths": {path: {method: {"summary": summary, "responses": {"200": {"description": "OK"}}}}
+                          for path, (method, summary) in ops.items()}}
+
+
+def _http_reward(reply: Wire) -> Wire:
+    reward = reply["reward"]
+    return {**reply, "reward": None if reward is None else float(reward)}  # HTTP coerces, as upstream
+
+

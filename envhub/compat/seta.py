@@ -1,0 +1,43 @@
+"""SETA's wire shapes: its StepRequest (one whole rollout, ``POST /step``) mapped onto
+envhub's rollouts (PROTOCOLS.md §2).
+
+A StepRequest is ``{task: {task_name, ...}, uid, traj_i, model_url, model_api_key,
+dataset_name, task_name, trial_name}``; the reply is SETA's StepResponse,
+``{run_info, reward, error}``, which ``envhub.node.rollouts`` already produces. The task
+runs in the environment named by the ``seta_environment`` setting (default
+``terminal-bench``); ``uid`` becomes the instance id and ``trial_name`` the trial.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from envhub.errors import InvalidRequest
+from envhub.node.rollouts import RolloutRequest
+
+# Fields of envhub's own rollout request a StepRequest may also carry.
+_PASSED_THROUGH = ("agent", "max_steps", "max_tokens", "timeout", "model_timeout", "model")
+
+
+def is_step_request(body: dict[str, Any]) -> bool:
+    """Whether a ``POST /step`` body is SETA's (``uid``/``task``) rather than AgentEvolver's."""
+    return "uid" in body or "task" in body
+
+
+def task_name(body: dict[str, Any]) -> Any:
+    """The task a StepRequest names: ``task_name``, else ``task.task_name`` or ``task.task_id``."""
+    task = body.get("task") if isinstance(body.get("task"), dict) else {}
+    return body.get("task_name") or task.get("task_name") or task.get("task_id")
+
+
+def rollout_request(body: dict[str, Any], *, environment: str) -> RolloutRequest:
+    """The envhub rollout a StepRequest asks for; ``InvalidRequest`` naming the bad field."""
+    if not isinstance(body.get("task"), dict):
+        raise InvalidRequest("'task' must be an object with task_name", field="task")
+    if not isinstance(body.get("uid"), str) or not body["uid"]:
+        raise InvalidRequest("'uid' must be a non-empty string", field="uid")
+    return RolloutRequest.parse({"environment": environment, "task_id": task_name(body), "uid": body["uid"],
+                                 "traj_i": body.get("traj_i", 0), "model_url": body.get("model_url") or "",
+                                 "model_api_key": body.get("model_api_key") or "",
+                                 "trial": body.get("trial_name") or None,
+                                 **{k: body[k] for k in _PASSED_THROUGH if k in body}})

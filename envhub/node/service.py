@@ -1,0 +1,534 @@
+"""The node's core: episodes from create to release, in plain Python.
+
+HTTP handlers are thin wrappers over :class:`NodeService`; tests and the reaper call
+it directly. Invariants:
+
+- Every live instance holds exactly one slot, from before its sandbox starts until
+  its sandbox is destroyed; ``slots.used == len(self._live) + creates in flight``
+  (+ OpenEnv sessions holding a slot before their instance exists).
+- The ids holding a slot are ``slot_ids``, and every change to that set advances
+  ``slot_seq``. /health reports both and a create's reply carries the seq it was
+  answered at (``X-Envhub-Slots``), so a scheduler can tell whether a health report
+  already counts a create it has seen answered (see envhub/scheduler/service.py).
+- Every sandbox that :meth:`NodeService.create` started is destroyed on release, on
+  idle expiry, on shutdown, or at once when the create fails or is cancelled.
+- Calls on one instance are serialised by its lock; calls on different instances run
+  concurrently.
+- A create with a client-chosen id is idempotent: a retry returns the first result
+  (200 instead of 201) and concurrent duplicates wait for the one in flight.
+- SQLite is written before a call returns, so a restart knows every instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from envhub.node.capacity import Slots
+from envhub.environment import Action, Environment, Episode
+from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
+from envhub.sandbox import Sandbox, SandboxSpec
+from envhub.settings import Settings
+from envhub.util.singleflight import SingleFlight
+from envhub.store import instances, step_results
+from envhub.store.db import Database, delete_in_batches
+from envhub.node.trial_log import TrialLog, TrialWriter
+
+log = logging.getLogger("envhub.node")
+
+_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
+_PRUNE_BATCH = 500  # retention (prune_ended): rows per transaction
+_PRUNE_PER_PASS = 20_000  # and per reaper pass
+
+
+@dataclass
+class Live:
+    """What the node keeps in memory for one live instance."""
+
+    row: instances.InstanceRow
+    env: Environment
+    episode: Episode
+    log: TrialLog
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_active: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+
+def validate_instance_id(value: Any) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= 128 or not set(value) <= _ID_CHARS:
+        raise InvalidRequest("'instance_id' must be 1-128 characters of letters, digits and . _ - :",
+                             field="instance_id")
+    return value
+
+
+class NodeService:
+    def __init__(self, settings: Settings, db: Database, environments: Mapping[str, Environment],
+                 sandboxes: Mapping[str, Sandbox]) -> None:
+        self.settings = settings
+        self.db = db
+        self.environments = dict(environments)
+        self.sandboxes = dict(sandboxes)
+        self.slots = Slots(settings.capacity, queue_size=settings.queue_size, queue_timeout=settings.queue_timeout)
+        self.trial_writer = TrialWriter()
+        self._live: dict[str, Live] = {}
+        self._creating: SingleFlight[tuple[dict[str, Any], bool]] = SingleFlight()  # by instance id
+        self._accepting = True
+        # Instances of whole rollouts that hold a slot (so are in `active` too). Joined and
+        # left together with the slot, so /health never counts a rollout twice or not at all.
+        self._rollout_slots: set[str] = set()
+        self.slot_ids: set[str] = set()
+        self.slot_seq = 0
+        self.slot_boot = secrets.token_hex(4)  # a restarted node counts its seq from 0 again
+
+    # -- lookups ---------------------------------------------------------------------
+
+    def environment(self, name: Any) -> Environment:
+        if not isinstance(name, str):
+            raise InvalidRequest("'environment' must be a string", field="environment")
+        try:
+            return self.environments[name]
+        except KeyError:
+            known = ", ".join(sorted(self.environments))
+            raise NotFound(f"no environment {name!r} (this node serves: {known})",
+                           extra={"environment": name}) from None
+
+    async def _live_or_raise(self, instance_id: str) -> Live:
+        live = self._live.get(instance_id)
+        if live is not None:
+            return live
+        row = await instances.get(self.db, instance_id)  # NotFound for unknown ids
+        if row.state == "creating":
+            raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
+        if row.state == "lost":
+            raise Gone(f"instance {instance_id!r} is lost: {row.error}", extra={"state": row.state,
+                                                                                "instance_id": instance_id})
+        raise Conflict(f"instance {instance_id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
+                       extra={"state": row.state, "instance_id": instance_id})
+
+    async def prebuild(self, environment: Any, task_id: Any) -> None:
+        """Make a task ready (build its image) without starting an episode."""
+        env = self.environment(environment)
+        if not isinstance(task_id, str):
+            raise InvalidRequest("'task_id' must be a string", field="task_id")
+        await env.prepare(env.task(task_id), {})
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "role": "node",
+            "node_id": self.settings.node_id,
+            "capacity": self.slots.capacity,
+            "active": self.slots.used,
+            "free": self.slots.free,
+            "queued": self.slots.queued,
+            "rollouts": len(self._rollout_slots),
+            "slot_ids": list(self.slot_ids),
+            "slot_mark": self.slot_mark(),
+            "accepting": self._accepting,
+            "environments": sorted(self.environments),
+        }
+
+    def slot_mark(self) -> str:
+        """``<boot>.<seq>``: where this node's slot events stand now."""
+        return f"{self.slot_boot}.{self.slot_seq}"
+
+    def _hold(self, instance_id: str) -> None:
+        self.slot_ids.add(instance_id)
+        self.slot_seq += 1
+
+    def _unhold(self, instance_id: str) -> None:
+        self.slot_ids.discard(instance_id)
+        self.slot_seq += 1
+
+    # -- create ----------------------------------------------------------------------
+
+    async def create(self, environment: Any, task_id: Any, params: Any = None, *,
+                     instance_id: Any = None, trial: Any = None, rollout: bool = False
+                     ) -> tuple[dict[str, Any], bool]:
+        """Start an episode. Returns ``(reply, created)``; ``created`` is False for a replay.
+        ``rollout``: the instance of a whole rollout, reported as such in /health."""
+        env = self.environment(environment)
+        if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+            raise InvalidRequest("'task_id' must be a string", field="task_id")
+        task = env.task(str(task_id))
+        params = {} if params is None else params
+        if not isinstance(params, dict):
+            raise InvalidRequest("'params' must be an object", field="params")
+        trial = self.settings.default_trial if trial is None else trial
+        if not isinstance(trial, str) or not trial.strip():
+            raise InvalidRequest("'trial' must be a non-empty string", field="trial")
+        client_chosen = instance_id is not None
+        instance_id = validate_instance_id(instance_id) if client_chosen else f"{env.name}-{secrets.token_hex(8)}"
+
+        async def create_or_replay() -> tuple[dict[str, Any], bool]:
+            # A generated id is new by construction; only a client's id can be a retry.
+            existing = await instances.find(self.db, instance_id) if client_chosen else None
+            if existing is not None and instances.never_started(existing):
+                existing = None  # an attempt cut off before it finished: this retry starts over
+            if existing is not None:
+                return self._replay(existing, env.name, task.id), False
+            if not self._accepting:
+                raise Unavailable("node is shutting down and takes no new instances")
+            return await self._create(env, task, params, instance_id, trial, rollout)
+
+        # A concurrent duplicate (a retry while the first try runs) joins it: a replay.
+        (reply, created), ran = await self._creating.run(instance_id, create_or_replay)
+        return reply, created and ran
+
+    def _replay(self, row: instances.InstanceRow, environment: str, task_id: str) -> dict[str, Any]:
+        if (row.environment, row.task_id) != (environment, task_id):
+            raise Conflict(f"instance id {row.id!r} already names an instance of {row.environment}/{row.task_id}",
+                           extra={"instance_id": row.id})
+        if row.observation is None:
+            raise Conflict(f"instance {row.id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
+                           extra={"instance_id": row.id, "state": row.state})
+        return self._create_reply(row.id, row.environment, row.task_id, row.trial, row.observation, row.state)
+
+    def _create_reply(self, instance_id: str, environment: str, task_id: str, trial: str,
+                      observation: dict[str, Any], state: str) -> dict[str, Any]:
+        return {"instance_id": instance_id, "environment": environment, "task_id": task_id,
+                "trial": trial, "state": state, "observation": observation}
+
+    async def _create(self, env: Environment, task: Any, params: dict[str, Any], instance_id: str,
+                      trial: str, rollout: bool = False) -> tuple[dict[str, Any], bool]:
+        sandbox = self.sandboxes[env.sandbox]
+        await env.prepare(task, params)  # image builds happen before a slot is taken
+        await self.slots.acquire()
+        self._hold(instance_id)
+        if rollout:
+            self._rollout_slots.add(instance_id)
+        handle: str | None = None
+        logged: TrialLog | None = None  # the log, once "created" is in it
+        row: instances.InstanceRow | None = None
+        try:
+            row = await instances.insert(self.db, id=instance_id, environment=env.name, task_id=task.id,
+                                         trial=trial, node_id=self.settings.node_id, sandbox=sandbox.name,
+                                         params=params)
+            spec = env.sandbox_spec(task, params, SandboxSpec(
+                instance_id=instance_id, environment=env.name, task_id=task.id,
+                labels={"envhub.node": self.settings.node_id, "envhub.instance": instance_id,
+                        "envhub.task": f"{env.name}/{task.id}"}))
+            handle = await sandbox.create(spec)
+            trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, trial, instance_id)
+            episode = Episode(instance_id=instance_id, task=task, params=params, sandbox=sandbox,
+                              handle=handle, spec=spec, log_dir=trial_log.dir)
+            observation = await env.reset(episode)
+            trial_log.record("created", {
+                "instance_id": instance_id, "environment": env.name, "task_id": task.id, "trial": trial,
+                "node_id": self.settings.node_id, "params": params, "created_at": row.created_at,
+                "observation": observation})
+            logged = trial_log
+            await instances.activate(self.db, instance_id, handle=handle, observation=observation,
+                                     env_state=episode.state)
+            row.state, row.sandbox_handle, row.observation = "active", handle, observation
+            self._live[instance_id] = Live(row=row, env=env, episode=episode, log=trial_log)
+        except BaseException as e:
+            # Nothing of a failed create may outlive it: sandbox, slot and row are settled
+            # even when the client went away and this task is being cancelled.
+            # The row is this create's unless the insert itself found the id taken.
+            ours = row is not None or not isinstance(e, Conflict)
+            await asyncio.shield(self._abort_create(instance_id, sandbox, handle, e, ours=ours))
+            if logged is not None:  # a retry of the id appends its own "created"
+                logged.record("failed", {"error": _describe(e)})
+            raise
+        return self._create_reply(instance_id, env.name, task.id, trial, observation, "active"), True
+
+    async def _abort_create(self, instance_id: str, sandbox: Sandbox, handle: str | None,
+                            error: BaseException, *, ours: bool) -> None:
+        try:
+            if handle is not None:
+                await sandbox.destroy(handle)
+            if ours:
+                await instances.fail_create(self.db, instance_id, error=_describe(error))
+        except Exception:
+            log.exception("cleaning up the failed create of %s", instance_id)
+        finally:
+            self.slots.release()
+            self._unhold(instance_id)
+            self._rollout_slots.discard(instance_id)
+
+    # -- step, evaluate, release -------------------------------------------------------
+
+    async def step(self, instance_id: str, raw_action: Any, *, request_id: Any = None) -> dict[str, Any]:
+        """Apply one action. With a ``request_id``, the reply is recorded and a retry of
+        the same request id returns it again instead of acting twice."""
+        if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 255):
+            raise InvalidRequest("'request_id' must be a string of 1-255 characters", field="request_id")
+        if request_id is not None:
+            recorded = await step_results.find(self.db, instance_id, request_id)
+            if recorded is not None:
+                return recorded
+        live = await self._live_or_raise(instance_id)
+        action = Action.parse(raw_action)
+        async with live.lock:
+            self._ensure_still_live(live)
+            if request_id is not None:  # the first try may have finished while we waited
+                recorded = await step_results.find(self.db, instance_id, request_id)
+                if recorded is not None:
+                    return recorded
+            if live.done:
+                raise Conflict(f"instance {instance_id!r} is done; evaluate or release it",
+                               extra={"state": "done"})
+            started = time.monotonic()
+            result = await live.env.step(live.episode, action)
+            live.last_active = time.monotonic()
+            live.row.step_count += 1
+            live.done = live.done or result.done
+            await instances.record_step(self.db, instance_id, step_count=live.row.step_count, done=result.done,
+                                        env_state=live.episode.state, reward=result.reward if result.done else None)
+            reply = {"observation": result.observation, "reward": result.reward, "done": result.done,
+                     "info": result.info}
+            live.log.record("step", {
+                "step": live.row.step_count, "duration_s": live.last_active - started,
+                "action": {"tool": action.tool, "arguments": action.arguments}, **reply})
+            result = {"instance_id": instance_id, "step": live.row.step_count, **reply}
+            if request_id is not None:
+                await step_results.record(self.db, instance_id, request_id, result)
+            return result
+
+    async def evaluate(self, instance_id: str, *, release: Any = False) -> dict[str, Any]:
+        """Grade the episode. With ``release``, then end it as :meth:`release` does, in the
+        same call (one round trip fewer per episode). A repeated evaluate-and-release of
+        an instance that ended after its evaluation returns that evaluation again, so a
+        client may retry it like a release."""
+        if not isinstance(release, bool):
+            raise InvalidRequest("'release' must be true or false", field="release")
+        live = self._live.get(instance_id)
+        if live is None and release:
+            row = await instances.get(self.db, instance_id)
+            if row.evaluation is not None and row.state in instances.ENDED_STATES:
+                return {**row.evaluation, "released": False, "state": row.state}
+        live = live or await self._live_or_raise(instance_id)
+        async with live.lock:
+            self._ensure_still_live(live)
+            evaluation = await live.env.evaluate(live.episode)
+            live.last_active = time.monotonic()
+            reply = {"instance_id": instance_id, "reward": evaluation.reward, "details": evaluation.details}
+            record = instances.evaluation_statement(instance_id, reward=evaluation.reward, evaluation=reply,
+                                                    env_state=live.episode.state)
+            live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
+            if release:  # one transaction records the evaluation and the end
+                await asyncio.shield(self._end(live, "released", also=[record]))
+                return {**reply, "released": True, "state": "released"}
+            await self.db.write(*record)
+            return reply
+
+    async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
+        """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op."""
+        live = self._live.get(instance_id)
+        if live is None:
+            row = await instances.get(self.db, instance_id)
+            if row.state == "creating":
+                raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
+            return {"instance_id": instance_id, "released": False, "state": row.state}
+        async with live.lock:
+            if self._live.get(instance_id) is not live:  # released while we waited for the lock
+                row = await instances.get(self.db, instance_id)
+                return {"instance_id": instance_id, "released": False, "state": row.state}
+            await asyncio.shield(self._end(live, reason))
+        return {"instance_id": instance_id, "released": True, "state": reason}
+
+    async def _end(self, live: Live, state: str, error: str | None = None, *,
+                   also: list[tuple[str, Any]] = ()) -> None:
+        """Destroy the sandbox, free the slot and record the end (with ``also``, statements
+        to commit in the same transaction)."""
+        instance_id = live.row.id
+        self._live.pop(instance_id, None)
+        try:
+            await live.episode.sandbox.destroy(live.episode.handle)
+        finally:
+            self.slots.release()
+            self._unhold(instance_id)
+            self._rollout_slots.discard(instance_id)
+            await self.db.write_many([*also, instances.end_statement(instance_id, state, error=error)])
+            live.log.record(state, {"error": error} if error else None)
+
+    def _ensure_still_live(self, live: Live) -> None:
+        if self._live.get(live.row.id) is not live:
+            raise Conflict(f"instance {live.row.id!r} was released while this call waited",
+                           extra={"instance_id": live.row.id})
+
+    async def get(self, instance_id: str) -> dict[str, Any]:
+        row = await instances.get(self.db, instance_id)
+        out = {**row.to_public(), "observation": row.observation}
+        live = self._live.get(instance_id)
+        if live is not None:
+            out["idle_s"] = round(time.monotonic() - live.last_active, 3)
+        return out
+
+    # -- administration (POST /config, POST /cleanup; the scheduler fans them out) -------
+
+    RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
+
+    def config(self) -> dict[str, Any]:
+        return {"environments": {name: env.config for name, env in self.environments.items()},
+                "idle_ttl": self.settings.idle_ttl, "queue_timeout": self.settings.queue_timeout}
+
+    async def reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Merge ``changes`` into the running config. An environment section is merged into
+        its config and the environment reloaded; live episodes keep the one they started
+        with. Nothing is applied unless everything validates."""
+        unknown = sorted(set(changes) - set(self.RECONFIGURABLE))
+        if unknown:
+            raise InvalidRequest(f"cannot change {', '.join(unknown)} at run time "
+                                 f"(can: {', '.join(self.RECONFIGURABLE)})", field=unknown[0])
+        sections = changes.get("environments") or {}
+        if not isinstance(sections, dict):
+            raise InvalidRequest("'environments' must map names to config sections", field="environments")
+        reloaded: dict[str, Environment] = {}
+        for name, section in sections.items():
+            env = self.environment(name)
+            if not isinstance(section, dict):
+                raise InvalidRequest(f"environments.{name} must be a mapping", field=f"environments.{name}")
+            fresh = type(env)({**env.config, **section})
+            try:
+                fresh.load()
+            except EnvhubError as e:
+                raise InvalidRequest(f"environments.{name}: {e.message}", field=f"environments.{name}") from None
+            if env.context is not None:
+                await fresh.start(env.context)
+            reloaded[name] = fresh
+        numbers = {}
+        for key in ("idle_ttl", "queue_timeout"):
+            if key in changes:
+                value = changes[key]
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                    raise InvalidRequest(f"'{key}' must be a non-negative number", field=key)
+                numbers[key] = float(value)
+        self.environments.update(reloaded)
+        for key, value in numbers.items():
+            setattr(self.settings, key, value)
+        self.slots.queue_timeout = self.settings.queue_timeout
+        return self.config()
+
+    async def cleanup(self) -> dict[str, Any]:
+        """Release every live instance (what SETA's /cleanup does to its containers)."""
+        released = 0
+        for instance_id in list(self._live):
+            result = await self.release(instance_id, reason="released")
+            released += bool(result.get("released"))
+        return {"status": "ok", "released": released}
+
+    # -- background ------------------------------------------------------------------
+
+    async def reap_idle(self, *, now: float | None = None) -> list[str]:
+        """Expire every live instance idle for longer than ``idle_ttl``; returns their ids."""
+        now = time.monotonic() if now is None else now
+        reaped = []
+        for instance_id, live in list(self._live.items()):
+            if live.lock.locked() or now - live.last_active < self.settings.idle_ttl:
+                continue
+            async with live.lock:
+                if self._live.get(instance_id) is not live:
+                    continue
+                await self._end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
+            reaped.append(instance_id)
+            log.info("expired idle instance %s", instance_id)
+        return reaped
+
+    async def reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reap_interval)
+            try:
+                await self.reap_idle()
+                await self.prune_ended()
+            except Exception:
+                log.exception("idle reaper")
+
+    async def prune_ended(self, *, now: float | None = None) -> int:
+        """With ``retention_hours`` set, delete the rows of instances that ended and were
+        created longer ago than that; returns how many. Their trial logs stay. At most
+        ``_PRUNE_BATCH`` rows per transaction and ``_PRUNE_PER_PASS`` per reaper pass, so
+        the one SQLite connection every create and step waits on is never held long."""
+        hours = self.settings.retention_hours
+        if hours is None:
+            return 0
+        cutoff = (time.time() if now is None else now) - hours * 3600
+        deleted = await delete_in_batches(lambda n: instances.delete_ended(self.db, cutoff, n),
+                                          _PRUNE_BATCH, _PRUNE_PER_PASS)
+        if deleted:
+            log.info("retention: deleted %d ended instance(s) created over %g h ago", deleted, hours)
+        return deleted
+
+    async def reconcile(self) -> dict[str, int]:
+        """At start: make SQLite and the sandboxes that exist agree.
+
+        Live rows whose sandbox survived the restart (docker) are adopted under the same
+        id and keep working; live rows whose sandbox is gone (every process sandbox, a
+        removed container, a create that never finished) are marked ``lost`` (410);
+        sandboxes labelled for this node that no live row claims are removed."""
+        rows, _ = await instances.list_(self.db, states=instances.LIVE_STATES, limit=1_000_000)
+        adopted: dict[str, set[str]] = {name: set() for name in self.sandboxes}
+        lost = 0
+        for row in rows:
+            live = await self._adopt(row)
+            if live is None:
+                await instances.end(self.db, row.id, "lost", error="the node restarted and the sandbox is gone")
+                lost += 1
+                continue
+            self._live[row.id] = live
+            self.slots.used += 1  # may pass capacity for a while: adopted work is not refused
+            self._hold(row.id)
+            adopted[row.sandbox].add(row.sandbox_handle)
+        removed = 0
+        for name, sandbox in self.sandboxes.items():
+            removed += await sandbox.remove_unknown(self.settings.node_id, adopted[name])
+        return {"adopted": sum(len(h) for h in adopted.values()), "lost": lost, "removed": removed}
+
+    async def _adopt(self, row: instances.InstanceRow) -> Live | None:
+        sandbox = self.sandboxes.get(row.sandbox)
+        env = self.environments.get(row.environment)
+        if row.state == "creating" or sandbox is None or env is None or not row.sandbox_handle \
+                or not sandbox.survives_restart:
+            return None
+        try:
+            task = env.task(row.task_id)
+        except NotFound:
+            return None
+        spec = env.sandbox_spec(task, row.params, SandboxSpec(
+            instance_id=row.id, environment=env.name, task_id=task.id,
+            labels={"envhub.node": self.settings.node_id, "envhub.instance": row.id,
+                    "envhub.task": f"{env.name}/{task.id}"}))
+        try:
+            if not await sandbox.adopt(row.sandbox_handle, spec):
+                return None
+        except EnvhubError as e:
+            log.warning("cannot adopt %s: %s", row.id, e.message)
+            return None
+        trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, row.trial, row.id)
+        episode = Episode(instance_id=row.id, task=task, params=row.params, sandbox=sandbox,
+                          handle=row.sandbox_handle, spec=spec, state=row.env_state, log_dir=trial_log.dir)
+        trial_log.record("adopted")
+        return Live(row=row, env=env, episode=episode, log=trial_log, done=row.state == "done")
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def shutdown(self, *, release_all: bool | None = None) -> None:
+        """Stop taking creates; release every live instance whose sandbox cannot survive
+        the restart, and leave the others running for the next start to adopt (unless
+        ``release_on_shutdown``); flush the trial logs."""
+        self._accepting = False
+        release_all = self.settings.release_on_shutdown if release_all is None else release_all
+        for live in list(self._live.values()):
+            sandbox = live.episode.sandbox
+            try:
+                if sandbox.survives_restart and not release_all:
+                    self._live.pop(live.row.id, None)
+                    await sandbox.detach(live.episode.handle)
+                    live.log.record("detached")
+                else:
+                    await self._end(live, "released", error="node shut down")
+            except Exception:
+                log.exception("releasing %s at shutdown", live.row.id)
+        await asyncio.to_thread(self.trial_writer.close)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, asyncio.CancelledError):
+        return "create was cancelled (client went away or the node is stopping)"
+    return f"{type(error).__name__}: {error}"

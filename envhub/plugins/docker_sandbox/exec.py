@@ -1,0 +1,157 @@
+"""Running commands in a container: through its shell agent, else one docker exec each.
+
+A mixin of :class:`~envhub.plugins.docker_sandbox.sandbox.DockerSandbox`: it uses the
+sandbox's engine client (``_api``), thread pool (``_call``), config and agent table.
+Never raises because of what the command did (see the sandbox's invariants).
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import ssl
+import time
+from typing import Any
+
+
+from envhub.plugins.docker_sandbox.shell_agent import AgentBroken, ShellAgent
+
+from envhub.errors import InvalidRequest
+from envhub.sandbox import ExecResult
+from envhub.plugins.docker_sandbox.engine import (CappedOutput, ENGINE_ERRORS, EXEC_FRAME, STDERR, STDOUT, container_error, release_response)
+
+
+log = logging.getLogger("envhub.plugins.docker_sandbox")
+
+
+class DockerExec:
+    async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        if not isinstance(code, str):
+            raise InvalidRequest("code must be a string", field="code")
+        if "\x00" in code:
+            raise InvalidRequest("code must not contain NUL characters", field="code")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidRequest("timeout must be positive", field="timeout")
+        return await self._call(self._exec_fast_or_plain, handle, code, float(timeout))
+
+    def _exec_fast_or_plain(self, cid: str, code: str, timeout: float) -> ExecResult:
+        """Through the container's shell agent when it has one, else one docker exec."""
+        agent = self._agents.get(cid)
+        if agent is None and self.use_agent and self.shell == ["bash", "-c"]:
+            agent = self._agents[cid] = self._start_agent(cid) or False
+        if agent:
+            try:
+                return agent.run(code, timeout, time.monotonic() + timeout + self.kill_grace + 5)
+            except AgentBroken as e:
+                log.warning("docker sandbox: shell agent of %s failed (%s); using docker exec", cid[:12], e)
+                self._agents[cid] = False
+                # The command may have run; what it printed is lost with the agent.
+                return ExecResult(exit_code=None, timed_out=True, duration_s=timeout,
+                                  stderr=f"envhub: the command's result was lost ({e})\n")
+        return self._exec_sync(cid, [*self.shell, code], timeout)
+
+    def _start_agent(self, cid: str) -> ShellAgent | None:
+        api = self._api
+        try:
+            exec_id = api.exec_create(cid, ["sh", "-c", ShellAgent.script(self.output_limit)],
+                                      stdin=True, stdout=True, stderr=True, tty=False)["Id"]
+            sock = api.exec_start(exec_id, socket=True)
+        except ENGINE_ERRORS as e:
+            release_response(e)
+            return None
+        response = sock._response  # as in _pump: the hijacked connection under docker-py's wrapper
+        reader = response.raw._fp.fp
+        netsock = reader.raw._sock
+        if isinstance(netsock, ssl.SSLSocket):
+            response.close()
+            return None  # TLS engines keep decrypted bytes out of select(): use docker exec
+        netsock.setblocking(False)
+        try:
+            early = reader.read1(1 << 16) or b""
+        except (BlockingIOError, InterruptedError):
+            early = b""
+        agent = ShellAgent(netsock, response.close, self.output_limit, early)
+        try:
+            agent.wait_ready(10)
+        except (AgentBroken, OSError) as e:
+            log.info("docker sandbox: no shell agent in %s (%s); using docker exec", cid[:12], e)
+            agent.close()
+            return None
+        return agent
+
+    def _exec_sync(self, cid: str, argv: list[str], timeout: float) -> ExecResult:
+        api = self._api
+        started = time.monotonic()
+        # -k: a command that ignores TERM still ends inside the container. Short options:
+        # busybox's timeout knows no long ones.
+        cmd = ["timeout", "-k", "1", "-s", "TERM", f"{max(timeout, 0.001):.3f}", *argv]
+        try:
+            exec_id = api.exec_create(cid, cmd, stdout=True, stderr=True, stdin=False, tty=False)["Id"]
+            sock = api.exec_start(exec_id, socket=True)
+        except ENGINE_ERRORS as e:
+            release_response(e)
+            raise container_error(cid, "exec", e) from e
+        out, err = CappedOutput(self.output_limit), CappedOutput(self.output_limit)
+        try:
+            finished = self._pump(sock, started + timeout + self.kill_grace, out, err)
+            info = api.exec_inspect(exec_id)
+        except ENGINE_ERRORS as e:
+            raise container_error(cid, "exec", e) from e
+        exit_code = None if info.get("Running") else info.get("ExitCode")
+        elapsed = time.monotonic() - started
+        # 124: coreutils timeout sent TERM; 137: it had to KILL. A command exiting 124 on
+        # its own before the deadline is not a timeout.
+        timed_out = not finished or (exit_code in (124, 137) and elapsed >= timeout)
+        return ExecResult(stdout=out.text(), stderr=err.text(), exit_code=None if timed_out else exit_code,
+                          timed_out=timed_out, duration_s=elapsed, truncated=out.dropped > 0 or err.dropped > 0)
+
+    def _pump(self, sock: Any, deadline: float, out: CappedOutput, err: CappedOutput) -> bool:
+        """Demultiplex the exec's stream into ``out``/``err`` until it ends (True), or
+        until ``deadline`` (False). Always closes the stream."""
+        response = sock._response  # docker-py pins the HTTP response on the socket it returns
+        reader = response.raw._fp.fp  # http.client's buffered reader, past the 101 headers
+        netsock = reader.raw._sock
+        buf = bytearray()
+
+        def feed(chunk: bytes) -> None:
+            buf.extend(chunk)
+            while len(buf) >= EXEC_FRAME.size:
+                stream, size = EXEC_FRAME.unpack_from(buf)
+                if len(buf) < EXEC_FRAME.size + size:
+                    break
+                payload = bytes(buf[EXEC_FRAME.size:EXEC_FRAME.size + size])
+                del buf[:EXEC_FRAME.size + size]
+                if stream == STDERR:
+                    err.add(payload)
+                elif stream == STDOUT:
+                    out.add(payload)
+
+        try:
+            netsock.setblocking(False)
+            # Reading the headers may have buffered the first frames; with the socket
+            # non-blocking this returns them (or nothing) without waiting.
+            try:
+                feed(reader.read1(1 << 16) or b"")
+            except ssl.SSLWantReadError:
+                pass
+            poller = select.poll()
+            poller.register(netsock.fileno(), select.POLLIN | select.POLLPRI)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                pending = getattr(netsock, "pending", None)  # TLS may hold decrypted bytes
+                if not (pending and pending()) and not poller.poll(left * 1000):
+                    continue
+                try:
+                    chunk = netsock.recv(1 << 16)
+                except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                    continue
+                except OSError:
+                    return True
+                if not chunk:
+                    return True
+                feed(chunk)
+        finally:
+            response.close()
+

@@ -1,0 +1,91 @@
+"""Image building for the docker sandbox: what the build gate (envhub/node/builds.py) calls.
+
+A mixin of :class:`~envhub.plugins.docker_sandbox.sandbox.DockerSandbox`: it uses the sandbox's
+engine client (``_api``) and thread pool (``_call``), so builds never block the event
+loop and never run a docker CLI. The build context is sent as an in-memory tar with the
+Dockerfile text added under a reserved name, so the task folder is never written to.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+from pathlib import Path
+
+import docker.errors
+
+from envhub.errors import BuildFailed
+from envhub.plugins.docker_sandbox.engine import ENGINE_ERRORS, explain, owned_by_root, tar_bytes
+
+_DOCKERFILE_NAME = ".envhub.Dockerfile"  # reserved name in the build context
+
+
+class DockerImages:
+    async def image_exists(self, image: str) -> bool:
+        return await self._call(self._image_exists_sync, image)
+
+    def _image_exists_sync(self, image: str) -> bool:
+        try:
+            self._api.inspect_image(image)
+            return True
+        except docker.errors.ImageNotFound:
+            return False
+
+    async def build_image(self, *, context_dir: Path, dockerfile: str, image: str, log_path: Path,
+                          timeout: float, extra_files: dict[str, bytes] | None = None) -> None:
+        """Build ``image`` from ``context_dir`` with ``dockerfile`` (text) as its Dockerfile.
+
+        The context is sent as an in-memory tar with the Dockerfile (and ``extra_files``)
+        added under reserved names, so the task folder is never written to. The build's
+        output goes to ``log_path``; a failure raises ``BuildFailed`` with the log's tail.
+        """
+        await self._call(self._build_sync, Path(context_dir), dockerfile, image, Path(log_path), float(timeout),
+                         dict(extra_files or {}))
+
+    def _build_sync(self, context_dir: Path, dockerfile: str, image: str, log_path: Path, timeout: float,
+                    extra_files: dict[str, bytes]) -> None:
+        
+        def fill(tf: tarfile.TarFile) -> None:
+            for child in sorted(context_dir.iterdir()):
+                tf.add(str(child), arcname=child.name, filter=owned_by_root)
+            for name, data in {**extra_files, _DOCKERFILE_NAME: dockerfile.encode()}.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                info.mode = 0o644
+                tf.addfile(info, io.BytesIO(data))
+
+        deadline = time.monotonic() + timeout
+        lines: list[str] = []
+        error = None
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as logf:
+            try:
+                context = io.BytesIO(tar_bytes(fill))
+                stream = self._api.build(fileobj=context, custom_context=True, dockerfile=_DOCKERFILE_NAME,
+                                         tag=image, rm=True, forcerm=True, decode=True, timeout=timeout)
+                for chunk in stream:
+                    text = chunk.get("stream") or chunk.get("status") or ""
+                    if "error" in chunk:
+                        error = str(chunk.get("error")).strip()
+                        text = f"ERROR: {error}\n"
+                    if text:
+                        logf.write(text)
+                        lines.extend(text.splitlines())
+                        del lines[:-60]
+                    if time.monotonic() > deadline:
+                        error = f"the build ran past its {timeout:g} s timeout"
+                        break
+                if hasattr(stream, "close"):
+                    stream.close()  # an abandoned build is cancelled when its stream closes
+            except ENGINE_ERRORS as e:
+                error = explain(e)
+            if error is None and not self._image_exists_sync(image):
+                error = "the engine reported no error but the image does not exist"
+            if error is not None:
+                logf.write(f"\nenvhub: build failed: {error}\n")
+        if error is not None:
+            tail = "\n".join(lines[-30:])
+            raise BuildFailed(f"image {image} failed to build: {error}\n--- last lines of the build log ---\n{tail}",
+                              extra={"log_tail": tail})
+

@@ -1,0 +1,433 @@
+"""The "docker" sandbox: one container per episode, driven through the Docker SDK.
+
+Policy and invariants:
+
+- Every Docker SDK call (and every tar built or unpacked for one) runs in this plugin's
+  own ``ThreadPoolExecutor`` (config ``threads``); the event loop never blocks on the
+  engine. The SDK client is built and pinged in :meth:`DockerSandbox.start`, which turns
+  an unreachable engine into ``StartupError``. No docker CLI is ever run, no image is
+  ever pulled: an image must already be on the engine.
+- A container is recorded in ``_created`` from the moment the engine returns its id
+  until it is removed. A create that fails or whose caller was cancelled removes its
+  container; :meth:`~DockerSandbox.stop` removes every recorded one, then shuts the
+  executor down and closes the client, so nothing this process started outlives it.
+- Every container carries ``envhub.managed=1`` and ``envhub.sandbox=docker`` besides the
+  spec's labels, so :meth:`~DockerSandbox.list_managed` / ``remove_managed`` can find
+  what a crashed node left behind.
+- Containers are never privileged and never share the host's (or another container's)
+  network namespace: ``network`` ``host`` or ``container:*`` is refused. Every container
+  has all capabilities dropped except ``cap_add``, ``no-new-privileges``, an init
+  process that reaps zombies, no published ports, and CPU, memory (swap included) and
+  pid limits. The image's ENTRYPOINT/CMD are replaced by ``sleep infinity``.
+- :meth:`~DockerSandbox.exec` never raises because of what the command did. The
+  container enforces the timeout itself (coreutils ``timeout`` signals the command's
+  whole process group: TERM at the timeout, KILL one second later); the node stops
+  reading at ``timeout + kill_grace`` in case something outside that group keeps the
+  output stream open, and returns what it has with ``timed_out=True``.
+- A background job that keeps the command's stdout/stderr open (``server &``) delays the
+  call by up to 2 s: after the command exits the engine waits that long for the stream
+  to close, and the container's next exec can end as late again. That is the engine's
+  behaviour (dockerd 20.10); background jobs should redirect their output.
+- Errors: ``SandboxError`` when the container is gone or not running, or the engine
+  fails (an unknown handle is a vanished container, not a 404); ``NotFound`` only for a
+  missing file in :meth:`~DockerSandbox.read_file`; ``InvalidRequest`` for a bad path,
+  code or timeout. :meth:`~DockerSandbox.destroy` never raises for an unknown handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import os
+import secrets
+from typing import Any, Callable, Mapping, TypeVar
+
+import docker
+import docker.errors
+
+from envhub.plugins.docker_sandbox.shell_agent import ShellAgent
+from envhub.plugins.docker_sandbox.images import DockerImages
+from envhub.plugins.docker_sandbox.exec import DockerExec
+from envhub.plugins.docker_sandbox.files import DockerFiles
+from envhub.plugins.docker_sandbox.egress import EgressError, EgressPolicy, validate_cidrs
+import docker.types
+from docker.constants import DEFAULT_UNIX_SOCKET
+import requests.exceptions
+
+from envhub.errors import InvalidRequest, SandboxError, StartupError
+from envhub.sandbox import Sandbox, SandboxSpec
+from envhub.plugins.docker_sandbox.engine import (DEFAULT_CAPS, ENGINE_ERRORS, MANAGED_LABELS, explain, network_problem, remove_quietly, sanitize, unix_socket_problem)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SANDBOX_NETWORK = "envhub-sandbox"  # the network the egress policy guards
+
+
+class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
+    """Runs shell commands in one Docker container per sandbox.
+
+    The handle is the container id. Config keys (``sandboxes: {docker: {...}}``):
+
+    - ``docker_host``: engine URL, ``unix://...`` or plain ``tcp://...``; default: the
+      ``DOCKER_*`` environment (TLS included), else the local socket. ``ssh://`` and
+      named pipes are not supported.
+    - ``api_timeout`` (60 s): timeout of one engine API call.
+    - ``threads`` (32): worker threads for engine calls. A running exec holds one for its
+      whole duration, so keep it above the node's capacity.
+    - ``egress`` (``"deny-private"``): containers join the ``envhub-sandbox`` network
+      (no traffic between containers) whose traffic to 169.254.0.0/16 (cloud metadata)
+      and the private ranges, the host included, is refused by iptables rules the node
+      installs (``egress.py``); ``SandboxSpec.egress_allow`` opens addresses per container.
+      When the node cannot install them (no root, no iptables), containers get no
+      network. ``"open"``: no policy (the ``network`` as given).
+    - ``network`` (``"envhub-sandbox"``, or ``"bridge"`` with ``egress: open``): network
+      mode or network name for every container; ``"none"`` cuts the network. ``host``
+      and ``container:*`` are refused. ``SandboxSpec.network`` overrides it.
+    - ``cpus`` (1.0, clamped to the engine's CPU count), ``memory_mb`` (2048, swap
+      included), ``pids_limit`` (512): defaults for ``SandboxSpec.limits.cpus``,
+      ``memory_mb`` and ``max_processes``. ``limits.cpu_seconds`` becomes RLIMIT_CPU.
+    - ``cap_add`` (CHOWN, DAC_OVERRIDE, FOWNER, SETUID, SETGID, KILL, NET_BIND_SERVICE):
+      the only capabilities kept.
+    - ``workdir`` (None: the image's WORKDIR): working dir of the container, of every
+      exec and of relative file paths.
+    - ``shell`` (``["bash", "-c"]``): the command line is appended to it.
+    - ``shell_agent`` (true): run commands through one persistent ``sh`` per container
+      (``shell_agent.py``: about 17 ms a call instead of about 80 ms for a docker exec);
+      a container whose agent cannot start or breaks uses docker exec.
+    - ``kill_grace`` (2.0 s): how long past the timeout the node keeps reading; the
+      container's own KILL comes 1 s after the timeout.
+    - ``output_limit`` (65536): bytes kept per stream; past it the head and tail are
+      kept around a ``[... N bytes truncated ...]`` line and ``truncated`` is set.
+
+    Beyond the :class:`~envhub.Sandbox` contract: :meth:`copy_dir` and :meth:`fetch_dir`
+    move folders in and out, :meth:`list_managed` and :meth:`remove_managed` find and
+    remove the containers of a node.
+    """
+
+    name = "docker"
+    description = "A Docker container per episode (no privileges, capped CPU/memory/pids); runs shell commands"
+    language = "shell"
+
+    def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
+        super().__init__(config, settings)
+        c = self.config
+        try:
+            self.docker_host = c.get("docker_host") or None
+            self.api_timeout = float(c.get("api_timeout", 60))
+            self.threads = int(c.get("threads", 32))
+            self.egress = str(c.get("egress", "deny-private"))
+            self.network = str(c.get("network") or (SANDBOX_NETWORK if self.egress == "deny-private" else "bridge"))
+            self.cpus = float(c.get("cpus", 1.0))
+            self.memory_mb = int(c.get("memory_mb", 2048))
+            self.pids_limit = int(c.get("pids_limit", 512))
+            self.cap_add = [str(cap) for cap in c.get("cap_add", DEFAULT_CAPS)]
+            self.workdir = str(c["workdir"]) if c.get("workdir") else None
+            self.shell = [str(part) for part in c.get("shell", ("bash", "-c"))]
+            self.kill_grace = float(c.get("kill_grace", 2.0))
+            self.output_limit = int(c.get("output_limit", 65536))
+        except (TypeError, ValueError) as e:
+            raise StartupError(f"docker sandbox config: {e}") from e
+        if self.egress not in ("deny-private", "open"):
+            raise StartupError(f"docker sandbox config: egress must be deny-private or open, not {self.egress!r}")
+        problem = network_problem(self.network)
+        if problem:
+            raise StartupError(f"docker sandbox config: {problem}")
+        if self.threads < 1 or self.cpus <= 0 or self.memory_mb < 8 or self.pids_limit < 1:
+            raise StartupError("docker sandbox config: threads, cpus, memory_mb (>= 8) and pids_limit must be positive")
+        if self.workdir is not None and not self.workdir.startswith("/"):
+            raise StartupError(f"docker sandbox config: workdir {self.workdir!r} must be absolute")
+        self._client: docker.DockerClient | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._host_cpus: float | None = None
+        self._created: set[str] = set()  # container ids this process created and has not removed
+        self._workdirs: dict[str, str] = {}  # container id -> its working dir, once looked up
+        # container id -> its shell agent, or False where it has none (see shell_agent.py)
+        self._agents: dict[str, ShellAgent | bool] = {}
+        self.use_agent = bool(c.get("shell_agent", True))
+        self._egress: EgressPolicy | None = None
+        self._allowed: dict[str, tuple[str, list[str]]] = {}  # container id -> (its ip, allowed cidrs)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="envhub-docker")
+        try:
+            self._client, self._host_cpus = await self._call(self._connect)
+            if self.egress == "deny-private" and self.network not in ("none",):
+                await self._call(self._install_egress)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+            raise
+
+    def _install_egress(self) -> None:
+        """The sandbox network (no traffic between containers) and its egress policy; if
+        the node cannot enforce the policy it gives containers no network (fail closed)."""
+        api = self._api
+        try:
+            nets = api.networks(names=[self.network])
+            net = next((n for n in nets if n.get("Name") == self.network), None)
+            if net is None:
+                api.create_network(self.network, driver="bridge", labels={"envhub.managed": "1"},
+                                   options={"com.docker.network.bridge.enable_icc": "false"})
+                net = api.inspect_network(self.network)
+            configs = (net.get("IPAM") or {}).get("Config") or []
+            if not configs:
+                net = api.inspect_network(self.network)
+                configs = (net.get("IPAM") or {}).get("Config") or []
+            subnet = configs[0]["Subnet"]
+            self._egress = EgressPolicy(subnet)
+            self._egress.install()
+            log.info("docker sandbox: egress policy on %s (%s): private ranges and 169.254.0.0/16 refused",
+                     self.network, subnet)
+        except (EgressError, ENGINE_ERRORS, KeyError, IndexError) as e:
+            log.error("docker sandbox: cannot enforce the egress policy (%s); containers get no network", e)
+            self._egress = None
+            self.network = "none"
+
+    def _connect(self) -> tuple[docker.DockerClient, float | None]:
+        # Each running exec holds one pooled connection for its stream and briefly a second
+        # one to inspect it; a smaller pool would open and discard connections.
+        kw = {"timeout": self.api_timeout, "max_pool_size": 2 * self.threads}
+        where = self.docker_host or os.environ.get("DOCKER_HOST") or DEFAULT_UNIX_SOCKET
+        problem = unix_socket_problem(where)
+        if problem:
+            raise StartupError(f"docker sandbox: the Docker engine at {where} is not reachable: {problem}")
+        client = None
+        try:
+            client = (docker.DockerClient(base_url=self.docker_host, **kw) if self.docker_host
+                      else docker.from_env(**kw))
+            client.ping()
+            ncpu = client.info().get("NCPU")
+        except ENGINE_ERRORS as e:
+            if client is not None:
+                client.close()
+            raise StartupError(f"docker sandbox: the Docker engine at {where} is not reachable: {e}") from e
+        return client, float(ncpu) if ncpu else None
+
+    async def stop(self) -> None:
+        if self._executor is None:
+            return
+        await asyncio.gather(*(self.destroy(cid) for cid in list(self._created)), return_exceptions=True)
+        executor, self._executor = self._executor, None
+        # A create still running in a worker may record a container after the sweep
+        # above: wait for the workers, then remove whatever they left.
+        await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
+        client, self._client = self._client, None
+        if client is not None:
+            for cid in list(self._created):
+                await asyncio.to_thread(remove_quietly, client, cid)
+            client.close()
+        self._created.clear()
+        self._workdirs.clear()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._executor is None:
+            raise SandboxError("the docker sandbox is not running")
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        except RuntimeError as e:  # stop() shut the executor down meanwhile
+            raise SandboxError("the docker sandbox is not running") from e
+        return await future
+
+    @property
+    def _api(self) -> docker.APIClient:
+        if self._client is None:
+            raise SandboxError("the docker sandbox is not running")
+        return self._client.api
+
+    # --- create / destroy -----------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> str:
+        if not spec.image:
+            raise SandboxError(f"the docker sandbox needs an image; environment {spec.environment!r} gave none")
+        network = getattr(spec, "network", None) or self.network
+        problem = network_problem(str(network))
+        if problem:
+            raise SandboxError(f"docker sandbox: {problem}")
+        if self._executor is None:
+            raise SandboxError("the docker sandbox is not running")
+        future = self._executor.submit(self._create_sync, spec, str(network))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The worker carries on; whatever it creates must not outlive the cancelled call.
+            future.add_done_callback(self._discard_orphan)
+            raise
+
+    def _discard_orphan(self, future: concurrent.futures.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        cid = future.result()
+        try:
+            if self._executor is not None:
+                self._executor.submit(self._destroy_sync, cid)
+        except RuntimeError:
+            pass  # shutting down: stop() removes what is still in _created
+
+    def _create_sync(self, spec: SandboxSpec, network: str) -> str:
+        api = self._api
+        limits = spec.limits
+        cpus = limits.cpus if limits.cpus is not None else self.cpus
+        if self._host_cpus:
+            cpus = min(cpus, self._host_cpus)  # the engine refuses more CPUs than it has
+        memory_mb = limits.memory_mb if limits.memory_mb is not None else self.memory_mb
+        pids = limits.max_processes if limits.max_processes is not None else self.pids_limit
+        ulimits = None
+        if limits.cpu_seconds is not None:
+            ulimits = [docker.types.Ulimit(name="cpu", soft=int(limits.cpu_seconds), hard=int(limits.cpu_seconds))]
+        labels = {str(k): str(v) for k, v in spec.labels.items()}
+        labels.setdefault("envhub.instance", spec.instance_id)
+        labels.setdefault("envhub.environment", spec.environment)
+        labels.setdefault("envhub.task", spec.task_id)
+        labels.update(MANAGED_LABELS)
+        try:
+            host_config = api.create_host_config(
+                nano_cpus=max(1, int(cpus * 1e9)),
+                mem_limit=f"{int(memory_mb)}m",
+                memswap_limit=f"{int(memory_mb)}m",  # equal to mem_limit: no swap on top
+                pids_limit=int(pids),
+                privileged=False,
+                cap_drop=["ALL"],
+                cap_add=list(self.cap_add),
+                security_opt=["no-new-privileges"],
+                network_mode=network,
+                init=True,  # PID 1 reaps the orphans that exec'd commands leave behind
+                ulimits=ulimits,
+            )
+            created = api.create_container(
+                spec.image,
+                entrypoint=["sleep", "infinity"],  # an image ENTRYPOINT would otherwise wrap it
+                name=f"envhub-{sanitize(spec.instance_id)}-{secrets.token_hex(3)}",
+                labels=labels,
+                environment={str(k): str(v) for k, v in spec.env.items()},
+                working_dir=self.workdir,
+                host_config=host_config,
+                detach=True,
+            )
+        except docker.errors.ImageNotFound as e:
+            raise SandboxError(f"image {spec.image!r} is not on this node's Docker engine "
+                               f"(the docker sandbox never pulls): {explain(e)}") from e
+        except ENGINE_ERRORS as e:
+            raise SandboxError(f"cannot create a container from {spec.image!r}: {explain(e)}") from e
+        cid = created["Id"]
+        self._created.add(cid)
+        try:
+            api.start(cid)
+            if spec.egress_allow and self._egress is not None and network == self.network:
+                self._allow_sync(cid, network, validate_cidrs(spec.egress_allow))
+        except EgressError as e:
+            self._destroy_quietly(cid)
+            raise SandboxError(f"cannot open the egress allow list {spec.egress_allow}: {e}") from e
+        except ENGINE_ERRORS as e:
+            self._destroy_quietly(cid)
+            raise SandboxError(f"the container from {spec.image!r} did not start: {explain(e)}") from e
+        except BaseException:
+            self._destroy_quietly(cid)
+            raise
+        return cid
+
+    async def destroy(self, handle: str) -> None:
+        if not handle or (self._executor is None and handle not in self._created):
+            return
+        await self._call(self._destroy_sync, handle)
+
+    def _allow_sync(self, cid: str, network: str, cidrs: list[str]) -> None:
+        info = self._api.inspect_container(cid)
+        ip = ((info.get("NetworkSettings") or {}).get("Networks") or {}).get(network, {}).get("IPAddress")
+        if not ip:
+            raise EgressError(f"container {cid[:12]} has no address on {network}")
+        self._egress.allow(ip, cidrs)
+        self._allowed[cid] = (ip, cidrs)
+
+    def _destroy_sync(self, cid: str) -> None:
+        allowed = self._allowed.pop(cid, None)
+        if allowed is not None and self._egress is not None:
+            self._egress.revoke(*allowed)  # before the address can go to another container
+        try:
+            # force: SIGKILL, no stop timeout; v: anonymous volumes the image declared go too
+            self._api.remove_container(cid, force=True, v=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:
+            if "already in progress" not in explain(e):
+                raise SandboxError(f"cannot remove container {cid[:12]}: {explain(e)}") from e
+        except requests.exceptions.RequestException as e:
+            raise SandboxError(f"cannot remove container {cid[:12]}: {e}") from e
+        self._created.discard(cid)
+        self._workdirs.pop(cid, None)
+        agent = self._agents.pop(cid, None)
+        if agent:
+            agent.close()
+
+    def _destroy_quietly(self, cid: str) -> None:
+        try:
+            self._destroy_sync(cid)
+        except SandboxError as e:
+            log.warning("%s", e)
+
+    # --- recovery -------------------------------------------------------------------
+
+    async def list_managed(self, node_id: str | None = None) -> list[dict[str, Any]]:
+        """Containers on the engine labelled ``envhub.managed=1`` (and ``envhub.node=node_id``
+        when given), running or not: ``{"id", "name", "image", "labels", "status"}``
+        where ``status`` is the engine's state (``running``, ``exited``, ...)."""
+        return await self._call(self._list_managed_sync, node_id)
+
+    def _list_managed_sync(self, node_id: str | None) -> list[dict[str, Any]]:
+        wanted = ["envhub.managed=1"] + ([f"envhub.node={node_id}"] if node_id else [])
+        try:
+            rows = self._api.containers(all=True, filters={"label": wanted})
+        except ENGINE_ERRORS as e:
+            raise SandboxError(f"cannot list containers: {explain(e)}") from e
+        return [{"id": row["Id"], "name": (row.get("Names") or ["/"])[0].lstrip("/"), "image": row.get("Image"),
+                 "labels": row.get("Labels") or {}, "status": row.get("State")} for row in rows]
+
+    async def remove_managed(self, node_id: str) -> int:
+        """Remove every managed container of ``node_id`` (say, left by a crashed run of
+        that node) and return how many there were. Other nodes' containers are untouched."""
+        if not node_id:
+            raise InvalidRequest("remove_managed needs a node id", field="node_id")
+        rows = await self.list_managed(node_id)
+        await asyncio.gather(*(self.destroy(row["id"]) for row in rows))
+        return len(rows)
+
+
+    # --- surviving node restarts ----------------------------------------------------------
+
+    survives_restart = True
+
+    async def adopt(self, handle: str, spec: SandboxSpec) -> bool:
+        return await self._call(self._adopt_sync, handle, spec)
+
+    def _adopt_sync(self, cid: str, spec: SandboxSpec) -> bool:
+        try:
+            info = self._api.inspect_container(cid)
+        except docker.errors.NotFound:
+            return False
+        except ENGINE_ERRORS as e:
+            raise SandboxError(f"cannot inspect container {cid[:12]}: {explain(e)}") from e
+        labels = (info.get("Config") or {}).get("Labels") or {}
+        if labels.get("envhub.instance") != spec.instance_id or labels.get("envhub.managed") != "1":
+            return False  # not the container this instance had: never touch it
+        if not (info.get("State") or {}).get("Running"):
+            self._destroy_quietly(cid)
+            return False
+        self._created.add(cid)
+        return True
+
+    async def detach(self, handle: str) -> None:
+        self._created.discard(handle)  # stop() removes only what is in _created
+        agent = self._agents.pop(handle, None)
+        if agent:
+            agent.close()
+        self._workdirs.pop(handle, None)
+
+    async def remove_unknown(self, node_id: str, keep: set[str]) -> int:
+        rows = [r for r in await self.list_managed(node_id) if r["id"] not in keep]
+        await asyncio.gather(*(self.destroy(row["id"]) for row in rows))
+        return len(rows)

@@ -1,0 +1,576 @@
+"""The "process" sandbox: a persistent Python interpreter per episode, forked from a zygote.
+
+Policy and invariants:
+
+- :meth:`ProcessSandbox.start` launches one zygote (``zygote/``, run as a
+  script with ``python -I`` so it never imports envhub); creating a sandbox is a fork of
+  that warm process, not an interpreter start. :meth:`~ProcessSandbox.stop` ends it, and
+  the zygote and every interpreter die with the node (``PR_SET_PDEATHSIG``). A zygote
+  that dies is replaced on the next control request; its sandboxes restart on next exec.
+- The handle is ``SandboxSpec.instance_id``; ``_boxes`` maps it to the node-side state.
+- As root, each live sandbox runs as its own uid from ``[uid_base, uid_base +
+  max_sandboxes)``, and all sandboxes share one network namespace that holds only a down
+  loopback. A uid is claimed host-wide by binding an abstract Unix socket, so two nodes
+  on one host never share one, and it returns to the pool only after every process of
+  that uid was killed. The node keeps the claims of the uids it has used (``_idle``)
+  until :meth:`~ProcessSandbox.stop`, so a new sandbox usually claims nothing. The uid
+  makes RLIMIT_NPROC per sandbox and lets destroy kill processes that left the process
+  group; one more claimed uid, which no process runs as, lets the zygote do that kill
+  without forking.
+- As root the zygote also has a private mount namespace in which sandbox uids can
+  traverse the ancestors of ``work_root`` and of the Python install (a pyenv under
+  ``/root``, pytest's 0700 temp dirs), without any change to the host, and in which the
+  node's data dir (database and trial logs, which hold every grading), its config file
+  (API keys) and the datasets environments name (``Environment.sandbox_hidden``: the
+  hidden tests) are covered by empty, root-only mounts. A path that cannot be covered is
+  logged at start.
+- Without root (or where root cannot make those namespaces, as in a container without
+  CAP_SYS_ADMIN), every interpreter restricts itself with Landlock (Linux 5.13+, see
+  ``zygote/landlock.py``) before it runs a cell: the same paths can be neither read nor
+  written, TCP is denied when ``isolate_network`` is on (ABI 4+; UDP is not covered),
+  and signals to processes outside the sandbox, the node's included, are refused
+  (ABI 6+). What Landlock cannot cover is logged at start.
+- Without root there is still no uid switch: RLIMIT_NPROC is only set when configured
+  (it would count every process of the node's user), destroy kills the process group
+  only (a ``setsid()`` escapee survives), and sandboxes can read each other's dirs. Run
+  the node as root for untrusted code.
+- Control requests to the zygote are serialized by one ``asyncio.Lock`` and replies are
+  matched by request id, so a cancelled caller never puts the channel out of step; a
+  spawn runs in a shielded task that takes ownership of the new interpreter's fds.
+- :meth:`exec` never raises because of what the code did. A timeout is first a
+  ``CellTimeout`` raised inside the code (state survives); ``kill_grace`` seconds later
+  the node kills the sandbox's processes and the next call transparently starts a fresh
+  interpreter in the same dir, reporting ``restarted=True``; likewise after the
+  interpreter died. Calls on one handle are serialized by its own lock.
+- The exec that starts an interpreter hands its code to the zygote with the spawn
+  request (when under ``_CARRIED_CELL_CHARS``), and the interpreter runs it right after
+  its ``ready`` frame: one round trip fewer for the common create, exec, destroy. The
+  timeout still counts from ``ready``, exactly as for a separately sent exec.
+- :meth:`~ProcessSandbox.run_once` (grading) goes further: the interpreter exits after
+  answering, and the zygote cleans up after it unasked, before any other sandbox can run
+  under its uid; the node frees the box and the uid as soon as the answer is in.
+- Output is captured at fd level in two memfds per interpreter, which the node holds too:
+  the output of an interpreter it had to kill is still there to read.
+- An exec's result is reported by the interpreter that ran the code, so code that means
+  to can forge it (patch the interpreter through ``gc``, write to the channel). Graders
+  that must resist reward hacking cannot rely on ``exit_code`` alone.
+- Untrusted code controls the working dir, and the node may be root: file operations open
+  every path component relative to its parent with ``O_NOFOLLOW`` and only touch regular
+  files owned by the sandbox uid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.plugins.process_sandbox.zygote import shared as zygote
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec, check_inputs
+from envhub.plugins.process_sandbox.channel import Channel, ZygoteControl
+from envhub.plugins.process_sandbox.workdirs import (default_work_root, open_in_workdir, read_fd, relative_parts, write_in_workdir)
+
+log = logging.getLogger(__name__)
+
+_INLINE_IO_BYTES = 1 << 20  # larger file transfers run in a thread, off the event loop
+# A cell up to this size rides with the spawn request. JSON may escape a character into
+# 12 bytes, and the request, env included, must fit one control message
+# (zygote.CTL_MAX_MESSAGE): a send past the socket buffer fails like a dead zygote.
+_CARRIED_CELL_CHARS = 4096
+_MAX_ENV_JSON = 16 << 10
+_RESULT_FIELDS = ("stdout", "stderr", "exit_code", "timed_out", "exception", "value",
+                  "value_repr", "truncated")
+_SIGNAL_HINTS = {
+    "SIGXCPU": "the CPU time limit was reached",
+    "SIGXFSZ": "the file size limit was reached",
+    "SIGKILL": "killed, e.g. past the hard CPU time limit",
+}
+
+
+@dataclass(eq=False)
+class _Box:
+    """Node-side state of one sandbox."""
+
+    handle: str
+    uid: int | None
+    claim: socket.socket | None  # holds the host-wide claim on ``uid``
+    spawn_req: dict[str, Any]
+    workdir: str | None = None
+    pid: int | None = None
+    generation: int = 0  # which zygote forked ``pid``
+    chan: Channel | None = None  # None: no live interpreter, the next exec starts one
+    output_fds: tuple[int, int] | None = None  # memfds behind the interpreter's fd 1 and 2
+    pending: asyncio.Task | None = None  # a spawn exchange that owns fds until it ends
+    spawned: bool = False  # an interpreter was ever started (interpreters start lazily)
+    destroyed: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class ProcessSandbox(ZygoteControl, Sandbox):
+    """Runs Python cells in a persistent interpreter per sandbox.
+
+    Config keys (``sandboxes: {process: {...}}``): ``work_root`` (default: a dir on the
+    ``/dev/shm`` tmpfs, named after the data dir, when that is writable with 1 GiB free;
+    else ``<data_dir>/sandboxes``, else the system temp dir), ``memory_mb`` (1024,
+    RLIMIT_AS), ``cpu_seconds`` (300, RLIMIT_CPU soft limit, cumulative per interpreter),
+    ``max_processes`` (64, RLIMIT_NPROC), ``max_file_mb`` (256, RLIMIT_FSIZE),
+    ``output_limit`` (65536 bytes per stream, head and tail kept), ``kill_grace`` (1.0 s
+    after the timeout before the hard kill), ``uid_base`` (200000), ``max_sandboxes``
+    (4096), ``isolate_network`` (true; as root a network namespace, else Landlock's TCP
+    denial), ``python`` (the interpreter, default ``sys.executable``), ``preload``
+    (extra fork-safe modules, or ``.py`` files imported under their file's stem, to
+    import in the zygote), ``hide`` (more paths episode code must not read; the node's
+    data dir and config file and its environments' datasets are always hidden), ``env``
+    (variables for every sandbox), ``start_timeout`` (30 s), ``lazy_start`` (true: the
+    interpreter is forked by the first :meth:`exec`, not by :meth:`create`, so an
+    episode that never runs code costs no process).
+    ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
+    ``max_processes``; ``cpus`` is not enforced.
+
+    Working dirs are made and removed for every sandbox: on a disk that is metadata
+    churn, which on ext4 without a journal even slows every later file creation on the
+    same disk (the trial logs), since new inodes skip those freed in the last 30 s. On
+    the tmpfs default, sandbox files use memory instead, charged to the node's memory
+    cgroup: ``max_file_mb`` caps each file and the tmpfs size caps them all; what a
+    crashed run left is removed at the next start. Set ``work_root`` to keep them on disk.
+    """
+
+    name = "process"
+    description = "A persistent Python interpreter per episode, forked from a warm zygote, under rlimits"
+    language = "python"
+
+    def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
+        super().__init__(config, settings)
+        c = self.config
+        default_root, own = default_work_root(getattr(settings, "data_dir", None))
+        self.work_root = os.path.abspath(str(c.get("work_root") or default_root))
+        self._own_shm_root = own and not c.get("work_root")  # stop() removes it
+        self.memory_mb = int(c.get("memory_mb", 1024))
+        self.cpu_seconds = int(c.get("cpu_seconds", 300))
+        self.max_processes = c.get("max_processes")  # None: 64 as root, unset otherwise
+        self.max_file_mb = int(c.get("max_file_mb", 256))
+        self.output_limit = int(c.get("output_limit", 65536))
+        self.kill_grace = float(c.get("kill_grace", 1.0))
+        self.uid_base = int(c.get("uid_base", 200000))
+        self.max_sandboxes = int(c.get("max_sandboxes", 4096))
+        self.isolate_network = bool(c.get("isolate_network", True))
+        self.python = str(c.get("python") or sys.executable)
+        self.preload = [str(m) for m in _path_list(c, "preload")]
+        self.hide = [os.path.abspath(p) for p in [*_path_list(c, "hide"), *_node_records(settings)]]
+        self.start_timeout = float(c.get("start_timeout", 30.0))
+        self.lazy_start = bool(c.get("lazy_start", True))
+        self.env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
+                    **{str(k): str(v) for k, v in (c.get("env") or {}).items()}}
+        self.root = os.geteuid() == 0
+        self.network_isolated = False  # known once the zygote has started
+        self._boxes: dict[str, _Box] = {}
+        # Free uid offsets, reused last-in first-out: few distinct uids get used, so the
+        # purge on a uid's first use in this node (see _spawn) is rare.
+        self._free = list(range(self.max_sandboxes - 1, -1, -1))
+        self._idle: list[tuple[int, socket.socket]] = []  # free uids still claimed by us
+        self._purged: set[int] = set()  # uids already cleared of an earlier node's leftovers
+        self._killer: tuple[int, socket.socket] | None = None  # see zygote/forkserver.kill_uid
+        self._closing: set[asyncio.Task] = set()
+        self._ctl: socket.socket | None = None
+        self._proc: subprocess.Popen | None = None
+        self._ctl_lock = asyncio.Lock()
+        self._waiters: dict[int, asyncio.Future] = {}  # request id -> its reply
+        self._req_id = 0
+        self._generation = 0
+        self._started = False
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._prepare_work_root()
+        if self.root and self._killer is None:
+            try:
+                self._killer = self._allocate_uid()
+            except SandboxError as e:
+                raise StartupError(f"process sandbox: no uid left to kill with: {e.message}") from e
+        async with self._ctl_lock:
+            await self._launch()
+        self._started = True
+
+    async def stop(self) -> None:
+        self._started = False
+        await asyncio.gather(*(self.destroy(h) for h in list(self._boxes)), return_exceptions=True)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        await self._close_zygote()
+        if self._killer is not None:
+            self._idle.append(self._killer)
+            self._killer = None
+        for uid, claim in self._idle:
+            claim.close()
+            self._free.append(uid - self.uid_base)
+        self._idle = []
+        if self._own_shm_root:
+            try:
+                os.rmdir(self.work_root)  # empty now; in memory, unlike the disk default
+            except OSError:
+                pass
+
+    def _prepare_work_root(self) -> None:
+        os.makedirs(self.work_root, exist_ok=True)
+        if self._own_shm_root:
+            # Dirs a crashed run of this node left would hold memory until reboot; the
+            # dir is named after the data dir, which one node process uses at a time.
+            for entry in os.listdir(self.work_root):
+                zygote.remove_tree(os.path.join(self.work_root, entry))
+        if self.root:
+            # Sandbox uids must pass through it (the zygote opens up its ancestors), but
+            # must not list the other sandboxes' dirs.
+            mode = stat.S_IMODE(os.stat(self.work_root).st_mode)
+            if mode != (mode | 0o011) & ~0o066:  # a new dir is 0755 under the usual umask
+                os.chmod(self.work_root, (mode | 0o011) & ~0o066)
+
+
+    # --- sandboxes ----------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> str:
+        handle = spec.instance_id
+        if not self._started:
+            raise SandboxError("the process sandbox is not running")
+        if handle in self._boxes:
+            raise SandboxError(f"sandbox {handle!r} already exists")
+        if spec.env and len(json.dumps(spec.env)) > _MAX_ENV_JSON:
+            raise SandboxError(f"the sandbox env is over {_MAX_ENV_JSON} bytes of JSON")
+        uid, claim = self._allocate_uid()
+        box = _Box(handle, uid, claim, self._spawn_request(spec, uid))
+        self._boxes[handle] = box
+        if self.lazy_start:
+            return handle  # the first exec forks the interpreter; an unused sandbox costs no fork
+        try:
+            async with box.lock:
+                await self._spawn(box)
+        except BaseException:
+            if self._boxes.get(handle) is box:
+                del self._boxes[handle]
+                await self._teardown_shielded(box)
+            raise
+        return handle
+
+    async def destroy(self, handle: str) -> None:
+        box = self._boxes.pop(handle, None)
+        if box is None:
+            return
+        if not box.spawned and box.pending is None and not box.lock.locked():
+            box.destroyed = True
+            self._release_uid(box)  # never started (lazy start): no process, no dir, no task
+            return
+        await self._teardown_shielded(box)
+
+    async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        return await self._exec(handle, code, timeout, None)
+
+    async def _exec(self, handle: str, code: str, timeout: float, inputs: dict[str, Any] | None) -> ExecResult:
+        box = self._box(handle)
+        if not isinstance(code, str):
+            raise InvalidRequest("code must be a string", field="code")
+        if not timeout > 0:
+            raise InvalidRequest("timeout must be positive", field="timeout")
+        async with box.lock:
+            if box.destroyed:
+                raise NotFound(f"no sandbox {handle!r}")
+            restarted = box.chan is None and box.spawned
+            carried = False
+            cell = {"code": code, "timeout": timeout}
+            if inputs:
+                cell["inputs"] = inputs
+            if box.chan is None:
+                carried = len(code) + (len(zygote.dumps(inputs)) if inputs else 0) <= _CARRIED_CELL_CHARS
+                await self._spawn(box, cell if carried else None)
+            started = time.monotonic()
+            result = await self._run(box, cell, sent=carried)
+            result.duration_s = time.monotonic() - started
+            result.restarted = restarted
+            return result
+
+    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float,
+                       inputs: dict[str, Any] | None = None) -> ExecResult:
+        """A one-shot interpreter: the spawn carries the code and the interpreter exits
+        once it has answered; the zygote then cleans up after it without being asked, so
+        the run costs one control request instead of two. ``inputs`` travel as data with
+        the cell, and the zygote compiles a cell that has inputs once, before it forks (see
+        ``zygote/``). Code too long to carry, and a run that times out or dies,
+        take the usual create/exec/destroy path."""
+        if not isinstance(code, str) or len(code) > _CARRIED_CELL_CHARS:
+            return await super().run_once(spec, code, timeout=timeout, inputs=inputs)
+        inputs = check_inputs(inputs) if inputs else None
+        handle = await self.create(spec)
+        box = self._boxes[handle]
+        box.spawn_req["once"] = True
+        try:
+            result = await self._exec(handle, code, timeout, inputs)
+        except BaseException:
+            await self.destroy(handle)
+            raise
+        if box.chan is None or box.destroyed:  # killed (timeout, death) or destroyed meanwhile
+            await self.destroy(handle)
+            return result
+        # It answered and is exiting. Its uid may be reused at once: the zygote finishes
+        # cleaning up after it before it forks anything else under that uid.
+        del self._boxes[handle]
+        box.destroyed = True
+        _forget_interpreter(box)
+        self._release_uid(box)
+        return result
+
+    async def _run(self, box: _Box, cell: dict[str, Any], *, sent: bool = False) -> ExecResult:
+        """Run ``cell`` (already on its way when ``sent``: carried by the spawn)."""
+        timeout = cell["timeout"]
+        try:
+            async with asyncio.timeout(timeout + self.kill_grace):
+                if not sent:
+                    await box.chan.send(cell)
+                reply = await box.chan.recv()
+        except TimeoutError:
+            # The code swallowed CellTimeout or is stuck in C: kill what it started too.
+            _, stdout, stderr, cut = await self._kill_and_collect(box)
+            return ExecResult(stdout=stdout, stderr=stderr, exit_code=None, timed_out=True,
+                              truncated=cut, exception=(
+                                  f"Timeout: the code ran past {timeout:g}s and did not stop, so "
+                                  "the interpreter was killed; its state is lost and the next "
+                                  "call starts a fresh one.\n"))
+        except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
+            if box.destroyed:
+                raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
+            status, stdout, stderr, cut = await self._kill_and_collect(box)
+            return ExecResult(stdout=stdout, stderr=stderr, exit_code=None, truncated=cut,
+                              exception=_death_message(status))
+        except asyncio.CancelledError:
+            # The interpreter is still busy with this code and would answer the next call.
+            await self._kill_and_collect(box)
+            raise
+        return ExecResult(**{k: reply.get(k) for k in _RESULT_FIELDS})
+
+    async def _kill_and_collect(self, box: _Box) -> tuple[str | None, str, str, bool]:
+        """Kill the interpreter and all it started; return how it ended and its output."""
+        try:
+            try:
+                status = await self._kill(box, remove=False, wait=True)
+            except SandboxError as e:  # the zygote died: PDEATHSIG took the interpreter
+                log.warning("process sandbox: killing %s failed: %s", box.handle, e)
+                status = None
+                if box.uid is not None:
+                    self._purged.discard(box.uid)  # kill leftovers before the uid runs again
+            stdout, stderr, cut = "", "", False
+            if box.output_fds is not None:
+                (stdout, c1), (stderr, c2) = (zygote.read_capped(fd, self.output_limit)
+                                              for fd in box.output_fds)
+                cut = c1 or c2
+            return status, stdout, stderr, cut
+        finally:
+            _forget_interpreter(box)
+
+    async def _spawn(self, box: _Box, cell: dict[str, Any] | None = None) -> None:
+        """Start an interpreter for ``box`` (in its existing dir, if any) and await ready.
+
+        ``cell`` (code and timeout) is run by the interpreter right after ready.
+        """
+        req = dict(box.spawn_req, workdir=box.workdir)
+        if cell is not None:
+            req["cell"] = cell
+        req["purge"] = box.uid is not None and box.uid not in self._purged
+        box.pending = asyncio.ensure_future(self._spawn_exchange(box, req))
+        await asyncio.shield(box.pending)
+        box.pending = None
+        try:
+            async with asyncio.timeout(self.start_timeout):
+                ready = await box.chan.recv()
+            if not ready.get("ready"):
+                raise SandboxError(f"the sandbox interpreter failed to start: {ready.get('error')}")
+        except (TimeoutError, EOFError, OSError, ValueError, SandboxError) as e:
+            await self._kill_and_collect(box)
+            if isinstance(e, SandboxError):
+                raise
+            raise SandboxError(f"the sandbox interpreter did not start: {e!r}") from e
+
+    async def _spawn_exchange(self, box: _Box, req: dict[str, Any]) -> None:
+        msg, fds = await self._ctl_call(req)
+        # Still inside the shielded task: take ownership now, so a cancelled caller leaks nothing.
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            raise SandboxError(f"the zygote passed {len(fds)} fds instead of 3")
+        box.pid, box.workdir, box.generation = msg["pid"], msg["workdir"], self._generation
+        box.spawned = True
+        box.output_fds = (fds[1], fds[2])
+        box.chan = Channel(socket.socket(fileno=fds[0]))
+        if box.uid is not None:
+            self._purged.add(box.uid)
+
+    async def _kill(self, box: _Box, *, remove: bool, wait: bool = False) -> str | None:
+        """Kill every process of ``box``; return how the interpreter ended if on its own
+        (known only with ``wait``, which costs the zygote the interpreter's exit).
+
+        The channel and output fds stay open: an exec may still be reading them.
+        """
+        # A pid forked by an earlier zygote is not ours to signal; its uid still is.
+        pid = box.pid if box.generation == self._generation else None
+        box.pid = None
+        if pid is None and box.uid is None and not (remove and box.workdir):
+            return None
+        req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove,
+               "wait": wait}
+        msg, _ = await self._ctl_call(req)  # even if cancelled, the zygote completes it
+        return msg.get("status")
+
+    async def _teardown_shielded(self, box: _Box) -> None:
+        task = asyncio.ensure_future(self._teardown(box))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
+
+    async def _teardown(self, box: _Box) -> None:
+        box.destroyed = True
+        if not box.spawned and box.pending is None and not box.lock.locked():
+            self._release_uid(box)  # no process ever ran under it and no dir was made
+            return
+        if box.pending is not None:
+            await asyncio.wait([box.pending])  # the exchange owns the channel fd until it ends
+            if not box.pending.cancelled():
+                box.pending.exception()  # retrieved here; create() already reported it
+        try:
+            if box.lock.locked() and box.pid is not None:
+                # An exec is waiting on the interpreter: kill it so that exec returns now.
+                await self._kill(box, remove=False)
+            async with box.lock:
+                try:
+                    await self._kill(box, remove=True)
+                finally:
+                    _forget_interpreter(box)
+        except SandboxError as e:
+            log.warning("process sandbox: cleaning up %s failed: %s", box.handle, e)
+            if box.uid is not None:
+                self._purged.discard(box.uid)  # kill its leftovers before the uid is used again
+        finally:
+            self._release_uid(box)
+
+    def _box(self, handle: str) -> _Box:
+        box = self._boxes.get(handle)
+        if box is None:
+            raise NotFound(f"no sandbox {handle!r}")
+        return box
+
+    def _spawn_request(self, spec: SandboxSpec, uid: int | None) -> dict[str, Any]:
+        lim = spec.limits
+        memory_mb = lim.memory_mb if lim.memory_mb is not None else self.memory_mb
+        cpu = lim.cpu_seconds if lim.cpu_seconds is not None else self.cpu_seconds
+        nproc = lim.max_processes if lim.max_processes is not None else self.max_processes
+        if nproc is None and self.root:
+            nproc = 64
+        return {
+            "op": "spawn", "uid": uid, "work_root": self.work_root,
+            "prefix": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.instance_id)[:40] + "-",
+            "limits": {"as_bytes": int(memory_mb) << 20, "cpu_seconds": int(cpu),
+                       "fsize_bytes": self.max_file_mb << 20,
+                       "nproc": None if nproc is None else int(nproc)},
+            "env": dict(spec.env), "output_limit": self.output_limit,
+        }
+
+    def _allocate_uid(self) -> tuple[int | None, socket.socket | None]:
+        if not self.root:
+            if len(self._boxes) >= self.max_sandboxes:
+                raise SandboxError(f"all {self.max_sandboxes} process sandboxes are in use")
+            return None, None
+        if self._idle:
+            return self._idle.pop()
+        for i in range(len(self._free) - 1, -1, -1):
+            offset = self._free[i]
+            claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                claim.bind(f"\0envhub-process-sandbox-uid-{self.uid_base + offset}")
+            except OSError:  # another envhub process on this host holds it
+                claim.close()
+                continue
+            del self._free[i]
+            return self.uid_base + offset, claim
+        raise SandboxError(f"all {self.max_sandboxes} sandbox uids are in use")
+
+    def _release_uid(self, box: _Box) -> None:
+        if box.claim is not None:
+            self._idle.append((box.uid, box.claim))  # kept claimed: the next one is free
+            box.claim = None
+
+    # --- files ----------------------------------------------------------------------------
+
+    async def _ensure_workdir(self, box: _Box) -> None:
+        """Files live in the interpreter's dir, which a lazily started sandbox lacks."""
+        if box.workdir is None:
+            async with box.lock:
+                if box.workdir is None and not box.destroyed:
+                    await self._spawn(box)
+
+    async def write_file(self, handle: str, path: str, data: bytes) -> None:
+        box = self._box(handle)
+        await self._ensure_workdir(box)
+        parts = relative_parts(box, path)
+        if len(data) > _INLINE_IO_BYTES:
+            await asyncio.to_thread(write_in_workdir, box, parts, bytes(data))
+        else:
+            write_in_workdir(box, parts, data)
+
+    async def read_file(self, handle: str, path: str) -> bytes:
+        box = self._box(handle)
+        await self._ensure_workdir(box)
+        parts = relative_parts(box, path)
+        fd = open_in_workdir(box, parts, write=False)
+        if os.fstat(fd).st_size > _INLINE_IO_BYTES:
+            return await asyncio.to_thread(read_fd, fd)
+        return read_fd(fd)
+
+
+def _path_list(config: Mapping[str, Any], key: str) -> list[str]:
+    """``config[key]``, a list of strings (a lone string would be read letter by letter)."""
+    value = config.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise StartupError(f"sandboxes.process.{key} must be a list of paths or names, not {value!r}")
+    return value
+
+
+def _node_records(settings: Any) -> list[str]:
+    """The node's own files that episode code must not read: its data dir (database,
+    trial logs), a database kept outside it, with its WAL files, and its config file
+    (API keys)."""
+    data_dir = getattr(settings, "data_dir", None)
+    if data_dir is None:
+        return []
+    paths = [os.path.abspath(str(data_dir))]
+    db = getattr(settings, "db_path", None)
+    if db is not None and not os.path.abspath(str(db)).startswith(paths[0] + os.sep):
+        paths += [f"{os.path.abspath(str(db))}{suffix}" for suffix in ("", "-wal", "-shm")]
+    config = getattr(settings, "config_file", None)
+    if config is not None:
+        paths.append(os.path.abspath(str(config)))
+    return paths
+
+
+def _forget_interpreter(box: _Box) -> None:
+    if box.chan is not None:
+        box.chan.close()
+        box.chan = None
+    if box.output_fds is not None:
+        for fd in box.output_fds:
+            os.close(fd)
+        box.output_fds = None
+
+
+def _death_message(status: str | None) -> str:
+    how = status or "it stopped answering"
+    hint = next((h for sig, h in _SIGNAL_HINTS.items() if status and status.endswith(sig)), None)
+    return (f"InterpreterDied: the Python interpreter died ({how}{f': {hint}' if hint else ''}); "
+            "its state is lost and the next call starts a fresh interpreter.\n")
+
+

@@ -1,0 +1,368 @@
+"""The ``terminal-bench`` environment: tb1 and tb2 tasks, one Docker container per episode.
+
+Each task's image is built once through the node's build gate (tag = hash of the build
+context after ``image_map`` substitution), before the episode takes a slot. Every episode
+gets its own container, so concurrent episodes of one task never share a filesystem.
+
+Tools the model sees: ``run_command(command, timeout?)``, ``write_file(path, content)``,
+``read_file(path)``. Neither the tests nor the solution are in the container while the
+agent acts: ``evaluate`` copies the tests in and runs them under the task's test timeout,
+after which the episode takes no more steps.
+
+Grading. tb1: ``bash /tests/run-tests.sh`` (``TEST_DIR=/tests``), then terminal-bench's
+pytest short-summary parser gives per-test results. tb2: ``bash /tests/test.sh`` with
+output to ``/logs/verifier/test-stdout.txt``, then ``reward.json`` or ``reward.txt``, with
+per-test results from ``ctrf.json`` when present. ``reward_mode`` ``all_pass`` (default,
+terminal-bench's grade: tb1 1.0 iff every test passed, tb2 the verifier's reward) or
+``pass_ratio`` (SETA: passed / total). The verifier's files are written to
+``verifier/`` in the episode's trial directory, as harbor lays it out.
+
+Oracle mode (create param ``oracle: true``) runs the task's reference solution before the
+episode starts, for checking a dataset. Multi-step tb2 tasks run as their first step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from envhub.sandbox import BuildRequest
+from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
+from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.plugins.terminal_bench import grading
+from envhub.plugins.terminal_bench.images import context_hash, substitute_base
+from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
+from envhub.plugins.terminal_bench.tasks import load_dataset
+from envhub.sandbox import Limits, SandboxSpec
+
+log = logging.getLogger("envhub.terminal_bench")
+
+BUNDLED = Path(__file__).resolve().parent / "data"
+
+SYSTEM_PROMPT = (
+    "You are an expert at using a Linux terminal. You work in a Docker container to complete "
+    "the task below. Use run_command to run shell commands (each runs in a fresh bash, in the "
+    "task's working directory), write_file and read_file to edit files. When you are done, "
+    "stop calling tools; your work is then checked by tests you cannot see."
+)
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "run_command",
+        "description": "Run a bash command in the container and see its stdout, stderr and exit code.",
+        "parameters": {"type": "object", "properties": {
+            "command": {"type": "string", "description": "A bash command line"},
+            "timeout": {"type": "number", "description": "Seconds before the command is killed (default 120)"}},
+            "required": ["command"]}}},
+    {"type": "function", "function": {
+        "name": "write_file",
+        "description": "Create or overwrite a file in the container.",
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string"}, "content": {"type": "string"}}, "required": ["path", "content"]}}},
+    {"type": "function", "function": {
+        "name": "read_file",
+        "description": "Read a text file from the container.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+]
+
+_TAG_SAFE = re.compile(r"[^a-z0-9._-]+")
+
+
+def image_tag(env_name: str, task: TbTask, digest: str) -> str:
+    name = _TAG_SAFE.sub("-", f"{env_name}-{task.id}".lower()).strip("-.")[:100] or "task"
+    return f"envhub-task/{name}:{digest[:16]}"
+
+
+class TerminalBench(Environment):
+    """Terminal-bench tasks. Config keys: ``datasets`` (list of dataset roots, each holding
+    tb1 and/or tb2 task directories; default the bundled sample tasks), ``reward_mode``
+    (``all_pass`` | ``pass_ratio``), ``command_timeout`` (default seconds per
+    run_command, 120), ``max_command_timeout`` (600), ``image_map`` (merged over the
+    node's top-level ``image_map``), ``output_limit`` (characters of command output shown
+    to the model, 16000), ``network`` (``none``: no network for any episode),
+    ``egress_allow`` (addresses or networks episodes may reach despite the egress
+    policy, e.g. an internal package mirror)."""
+
+    name = "terminal-bench"
+    description = "Terminal-Bench tasks (tb1 and tb2 formats), one Docker container per episode"
+    sandbox = "docker"
+
+    def load(self) -> None:
+        roots = self.config.get("datasets") or [str(BUNDLED)]
+        if isinstance(roots, str):
+            roots = [roots]
+        self.reward_mode = str(self.config.get("reward_mode", "all_pass"))
+        if self.reward_mode not in ("all_pass", "pass_ratio"):
+            raise StartupError(f"terminal-bench: reward_mode must be all_pass or pass_ratio, not {self.reward_mode!r}")
+        self.command_timeout = float(self.config.get("command_timeout", 120))
+        self.max_command_timeout = float(self.config.get("max_command_timeout", 600))
+        self.output_limit = int(self.config.get("output_limit", 16000))
+        self._tasks: dict[str, tuple[TbTask, Task]] = {}
+        for root in roots:
+            try:
+                loaded = load_dataset(Path(root))
+            except (TaskFormatError, OSError) as e:
+                raise StartupError(f"terminal-bench: dataset {root}: {e}") from None
+            for tb in loaded:
+                if tb.id in self._tasks:
+                    raise StartupError(f"terminal-bench: task id {tb.id!r} is in {self._tasks[tb.id][0].path} "
+                                       f"and {tb.path}")
+                self._tasks[tb.id] = (tb, Task(id=tb.id, split=tb.format, title=tb.instruction.strip()[:100],
+                                               public=_public(tb)))
+        self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
+        self._images: dict[str, str] = {}
+
+    def tasks(self, split: str | None = None) -> list[Task]:
+        return [t for t in self._order if split is None or t.split == split]
+
+    def task(self, task_id: str) -> Task:
+        try:
+            return self._tasks[task_id][1]
+        except KeyError:
+            return super().task(task_id)
+
+    def tb(self, task: Task) -> TbTask:
+        return self._tasks[task.id][0]
+
+    # -- images ------------------------------------------------------------------------
+
+    def _image_map(self) -> dict[str, str]:
+        settings = self.context.settings if self.context else None
+        return {**(getattr(settings, "image_map", None) or {}), **(self.config.get("image_map") or {})}
+
+    def build_request(self, task: Task) -> BuildRequest | None:
+        """What the build gate needs for ``task``; ``None`` for a prebuilt image."""
+        tb = self.tb(task)
+        image_map = self._image_map()
+        if tb.dockerfile is None:
+            return None
+        dockerfile = substitute_base(tb.dockerfile.read_text(), image_map)
+        extra: dict[str, bytes] = {}
+        digest = context_hash(tb, image_map)
+        ca_bundle = getattr(self.context.settings, "ca_bundle", None) if self.context else None
+        if ca_bundle:
+            extra["envhub-ca.crt"] = Path(ca_bundle).read_bytes()
+            dockerfile = _trust_ca(dockerfile)
+            digest = _sha256(digest.encode() + extra["envhub-ca.crt"])
+        return BuildRequest(environment=self.name, task_id=tb.id, context_hash=digest,
+                            image=image_tag(self.name, tb, digest), context_dir=tb.build_context,
+                            dockerfile=dockerfile, timeout=tb.build_timeout_sec, extra_files=extra)
+
+    async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
+        tb = self.tb(task)
+        req = self.build_request(task)
+        if req is None:
+            image = self._image_map().get(tb.docker_image, tb.docker_image)
+            sandbox = self.context.sandboxes[self.sandbox]
+            if not await sandbox.image_exists(image):
+                raise SandboxError(f"task {tb.id} names image {image!r}, which is not on this node's engine "
+                                   "(map it to a local image with image_map)")
+            self._images[task.id] = image
+            return
+        if self.context is None or self.context.builds is None:
+            raise SandboxError("terminal-bench needs the docker sandbox's build gate")
+        self._images[task.id] = await self.context.builds.ensure(req)
+
+    def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
+        tb = self.tb(task)
+        spec.image = self._images.get(task.id)  # None only when a restarted node adopts a container
+        no_network = not tb.allow_internet or self.config.get("network") == "none"
+        spec.network = "none" if no_network else None
+        spec.egress_allow = list(self.config.get("egress_allow") or [])
+        spec.limits = Limits(cpus=tb.cpus, memory_mb=tb.memory_mb)
+        spec.env = dict(tb.env)
+        return spec
+
+    # -- the episode -------------------------------------------------------------------
+
+    async def reset(self, episode: Episode) -> dict[str, Any]:
+        tb = self.tb(episode.task)
+        episode.state.update(commands=0, evaluated=False)
+        if episode.params.get("oracle"):
+            episode.state["oracle"] = await self._run_oracle(episode, tb)
+        return {"system_prompt": SYSTEM_PROMPT, "instruction": tb.instruction, "tools": TOOLS,
+                "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                             {"role": "user", "content": tb.instruction}],
+                "task": _public(tb), **({"oracle": episode.state["oracle"]} if "oracle" in episode.state else {})}
+
+    async def _run_oracle(self, episode: Episode, tb: TbTask) -> dict[str, Any]:
+        if tb.solution is None:
+            raise InvalidRequest(f"task {tb.id} has no reference solution for oracle mode", field="params.oracle")
+        sandbox = episode.sandbox
+        if tb.solution.suffix in (".yaml", ".yml"):
+            commands = [c["command"] if isinstance(c, dict) else str(c)
+                        for c in yaml.safe_load(tb.solution.read_text()) or []]
+            script = "\n".join(commands) + "\n"
+            await sandbox.write_file(episode.handle, "/oracle/solve.sh", script.encode())
+        elif tb.format == "tb2":
+            await sandbox.copy_dir(episode.handle, tb.solution.parent, "/oracle")
+        else:
+            await sandbox.write_file(episode.handle, "/oracle/solve.sh", tb.solution.read_bytes())
+        timeout = tb.agent_timeout_sec or self.max_command_timeout
+        result = await episode.exec(f"{_cd(tb)}bash /oracle/{tb.solution.name if tb.format == 'tb2' else 'solve.sh'}",
+                                    timeout=timeout)
+        await episode.exec("rm -rf /oracle", timeout=30)
+        return {"exit_code": result.exit_code, "timed_out": result.timed_out,
+                "stdout_tail": result.stdout[-2000:], "stderr_tail": result.stderr[-2000:]}
+
+    async def step(self, episode: Episode, action: Action) -> StepResult:
+        if episode.state.get("evaluated"):
+            raise Conflict("the episode was evaluated (its tests are now in the container); it takes no more steps",
+                           extra={"state": "evaluated"})
+        tb = self.tb(episode.task)
+        sandbox = episode.sandbox
+        if action.tool == "run_command":
+            command = action.require_str("command")
+            timeout = action.arguments.get("timeout", self.command_timeout)
+            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+                raise InvalidRequest("'timeout' must be a positive number of seconds",
+                                     field="action.arguments.timeout")
+            result = await episode.exec(f"{_cd(tb)}{command}", timeout=min(float(timeout), self.max_command_timeout))
+            episode.state["commands"] = episode.state.get("commands", 0) + 1
+            return StepResult({"content": self._format(result), "stdout": result.stdout, "stderr": result.stderr,
+                               "exit_code": result.exit_code, "timed_out": result.timed_out,
+                               "truncated": result.truncated})
+        if action.tool == "write_file":
+            path, content = action.require_str("path"), action.require_str("content")
+            try:
+                await sandbox.write_file(episode.handle, _abs(tb, path), content.encode())
+            except InvalidRequest as e:
+                return StepResult({"content": f"error: {e.message}", "ok": False})
+            return StepResult({"content": f"wrote {len(content.encode())} bytes to {path}", "ok": True})
+        if action.tool == "read_file":
+            path = action.require_str("path")
+            try:
+                data = await sandbox.read_file(episode.handle, _abs(tb, path))
+            except (NotFound, InvalidRequest) as e:
+                return StepResult({"content": f"error: {e.message}", "ok": False})
+            text = data.decode("utf-8", errors="replace")
+            return StepResult({"content": text[: self.output_limit], "ok": True,
+                               "truncated": len(text) > self.output_limit})
+        raise InvalidRequest(f"terminal-bench has no tool {action.tool!r} (tools: run_command, write_file, read_file)",
+                             field="action.tool")
+
+    def _format(self, result: Any) -> str:
+        parts = [result.stdout.rstrip("\n")] if result.stdout else []
+        if result.stderr:
+            parts.append("[stderr]\n" + result.stderr.rstrip("\n"))
+        if result.timed_out:
+            parts.append("[timed out: the command was killed]")
+        else:
+            parts.append(f"[exit code {result.exit_code}]")
+        text = "\n".join(parts)
+        if len(text) > self.output_limit:
+            half = self.output_limit // 2
+            text = text[:half] + "\n[... output truncated ...]\n" + text[-half:]
+        return text
+
+    # -- grading -----------------------------------------------------------------------
+
+    async def evaluate(self, episode: Episode) -> Evaluation:
+        if episode.state.get("evaluated"):
+            return Evaluation(episode.state["reward"], episode.state["evaluation"])
+        tb = self.tb(episode.task)
+        mode = episode.params.get("reward_mode", self.reward_mode)
+        if mode not in ("all_pass", "pass_ratio"):
+            raise InvalidRequest("'params.reward_mode' must be all_pass or pass_ratio", field="params.reward_mode")
+        episode.state["evaluated"] = True
+        sandbox = episode.sandbox
+        files: dict[str, bytes] = {}
+        if tb.format == "tb1":
+            await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
+            await sandbox.write_file(episode.handle, "/tests/run-tests.sh", tb.test_script.read_bytes())
+            result = await episode.exec(f"{_cd(tb)}TEST_DIR=/tests bash /tests/run-tests.sh 2>&1",
+                                        timeout=tb.test_timeout_sec)
+            output = result.stdout + result.stderr
+            files["test-stdout.txt"] = output.encode()
+            tests = None if result.timed_out else grading.parse_pytest_summary(output)
+            reward = grading.reward_from_tests(tests, mode) or 0.0
+            error = ("tests timed out" if result.timed_out else
+                     "no pytest short test summary in the output" if tests is None else None)
+        else:
+            await episode.exec("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier", timeout=30)
+            await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
+            result = await episode.exec(
+                f"{_cd(tb)}bash /tests/{tb.test_script.name} > /logs/verifier/test-stdout.txt 2>&1",
+                timeout=tb.test_timeout_sec)
+            files = await sandbox.fetch_dir(episode.handle, "/logs/verifier")
+            output = files.get("test-stdout.txt", b"").decode("utf-8", errors="replace")
+            tests = grading.parse_ctrf(files["ctrf.json"]) if "ctrf.json" in files else None
+            error = "tests timed out" if result.timed_out else None
+            rewards: dict[str, float] = {}
+            if error is None:
+                try:
+                    rewards = grading.tb2_reward(files)
+                except grading.GradingError as e:
+                    error = str(e)
+            if error is not None:
+                reward = 0.0
+            elif mode == "pass_ratio" and tests:
+                reward = grading.reward_from_tests(tests, "pass_ratio") or 0.0
+            else:
+                reward = rewards.get("reward", sum(rewards.values()) / len(rewards) if rewards else 0.0)
+        details: dict[str, Any] = {
+            "format": tb.format, "reward_mode": mode, "tests": tests or {},
+            "passed": sum(s == "passed" for s in (tests or {}).values()), "total": len(tests or {}),
+            "exit_code": result.exit_code, "timed_out": result.timed_out, "output_tail": output[-4000:]}
+        if tb.format == "tb2":
+            details["rewards"] = rewards
+        if error:
+            details["error"] = error
+        episode.state.update(reward=float(reward), evaluation=details)
+        await asyncio.to_thread(_write_verifier_dir, episode.log_dir, files, details)
+        return Evaluation(float(reward), details)
+
+
+def _public(tb: TbTask) -> dict[str, Any]:
+    return {"format": tb.format, "name": tb.name, "difficulty": tb.difficulty, "category": tb.category,
+            "tags": tb.tags, "agent_timeout_sec": tb.agent_timeout_sec, "test_timeout_sec": tb.test_timeout_sec,
+            "cpus": tb.cpus, "memory_mb": tb.memory_mb, "allow_internet": tb.allow_internet}
+
+
+def _cd(tb: TbTask) -> str:
+    return f"cd {shlex.quote(tb.workdir)} 2>/dev/null; " if tb.workdir else ""
+
+
+def _abs(tb: TbTask, path: str) -> str:
+    if path.startswith("/"):
+        return path
+    return f"{(tb.workdir or '/').rstrip('/')}/{path}"
+
+
+def _trust_ca(dockerfile: str) -> str:
+    """Add the node's CA bundle to the final stage, right after its FROM, so later RUN
+    steps (package downloads behind a TLS-inspecting proxy) already trust it."""
+    lines = dockerfile.splitlines()
+    last_from = max((i for i, line in enumerate(lines) if line.strip().upper().startswith("FROM ")), default=-1)
+    trust = ["COPY envhub-ca.crt /usr/local/share/ca-certificates/envhub-ca.crt",
+             "RUN mkdir -p /etc/ssl/certs && cat /usr/local/share/ca-certificates/envhub-ca.crt "
+             ">> /etc/ssl/certs/ca-certificates.crt",
+             "ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt "
+             "PIP_CERT=/etc/ssl/certs/ca-certificates.crt NODE_EXTRA_CA_CERTS=/usr/local/share/ca-certificates/envhub-ca.crt"]
+    return "\n".join(lines[: last_from + 1] + trust + lines[last_from + 1:]) + "\n"
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_verifier_dir(log_dir: Path | None, files: dict[str, bytes], details: dict[str, Any]) -> None:
+    if log_dir is None:
+        return
+    verifier = log_dir / "verifier"
+    verifier.mkdir(parents=True, exist_ok=True)
+    for rel, data in files.items():
+        target = (verifier / rel).resolve()
+        if verifier.resolve() in target.parents:  # names come from the container
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+    (verifier / "result.json").write_text(json.dumps(details, indent=2, default=str))

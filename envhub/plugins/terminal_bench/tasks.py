@@ -1,0 +1,301 @@
+"""Reading terminal-bench task directories (tb1 and tb2) into ``TbTask`` (no Docker, no network).
+
+The formats and the invariants of a loaded task are described in ``model.py``.
+Anything malformed raises ``TaskFormatError`` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import yaml
+from envhub.plugins.terminal_bench.model import (LoadErrors, TB1_AGENT_TIMEOUT_SEC, TB1_TEST_TIMEOUT_SEC, TB2_BUILD_TIMEOUT_SEC, TB2_CPUS, TB2_MEMORY_MB, TB2_STORAGE_MB, TB2_VERIFIER_TIMEOUT_SEC, TaskFormatError, TbStep, TbTask, Table, dockerfile_workdir, first_existing, read_text, require_file, size_to_mb)
+
+# Container-side values the tb harness gives the T_BENCH_* variables its compose files use.
+_TB1_COMPOSE_VARS = {
+    "T_BENCH_TEST_DIR": "/tests",
+    "T_BENCH_CONTAINER_LOGS_PATH": "/logs",
+    "T_BENCH_CONTAINER_AGENT_LOGS_PATH": "/agent-logs",
+}
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def load_task(path: Path | str) -> TbTask:
+    """Parse one task directory; ``task.yaml`` means tb1, ``task.toml`` means tb2."""
+    path = Path(path)
+    if (path / "task.yaml").is_file():
+        return _load_tb1(path)
+    if (path / "task.toml").is_file():
+        return _load_tb2(path)
+    raise TaskFormatError(path, "not a task directory: neither task.yaml (tb1) nor task.toml (tb2) found")
+
+
+def _load_tb1(path: Path) -> TbTask:
+    file = path / "task.yaml"
+    try:
+        raw = yaml.safe_load(read_text(file))
+    except yaml.YAMLError as e:
+        raise TaskFormatError(file, f"invalid YAML: {e}") from None
+    cfg = Table(raw, file)
+    instruction = cfg.string("instruction")
+    if not instruction or not instruction.strip():
+        raise cfg.error("instruction", "missing or empty instruction")
+    compose = _tb1_compose(path)
+    dockerfile = require_file(compose.dockerfile, "Dockerfile")
+    solution = first_existing(path / "solution.sh", path / "solution.yaml")
+    extra: dict[str, Any] = {
+        "author_name": cfg.string("author_name", "unknown"),
+        "author_email": cfg.string("author_email", "unknown"),
+        "disable_asciinema": cfg.boolean("disable_asciinema", False),
+        "estimated_duration_sec": cfg.number("estimated_duration_sec"),
+        "expert_time_estimate_min": cfg.number("expert_time_estimate_min"),
+        "junior_time_estimate_min": cfg.number("junior_time_estimate_min"),
+        "compose_services": compose.other_services,
+    }
+    return TbTask(
+        id=path.name, name=path.name, format="tb1", path=path, instruction=instruction,
+        dockerfile=dockerfile, build_context=compose.context, docker_image=None,
+        agent_timeout_sec=cfg.number("max_agent_timeout_sec", TB1_AGENT_TIMEOUT_SEC, positive=True),
+        test_timeout_sec=cfg.number("max_test_timeout_sec", TB1_TEST_TIMEOUT_SEC, positive=True),
+        build_timeout_sec=TB2_BUILD_TIMEOUT_SEC,
+        tests_dir=path / "tests", test_script=require_file(path / "run-tests.sh", "run-tests.sh"),
+        solution=solution, cpus=compose.cpus, memory_mb=compose.memory_mb,
+        workdir=dockerfile_workdir(read_text(dockerfile)), env=compose.env,
+        difficulty=cfg.string("difficulty", "unknown"),
+        category=cfg.string("category", "software_engineering"), tags=cfg.strings("tags"),
+        parser=cfg.string("parser_name", "pytest"),
+        run_tests_in_same_shell=cfg.boolean("run_tests_in_same_shell", False), extra=extra,
+    )
+
+
+@dataclass
+class _Compose:
+    """What a tb1 docker-compose.yaml says about the main (``client``) service."""
+
+    context: Path
+    dockerfile: Path
+    cpus: float | None = None
+    memory_mb: int | None = None
+    # TEST_DIR is what every run-tests.sh reads; harbor's tb1 import always sets it too.
+    env: dict[str, str] = field(default_factory=lambda: {"TEST_DIR": "/tests"})
+    other_services: list[str] = field(default_factory=list)
+
+
+def _tb1_compose(path: Path) -> _Compose:
+    """Build location, limits and environment from docker-compose.yaml (optional; upstream defaults)."""
+    out = _Compose(context=path, dockerfile=path / "Dockerfile")
+    file = first_existing(path / "docker-compose.yaml", path / "docker-compose.yml")
+    if file is None:
+        return out
+    try:
+        raw = yaml.safe_load(read_text(file))
+    except yaml.YAMLError as e:
+        raise TaskFormatError(file, f"invalid YAML: {e}") from None
+    services = Table(raw, file).table("services")
+    if not services.data:
+        raise TaskFormatError(file, "no services defined", field="services")
+    main = "client" if "client" in services.data else next(iter(services.data))
+    out.other_services = sorted(str(s) for s in services.data if s != main)
+    svc = services.table(main)
+    build = svc.data.get("build")
+    context, dockerfile = ".", "Dockerfile"
+    if isinstance(build, str):  # `build: ./dir` is short for `build: {context: ./dir}`
+        context = build
+    elif isinstance(build, dict):
+        b = svc.table("build")
+        context, dockerfile = b.string("context") or ".", b.string("dockerfile") or "Dockerfile"
+    out.context = Path(os.path.normpath(path / context))
+    out.dockerfile = out.context / dockerfile
+    limits = svc.table("deploy").table("resources").table("limits")
+    cpus = limits.data.get("cpus", svc.data.get("cpus"))
+    if cpus is not None:
+        out.cpus = Table({"cpus": cpus}, file, limits.prefix).number("cpus", positive=True)
+    memory = limits.data.get("memory", svc.data.get("mem_limit"))
+    if memory is not None:
+        out.memory_mb = size_to_mb(memory, file, f"{limits.prefix}.memory")
+    out.env.update(_compose_env(svc, file))
+    return out
+
+
+def _compose_env(svc: Table, file: Path) -> dict[str, str]:
+    value = svc.data.get("environment") or {}
+    if isinstance(value, list):
+        pairs = [str(item).split("=", 1) for item in value]
+        # A bare NAME passes the host's value through; the sandbox host's environment is not the task's.
+        value = {p[0]: p[1] for p in pairs if len(p) == 2}
+    env = Table({"environment": value}, file, svc.prefix).env("environment", scalars=True)
+    subst = re.compile(r"\$\{(\w+)\}")
+    return {k: subst.sub(lambda m: _TB1_COMPOSE_VARS.get(m.group(1), m.group(0)), v) for k, v in env.items()}
+
+
+def _load_tb2(path: Path) -> TbTask:
+    file = path / "task.toml"
+    try:
+        raw = tomllib.loads(read_text(file))
+    except tomllib.TOMLDecodeError as e:
+        raise TaskFormatError(file, f"invalid TOML: {e}") from None
+    cfg = Table(raw, file)
+    meta, pkg = cfg.table("metadata"), cfg.table("task")
+    envc, agent, verifier = cfg.table("environment"), cfg.table("agent"), cfg.table("verifier")
+    agent_timeout = agent.number("timeout_sec", positive=True)
+    test_timeout = verifier.number("timeout_sec", TB2_VERIFIER_TIMEOUT_SEC, positive=True)
+    steps = _tb2_steps(path, cfg, agent_timeout, test_timeout)
+    if steps:
+        first = steps[0]
+        instruction, test_script, solution = first.instruction, first.test_script, first.solution
+        agent_timeout, test_timeout = first.agent_timeout_sec, first.test_timeout_sec
+    else:
+        instruction = _instruction_md(path / "instruction.md")
+        test_script = require_file(path / "tests" / "test.sh", "tests/test.sh")
+        solution = first_existing(path / "solution" / "solve.sh")
+    docker_image = envc.string("docker_image")
+    context = path / "environment"
+    dockerfile = first_existing(context / "Dockerfile")
+    if dockerfile is None and docker_image is None:
+        raise TaskFormatError(context / "Dockerfile", "missing Dockerfile and no [environment].docker_image")
+    memory_mb = envc.integer("memory_mb", TB2_MEMORY_MB)
+    if envc.data.get("memory") is not None:  # deprecated spelling; harbor lets it win
+        memory_mb = size_to_mb(envc.string("memory"), file, "environment.memory")
+    storage_mb = envc.integer("storage_mb", TB2_STORAGE_MB)
+    if envc.data.get("storage") is not None:
+        storage_mb = size_to_mb(envc.string("storage"), file, "environment.storage")
+    network_mode = envc.string("network_mode")
+    if network_mode not in (None, "public", "no-network", "allowlist"):
+        raise envc.error("network_mode", f"expected public, no-network or allowlist, got {network_mode!r}")
+    # network_mode wins over the deprecated allow_internet; an allowlist is reported as "no
+    # internet" so a runner that cannot enforce allowlists errs on the closed side.
+    allow_internet = (network_mode == "public") if network_mode else envc.boolean("allow_internet", True)
+    workdir = envc.string("workdir") or (dockerfile_workdir(read_text(dockerfile)) if dockerfile else None)
+    extra = {
+        "schema_version": cfg.string("schema_version") or cfg.string("version"),
+        "metadata": dict(meta.data), "description": pkg.string("description", ""),
+        "keywords": pkg.strings("keywords"), "gpus": envc.integer("gpus", 0),
+        "os": envc.string("os", "linux"), "network_mode": network_mode,
+        "allowed_hosts": envc.strings("allowed_hosts"), "skills_dir": envc.string("skills_dir"),
+        "healthcheck": envc.data.get("healthcheck"), "mcp_servers": envc.data.get("mcp_servers") or [],
+        "verifier_env": verifier.env("env"), "solution_env": cfg.table("solution").env("env"),
+        "agent_user": agent.data.get("user"), "verifier_user": verifier.data.get("user"),
+        "artifacts": cfg.data.get("artifacts") or [],
+        "multi_step_reward_strategy": cfg.string("multi_step_reward_strategy"),
+        "compose_file": first_existing(context / "docker-compose.yaml", context / "docker-compose.yml"),
+    }
+    return TbTask(
+        id=path.name, name=pkg.string("name") or path.name, format="tb2", path=path,
+        instruction=instruction, dockerfile=dockerfile, build_context=context, docker_image=docker_image,
+        agent_timeout_sec=agent_timeout, test_timeout_sec=test_timeout,
+        build_timeout_sec=envc.number("build_timeout_sec", TB2_BUILD_TIMEOUT_SEC, positive=True),
+        tests_dir=path / "tests", test_script=test_script, solution=solution,
+        cpus=envc.number("cpus", TB2_CPUS, positive=True), memory_mb=memory_mb, storage_mb=storage_mb,
+        allow_internet=allow_internet, workdir=workdir, env=envc.env("env"),
+        difficulty=meta.string("difficulty", "unknown"), category=meta.string("category"),
+        tags=meta.strings("tags"), parser=None, steps=steps, extra=extra,
+    )
+
+
+def _instruction_md(file: Path) -> str:
+    text = read_text(require_file(file, "instruction (instruction.md)"))
+    if not text.strip():
+        raise TaskFormatError(file, "empty instruction")
+    return text
+
+
+def _tb2_steps(path: Path, cfg: Table, agent_timeout: float | None, test_timeout: float) -> list[TbStep]:
+    """``[[steps]]``; a step without its own timeouts inherits the task-level ones."""
+    raw = cfg.data.get("steps")
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not raw:
+        raise cfg.error("steps", "expected a non-empty array of [[steps]] tables")
+    steps: list[TbStep] = []
+    for i, item in enumerate(raw):
+        s = Table(item, cfg.file, f"steps[{i}]")
+        name = s.string("name")
+        if not name or "/" in name or name.startswith("."):
+            raise s.error("name", f"expected a step directory name, got {name!r}")
+        if any(step.name == name for step in steps):
+            raise s.error("name", f"duplicate step name {name!r}")
+        base = path / "steps" / name
+        tests = base / "tests"
+        verifier = s.table("verifier")
+        steps.append(TbStep(
+            name=name, instruction=_instruction_md(base / "instruction.md"), tests_dir=tests,
+            test_script=require_file(tests / "test.sh", f"tests/test.sh of step {name!r}"),
+            solution=first_existing(base / "solution" / "solve.sh"),
+            workdir_upload=base / "workdir" if (base / "workdir").is_dir() else None,
+            agent_timeout_sec=s.table("agent").number("timeout_sec", agent_timeout, positive=True),
+            test_timeout_sec=verifier.number("timeout_sec", test_timeout, positive=True),
+            min_reward=_min_reward(s), verifier_env=verifier.env("env"),
+            healthcheck=s.data.get("healthcheck"), artifacts=list(s.data.get("artifacts") or []),
+        ))
+    return steps
+
+
+def _min_reward(s: Table) -> float | dict[str, float] | None:
+    value = s.data.get("min_reward")
+    if isinstance(value, dict):
+        t = s.table("min_reward")
+        return {str(k): t.number(k) for k in value}
+    return s.number("min_reward")
+
+
+@overload
+def load_dataset(root: Path | str, *, strict: Literal[True] = ...) -> list[TbTask]: ...
+@overload
+def load_dataset(root: Path | str, *, strict: Literal[False]) -> tuple[list[TbTask], LoadErrors]: ...
+
+
+def load_dataset(root: Path | str, *, strict: bool = True) -> list[TbTask] | tuple[list[TbTask], LoadErrors]:
+    """Every task directory at most two levels below ``root`` (``root`` itself included), sorted by id.
+
+    A task directory is one holding ``task.yaml`` or ``task.toml``; the search does not
+    descend into it or into hidden directories. ``strict`` raises the first
+    ``TaskFormatError`` (or a duplicate id). Non-strict returns ``(tasks, errors)`` where
+    ``errors`` lists ``(task_dir, error)`` for each bad directory, and every directory
+    sharing a duplicated id is left out and reported, since either could be the wrong one.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise TaskFormatError(root, "dataset root is not a directory")
+    tasks: list[TbTask] = []
+    errors: LoadErrors = []
+    for task_dir in _task_dirs(root, depth=2):
+        try:
+            tasks.append(load_task(task_dir))
+        except TaskFormatError as e:
+            if strict:
+                raise
+            errors.append((task_dir, e))
+    by_id: dict[str, list[TbTask]] = {}
+    for task in tasks:
+        by_id.setdefault(task.id, []).append(task)
+    for task_id, same in by_id.items():
+        if len(same) > 1:
+            paths = ", ".join(str(t.path) for t in same)
+            if strict:
+                raise TaskFormatError(root, f"duplicate task id {task_id!r}: {paths}", field="id")
+            errors += [(t.path, TaskFormatError(t.path, f"duplicate task id {task_id!r}: {paths}", field="id"))
+                       for t in same]
+    tasks = sorted((t for t in tasks if len(by_id[t.id]) == 1), key=lambda t: t.id)
+    return tasks if strict else (tasks, sorted(errors, key=lambda e: str(e[0])))
+
+
+def _task_dirs(folder: Path, depth: int) -> list[Path]:
+    if (folder / "task.yaml").is_file() or (folder / "task.toml").is_file():
+        return [folder]
+    if depth == 0:
+        return []
+    found: list[Path] = []
+    for child in sorted(folder.iterdir()):
+        if child.is_dir() and not child.name.startswith("."):
+            found += _task_dirs(child, depth - 1)
+    return found
+
+

@@ -1,0 +1,152 @@
+"""The nodes a scheduler knows: their addresses and keys (nodes.yaml), and each one's health
+and slot accounting as the scheduler sees it (see ``service.py`` for the invariants)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from envhub.errors import StartupError
+from envhub.settings import Settings
+
+
+@dataclass
+class Node:
+    url: str
+    slots: int
+    api_key: str | None = None
+    name: str = ""
+    healthy: bool = False
+    capacity: int = 0  # min(slots, the node's own capacity)
+    active: int = 0  # slots held without an id at the last report, adjusted by our OpenEnv sessions
+    pending: int = 0  # picks without an instance id not answered yet (OpenEnv, rollouts)
+    holders: set[str] = field(default_factory=set)  # ids holding a slot at the last report
+    creating: set[str] = field(default_factory=set)  # our creates forwarded and not answered yet
+    created: dict[str, tuple[str, int]] = field(default_factory=dict)  # answered since: id -> (boot, seq)
+    ended: set[str] = field(default_factory=set)  # ids we saw end that the last report still lists
+    rollouts: int = 0  # our whole rollouts running there
+    reported_rollouts: int = 0  # the node's own count at its last health report
+    last_seen: float | None = None
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def used(self) -> int:
+        # The size of (holders | creating | created) - ended, without building the union:
+        # holders may be a node's whole capacity, the other three are small. The node
+        # reports as `rollouts` the rollout instances holding a slot, which its ids hold
+        # too; ours beyond that (building, queued, not yet reported) are counted here.
+        n = len(self.holders)
+        n += sum(1 for i in self.creating if i not in self.holders)
+        n += sum(1 for i in self.created if i not in self.holders and i not in self.creating)
+        n -= sum(1 for i in self.ended if i in self.holders or i in self.creating or i in self.created)
+        return n + self.active + self.pending + max(0, self.rollouts - self.reported_rollouts)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used)
+
+    @property
+    def free_ratio(self) -> float:
+        return self.free / self.capacity if self.capacity else 0.0
+
+    def report(self, report: dict[str, Any]) -> None:
+        """Take a health report: its capacity, ids and id-less count replace ours. A create
+        we saw answered stays counted on its own only if the report, made by the same node
+        process before the create's mark, may lack it; an end we saw, only while the
+        report still lists the instance. A report with a field of the wrong type raises
+        ``ValueError`` naming it, and changes nothing."""
+        capacity = _count(report, "capacity", self.slots)
+        active = _count(report, "active", 0)
+        rollouts = _count(report, "rollouts", 0)
+        ids = report.get("slot_ids")
+        holders = {i for i in ids if isinstance(i, str)} if isinstance(ids, list) else set()
+        boot, seq = parse_mark(report.get("slot_mark"))
+        self.capacity = min(self.slots, capacity) if report.get("accepting", True) else 0
+        self.holders = holders
+        self.active = max(0, active - len(holders))
+        self.reported_rollouts = rollouts
+        self.created = {i: (b, s) for i, (b, s) in self.created.items()
+                        if i not in holders and b == boot and s > seq}
+        self.ended &= holders
+
+    def answered(self, instance_id: str, created: bool, mark: str | None) -> None:
+        """Our create of ``instance_id`` is over: created (the node answered so at
+        ``mark``), or not or not known. A failed create that a report took while it ran
+        is counted until the next report: the id may name another instance (409)."""
+        self.creating.discard(instance_id)
+        if created:
+            self.created[instance_id] = parse_mark(mark)
+
+    def end(self, instance_id: str) -> None:
+        self.created.pop(instance_id, None)
+        self.ended.add(instance_id)
+
+
+def _count(report: dict[str, Any], key: str, default: int) -> int:
+    value = report.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"malformed health report: {key!r} is {value!r}, not a count")
+    return value
+
+
+def parse_mark(mark: Any) -> tuple[str, int]:
+    """``<boot>.<seq>`` from a node; ``("", 0)`` if missing or malformed."""
+    if isinstance(mark, str):
+        boot, _, seq = mark.rpartition(".")
+        if seq.isdigit():
+            return boot, int(seq)
+    return "", 0
+
+
+@dataclass
+class Fleet:
+    """What nodes.yaml (SETA's format plus envhub's options) describes."""
+
+    nodes: list[Node]
+    url_rewrite: dict[str, str]
+    api_key: str | None
+
+
+def load_fleet(settings: Settings) -> Fleet:
+    data: dict[str, Any] = {}
+    if settings.nodes_file:
+        try:
+            data = yaml.safe_load(Path(settings.nodes_file).read_text()) or {}
+        except OSError as e:
+            raise StartupError(f"cannot read nodes file {settings.nodes_file}: {e}") from None
+        except yaml.YAMLError as e:
+            raise StartupError(f"nodes file {settings.nodes_file} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise StartupError(f"nodes file {settings.nodes_file} must hold a mapping")
+    entries = list(data.get("nodes") or []) + list(settings.nodes)
+    api_key = data.get("api_key") or settings.node_api_key
+    nodes: list[Node] = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            entry = {"url": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
+            raise StartupError(f"nodes[{i}] needs a url")
+        url = entry["url"].rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise StartupError(f"nodes[{i}].url must be an http(s) URL, not {url!r}")
+        try:
+            slots = int(entry.get("slots", 16))
+        except (TypeError, ValueError):
+            raise StartupError(f"nodes[{i}].slots must be an integer") from None
+        if slots < 1:
+            raise StartupError(f"nodes[{i}].slots must be at least 1")
+        deploy = entry.get("deploy") or {}
+        key = entry.get("api_key") or (deploy.get("api_key") if isinstance(deploy, dict) else None) or api_key
+        if any(n.url == url for n in nodes):
+            raise StartupError(f"node {url} is listed twice")
+        nodes.append(Node(url=url, slots=slots, api_key=key, name=str(entry.get("name") or url), capacity=slots))
+    if not nodes:
+        raise StartupError("a scheduler needs nodes: set nodes_file (nodes.yaml) or nodes")
+    rewrite = data.get("url_rewrite") or {}
+    if not isinstance(rewrite, dict):
+        raise StartupError("url_rewrite in the nodes file must be a mapping")
+    return Fleet(nodes=nodes, url_rewrite={str(k): str(v) for k, v in rewrite.items()}, api_key=api_key)

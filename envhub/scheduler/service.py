@@ -1,0 +1,436 @@
+"""The scheduler's core: pick a node for each create, route every later call to it.
+
+Invariants:
+- A create picks, under one lock, the node that last got the same task within
+  ``affinity_window`` seconds if it has a free slot, else the healthy node with the
+  highest free-slot ratio (ties: first in nodes.yaml). No healthy node with a free slot:
+  503 with Retry-After (after waiting up to ``scheduler_wait`` seconds for one).
+- The route (instance -> node) is in SQLite before the create is forwarded, and the
+  forwarded create carries the instance id, so a retried or repeated create never makes
+  two instances and a restarted scheduler routes every instance as before. Affinity is
+  in SQLite too.
+- Slot accounting counts each instance once. A node's health report lists the ids
+  holding its slots (``slot_ids``) and where its slot events stand (``slot_mark``); a
+  create's reply carries the mark it was answered at. A node's used slots are the
+  union of the reported ids, our creates in flight and our creates answered since
+  (kept until a report at or past their mark), less the instances we saw end, plus the
+  report's slots without an id (OpenEnv sessions). So neither a report that lands while
+  a create is in flight nor one taken before a create finished counts it twice or
+  not at all, and whatever the scheduler cannot see (reaps, other clients, a restarted
+  node) is right again at the next ``health_interval``.
+- A node that fails a health check is down: it gets no creates, and calls for its
+  instances get 503 at once; it is up again at its next good check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+import logging
+import secrets
+import time
+from typing import Any
+
+import aiohttp
+
+from envhub.scheduler import peers
+from envhub.errors import EnvhubError, InvalidRequest, Unavailable, UpstreamUnavailable
+from envhub.network import NetworkMode
+from envhub.node.service import validate_instance_id
+from envhub.settings import Settings
+from envhub.util.singleflight import SingleFlight
+from envhub.store import routes
+from envhub.store.db import Database, delete_in_batches
+from envhub.scheduler.fleet import Fleet, Node
+
+log = logging.getLogger("envhub.scheduler")
+
+
+class AllNodesBusy(EnvhubError):
+    """Every healthy node is full (or no node is healthy)."""
+
+    status = 503
+    code = "capacity_exceeded"
+
+
+_PRUNE_BATCH = 500  # retention (prune_routes): routes per transaction
+_PRUNE_PER_ROUND = 5_000  # and per health round
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings, db: Database, http: aiohttp.ClientSession, fleet: Fleet,
+                 network: NetworkMode) -> None:
+        self.settings = settings
+        self.db = db
+        self.http = http
+        self.nodes = fleet.nodes
+        self.by_url = {n.url: n for n in self.nodes}
+        self.network = network
+        self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
+        self._lock = asyncio.Lock()
+        self._freed = asyncio.Event()
+        self._affinity: dict[str, tuple[str, float]] = {}
+        # instance id -> node url for live routes: routes never move, so the hot path
+        # (every step) needs no SQLite read. Filled on create and on first lookup.
+        self._route_cache: dict[str, str] = {}
+        self._creating: SingleFlight[tuple[int, bytes]] = SingleFlight()  # creates in flight, by id
+
+    # -- start and health ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        window = self.settings.affinity_window
+        self._affinity = await routes.affinities(self.db, newer_than=time.time() - window)
+        counts = await routes.live_counts(self.db)
+        for node in self.nodes:
+            node.active = counts.get(node.url, 0)
+        await self.check_health()
+        await self._settle_unfinished_creates()
+
+    async def _settle_unfinished_creates(self) -> None:
+        """Creates a killed scheduler left half-done: keep the route if the node has the
+        instance, drop it if not (the client's retry, carrying the same id, then lands).
+        A ``failed`` row (a create the node abandoned when the scheduler died mid-call) or a
+        ``lost`` one (the node restarted) has no instance to give either: the client never
+        got its create answer, so its retry is placed afresh instead of replaying a dead id."""
+        for instance_id, node_url in await routes.unfinished(self.db):
+            node = self.by_url.get(node_url)
+            if node is None or not node.healthy:
+                continue
+            try:
+                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True)
+                state = reply.json().get("state") if reply.status == 200 else None
+            except (UpstreamUnavailable, ValueError, AttributeError):
+                continue
+            if reply.status == 404 or state in ("failed", "lost"):
+                await routes.delete(self.db, instance_id)
+            elif reply.status == 200:
+                await routes.set_state(self.db, instance_id, "live")
+
+    async def check_health(self) -> None:
+        """One health round. Each node's check stands alone: one that fails in a way
+        :meth:`_check` does not expect marks that node down, and the round goes on."""
+        results = await asyncio.gather(*(self._check(node) for node in self.nodes), return_exceptions=True)
+        for node, result in zip(self.nodes, results):
+            if isinstance(result, Exception):
+                log.error("health check of %s", node.url, exc_info=result)
+                self.mark_down(node, f"{type(result).__name__}: {result}")
+        self._prune_route_cache()
+
+    def _prune_route_cache(self) -> None:
+        """Forget the cached routes of instances their node no longer holds (reaped idle,
+        their client gone): without this the cache grows by one entry for every instance
+        not released through us. Safe whatever it drops: a miss reads SQLite."""
+        gone = []
+        for instance_id, url in self._route_cache.items():
+            node = self.by_url.get(url)
+            if node is not None and node.healthy and instance_id not in node.holders \
+                    and instance_id not in node.created and instance_id not in node.creating:
+                gone.append(instance_id)
+        for instance_id in gone:
+            del self._route_cache[instance_id]
+
+    async def _check(self, node: Node) -> None:
+        try:
+            reply = await peers.call(self.http, node.url, "GET", "/health", timeout=self.settings.health_timeout)
+            report = reply.json()
+            if reply.status != 200 or not isinstance(report, dict):
+                raise ValueError(f"HTTP {reply.status}")
+            node.report(report)
+        except (UpstreamUnavailable, ValueError) as e:
+            if node.healthy:
+                log.warning("node %s is down: %s", node.url, e)
+            self.mark_down(node, f"{type(e).__name__}: {e}")
+            return
+        if not node.healthy:
+            log.info("node %s is up", node.url)
+        node.healthy, node.error, node.last_seen, node.info = True, None, time.time(), report
+        self._freed.set()
+
+    async def health_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval)
+            try:
+                await self.check_health()
+                cutoff = time.time() - 2 * self.settings.affinity_window
+                await routes.expire_affinity(self.db, older_than=cutoff)
+                self._affinity = {k: v for k, v in self._affinity.items() if v[1] >= cutoff}
+                await self.prune_routes()
+            except Exception:
+                log.exception("health check")
+
+    async def prune_routes(self) -> int:
+        """With ``retention_hours`` set, delete routes that ended longer ago than that (a
+        call for such an instance then gets 404 here); returns how many. In batches, a
+        bounded number per health round, so the database is never held long."""
+        hours = self.settings.retention_hours
+        if hours is None:
+            return 0
+        cutoff = time.time() - hours * 3600
+        return await delete_in_batches(lambda n: routes.delete_ended(self.db, cutoff, n),
+                                       _PRUNE_BATCH, _PRUNE_PER_ROUND)
+
+    # -- choosing a node -----------------------------------------------------------------
+
+    async def _pick(self, task_key: str, instance_id: str | None = None) -> Node:
+        """Take a slot on the best node: ``instance_id`` joins its creates in flight, or
+        (no id) its ``pending`` count goes up; the caller settles either when answered."""
+        deadline = time.monotonic() + self.settings.scheduler_wait
+        while True:
+            async with self._lock:
+                node = self._choose(task_key)
+                if node is not None:
+                    if instance_id is None:
+                        node.pending += 1
+                    else:
+                        node.creating.add(instance_id)
+                    self._affinity[task_key] = (node.url, time.time())
+                    return node
+                self._freed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                healthy = [n for n in self.nodes if n.healthy]
+                why = "all nodes are at capacity" if healthy else "no node is healthy"
+                raise AllNodesBusy(f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
+                                   f"slots in use on {len(healthy)} healthy node(s))",
+                                   headers={"Retry-After": "2"}, extra={"retry_after": 2})
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def _choose(self, task_key: str) -> Node | None:
+        seen = self._affinity.get(task_key)
+        if seen is not None and time.time() - seen[1] <= self.settings.affinity_window:
+            node = self.by_url.get(seen[0])
+            if node is not None and node.healthy and node.free > 0:
+                return node
+        best: Node | None = None
+        for node in self.nodes:
+            if node.healthy and node.free > 0 and (best is None or node.free_ratio > best.free_ratio):
+                best = node
+        return best
+
+    # -- client calls --------------------------------------------------------------------
+
+    async def create(self, body: dict[str, Any]) -> tuple[int, bytes]:
+        environment, task_id = body.get("environment"), body.get("task_id")
+        if not isinstance(environment, str) or not environment:
+            raise InvalidRequest("'environment' must be a string", field="environment")
+        if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+            raise InvalidRequest("'task_id' must be a string", field="task_id")
+        params = body.get("params") or {}
+        if not isinstance(params, dict):
+            raise InvalidRequest("'params' must be an object", field="params")
+        instance_id = body.get("instance_id")
+        instance_id = validate_instance_id(instance_id) if instance_id is not None else \
+            f"{environment}-{secrets.token_hex(8)}"
+        # A concurrent retry (a client that timed out while this runs) joins the attempt.
+        (status, data), ran = await self._creating.run(
+            instance_id, lambda: self._create(body, environment, str(task_id), params, instance_id))
+        if not ran and status == 201:
+            status = 200  # as a node answers a replay
+        return status, data
+
+    async def _create(self, body: dict[str, Any], environment: str, task_id: str, params: dict[str, Any],
+                      instance_id: str) -> tuple[int, bytes]:
+        """Forward a create, recording its route first.
+
+        The route stays ``creating`` when the outcome is unknown (the call failed or this
+        call was cancelled): the instance may exist on that node, so a retry goes there
+        again rather than to another node. A node's own non-2xx answer drops the route.
+        """
+        existing = await routes.find(self.db, instance_id)
+        node: Node | None = None
+        if existing is not None:
+            node = self.by_url.get(existing.node_url)
+            if existing.state != "creating":
+                # A retried create: the node that has it replays its first answer.
+                if node is None:
+                    raise Unavailable(f"instance {instance_id!r} is on node {existing.node_url}, "
+                                      "which is no longer configured")
+                reply = await self.call(node, "POST", "/instances", idempotent=True,
+                                        json={**body, "instance_id": instance_id})
+                return reply.status, reply.body
+            if node is not None and node.healthy:
+                node.creating.add(instance_id)  # an earlier attempt's node: it may hold the instance already
+            else:
+                node = None
+        if isinstance(params.get("model_url"), str):
+            params = {**params, "model_url": self.network.rewrite(params["model_url"])}
+        forwarded = {**body, "instance_id": instance_id, "params": params}
+        task_key = f"{environment}/{task_id}"
+        if node is None:
+            node = await self._pick(task_key, instance_id)
+        created = answered = False
+        mark: str | None = None
+        try:
+            await routes.put(self.db, instance_id=instance_id, node_url=node.url, environment=environment,
+                             task_id=task_id)
+            await routes.touch_affinity(self.db, task_key, node.url)
+            reply = await self.call(node, "POST", "/instances", json=forwarded, idempotent=True,
+                                    timeout=self.settings.forward_timeout)
+            answered, mark = True, reply.slots
+            created = reply.status in (200, 201)
+            if created:
+                await routes.set_state(self.db, instance_id, "live")
+                self._route_cache[instance_id] = node.url
+            return reply.status, reply.body
+        finally:
+            node.answered(instance_id, created, mark)
+            if not created:
+                if answered:
+                    await asyncio.shield(routes.delete(self.db, instance_id))
+                self._freed.set()
+
+    async def rollout(self, body: dict[str, Any], *, environment: Any, task_id: Any, path: str = "/rollouts",
+                      failure_as_reply: bool = False) -> tuple[int, bytes]:
+        """Send a whole rollout to a node picked like a create (task affinity first), with
+        its model URL rewritten, to ``path`` there. A node failure is a 503, or with
+        ``failure_as_reply`` a 200 whose ``error`` says so (as SETA's scheduler answers)."""
+        if not isinstance(environment, str) or not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+            raise InvalidRequest("a rollout needs 'environment' and 'task_id' (SETA: task.task_name)",
+                                 field="task_id")
+        if isinstance(body.get("model_url"), str):
+            body = {**body, "model_url": self.network.rewrite(body["model_url"])}
+        node = await self._pick(f"{environment}/{task_id}")
+        node.pending -= 1  # counted as a rollout instead, for as long as it runs
+        node.rollouts += 1
+        try:
+            reply = await self.call(node, "POST", path, json=body, timeout=self.settings.forward_timeout)
+            return reply.status, reply.body
+        except UpstreamUnavailable as e:
+            if not failure_as_reply:
+                raise
+            return 200, jsonlib.dumps({"run_info": None, "reward": None, "error": f"Node error: {e.message}"}).encode()
+        finally:
+            node.rollouts -= 1
+            self._freed.set()
+
+    async def forward(self, instance_id: str, method: str, suffix: str = "", body: bytes | None = None, *,
+                      idempotent: bool) -> tuple[int, bytes]:
+        """Send a call for ``instance_id`` to its node; ``body`` is the client's raw JSON,
+        passed through unparsed (the node validates it and answers as it would directly)."""
+        node_url = self._route_cache.get(instance_id)
+        if node_url is None:
+            route = await routes.get(self.db, instance_id)
+            node_url = route.node_url
+            if route.state == "live":
+                self._route_cache[instance_id] = node_url
+        node = self.by_url.get(node_url)
+        if node is None:
+            raise Unavailable(f"instance {instance_id!r} is on node {node_url}, which is no longer configured")
+        if not node.healthy:
+            raise UpstreamUnavailable(f"instance {instance_id!r} is on node {node.url}, which is down",
+                                      extra={"node": node.url, "instance_id": instance_id})
+        reply = await self.call(node, method, f"/instances/{instance_id}{suffix}", data=body or None,
+                                idempotent=idempotent, timeout=self.settings.forward_timeout)
+        return reply.status, reply.body
+
+    async def release(self, instance_id: str, method: str = "POST") -> tuple[int, bytes]:
+        suffix = "/release" if method == "POST" else ""
+        status, data = await self.forward(instance_id, method, suffix, idempotent=True)
+        if status == 200:
+            await self._ended(instance_id)
+        return status, data
+
+    async def evaluate(self, instance_id: str, body: bytes | None) -> tuple[int, bytes]:
+        """Forward an evaluate; one that also released the instance (``{"release": true}``)
+        ends its route as a release does. Only such a request's reply is parsed."""
+        releasing = bool(body) and b'"release"' in body
+        status, data = await self.forward(instance_id, "POST", "/evaluate", body, idempotent=releasing)
+        if releasing and status == 200:
+            try:
+                ended = "released" in jsonlib.loads(data)  # true now, or false: it had ended before
+            except (ValueError, TypeError):
+                ended = False
+            if ended:
+                await self._ended(instance_id)
+        return status, data
+
+    async def _ended(self, instance_id: str) -> None:
+        """The node ended the instance: drop its route and count its slot free."""
+        self._route_cache.pop(instance_id, None)
+        route = await routes.get(self.db, instance_id)
+        if route.state != "ended":
+            await routes.set_state(self.db, instance_id, "ended")
+            node = self.by_url.get(route.node_url)
+            if node is not None:
+                node.end(instance_id)
+            self._freed.set()
+
+    # -- OpenEnv sessions (envhub/web/openenv_proxy.py) ----------------------------------
+
+    async def session_slot(self, environment: str) -> Node:
+        """A slot for an OpenEnv session or episode call, placed like a create (task key
+        ``<environment>/openenv``). Give it back with :meth:`session_closed`, after
+        :meth:`session_opened` if the node took a session that holds its slot."""
+        return await self._pick(f"{environment}/openenv")
+
+    def session_opened(self, node: Node) -> None:
+        """The node holds the session's slot now: an id-less slot until its next report."""
+        node.pending -= 1
+        node.active += 1
+
+    def session_closed(self, node: Node, *, opened: bool) -> None:
+        if opened:
+            node.active = max(0, node.active - 1)
+        else:
+            node.pending -= 1
+        self._freed.set()  # a create waiting for a slot (scheduler_wait) may go now
+
+    @staticmethod
+    def mark_down(node: Node, why: str) -> None:
+        """Take ``node`` out of placement until its next good health check."""
+        node.healthy, node.error = False, why
+
+    async def any_node(self, method: str, path: str, params: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """Read-only calls any node can answer (environment and task listings)."""
+        for node in self.nodes:
+            if node.healthy:
+                reply = await self.call(node, method, path, params=params, idempotent=True)
+                return reply.status, reply.body
+        raise UpstreamUnavailable("no node is healthy")
+
+    async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
+        async def one(node: Node) -> dict[str, Any]:
+            try:
+                reply = await self.call(node, method, path, json=body, idempotent=True, timeout=120)
+                try:
+                    result = reply.json()
+                except ValueError:
+                    result = reply.body.decode(errors="replace")
+                return {"node": node.url, "status": reply.status, "result": result}
+            except UpstreamUnavailable as e:
+                return {"node": node.url, "status": 503, "error": e.message}
+
+        return list(await asyncio.gather(*(one(n) for n in self.nodes)))
+
+    async def call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
+        """One call to ``node`` (``peers.call``); a transport failure marks it down."""
+        try:
+            return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
+        except UpstreamUnavailable:
+            self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
+            raise
+
+    # -- status --------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        healthy = [n for n in self.nodes if n.healthy]
+        return {"ok": True, "status": "ok", "role": "scheduler", "nodes": len(self.nodes),
+                "healthy_nodes": len(healthy), "total_slots": sum(n.capacity for n in healthy),
+                "active_slots": sum(n.used for n in healthy)}
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        window = self.settings.affinity_window
+        out = []
+        for node in self.nodes:
+            out.append({
+                "url": node.url, "name": node.name, "healthy": node.healthy, "error": node.error,
+                "total_slots": node.capacity, "configured_slots": node.slots, "active_slots": node.used,
+                "free_ratio": round(node.free_ratio, 3),
+                "last_seen_s": None if node.last_seen is None else round(now - node.last_seen, 3),
+                "task_affinity": {k: round(now - t, 3) for k, (url, t) in self._affinity.items()
+                                  if url == node.url and now - t <= window}})
+        return {"nodes": out, "cached_routes": len(self._route_cache)}

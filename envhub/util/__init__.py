@@ -1,0 +1,1 @@
+"""Small helpers shared by both roles (no envhub imports of their own)."""
