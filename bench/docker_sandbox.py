@@ -26,7 +26,6 @@ from pathlib import Path
 
 import httpx
 import yaml
-
 from launch import start
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,8 +38,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summary(values: list[float]) -> dict:
-    return {"n": len(values), "p50_ms": pct(values, 0.5), "p90_ms": pct(values, 0.9),
-            "mean_ms": round(statistics.fmean(values) * 1000, 1)}
+    return {
+        "n": len(values),
+        "p50_ms": pct(values, 0.5),
+        "p90_ms": pct(values, 0.9),
+        "mean_ms": round(statistics.fmean(values) * 1000, 1),
+    }
 
 
 def main() -> None:
@@ -62,8 +65,16 @@ def main() -> None:
     shutil.copytree(TASK, tasks / "cached")
     node_id = f"bench-{uuid.uuid4().hex[:8]}"
     cfg = tmp / "node.yaml"
-    cfg.write_text(yaml.safe_dump({"node_id": node_id, "capacity": 64, "image_map": {"debian:bookworm": args.base},
-                                   "environments": {"terminal-bench": {"datasets": [str(tasks)]}}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "node_id": node_id,
+                "capacity": 64,
+                "image_map": {"debian:bookworm": args.base},
+                "environments": {"terminal-bench": {"datasets": [str(tasks)]}},
+            }
+        )
+    )
     proc, url, _ = start(["--config", str(cfg), "--data-dir", str(tmp / "data")], tmp / "node.log")
     images = []
     try:
@@ -93,8 +104,9 @@ def main() -> None:
         execs = []
         for _ in range(args.samples * 3):
             t0 = time.perf_counter()
-            r = c.post(f"/instances/{ids[0]}/step",
-                       json={"action": {"tool": "run_command", "arguments": {"command": "true"}}})
+            r = c.post(
+                f"/instances/{ids[0]}/step", json={"action": {"tool": "run_command", "arguments": {"command": "true"}}}
+            )
             r.raise_for_status()
             execs.append(time.perf_counter() - t0)
         for iid in ids:
@@ -106,7 +118,8 @@ def main() -> None:
         for _, iid in burst:
             release(iid)
         result = {
-            "create_cold_image": summary(cold), "create_cached_image": summary(cached),
+            "create_cold_image": summary(cold),
+            "create_cached_image": summary(cached),
             "exec_round_trip": summary(execs),
             "concurrent_16_creates": {"wall_s": round(burst_wall, 2), **summary([d for d, _ in burst])},
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -117,11 +130,18 @@ def main() -> None:
         subprocess.run(["docker", "image", "rm", "-f", *images], capture_output=True) if images else None
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"create, cold image:   p50 {result['create_cold_image']['p50_ms']} ms (n={args.cold})")
-    print(f"create, cached image: p50 {result['create_cached_image']['p50_ms']} ms  "
-          f"p90 {result['create_cached_image']['p90_ms']} ms")
-    print(f"exec round trip:      p50 {result['exec_round_trip']['p50_ms']} ms  p90 {result['exec_round_trip']['p90_ms']} ms")
-    print(f"16 concurrent creates: {result['concurrent_16_creates']['wall_s']} s wall, "
-          f"p50 {result['concurrent_16_creates']['p50_ms']} ms each")
+    print(
+        f"create, cached image: p50 {result['create_cached_image']['p50_ms']} ms  "
+        f"p90 {result['create_cached_image']['p90_ms']} ms"
+    )
+    print(
+        f"exec round trip:      p50 {result['exec_round_trip']['p50_ms']} ms  "
+        f"p90 {result['exec_round_trip']['p90_ms']} ms"
+    )
+    print(
+        f"16 concurrent creates: {result['concurrent_16_creates']['wall_s']} s wall, "
+        f"p50 {result['concurrent_16_creates']['p50_ms']} ms each"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

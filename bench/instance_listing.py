@@ -39,8 +39,20 @@ def fill(path: Path, rows: int) -> None:
             "INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, observation, "
             "evaluation, created_at, last_active_at, ended_at) VALUES (?, 'mbpp', ?, 'bench', 'bench', 'process', "
             "?, ?, ?, ?, ?, ?)",
-            ((f"mbpp-{i:08d}", str(11 + i % 964), "active" if i >= rows - 16 else "released",
-              observation, evaluation, float(i), float(i), float(i)) for i in range(rows)))
+            (
+                (
+                    f"mbpp-{i:08d}",
+                    str(11 + i % 964),
+                    "active" if i >= rows - 16 else "released",
+                    observation,
+                    evaluation,
+                    float(i),
+                    float(i),
+                    float(i),
+                )
+                for i in range(rows)
+            ),
+        )
     conn.close()
 
 
@@ -76,8 +88,10 @@ async def main() -> None:
         fill_s = time.perf_counter() - t0
         indexed = await time_listings(path, args.repeat)
         with sqlite3.connect(path) as conn:  # back to the indexes before migration 006
-            conn.executescript("DROP INDEX instances_state_created; DROP INDEX instances_created; "
-                               "CREATE INDEX instances_state ON instances(state);")
+            conn.executescript(
+                "DROP INDEX instances_state_created; DROP INDEX instances_created; "
+                "CREATE INDEX instances_state ON instances(state);"
+            )
         conn.close()
         unindexed = await time_listings(path, args.repeat)
         with sqlite3.connect(path) as conn:  # what migration 006 costs a database this size
@@ -86,13 +100,22 @@ async def main() -> None:
             migrate_s = time.perf_counter() - t0
         conn.close()
         size_mb = os.path.getsize(path) / 1e6
-    print(f"{args.rows} rows ({size_mb:.0f} MB, filled in {fill_s:.1f} s); median ms per listing (count + page of 100):")
+    print(
+        f"{args.rows} rows ({size_mb:.0f} MB, filled in {fill_s:.1f} s); median ms per listing (count + page of 100):"
+    )
     for name in LISTINGS:
         print(f"  {name:18} with 006 {indexed[name]:9.2f}   without {unindexed[name]:9.2f}")
     print(f"migration 006 on this database: {migrate_s:.2f} s")
-    result = {"rows": args.rows, "db_mb": round(size_mb), "ms_with_006": indexed, "ms_without_006": unindexed,
-              "migration_006_s": round(migrate_s, 2), "python": platform.python_version(),
-              "sqlite": sqlite3.sqlite_version, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result = {
+        "rows": args.rows,
+        "db_mb": round(size_mb),
+        "ms_with_006": indexed,
+        "ms_without_006": unindexed,
+        "migration_006_s": round(migrate_s, 2),
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -25,8 +25,11 @@ def interpreter() -> dict:
     the MBPP bench about a tenth slower here than Debian's PGO and LTO build."""
     with open("/proc/self/maps") as f:
         shared = "libpython" in f.read()
-    return {"version": platform.python_version(), "executable": os.path.realpath(sys.executable),
-            "libpython": "shared" if shared else "static"}
+    return {
+        "version": platform.python_version(),
+        "executable": os.path.realpath(sys.executable),
+        "libpython": "shared" if shared else "static",
+    }
 
 
 def describe(python: dict) -> str:
@@ -45,8 +48,12 @@ def start(args: list[str], log: Path, timeout: float = 60.0) -> tuple[subprocess
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
     with open(log, "w") as err:  # the child keeps its own copy of the fd
-        proc = subprocess.Popen([sys.executable, "-m", "envhub", "serve", "--port", str(port), *args], env=env,
-                                stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "envhub", "serve", "--port", str(port), *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

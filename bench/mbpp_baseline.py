@@ -1,6 +1,6 @@
 """The host's reference points for MBPP throughput, with no envhub at all.
 
-Issue #2 sets envhub's target (150 tasks/s on a 2-core machine) against two figures
+envhub's MBPP throughput target (150 tasks/s on a 2-core machine) was set against two figures
 measured on that machine: a fresh ``python3`` process per problem (about 47 tasks/s) and
 a warm interpreter forked per problem with no HTTP (about 300). On a shared VM both move
 with the host, as envhub's figure does, so this script measures them again, on the same
@@ -115,15 +115,20 @@ def fork_per_problem(problems: list[dict], workers: int) -> dict:
 def spawn_per_problem(problems: list[dict], workers: int, python: str = sys.executable) -> dict:
     """A fresh ``python`` process per problem (``-I``: no site-packages, no user paths)."""
     program = _CHILD.replace("CPU", repr(TEST_CPU_SECONDS)) + (
-        "import json\nsys.exit(main(*json.loads(sys.stdin.read())))\n")
+        "import json\nsys.exit(main(*json.loads(sys.stdin.read())))\n"
+    )
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     running: list[subprocess.Popen] = []
     queue, passed = deque(problems), 0  # in task order, as mbpp_throughput's clients take them
     while queue or running:
         while queue and len(running) < workers:
             p = queue.popleft()
-            proc = subprocess.Popen([python, "-I", "-c", program], stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [python, "-I", "-c", program],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             proc.stdin.write(json.dumps([p["code"], p.get("test_setup_code") or "", p["test_list"]]).encode())
             proc.stdin.close()
             running.append(proc)
@@ -137,21 +142,28 @@ def spawn_per_problem(problems: list[dict], workers: int, python: str = sys.exec
     return _figures("a fresh python process per problem", problems, passed, start, before)
 
 
-def _figures(what: str, problems: list[dict], passed: int, start: float,
-             before: resource.struct_rusage) -> dict:
+def _figures(what: str, problems: list[dict], passed: int, start: float, before: resource.struct_rusage) -> dict:
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     n = len(problems)
-    return {"reference": what, "tasks": n, "passed": passed, "elapsed_s": round(elapsed, 3),
-            "tasks_per_s": round(n / elapsed, 1),
-            "child_cpu_ms_per_task": round((after.ru_utime + after.ru_stime - before.ru_utime
-                                            - before.ru_stime) * 1000 / n, 2)}
+    return {
+        "reference": what,
+        "tasks": n,
+        "passed": passed,
+        "elapsed_s": round(elapsed, 3),
+        "tasks_per_s": round(n / elapsed, 1),
+        "child_cpu_ms_per_task": round(
+            (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) * 1000 / n, 2
+        ),
+    }
 
 
 def report(figures: dict) -> None:
-    print(f"reference, {figures['reference']}: {figures['tasks_per_s']} tasks/s "
-          f"({figures['elapsed_s']} s, {figures['passed']} of {figures['tasks']} passed, "
-          f"{figures['child_cpu_ms_per_task']} ms CPU per problem)")
+    print(
+        f"reference, {figures['reference']}: {figures['tasks_per_s']} tasks/s "
+        f"({figures['elapsed_s']} s, {figures['passed']} of {figures['tasks']} passed, "
+        f"{figures['child_cpu_ms_per_task']} ms CPU per problem)"
+    )
 
 
 def main() -> None:
@@ -176,10 +188,17 @@ def main() -> None:
     python = interpreter()
     print(f"on {describe(python)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"workers": args.workers, "test_cpu_seconds": TEST_CPU_SECONDS,
-                                    "results": results, "machine": {"cpus": os.cpu_count(),
-                                    "python": python, "platform": platform.platform()}},
-                                   indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "workers": args.workers,
+                "test_cpu_seconds": TEST_CPU_SECONDS,
+                "results": results,
+                "machine": {"cpus": os.cpu_count(), "python": python, "platform": platform.platform()},
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -90,19 +90,30 @@ def cpu_snapshot(node_pid: int) -> dict[str, float]:
     return out
 
 
-def start_node(data: Path, capacity: int, data_dir: Path | None, settings: list[str] = ()
-               ) -> tuple[subprocess.Popen, str, Path, tempfile.TemporaryDirectory | None]:
+def start_node(
+    data: Path, capacity: int, data_dir: Path | None, settings: list[str] = ()
+) -> tuple[subprocess.Popen, str, Path, tempfile.TemporaryDirectory | None]:
     """A node on ``data_dir``, or on a fresh temp dir (tmpfs when there is one) that the
     returned TemporaryDirectory owns."""
     tmp = None
     if data_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="envhub-bench-",
-                                          dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        tmp = tempfile.TemporaryDirectory(prefix="envhub-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         data_dir = Path(tmp.name)
     data_dir.mkdir(parents=True, exist_ok=True)
-    proc, url, _ = start(["--role", "node", "--data-dir", str(data_dir), "--capacity", str(capacity),
-                          "--set", f"environments.mbpp.path={data}",
-                          *(arg for kv in settings for arg in ("--set", kv))], data_dir / "node.log")
+    proc, url, _ = start(
+        [
+            "--role",
+            "node",
+            "--data-dir",
+            str(data_dir),
+            "--capacity",
+            str(capacity),
+            "--set",
+            f"environments.mbpp.path={data}",
+            *(arg for kv in settings for arg in ("--set", kv)),
+        ],
+        data_dir / "node.log",
+    )
     return proc, url, data_dir, tmp
 
 
@@ -137,8 +148,11 @@ class Conn:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode() if body is not None else b""
-        self.writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.extra}"
-                          f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        self.writer.write(
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.extra}"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         head = await self.reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
         length = 0
@@ -153,8 +167,7 @@ class Conn:
             await self.writer.wait_closed()
 
 
-async def run(url: str, api_key: str | None, task_ids: list[str], clients: int,
-              separate_release: bool = False) -> dict:
+async def run(url: str, api_key: str | None, task_ids: list[str], clients: int, separate_release: bool = False) -> dict:
     timings: dict[str, list[float]] = {"create": [], "step": [], "evaluate": [], "release": []}
     rewards: dict[str, float] = {}
     errors: list[str] = []
@@ -178,11 +191,21 @@ async def run(url: str, api_key: str | None, task_ids: list[str], clients: int,
             while not queue.empty():
                 task_id = queue.get_nowait()
                 try:
-                    created = await call(conn, "create", "POST", "/instances",
-                                         {"environment": "mbpp", "task_id": task_id, "trial": "bench"})
+                    created = await call(
+                        conn,
+                        "create",
+                        "POST",
+                        "/instances",
+                        {"environment": "mbpp", "task_id": task_id, "trial": "bench"},
+                    )
                     iid = created["instance_id"]
-                    await call(conn, "step", "POST", f"/instances/{iid}/step",
-                               {"action": {"tool": "submit_solution", "arguments": {"code": references[task_id]}}})
+                    await call(
+                        conn,
+                        "step",
+                        "POST",
+                        f"/instances/{iid}/step",
+                        {"action": {"tool": "submit_solution", "arguments": {"code": references[task_id]}}},
+                    )
                     if separate_release:
                         ev = await call(conn, "evaluate", "POST", f"/instances/{iid}/evaluate")
                         await call(conn, "release", "POST", f"/instances/{iid}/release")
@@ -201,15 +224,24 @@ async def run(url: str, api_key: str | None, task_ids: list[str], clients: int,
     elapsed = time.perf_counter() - t0
 
     return {
-        "tasks": len(task_ids), "clients": clients, "elapsed_s": round(elapsed, 3),
+        "tasks": len(task_ids),
+        "clients": clients,
+        "elapsed_s": round(elapsed, 3),
         "calls_per_task": 4 if separate_release else 3,
         "tasks_per_s": round(len(task_ids) / elapsed, 1),
         "full_reward": sum(1 for r in rewards.values() if r == 1.0),
         "not_full_reward": sorted((t for t, r in rewards.items() if r != 1.0), key=int),
-        "errors": errors[:20], "error_count": len(errors),
-        "latency_ms": {k: {"p50": round(pct(v, 0.5), 2), "p99": round(pct(v, 0.99), 2),
-                           "mean": round(statistics.fmean(v) * 1000, 2) if v else None}
-                       for k, v in timings.items() if v},
+        "errors": errors[:20],
+        "error_count": len(errors),
+        "latency_ms": {
+            k: {
+                "p50": round(pct(v, 0.5), 2),
+                "p99": round(pct(v, 0.99), 2),
+                "mean": round(statistics.fmean(v) * 1000, 2) if v else None,
+            }
+            for k, v in timings.items()
+            if v
+        },
     }
 
 
@@ -236,14 +268,25 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=64)
     ap.add_argument("--limit", type=int, help="only the first N problems")
     ap.add_argument("--runs", type=int, default=1, help="passes over the tasks, on one node; prints the median")
-    ap.add_argument("--separate-release", action="store_true",
-                    help="release with its own call instead of evaluate's release option")
-    ap.add_argument("--data-dir", type=Path,
-                    help="where the node it starts keeps its state (kept); default: a temp dir on tmpfs")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                    help="a setting for the node it starts, as envhub serve --set (repeatable)")
-    ap.add_argument("--baseline", action="store_true",
-                    help="after each pass, measure the host's reference (mbpp_baseline.py --mode fork)")
+    ap.add_argument(
+        "--separate-release", action="store_true", help="release with its own call instead of evaluate's release option"
+    )
+    ap.add_argument(
+        "--data-dir", type=Path, help="where the node it starts keeps its state (kept); default: a temp dir on tmpfs"
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="settings",
+        help="a setting for the node it starts, as envhub serve --set (repeatable)",
+    )
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="after each pass, measure the host's reference (mbpp_baseline.py --mode fork)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "mbpp_throughput.json")
     args = ap.parse_args()
 
@@ -273,18 +316,30 @@ def main() -> None:
             proc.wait(30)
             if tmp is not None:
                 tmp.cleanup()
-    result = dict(runs[-1]) if len(runs) == 1 else {
-        "runs": runs, "tasks_per_s": [r["tasks_per_s"] for r in runs],
-        "tasks_per_s_median": statistics.median(r["tasks_per_s"] for r in runs)}
-    result.update(machine={"cpus": os.cpu_count(), "python": python, "platform": platform.platform()},
-                  node=url if args.url else "started by the bench",
-                  settings=args.settings)
+    result = (
+        dict(runs[-1])
+        if len(runs) == 1
+        else {
+            "runs": runs,
+            "tasks_per_s": [r["tasks_per_s"] for r in runs],
+            "tasks_per_s_median": statistics.median(r["tasks_per_s"] for r in runs),
+        }
+    )
+    result.update(
+        machine={"cpus": os.cpu_count(), "python": python, "platform": platform.platform()},
+        node=url if args.url else "started by the bench",
+        settings=args.settings,
+    )
     if data_dir is not None:
-        result["node_data_dir"] = {"path": str(data_dir) if tmp is None else "temp dir",
-                                   "filesystem": filesystem(data_dir)}
+        result["node_data_dir"] = {
+            "path": str(data_dir) if tmp is None else "temp dir",
+            "filesystem": filesystem(data_dir),
+        }
     if len(runs) > 1:
-        print(f"{len(runs)} runs: median {result['tasks_per_s_median']} tasks/s "
-              f"(min {min(result['tasks_per_s'])}, max {max(result['tasks_per_s'])})")
+        print(
+            f"{len(runs)} runs: median {result['tasks_per_s_median']} tasks/s "
+            f"(min {min(result['tasks_per_s'])}, max {max(result['tasks_per_s'])})"
+        )
         if args.baseline:
             result["of_baseline_median"] = statistics.median(r["baseline"]["of_baseline"] for r in runs)
             print(f"  median of the passes' shares of their reference: {result['of_baseline_median']:.0%}")
@@ -293,8 +348,9 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
-def measure(url: str, api_key: str | None, task_ids: list[str], args: argparse.Namespace,
-            proc: subprocess.Popen | None) -> dict:
+def measure(
+    url: str, api_key: str | None, task_ids: list[str], args: argparse.Namespace, proc: subprocess.Popen | None
+) -> dict:
     """One pass over every task, with the CPU each part of a node we started spent on it."""
     before, client_before = (cpu_snapshot(proc.pid) if proc else {}), os.times()
     result = _run_loop(run(url, api_key, task_ids, args.clients, args.separate_release))
@@ -305,8 +361,12 @@ def measure(url: str, api_key: str | None, task_ids: list[str], args: argparse.N
         per_task = {k: round((after[k] - before.get(k, 0.0)) / len(task_ids), 2) for k in after}
         cpu = {k: v for k, v in per_task.items() if not k.startswith("faults:")}
         result["faults_per_task"] = {k[7:]: v for k, v in per_task.items() if k.startswith("faults:")}
-        cpu["client"] = round((client_after.user + client_after.system - client_before.user
-                               - client_before.system) * 1000 / len(task_ids), 2)
+        cpu["client"] = round(
+            (client_after.user + client_after.system - client_before.user - client_before.system)
+            * 1000
+            / len(task_ids),
+            2,
+        )
         result["cpu_ms_per_task"] = cpu
     return result
 
@@ -317,15 +377,29 @@ def baseline(data: Path, limit: int | None) -> dict:
     loop and the client's state, each child would cost more and the reference read low."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "baseline.json"
-        subprocess.run([sys.executable, str(Path(__file__).with_name("mbpp_baseline.py")), "--mode", "fork",
-                        "--data", str(data), "--out", str(out), *(["--limit", str(limit)] if limit else [])],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("mbpp_baseline.py")),
+                "--mode",
+                "fork",
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                *(["--limit", str(limit)] if limit else []),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         return json.loads(out.read_text())["results"][0]
 
 
 def report(result: dict) -> None:
-    print(f"{result['tasks']} tasks, {result['clients']} clients: {result['tasks_per_s']} tasks/s "
-          f"({result['elapsed_s']} s), full reward {result['full_reward']}, errors {result['error_count']}")
+    print(
+        f"{result['tasks']} tasks, {result['clients']} clients: {result['tasks_per_s']} tasks/s "
+        f"({result['elapsed_s']} s), full reward {result['full_reward']}, errors {result['error_count']}"
+    )
     for kind, lat in result["latency_ms"].items():
         print(f"  {kind:9s} p50 {lat['p50']:8.2f} ms   p99 {lat['p99']:8.2f} ms")
     if result.get("cpu_ms_per_task"):
@@ -336,8 +410,10 @@ def report(result: dict) -> None:
         print("  below 1.0:", ", ".join(result["not_full_reward"]))
     if result.get("baseline"):
         ref = result["baseline"]
-        print(f"  reference right after, {ref['reference']} (no HTTP, no sandbox): {ref['tasks_per_s']} tasks/s;"
-              f" this pass ran at {ref['of_baseline']:.0%} of it")
+        print(
+            f"  reference right after, {ref['reference']} (no HTTP, no sandbox): {ref['tasks_per_s']} tasks/s;"
+            f" this pass ran at {ref['of_baseline']:.0%} of it"
+        )
 
 
 if __name__ == "__main__":

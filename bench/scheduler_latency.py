@@ -43,7 +43,9 @@ async def measure(node_port: int, sched_port: int, steps: int) -> tuple[list[flo
     action = {"action": {"tool": "run_python", "arguments": {"code": "1 + 1"}}}
     times: dict[str, list[float]] = {"direct": [], "scheduler": []}
     for i in range(steps + 20):
-        for name, conn in (("direct", direct), ("scheduler", via)) if i % 2 else (("scheduler", via), ("direct", direct)):
+        for name, conn in (
+            (("direct", direct), ("scheduler", via)) if i % 2 else (("scheduler", via), ("direct", direct))
+        ):
             t0 = time.perf_counter()
             status, body = await conn.request("POST", f"/instances/{iid}/step", action)
             dt = time.perf_counter() - t0
@@ -62,12 +64,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scheduler_latency.json")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="envhub-bench-sched-"))
-    node, node_url, node_port = start(["--role", "node", "--data-dir", str(tmp / "node"),
-                                       "--set", "environments.terminal-bench.enabled=false"], tmp / "node.log")
+    node, node_url, node_port = start(
+        ["--role", "node", "--data-dir", str(tmp / "node"), "--set", "environments.terminal-bench.enabled=false"],
+        tmp / "node.log",
+    )
     nodes_yaml = tmp / "nodes.yaml"
     nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": node_url, "slots": 32}]}))
-    sched, _, sched_port = start(["--role", "scheduler", "--data-dir", str(tmp / "sched"),
-                                  "--set", f"nodes_file={nodes_yaml}"], tmp / "sched.log")
+    sched, _, sched_port = start(
+        ["--role", "scheduler", "--data-dir", str(tmp / "sched"), "--set", f"nodes_file={nodes_yaml}"],
+        tmp / "sched.log",
+    )
     done = False
     try:
         direct, via = asyncio.run(measure(node_port, sched_port, args.steps))

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 import httpx
+from launch import start
 
 from envhub.plugins.process_sandbox.sandbox import default_work_root
-from launch import start
 
 REPO = Path(__file__).resolve().parents[1]
 IDLE_TTL = 5.0
@@ -53,7 +53,7 @@ def sandbox_processes() -> int:
     count = 0
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
-            uid = next(int(l.split()[1]) for l in status.read_text().splitlines() if l.startswith("Uid:"))
+            uid = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("Uid:"))
         except (OSError, StopIteration, ValueError):
             continue
         count += uid >= UID_BASE
@@ -75,12 +75,16 @@ def client(url: str, out: Path, seed: int) -> None:
                     iid = r.json()["instance_id"]
                     for _ in range(rng.randint(1, 3)):
                         code = rng.choice(["x = 1", "print(sum(range(100)))", "1/0", "import math; math.pi"])
-                        s = c.post(f"/instances/{iid}/step",
-                                   json={"action": {"tool": "run_python", "arguments": {"code": code}}})
+                        s = c.post(
+                            f"/instances/{iid}/step",
+                            json={"action": {"tool": "run_python", "arguments": {"code": code}}},
+                        )
                         if s.status_code != 200:
                             kind = f"step_{s.status_code}"
-                    c.post(f"/instances/{iid}/step",
-                           json={"action": {"tool": "submit_solution", "arguments": {"code": "def f(): return 1"}}})
+                    c.post(
+                        f"/instances/{iid}/step",
+                        json={"action": {"tool": "submit_solution", "arguments": {"code": "def f(): return 1"}}},
+                    )
                     e = c.post(f"/instances/{iid}/evaluate")
                     if e.status_code != 200:
                         kind = f"evaluate_{e.status_code}"
@@ -105,17 +109,32 @@ def main() -> None:
         return
 
     tmp = Path(tempfile.mkdtemp(prefix="envhub-soak-"))
-    node, url, _ = start(["--data-dir", str(tmp / "data"), "--capacity", str(args.clients * 2),
-                          "--set", f"idle_ttl={IDLE_TTL}", "--set", "reap_interval=1",
-                          "--set", "environments.terminal-bench.enabled=false"], tmp / "node.log")
+    node, url, _ = start(
+        [
+            "--data-dir",
+            str(tmp / "data"),
+            "--capacity",
+            str(args.clients * 2),
+            "--set",
+            f"idle_ttl={IDLE_TTL}",
+            "--set",
+            "reap_interval=1",
+            "--set",
+            "environments.terminal-bench.enabled=false",
+        ],
+        tmp / "node.log",
+    )
     outs = tmp / "clients"
     outs.mkdir()
     seq = iter(range(10**9))
 
     def spawn() -> subprocess.Popen:
         n = next(seq)
-        return subprocess.Popen([sys.executable, __file__, "--client", url, str(outs / f"{n}.jsonl"), str(n)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            [sys.executable, __file__, "--client", url, str(outs / f"{n}.jsonl"), str(n)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     clients = [spawn() for _ in range(args.clients)]
     rng = random.Random(0)
@@ -158,13 +177,22 @@ def main() -> None:
                 kinds["torn_line_from_a_killed_client"] += 1
     elapsed = time.monotonic() - started
     result = {
-        "minutes": round(elapsed / 60, 2), "clients": args.clients, "clients_killed": killed,
-        "completed_episodes": kinds.pop("ok", 0), "errors_by_kind": dict(kinds),
+        "minutes": round(elapsed / 60, 2),
+        "clients": args.clients,
+        "clients_killed": killed,
+        "completed_episodes": kinds.pop("ok", 0),
+        "errors_by_kind": dict(kinds),
         "instances_reaped_after_kills": expired,
-        "leaked": {"live_instances": health["active"], "sandbox_processes": leaked_processes,
-                   "sandbox_dirs": leaked_dirs},
-        "memory": {"after_warmup": warm_rss, "at_end": end_rss,
-                   "node_growth_kb": end_rss["node_kb"] - warm_rss["node_kb"] if warm_rss else None},
+        "leaked": {
+            "live_instances": health["active"],
+            "sandbox_processes": leaked_processes,
+            "sandbox_dirs": leaked_dirs,
+        },
+        "memory": {
+            "after_warmup": warm_rss,
+            "at_end": end_rss,
+            "node_growth_kb": end_rss["node_kb"] - warm_rss["node_kb"] if warm_rss else None,
+        },
         "node_exit_code": node_rc,
     }
     print(json.dumps(result, indent=2))

@@ -10,11 +10,11 @@ token budgets and reports why it stopped.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, ClassVar
+from typing import Any, ClassVar
 
 import aiohttp
 
@@ -61,12 +61,16 @@ class ModelClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self.calls += 1
         try:
-            async with self.http.post(self.url.rstrip("/") + "/chat/completions", json=body, headers=headers,
-                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s, connect=10)) as r:
+            async with self.http.post(
+                self.url.rstrip("/") + "/chat/completions",
+                json=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s, connect=10),
+            ) as r:
                 text = await r.text()
                 if r.status != 200:
                     raise ModelError(f"the model answered HTTP {r.status}: {text[:300]}")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ModelError(f"the model did not answer within {self.timeout_s:g} s", reason="model_timeout") from None
         except aiohttp.ClientError as e:
             raise ModelError(f"cannot reach the model at {self.url}: {type(e).__name__}: {e}") from None

@@ -18,19 +18,30 @@ import pluggy
 from sanic import Sanic
 from sanic.config import Config
 
-from envhub.scheduler import peers
-from envhub.network import NetworkMode
-from envhub.node.service import NodeService
-from envhub.plugins import Registry, collect, get_plugin_manager
-from envhub.node.runtime import NodeRuntime
-from envhub.settings import Settings
-from envhub.store.db import Database, migrate
-from envhub.scheduler.fleet import load_fleet
-from envhub.scheduler.service import SchedulerService
 from envhub.compat.backends import NodeBackend, SchedulerBackend
 from envhub.compat.openenv import OpenEnvService
-from envhub.web import (admin, builds, compat, environments, fleet, health, instances, openenv, openenv_proxy,
-                        rollouts, routing)
+from envhub.network import NetworkMode
+from envhub.node.runtime import NodeRuntime
+from envhub.node.service import NodeService
+from envhub.plugins import Registry, collect, get_plugin_manager
+from envhub.scheduler import peers
+from envhub.scheduler.fleet import load_fleet
+from envhub.scheduler.service import SchedulerService
+from envhub.settings import Settings
+from envhub.store.db import Database, migrate
+from envhub.web import (
+    admin,
+    builds,
+    compat,
+    environments,
+    fleet,
+    health,
+    instances,
+    openenv,
+    openenv_proxy,
+    rollouts,
+    routing,
+)
 from envhub.web.auth import setup_auth
 from envhub.web.errors import setup_errors
 
@@ -174,11 +185,15 @@ def setup_node(app: Any) -> None:
             await runtime.stop()
             raise
         if any(outcome.values()):
-            log.warning("start-up reconciliation: adopted %(adopted)d instance(s), marked %(lost)d lost, "
-                        "removed %(removed)d unknown sandbox(es)", outcome)
+            log.warning(
+                "start-up reconciliation: adopted %(adopted)d instance(s), marked %(lost)d lost, "
+                "removed %(removed)d unknown sandbox(es)",
+                outcome,
+            )
         app.ctx.node = node
-        app.ctx.agents = {name: cls(settings.agents.get(name) or {})
-                          for name, cls in registries["agent"].classes.items()}
+        app.ctx.agents = {
+            name: cls(settings.agents.get(name) or {}) for name, cls in registries["agent"].classes.items()
+        }
         app.ctx.backend = NodeBackend(node, app.ctx)
 
     @app.after_server_start

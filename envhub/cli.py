@@ -50,13 +50,23 @@ def _is_loopback(host: str) -> bool:
 @click.option("--config", "config", type=click.Path(dir_okay=False), envvar="ENVHUB_CONFIG", help="YAML config file.")
 @click.option("--host", envvar="ENVHUB_HOST", help="Address to bind (default 127.0.0.1).")
 @click.option("--port", type=int, envvar="ENVHUB_PORT", help="Port to bind (default 8000).")
-@click.option("--data-dir", type=click.Path(file_okay=False), envvar="ENVHUB_DATA_DIR",
-              help="Folder for the SQLite database and trial logs (default ./envhub-data).")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    envvar="ENVHUB_DATA_DIR",
+    help="Folder for the SQLite database and trial logs (default ./envhub-data).",
+)
 @click.option("--capacity", type=int, envvar="ENVHUB_CAPACITY", help="Concurrent episodes (slots) on this node.")
-@click.option("--api-key", "api_keys", multiple=True, envvar="ENVHUB_API_KEY",
-              help="Accepted API key; repeat for several.")
-@click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE",
-              help="Set any option, e.g. --set environments.mbpp.path=mbpp.jsonl")
+@click.option(
+    "--api-key", "api_keys", multiple=True, envvar="ENVHUB_API_KEY", help="Accepted API key; repeat for several."
+)
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY.PATH=VALUE",
+    help="Set any option, e.g. --set environments.mbpp.path=mbpp.jsonl",
+)
 def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
     """Run a node or a scheduler until SIGTERM or Ctrl-C."""
     from sanic import Sanic
@@ -68,11 +78,13 @@ def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
     try:
         settings = _settings(config, sets, **flags)
         if not settings.api_keys and not _is_loopback(settings.host):
-            log.warning("envhub is bound to %s with no API key: anyone who reaches this port can run code",
-                        settings.host)
+            log.warning(
+                "envhub is bound to %s with no API key: anyone who reaches this port can run code", settings.host
+            )
         app = create_app(settings)
-        app.prepare(host=settings.host, port=settings.port, single_process=True, motd=False,
-                    access_log=settings.access_log)
+        app.prepare(
+            host=settings.host, port=settings.port, single_process=True, motd=False, access_log=settings.access_log
+        )
         Sanic.serve_single(app)
     except EnvhubError as e:
         raise click.ClickException(e.message) from None
@@ -99,8 +111,12 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
     try:
         settings = _settings(config, sets)
         pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
-        for hook, kind in (("register_environments", "environment"), ("register_sandboxes", "sandbox"),
-                           ("register_network_modes", "network mode"), ("register_agents", "agent")):
+        for hook, kind in (
+            ("register_environments", "environment"),
+            ("register_sandboxes", "sandbox"),
+            ("register_network_modes", "network mode"),
+            ("register_agents", "agent"),
+        ):
             collect(pm, hook, kind)  # a duplicate name fails here as it would at serve
     except EnvhubError as e:
         raise click.ClickException(e.message) from None
@@ -109,14 +125,25 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
 
 @cli.command()
 @click.argument("tasks", nargs=-1)
-@click.option("--environment", "-e", default="terminal-bench", show_default=True,
-              help="The environment whose task images to build.")
+@click.option(
+    "--environment",
+    "-e",
+    default="terminal-bench",
+    show_default=True,
+    help="The environment whose task images to build.",
+)
 @click.option("--all", "all_tasks", is_flag=True, help="Build every task of the environment.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), envvar="ENVHUB_CONFIG", help="YAML config file.")
 @click.option("--data-dir", type=click.Path(file_okay=False), envvar="ENVHUB_DATA_DIR", help="Data folder.")
 @click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE", help="Set any option.")
-def build(tasks: tuple[str, ...], environment: str, all_tasks: bool, config: str | None, data_dir: str | None,
-          sets: tuple[str, ...]) -> None:
+def build(
+    tasks: tuple[str, ...],
+    environment: str,
+    all_tasks: bool,
+    config: str | None,
+    data_dir: str | None,
+    sets: tuple[str, ...],
+) -> None:
     """Prebuild task images (each once; unchanged tasks are not rebuilt), with a progress bar."""
     import asyncio
 

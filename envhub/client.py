@@ -35,16 +35,31 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 from urllib.parse import quote
 
 import httpx
-from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
-from tenacity import wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
 
-__all__ = ["AsyncEnvhubClient", "EnvhubClient", "EnvhubClientError", "EnvhubUnavailable", "NO_RETRY",
-           "RETRYABLE_STATUS", "RetryPolicy", "new_instance_id"]
+__all__ = [
+    "AsyncEnvhubClient",
+    "EnvhubClient",
+    "EnvhubClientError",
+    "EnvhubUnavailable",
+    "NO_RETRY",
+    "RETRYABLE_STATUS",
+    "RetryPolicy",
+    "new_instance_id",
+]
 
 log = logging.getLogger("envhub.client")
 
@@ -100,8 +115,17 @@ class EnvhubClientError(Exception):
     envelope (or the raw text of a reply that was not JSON), ``retry_after`` the seconds
     of a ``Retry-After`` header."""
 
-    def __init__(self, message: str, *, status: int | None = None, code: str = "error", body: Any = None,
-                 method: str = "", path: str = "", retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str = "error",
+        body: Any = None,
+        method: str = "",
+        path: str = "",
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -174,8 +198,15 @@ def _error_from_reply(call: _Call, response: httpx.Response) -> EnvhubClientErro
         code = f"http_{status}"
         message = (body if isinstance(body, str) and body.strip() else response.reason_phrase)[:2000]
     cls = EnvhubUnavailable if status in RETRYABLE_STATUS else EnvhubClientError
-    return cls(message, status=status, code=code, body=body, method=call.method, path=call.path,
-               retry_after=_retry_after(response.headers.get("Retry-After")))
+    return cls(
+        message,
+        status=status,
+        code=code,
+        body=body,
+        method=call.method,
+        path=call.path,
+        retry_after=_retry_after(response.headers.get("Retry-After")),
+    )
 
 
 def _decode(call: _Call, response: httpx.Response) -> dict[str, Any]:
@@ -185,9 +216,14 @@ def _decode(call: _Call, response: httpx.Response) -> dict[str, Any]:
     try:
         return response.json()
     except ValueError:
-        raise EnvhubClientError(f"the reply is not JSON: {response.text[:200]!r}", status=response.status_code,
-                                code="invalid_response", body=response.text, method=call.method,
-                                path=call.path) from None
+        raise EnvhubClientError(
+            f"the reply is not JSON: {response.text[:200]!r}",
+            status=response.status_code,
+            code="invalid_response",
+            body=response.text,
+            method=call.method,
+            path=call.path,
+        ) from None
 
 
 def _unreachable(call: _Call, error: httpx.TransportError) -> EnvhubUnavailable:
@@ -204,9 +240,19 @@ def _q(value: Any) -> str:
 class _ClientBase:
     """Configuration and the request/fallback shapes shared by the sync and async clients."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 300.0,
-                 timeout_jitter: float = 60.0, connect_timeout: float = 10.0, retry: RetryPolicy | None = None,
-                 fallback: bool = False, step_request_ids: bool = True, max_connections: int = 256) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 300.0,
+        timeout_jitter: float = 60.0,
+        connect_timeout: float = 10.0,
+        retry: RetryPolicy | None = None,
+        fallback: bool = False,
+        step_request_ids: bool = True,
+        max_connections: int = 256,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = float(timeout) + (random.uniform(0, timeout_jitter) if timeout_jitter > 0 else 0.0)
@@ -234,20 +280,36 @@ class _ClientBase:
                 why = f"{error.status} {error.code}"
             else:
                 why = f"{type(error).__name__}: {error}"
-            log.info("envhub %s %s failed (%s); attempt %d/%d in %.2f s", call.method, call.path, why,
-                     state.attempt_number + 1, attempts, state.upcoming_sleep)
+            log.info(
+                "envhub %s %s failed (%s); attempt %d/%d in %.2f s",
+                call.method,
+                call.path,
+                why,
+                state.attempt_number + 1,
+                attempts,
+                state.upcoming_sleep,
+            )
 
-        return {"stop": stop_after_attempt(attempts), "wait": self.retry.wait(),
-                "retry": retry_if_exception_type((httpx.TransportError, EnvhubUnavailable)),
-                "before_sleep": before_sleep, "reraise": True}
+        return {
+            "stop": stop_after_attempt(attempts),
+            "wait": self.retry.wait(),
+            "retry": retry_if_exception_type((httpx.TransportError, EnvhubUnavailable)),
+            "before_sleep": before_sleep,
+            "reraise": True,
+        }
 
     def _failed(self, call: _Call, error: EnvhubClientError, attempts: int) -> dict[str, Any]:
         """Raise ``error``, or in fallback mode log it and return the call's fallback."""
         if isinstance(error, EnvhubUnavailable):
             error.attempts = attempts
         if self.fallback and call.fallback is not None:
-            log.warning("envhub %s %s failed after %d attempt(s), returning a fallback reply: %s",
-                        call.method, call.path, attempts, error)
+            log.warning(
+                "envhub %s %s failed after %d attempt(s), returning a fallback reply: %s",
+                call.method,
+                call.path,
+                attempts,
+                error,
+            )
             return call.fallback(error)
         raise error
 
@@ -265,8 +327,14 @@ class _ClientBase:
             params["split"] = split
         return _Call("GET", f"/environments/{_q(environment)}/tasks", params=params, idempotent=True)
 
-    def _create(self, environment: str, task_id: str | int, params: Mapping[str, Any] | None,
-                instance_id: str | None, trial: str | None) -> _Call:
+    def _create(
+        self,
+        environment: str,
+        task_id: str | int,
+        params: Mapping[str, Any] | None,
+        instance_id: str | None,
+        trial: str | None,
+    ) -> _Call:
         instance_id = instance_id or new_instance_id(environment)
         body: dict[str, Any] = {"environment": environment, "task_id": task_id, "instance_id": instance_id}
         if params is not None:
@@ -275,14 +343,20 @@ class _ClientBase:
             body["trial"] = trial
 
         def fallback(error: EnvhubClientError) -> dict[str, Any]:
-            return {"instance_id": instance_id, "environment": environment, "task_id": task_id,
-                    "observation": {"system_prompt": "", "instruction": CREATE_FALLBACK_INSTRUCTION, "tools": []},
-                    "fallback": True, "error": error.to_dict()}
+            return {
+                "instance_id": instance_id,
+                "environment": environment,
+                "task_id": task_id,
+                "observation": {"system_prompt": "", "instruction": CREATE_FALLBACK_INSTRUCTION, "tools": []},
+                "fallback": True,
+                "error": error.to_dict(),
+            }
 
         return _Call("POST", "/instances", json=body, idempotent=True, fallback=fallback)
 
-    def _step(self, instance_id: str, tool: str, arguments: Mapping[str, Any] | str | None,
-              request_id: str | None) -> _Call:
+    def _step(
+        self, instance_id: str, tool: str, arguments: Mapping[str, Any] | str | None, request_id: str | None
+    ) -> _Call:
         if request_id is None and self.step_request_ids:
             request_id = uuid.uuid4().hex
         args = {} if arguments is None else (arguments if isinstance(arguments, str) else dict(arguments))
@@ -291,19 +365,41 @@ class _ClientBase:
             body["request_id"] = request_id
 
         def fallback(error: EnvhubClientError) -> dict[str, Any]:
-            return {"instance_id": instance_id, "observation": {"content": STEP_FALLBACK_CONTENT}, "reward": 0.0,
-                    "done": False, "info": {}, "fallback": True, "error": error.to_dict()}
+            return {
+                "instance_id": instance_id,
+                "observation": {"content": STEP_FALLBACK_CONTENT},
+                "reward": 0.0,
+                "done": False,
+                "info": {},
+                "fallback": True,
+                "error": error.to_dict(),
+            }
 
-        return _Call("POST", f"/instances/{_q(instance_id)}/step", json=body, idempotent=request_id is not None,
-                     fallback=fallback)
+        return _Call(
+            "POST",
+            f"/instances/{_q(instance_id)}/step",
+            json=body,
+            idempotent=request_id is not None,
+            fallback=fallback,
+        )
 
     def _evaluate(self, instance_id: str, release: bool = False) -> _Call:
         def fallback(error: EnvhubClientError) -> dict[str, Any]:
-            return {"instance_id": instance_id, "reward": 0.0, "details": {}, "fallback": True,
-                    "error": error.to_dict()}
+            return {
+                "instance_id": instance_id,
+                "reward": 0.0,
+                "details": {},
+                "fallback": True,
+                "error": error.to_dict(),
+            }
 
-        return _Call("POST", f"/instances/{_q(instance_id)}/evaluate", json={"release": True} if release else None,
-                     idempotent=True, fallback=fallback)
+        return _Call(
+            "POST",
+            f"/instances/{_q(instance_id)}/evaluate",
+            json={"release": True} if release else None,
+            idempotent=True,
+            fallback=fallback,
+        )
 
     def _release(self, instance_id: str) -> _Call:
         def fallback(error: EnvhubClientError) -> dict[str, Any]:
@@ -314,8 +410,9 @@ class _ClientBase:
     def _get(self, instance_id: str) -> _Call:
         return _Call("GET", f"/instances/{_q(instance_id)}", idempotent=True)
 
-    def _rollout(self, environment: str, task_id: str | int, model_url: str, http_timeout: float | None,
-                 kw: dict[str, Any]) -> _Call:
+    def _rollout(
+        self, environment: str, task_id: str | int, model_url: str, http_timeout: float | None, kw: dict[str, Any]
+    ) -> _Call:
         # A rollout holds the request for the whole trajectory: the agent's own budget
         # (``timeout``, 600 s by default on the node) comes on top of the client timeout.
         if http_timeout is None:
@@ -341,7 +438,7 @@ class EnvhubClient(_ClientBase):
     def _open(self, *, headers: dict[str, str], limits: httpx.Limits) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=self._httpx_timeout(), limits=limits)
 
-    def __enter__(self) -> "EnvhubClient":
+    def __enter__(self) -> EnvhubClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -384,15 +481,26 @@ class EnvhubClient(_ClientBase):
         """One page of an environment's tasks: ``{total, offset, limit, tasks}``."""
         return self._run(self._tasks(environment, split, offset, limit))
 
-    def create(self, environment: str, task_id: str | int, params: Mapping[str, Any] | None = None,
-               instance_id: str | None = None, trial: str | None = None) -> dict[str, Any]:
+    def create(
+        self,
+        environment: str,
+        task_id: str | int,
+        params: Mapping[str, Any] | None = None,
+        instance_id: str | None = None,
+        trial: str | None = None,
+    ) -> dict[str, Any]:
         """Start an episode: ``{instance_id, environment, task_id, trial, state, observation}``.
         The instance id (generated when not given) makes a repeated create return the same
         instance, so creates are retried."""
         return self._run(self._create(environment, task_id, params, instance_id, trial))
 
-    def step(self, instance_id: str, tool: str, arguments: Mapping[str, Any] | str | None = None,
-             request_id: str | None = None) -> dict[str, Any]:
+    def step(
+        self,
+        instance_id: str,
+        tool: str,
+        arguments: Mapping[str, Any] | str | None = None,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
         """One tool call: ``{observation, reward, done, info, step}``. ``arguments`` may be a
         mapping or the JSON string a model produced. Every attempt of one call sends the same
         ``request_id`` (generated when not given)."""
@@ -411,8 +519,9 @@ class EnvhubClient(_ClientBase):
         """The instance's record: state, step count, reward, evaluation, times."""
         return self._run(self._get(instance_id))
 
-    def rollout(self, environment: str, task_id: str | int, model_url: str, *, http_timeout: float | None = None,
-                **kw: Any) -> dict[str, Any]:
+    def rollout(
+        self, environment: str, task_id: str | int, model_url: str, *, http_timeout: float | None = None, **kw: Any
+    ) -> dict[str, Any]:
         """A whole trajectory run on the node against the model at ``model_url``:
         ``{run_info, reward, error}``. ``kw`` goes into the body (``uid``, ``traj_i``,
         ``trial``, ``model_api_key``, ``agent``, ``max_steps``, ``max_tokens``, ``timeout``,
@@ -428,10 +537,9 @@ class AsyncEnvhubClient(_ClientBase):
     """
 
     def _open(self, *, headers: dict[str, str], limits: httpx.Limits) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self._httpx_timeout(),
-                                 limits=limits)
+        return httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self._httpx_timeout(), limits=limits)
 
-    async def __aenter__(self) -> "AsyncEnvhubClient":
+    async def __aenter__(self) -> AsyncEnvhubClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -455,8 +563,7 @@ class AsyncEnvhubClient(_ClientBase):
 
     async def _once(self, call: _Call) -> dict[str, Any]:
         timeout = self._httpx_timeout(call.timeout) if call.timeout is not None else httpx.USE_CLIENT_DEFAULT
-        response = await self._http.request(call.method, call.path, json=call.json, params=call.params,
-                                            timeout=timeout)
+        response = await self._http.request(call.method, call.path, json=call.json, params=call.params, timeout=timeout)
         try:
             return _decode(call, response)
         except BaseException:
@@ -469,16 +576,28 @@ class AsyncEnvhubClient(_ClientBase):
     async def environments(self) -> dict[str, Any]:
         return await self._run(self._environments())
 
-    async def tasks(self, environment: str, split: str | None = None, offset: int = 0,
-                    limit: int = 100) -> dict[str, Any]:
+    async def tasks(
+        self, environment: str, split: str | None = None, offset: int = 0, limit: int = 100
+    ) -> dict[str, Any]:
         return await self._run(self._tasks(environment, split, offset, limit))
 
-    async def create(self, environment: str, task_id: str | int, params: Mapping[str, Any] | None = None,
-                     instance_id: str | None = None, trial: str | None = None) -> dict[str, Any]:
+    async def create(
+        self,
+        environment: str,
+        task_id: str | int,
+        params: Mapping[str, Any] | None = None,
+        instance_id: str | None = None,
+        trial: str | None = None,
+    ) -> dict[str, Any]:
         return await self._run(self._create(environment, task_id, params, instance_id, trial))
 
-    async def step(self, instance_id: str, tool: str, arguments: Mapping[str, Any] | str | None = None,
-                   request_id: str | None = None) -> dict[str, Any]:
+    async def step(
+        self,
+        instance_id: str,
+        tool: str,
+        arguments: Mapping[str, Any] | str | None = None,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
         return await self._run(self._step(instance_id, tool, arguments, request_id))
 
     async def evaluate(self, instance_id: str, *, release: bool = False) -> dict[str, Any]:
@@ -490,6 +609,7 @@ class AsyncEnvhubClient(_ClientBase):
     async def get(self, instance_id: str) -> dict[str, Any]:
         return await self._run(self._get(instance_id))
 
-    async def rollout(self, environment: str, task_id: str | int, model_url: str, *,
-                      http_timeout: float | None = None, **kw: Any) -> dict[str, Any]:
+    async def rollout(
+        self, environment: str, task_id: str | int, model_url: str, *, http_timeout: float | None = None, **kw: Any
+    ) -> dict[str, Any]:
         return await self._run(self._rollout(environment, task_id, model_url, http_timeout, kw))

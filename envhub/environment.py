@@ -10,9 +10,10 @@ still knows what was submitted.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from envhub.errors import InvalidRequest
 
@@ -30,8 +31,8 @@ class EnvContext:
     """
 
     settings: Any
-    sandboxes: dict[str, "Sandbox"]
-    builds: "BuildGate | None"
+    sandboxes: dict[str, Sandbox]
+    builds: BuildGate | None
     data_dir: Path
 
 
@@ -68,7 +69,7 @@ class Action:
     arguments: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, raw: Any) -> "Action":
+    def parse(cls, raw: Any) -> Action:
         if not isinstance(raw, Mapping):
             raise InvalidRequest("'action' must be an object with 'tool' and 'arguments'", field="action")
         if isinstance(raw.get("function"), Mapping):
@@ -89,8 +90,7 @@ class Action:
     def require_str(self, key: str) -> str:
         value = self.arguments.get(key)
         if not isinstance(value, str):
-            raise InvalidRequest(f"tool '{self.tool}' needs a string argument '{key}'",
-                                 field=f"action.arguments.{key}")
+            raise InvalidRequest(f"tool '{self.tool}' needs a string argument '{key}'", field=f"action.arguments.{key}")
         return value
 
 
@@ -128,18 +128,17 @@ class Episode:
     instance_id: str
     task: Task
     params: dict[str, Any]
-    sandbox: "Sandbox"
+    sandbox: Sandbox
     handle: str
-    spec: "SandboxSpec"
+    spec: SandboxSpec
     state: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None
     _fresh_runs: int = 0
 
-    async def exec(self, code: str, *, timeout: float) -> "ExecResult":
+    async def exec(self, code: str, *, timeout: float) -> ExecResult:
         return await self.sandbox.exec(self.handle, code, timeout=timeout)
 
-    async def run_fresh(self, code: str, *, timeout: float, inputs: dict[str, Any] | None = None
-                        ) -> "ExecResult":
+    async def run_fresh(self, code: str, *, timeout: float, inputs: dict[str, Any] | None = None) -> ExecResult:
         """Run ``code`` in a new sandbox of the same spec, gone when this returns;
         ``inputs``: JSON values bound as variables first (see ``Sandbox.run_once``)."""
         self._fresh_runs += 1
@@ -248,7 +247,7 @@ class Environment:
         files cover them, and sandboxes that do not (a container) ignore it."""
         return []
 
-    def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: "SandboxSpec") -> "SandboxSpec":
+    def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
         """Adjust the sandbox spec the node proposes (image, limits) for ``task``."""
         return spec
 

@@ -20,8 +20,9 @@ class EnvhubError(Exception):
     status = 500
     code = "internal"
 
-    def __init__(self, message: str, *, extra: dict[str, Any] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, *, extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.extra = extra or {}

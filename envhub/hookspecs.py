@@ -8,14 +8,24 @@ arguments; an implementation may accept any subset of them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pluggy import HookimplMarker, HookspecMarker
+
+if TYPE_CHECKING:
+    import click
+
+    from envhub.agent import Agent
+    from envhub.environment import Environment
+    from envhub.network import NetworkMode
+    from envhub.sandbox import Sandbox
 
 hookspec = HookspecMarker("envhub")
 hookimpl = HookimplMarker("envhub")
 
 
 @hookspec
-def register_environments():
+def register_environments() -> list[type[Environment]]:  # type: ignore[empty-body]
     """Return a list of :class:`envhub.Environment` subclasses this plugin provides.
 
     Each class's ``name`` is the id clients use (``"mbpp"``) and must be unique across
@@ -24,7 +34,7 @@ def register_environments():
 
 
 @hookspec
-def register_sandboxes():
+def register_sandboxes() -> list[type[Sandbox]]:  # type: ignore[empty-body]
     """Return a list of :class:`envhub.Sandbox` subclasses this plugin provides.
 
     Each class's ``name`` (``"process"``, ``"docker"``) must be unique across all plugins;
@@ -33,7 +43,7 @@ def register_sandboxes():
 
 
 @hookspec
-def register_network_modes():
+def register_network_modes() -> list[type[NetworkMode]]:  # type: ignore[empty-body]
     """Return a list of :class:`envhub.NetworkMode` subclasses this plugin provides.
 
     Each class's ``name`` (``"direct"``, ``"frp"``) must be unique across all plugins.
@@ -41,7 +51,7 @@ def register_network_modes():
 
 
 @hookspec
-def register_agents():
+def register_agents() -> list[type[Agent]]:  # type: ignore[empty-body]
     """Return a list of :class:`envhub.Agent` subclasses this plugin provides.
 
     Each class's ``name`` (``"terminal"``) must be unique across all plugins; a rollout
@@ -50,7 +60,7 @@ def register_agents():
 
 
 @hookspec
-def register_commands(cli):
+def register_commands(cli: click.Group) -> None:
     """Add click commands to the ``envhub`` command line.
 
     :param cli: the root ``click.Group``; call ``cli.command()`` or ``cli.add_command()``.

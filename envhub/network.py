@@ -8,7 +8,8 @@ mode's config: the same input always gives the same output.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 
 class NetworkMode:

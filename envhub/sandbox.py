@@ -9,9 +9,10 @@ after which nothing the plugin started may still run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Protocol
+from typing import Any, ClassVar, Protocol
 
 
 @dataclass
@@ -136,8 +137,9 @@ class Sandbox:
         """Run ``code`` in the sandbox with a wall-clock ``timeout`` in seconds."""
         raise NotImplementedError
 
-    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float,
-                       inputs: Mapping[str, Any] | None = None) -> ExecResult:
+    async def run_once(
+        self, spec: SandboxSpec, code: str, *, timeout: float, inputs: Mapping[str, Any] | None = None
+    ) -> ExecResult:
         """Run ``code`` in a new sandbox of ``spec`` that is gone once this returns (or
         raises). The default creates, executes and destroys; a plugin may do it cheaper.
 
@@ -221,7 +223,15 @@ class ImageBuilder(Protocol):
 
     async def image_exists(self, image: str) -> bool: ...
 
-    async def build_image(self, *, context_dir: Path, dockerfile: str, image: str, log_path: Path,
-                          timeout: float, extra_files: dict[str, bytes]) -> None:
+    async def build_image(
+        self,
+        *,
+        context_dir: Path,
+        dockerfile: str,
+        image: str,
+        log_path: Path,
+        timeout: float,
+        extra_files: dict[str, bytes],
+    ) -> None:
         """Build ``image`` from ``context_dir`` with ``dockerfile`` as its Dockerfile text;
         raise ``BuildFailed`` (message: what went wrong and the log's tail) on failure."""

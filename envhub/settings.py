@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -27,7 +28,7 @@ _PREFIX = "ENVHUB_"
 
 @dataclass
 class Settings:
-    """Every option of a node or scheduler; the README's configuration reference says
+    """Every option of a node or scheduler; docs/configuration.md says
     what each one does."""
 
     role: str = "node"
@@ -91,9 +92,13 @@ class Settings:
         return self.data_dir / "trials"
 
     @classmethod
-    def load(cls, config_path: str | os.PathLike[str] | None = None, *,
-             overrides: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> "Settings":
+    def load(
+        cls,
+        config_path: str | os.PathLike[str] | None = None,
+        *,
+        overrides: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Settings:
         """Build settings from a YAML file, the environment and explicit overrides."""
         environ = os.environ if environ is None else environ
         data: dict[str, Any] = {}
@@ -108,12 +113,12 @@ class Settings:
         return settings
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         """Settings from ``ENVHUB_CONFIG`` and ``ENVHUB_*`` only (``sanic --factory``)."""
         return cls.load()
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Settings":
+    def from_dict(cls, data: Mapping[str, Any]) -> Settings:
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(data) - set(fields))
         if unknown:
@@ -147,7 +152,7 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
     for key, raw in environ.items():
         if not key.startswith(_PREFIX) or key == _PREFIX + "CONFIG":
             continue
-        path = [p.lower() for p in key[len(_PREFIX):].split("__")]
+        path = [p.lower() for p in key[len(_PREFIX) :].split("__")]
         if path == ["api_key"]:
             _deep_merge(out, {"api_keys": [raw]})
         elif path == ["api_keys"] or path == ["disabled_plugins"]:
@@ -165,9 +170,10 @@ def _scalar(raw: str) -> Any:
 
 
 def _nest(path: list[str], value: Any) -> dict[str, Any]:
-    for part in reversed(path):
-        value = {part: value}
-    return value
+    nested: dict[str, Any] = {path[-1]: value}
+    for part in reversed(path[:-1]):
+        nested = {part: nested}
+    return nested
 
 
 def _deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,8 +217,7 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
                 raise TypeError("expected a mapping")
             if kind == "dict[str, str]":
                 return {str(k): str(v) for k, v in value.items()}
-            return {str(k): dict(v or {}) if isinstance(v, Mapping) or v is None else v
-                    for k, v in value.items()}
+            return {str(k): dict(v or {}) if isinstance(v, Mapping) or v is None else v for k, v in value.items()}
         return str(value)
     except (TypeError, ValueError) as e:
         raise StartupError(f"setting {name!r} has a bad value {value!r}: {e}") from None

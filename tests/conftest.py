@@ -7,8 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -45,8 +45,7 @@ def _docker_problem() -> str | None:
 DOCKER_PROBLEM = _docker_problem()
 # Locally a missing engine skips the Docker tests; in CI (which runs scripts/setup-docker.sh
 # first) it must not, so there they run and fail loudly.
-needs_docker = pytest.mark.skipif(DOCKER_PROBLEM is not None and not os.environ.get("CI"),
-                                  reason=DOCKER_PROBLEM or "")
+needs_docker = pytest.mark.skipif(DOCKER_PROBLEM is not None and not os.environ.get("CI"), reason=DOCKER_PROBLEM or "")
 
 
 def free_port() -> int:
@@ -58,8 +57,16 @@ def free_port() -> int:
 class EnvhubProcess:
     """``python -m envhub serve`` in a subprocess, polled until /health answers."""
 
-    def __init__(self, data_dir: Path, *args: str, role: str = "node", env: dict[str, str] | None = None,
-                 api_key: str | None = None, python: str = sys.executable, prefix: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *args: str,
+        role: str = "node",
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+        python: str = sys.executable,
+        prefix: tuple[str, ...] = (),
+    ) -> None:
         """``prefix`` goes before the command (``setpriv ...`` to run it as another user,
         say), which must then exec it, so that the pid stays the node's."""
         self.port = free_port()
@@ -75,11 +82,17 @@ class EnvhubProcess:
         self.command = [*prefix, python, "-m", "envhub"]
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30) -> "EnvhubProcess":
+    def start(self, timeout: float = 30) -> EnvhubProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([*self.command, *self.args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env, cwd=REPO)
+        self.proc = subprocess.Popen(
+            [*self.command, *self.args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            cwd=REPO,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -190,5 +203,12 @@ FAULTY_UID_BASE = 3_100_000  # the faulty node's sandbox uids: [FAULTY_UID_BASE,
 def faulty_node(start_node, tmp_path):
     """A node with the faulty test environment (see faulty_plugin_env), its sandboxes
     under uids of their own, which no other node on the machine uses."""
-    return start_node("--capacity", "2", "--set", f"sandboxes.process.uid_base={FAULTY_UID_BASE}",
-                      "--set", "sandboxes.process.max_sandboxes=64", env=faulty_plugin_env(tmp_path))
+    return start_node(
+        "--capacity",
+        "2",
+        "--set",
+        f"sandboxes.process.uid_base={FAULTY_UID_BASE}",
+        "--set",
+        "sandboxes.process.max_sandboxes=64",
+        env=faulty_plugin_env(tmp_path),
+    )

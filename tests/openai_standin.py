@@ -15,36 +15,48 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 def call(name: str, **arguments) -> dict:
-    return {"id": f"call_{name}_{time.monotonic_ns()}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {
+        "id": f"call_{name}_{time.monotonic_ns()}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
 
 
 GREET = "printf '#!/bin/bash\\necho \"Hello, $1!\"\\n' > /app/greet.sh && chmod +x /app/greet.sh"
 
 SCRIPTS = {
     "solve": [
-        {"content": "I'll create the file.", "tool_calls": [call("write_file", path="/app/hello.txt",
-                                                                 content="Hello, envhub!\n")]},
+        {
+            "content": "I'll create the file.",
+            "tool_calls": [call("write_file", path="/app/hello.txt", content="Hello, envhub!\n")],
+        },
         {"content": "", "tool_calls": [call("run_command", command=GREET)]},
         {"content": "", "tool_calls": [call("run_command", command="/app/greet.sh Ada")]},
         {"content": "Done."},
     ],
     "giveup": [{"content": "I cannot do this task."}],
-    "malformed": [{"content": "", "tool_calls": [{"id": "x", "type": "function",
-                                                  "function": {"name": "run_command", "arguments": "{not json"}}]}],
+    "malformed": [
+        {
+            "content": "",
+            "tool_calls": [
+                {"id": "x", "type": "function", "function": {"name": "run_command", "arguments": "{not json"}}
+            ],
+        }
+    ],
     "slow": [{"content": "too late", "sleep": 30}],
 }
 
 
 class Handler(BaseHTTPRequestHandler):
-    server: "StandIn"
+    server: StandIn
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         parts = self.path.strip("/").split("/")  # v1, <session>, chat, completions
         session = parts[1] if len(parts) == 4 else ""
-        self.server.requests.append({"session": session, "path": self.path, "body": body,
-                                     "authorization": self.headers.get("Authorization")})
+        self.server.requests.append(
+            {"session": session, "path": self.path, "body": body, "authorization": self.headers.get("Authorization")}
+        )
         script = SCRIPTS.get(session.split("-")[0])
         if script is None:
             self._send(404, {"error": {"message": f"no script for {session!r}"}})
@@ -54,10 +66,22 @@ class Handler(BaseHTTPRequestHandler):
         if reply.pop("sleep", 0):
             time.sleep(30)
             return
-        self._send(200, {"id": "chatcmpl-x", "object": "chat.completion", "model": body.get("model"),
-                         "choices": [{"index": 0, "finish_reason": "tool_calls" if reply.get("tool_calls") else "stop",
-                                      "message": {"role": "assistant", **reply}}],
-                         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}})
+        self._send(
+            200,
+            {
+                "id": "chatcmpl-x",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "tool_calls" if reply.get("tool_calls") else "stop",
+                        "message": {"role": "assistant", **reply},
+                    }
+                ],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            },
+        )
 
     def _send(self, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
@@ -86,7 +110,7 @@ class StandIn(ThreadingHTTPServer):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def __enter__(self) -> "StandIn":
+    def __enter__(self) -> StandIn:
         self.thread.start()
         return self
 

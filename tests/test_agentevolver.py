@@ -9,7 +9,6 @@ import uuid
 import httpx
 import pytest
 import yaml
-
 from conftest import EnvhubProcess
 
 LIGHT = ("--set", "environments.terminal-bench.enabled=false")
@@ -33,15 +32,24 @@ def url(request, tmp_path_factory):
 
 def req(env_type="mbpp", task_id=None, instance_id=None, messages=None, params=None) -> dict:
     """AgentEvolver's ServiceRequest exactly as its EnvClient sends it."""
-    return {"env_type": env_type, "task_id": task_id, "instance_id": instance_id,
-            "messages": messages or {}, "params": params or {}}
+    return {
+        "env_type": env_type,
+        "task_id": task_id,
+        "instance_id": instance_id,
+        "messages": messages or {},
+        "params": params or {},
+    }
 
 
 def action(code: str) -> dict:
     """An ActionMessage as AgentEvolver's trainer builds it."""
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"index": 0, "id": "", "name": "run_python",
-                            "arguments": json.dumps({"code": code}), "type": "function"}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"index": 0, "id": "", "name": "run_python", "arguments": json.dumps({"code": code}), "type": "function"}
+        ],
+    }
 
 
 def test_healthz_is_plain_ok(url):
@@ -60,9 +68,18 @@ def test_a_whole_episode_with_exact_shapes(url):
     assert [m["role"] for m in state] == ["system", "user"] and "Fibonacci" in state[1]["content"]
     assert created["data"]["info"] == {"instance_id": iid, "task_id": "13"}
 
-    step = httpx.post(url + "/step", json=req("default", instance_id=iid, messages=action("x = 20\nprint(x + 1)"))).json()
-    assert step == {"success": True, "data": {"state": [{"role": "user", "content": "21", "tool_calls": []}],
-                                              "reward": 0.0, "is_terminated": False, "info": {}}}
+    step = httpx.post(
+        url + "/step", json=req("default", instance_id=iid, messages=action("x = 20\nprint(x + 1)"))
+    ).json()
+    assert step == {
+        "success": True,
+        "data": {
+            "state": [{"role": "user", "content": "21", "tool_calls": []}],
+            "reward": 0.0,
+            "is_terminated": False,
+            "info": {},
+        },
+    }
     fenced = {"role": "assistant", "content": "Let me check:\n```python\nprint(x * 2)\n```\n", "tool_calls": []}
     step2 = httpx.post(url + "/step", json=req(instance_id=iid, messages=fenced)).json()
     assert step2["data"]["state"][0]["content"] == "40", "a fenced block runs when there is no tool call"
@@ -70,9 +87,24 @@ def test_a_whole_episode_with_exact_shapes(url):
     info = httpx.post(url + "/get_info", json=req(instance_id=iid)).json()
     assert info["success"] is True and "run_python" in info["data"] and isinstance(info["data"], str)
 
-    submit = {"role": "assistant", "content": "", "tool_calls": [{"index": 0, "id": "c1", "name": "submit_solution",
-              "arguments": json.dumps({"code": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
-                                                "        a, b = b, a + b\n    return a"}), "type": "function"}]}
+    submit = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "index": 0,
+                "id": "c1",
+                "name": "submit_solution",
+                "arguments": json.dumps(
+                    {
+                        "code": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+                        "        a, b = b, a + b\n    return a"
+                    }
+                ),
+                "type": "function",
+            }
+        ],
+    }
     done = httpx.post(url + "/step", json=req(instance_id=iid, messages=submit)).json()["data"]
     assert done["is_terminated"] is True and done["state"][0]["tool_call_id"] == "c1"
     assert httpx.post(url + "/evaluate", json=req(instance_id=iid)).json() == {"success": True, "data": 1.0}
@@ -87,7 +119,10 @@ def test_errors_have_agentevolvers_shapes(url):
     assert r.status_code == 400 and "nope" in r.json()["detail"]
     r = httpx.post(url + "/evaluate", json=req(instance_id=None))
     assert (r.status_code, r.json()) == (400, {"detail": "instance_id is required"})
-    assert httpx.post(url + "/release", json=req(instance_id="never-existed")).json() == {"success": False, "data": None}
+    assert httpx.post(url + "/release", json=req(instance_id="never-existed")).json() == {
+        "success": False,
+        "data": None,
+    }
     r = httpx.post(url + "/create", json=req(env_type="nope", task_id="1"))
     assert r.status_code == 400 and "nope" in r.json()["detail"]
     r = httpx.post(url + "/create", content=b"{broken", headers={"content-type": "application/json"})

@@ -14,26 +14,30 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
 import yaml
-
 from conftest import REPO, EnvhubProcess, free_port
-from envhub.client import (NO_RETRY, AsyncEnvhubClient, EnvhubClient, EnvhubClientError, EnvhubUnavailable,
-                           RetryPolicy)
+
+from envhub.client import NO_RETRY, AsyncEnvhubClient, EnvhubClient, EnvhubClientError, EnvhubUnavailable, RetryPolicy
 
 LIGHT = ("--set", "environments.terminal-bench.enabled=false")
 FAST = RetryPolicy(attempts=3, multiplier=0.01, max_wait=0.05)
 # About 20 s of short waits: more than a node (or a node behind a scheduler) needs to restart.
 PATIENT = RetryPolicy(attempts=200, multiplier=0.05, max_wait=0.1)
 
-REFERENCE = {str(p["task_id"]): p["code"] for p in
-             map(json.loads, (REPO / "envhub" / "plugins" / "mbpp" / "data" / "mbpp_sample.jsonl").read_text().splitlines())}
+REFERENCE = {
+    str(p["task_id"]): p["code"]
+    for p in map(
+        json.loads, (REPO / "envhub" / "plugins" / "mbpp" / "data" / "mbpp_sample.jsonl").read_text().splitlines()
+    )
+}
 
 
 def names(listing: dict[str, Any]) -> set[str]:
@@ -93,8 +97,9 @@ class LossyProxy:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="lossy-proxy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="lossy-proxy", daemon=True
+        )
         self._thread.start()
 
     def lose(self, method: str, path: str, times: int = 1) -> None:
@@ -130,8 +135,13 @@ SCHEDULER_ARGS = ("--set", "health_interval=0.2", "--set", "retry_max_wait=0")
 @pytest.fixture(scope="module")
 def scheduler(light_node, tmp_path_factory) -> Iterator[EnvhubProcess]:
     tmp = tmp_path_factory.mktemp("client-sched")
-    proc = EnvhubProcess(tmp / "data", "--set", f"nodes_file={write_nodes_yaml(tmp / 'nodes.yaml', light_node)}",
-                         *SCHEDULER_ARGS, role="scheduler").start()
+    proc = EnvhubProcess(
+        tmp / "data",
+        "--set",
+        f"nodes_file={write_nodes_yaml(tmp / 'nodes.yaml', light_node)}",
+        *SCHEDULER_ARGS,
+        role="scheduler",
+    ).start()
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -246,8 +256,9 @@ def test_a_step_whose_reply_was_lost_is_retried_with_the_same_request_id(light_n
             assert counted["observation"]["value_repr"] == "1"
             first, retried = proxy.bodies("POST", path)
             assert first["request_id"] and first == retried
-            assert env.step(iid, "run_python", {"code": "n"})["observation"]["value_repr"] == "1", \
+            assert env.step(iid, "run_python", {"code": "n"})["observation"]["value_repr"] == "1", (
                 "the node replayed the recorded reply: the code ran once"
+            )
             env.step(iid, "run_python", {"code": "2"}, request_id="trainer-step-7")
             env.step(iid, "run_python", {"code": "3"})
             ids = [b["request_id"] for b in proxy.bodies("POST", path)]
@@ -305,8 +316,10 @@ def test_the_timeout_is_drawn_once_per_client_and_bounds_each_call(light_node):
         with EnvhubClient(light_node.url, timeout=10, timeout_jitter=5) as c:
             drawn.append(c.timeout)
     assert all(10 <= t <= 15 for t in drawn) and len(set(drawn)) > 1
-    with EnvhubClient(light_node.url, retry=FAST) as env, \
-            EnvhubClient(light_node.url, timeout=0.3, timeout_jitter=0, step_request_ids=False) as hasty:
+    with (
+        EnvhubClient(light_node.url, retry=FAST) as env,
+        EnvhubClient(light_node.url, timeout=0.3, timeout_jitter=0, step_request_ids=False) as hasty,
+    ):
         assert hasty.timeout == 0.3
         iid = env.create("mbpp", "11")["instance_id"]
         try:
@@ -356,8 +369,9 @@ async def test_sync_and_async_calls_wait_out_a_node_restart(start_node):
 
 def test_calls_through_a_scheduler_wait_for_its_only_node_to_come_back(start_node, tmp_path):
     node = start_node(*LIGHT)
-    sched = start_node("--set", f"nodes_file={write_nodes_yaml(tmp_path / 'nodes.yaml', node)}", *SCHEDULER_ARGS,
-                       role="scheduler")
+    sched = start_node(
+        "--set", f"nodes_file={write_nodes_yaml(tmp_path / 'nodes.yaml', node)}", *SCHEDULER_ARGS, role="scheduler"
+    )
     node.stop()
     wait_until(lambda: not httpx.get(f"{sched.url}/status").json()["nodes"][0]["healthy"])
     with EnvhubClient(sched.url, retry=NO_RETRY) as env:
@@ -383,8 +397,12 @@ def test_a_full_node_answers_429_and_the_client_waits_its_retry_after(start_node
         first = env.create("mbpp", "11")["instance_id"]
         with pytest.raises(EnvhubUnavailable) as e:
             env.create("mbpp", "12")
-        assert (e.value.status, e.value.code, e.value.retry_after, e.value.attempts) == \
-            (429, "capacity_exceeded", 2.0, 1)
+        assert (e.value.status, e.value.code, e.value.retry_after, e.value.attempts) == (
+            429,
+            "capacity_exceeded",
+            2.0,
+            1,
+        )
     # Waits capped below Retry-After run out while the node is still full.
     with EnvhubClient(node.url, retry=RetryPolicy(attempts=3, multiplier=0.01, max_wait=0.2)) as env:
         started = time.monotonic()
@@ -415,8 +433,11 @@ async def test_fallback_mode_returns_harmless_replies_and_warns(light_node, capl
         episode = env.create("mbpp", "11")
         iid = episode["instance_id"]
         assert iid.startswith("mbpp-") and episode["fallback"] is True and episode["error"]["code"] == "unreachable"
-        assert episode["observation"] == {"system_prompt": "", "tools": [],
-                                          "instruction": "create failed; this is an empty task, please stop."}
+        assert episode["observation"] == {
+            "system_prompt": "",
+            "tools": [],
+            "instruction": "create failed; this is an empty task, please stop.",
+        }
         step = env.step(iid, "run_python", {"code": "1"})
         assert step["observation"] == {"content": "Step failed (timeout or exception), please retry"}
         assert (step["reward"], step["done"], step["fallback"]) == (0.0, False, True)
@@ -429,8 +450,12 @@ async def test_fallback_mode_returns_harmless_replies_and_warns(light_node, capl
         assert (await aenv.step(iid, "run_python", {"code": "1"}))["done"] is False
         evaluation = await aenv.evaluate(iid)
         assert (evaluation["reward"], evaluation["fallback"]) == (0.0, True)
-        assert await aenv.release(iid) == {"instance_id": iid, "released": False, "fallback": True,
-                                           "error": evaluation["error"]}
+        assert await aenv.release(iid) == {
+            "instance_id": iid,
+            "released": False,
+            "fallback": True,
+            "error": evaluation["error"],
+        }
     async with AsyncEnvhubClient(light_node.url, retry=FAST, fallback=True) as aenv:
         missing = await aenv.evaluate("no-such-instance")
         assert missing["fallback"] is True and missing["error"]["status"] == 404

@@ -15,8 +15,10 @@ async def db(tmp_path):
     db = await Database.open(tmp_path / "x.db")
     await db.write("CREATE TABLE t (id TEXT PRIMARY KEY, n INTEGER)")
     await db.write("CREATE TABLE parent (id INTEGER PRIMARY KEY)")
-    await db.write("CREATE TABLE child (id INTEGER PRIMARY KEY, parent INTEGER "
-                   "REFERENCES parent(id) DEFERRABLE INITIALLY DEFERRED)")
+    await db.write(
+        "CREATE TABLE child (id INTEGER PRIMARY KEY, parent INTEGER "
+        "REFERENCES parent(id) DEFERRABLE INITIALLY DEFERRED)"
+    )
     try:
         yield db
     finally:
@@ -61,7 +63,8 @@ async def test_a_failed_write_rolls_back_only_its_own_statements(db):
         db.write_many([("INSERT INTO t VALUES ('x', 1)", ()), ("UPDATE t SET n = 9 WHERE id = 'taken'", ())]),
         db.write_many([("INSERT INTO t VALUES ('half', 2)", ()), ("INSERT INTO t VALUES ('taken', 3)", ())]),
         db.write("INSERT INTO t VALUES ('y', 4)"),
-        return_exceptions=True)
+        return_exceptions=True,
+    )
     assert results[0] == [1, 1] and results[2] == 1
     assert isinstance(results[1], sqlite3.IntegrityError)
     assert len(begins) == 1, "the failure did not split the batch"
@@ -77,7 +80,8 @@ async def test_a_failed_commit_reruns_each_write_on_its_own(db):
         db.write("INSERT INTO child VALUES (1, 1)"),
         db.write("INSERT INTO child VALUES (2, 404)"),
         db.write("INSERT INTO t VALUES ('ok', 0)"),
-        return_exceptions=True)
+        return_exceptions=True,
+    )
     assert results[0] == 1 and results[2] == 1
     assert isinstance(results[1], sqlite3.IntegrityError)
     assert [r[0] for r in await db.rows("SELECT id FROM child")] == [1]

@@ -10,18 +10,18 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import docker
 import pytest
 import pytest_asyncio
+from conftest import BASE_IMAGE as IMAGE
+from conftest import needs_docker
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.docker_sandbox.sandbox import DEFAULT_CAPS, DockerSandbox
 from envhub.sandbox import Limits, SandboxSpec
-
-from conftest import BASE_IMAGE as IMAGE, needs_docker
 
 NODE = f"test-{uuid.uuid4().hex[:12]}"
 pytestmark = [needs_docker, pytest.mark.asyncio(loop_scope="module")]
@@ -30,8 +30,9 @@ pytestmark = [needs_docker, pytest.mark.asyncio(loop_scope="module")]
 def spec(instance_id: str | None = None, **kw) -> SandboxSpec:
     instance_id = instance_id or f"inst-{uuid.uuid4().hex[:8]}"
     labels = {"envhub.node": NODE, "envhub.instance": instance_id, "envhub.task": "t1", **kw.pop("labels", {})}
-    return SandboxSpec(instance_id=instance_id, environment="test", task_id="t1",
-                       image=kw.pop("image", IMAGE), labels=labels, **kw)
+    return SandboxSpec(
+        instance_id=instance_id, environment="test", task_id="t1", image=kw.pop("image", IMAGE), labels=labels, **kw
+    )
 
 
 def our_containers(client: docker.DockerClient, instance_ids: set[str] | None = None) -> list[dict]:
@@ -71,6 +72,7 @@ async def box(sandbox) -> AsyncIterator[str]:
 
 
 # --- exec ---------------------------------------------------------------------------
+
 
 async def test_exec_keeps_stdout_stderr_and_exit_code_apart(sandbox, box):
     result = await sandbox.exec(box, "echo out; echo err >&2; exit 3", timeout=10)
@@ -115,8 +117,9 @@ async def test_exit_124_before_the_timeout_is_not_a_timeout(sandbox, box):
 
 
 async def test_exec_caps_each_stream_keeping_head_and_tail(sandbox, box):
-    result = await sandbox.exec(box, "echo START; head -c 200000 /dev/zero | tr '\\0' a; echo; echo END; "
-                                     "echo small >&2", timeout=10)
+    result = await sandbox.exec(
+        box, "echo START; head -c 200000 /dev/zero | tr '\\0' a; echo; echo END; echo small >&2", timeout=10
+    )
     assert result.truncated
     assert result.stdout.startswith("START\naaa") and result.stdout.endswith("aaa\nEND\n")
     assert "bytes truncated ...]" in result.stdout
@@ -137,6 +140,7 @@ async def test_exec_rejects_bad_arguments(sandbox, box):
 
 
 # --- files --------------------------------------------------------------------------
+
 
 async def test_commands_run_in_one_persistent_shell_agent(sandbox):
     """Two calls share the agent process (grandparent of the command) instead of each
@@ -208,18 +212,25 @@ async def test_copy_dir_and_fetch_dir(sandbox, box, tmp_path: Path):
     (src / "run.sh").write_text("#!/bin/bash\necho ran\n")
     (src / "run.sh").chmod(0o755)
     await sandbox.copy_dir(box, src, "/opt/eval/tests")
-    result = await sandbox.exec(box, "cd /opt/eval/tests && ./run.sh && "
-                                     "PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q -p no:cacheprovider test_a.py",
-                                timeout=30)
+    result = await sandbox.exec(
+        box,
+        "cd /opt/eval/tests && ./run.sh && "
+        "PYTHONDONTWRITEBYTECODE=1 python3 -m pytest -q -p no:cacheprovider test_a.py",
+        timeout=30,
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stdout.startswith("ran\n") and "1 passed" in result.stdout
     fetched = await sandbox.fetch_dir(box, "/opt/eval/tests")
-    assert fetched == {"test_a.py": (src / "test_a.py").read_bytes(), "sub/data.bin": b"\x00\x01\xff",
-                       "run.sh": (src / "run.sh").read_bytes()}
+    assert fetched == {
+        "test_a.py": (src / "test_a.py").read_bytes(),
+        "sub/data.bin": b"\x00\x01\xff",
+        "run.sh": (src / "run.sh").read_bytes(),
+    }
     assert await sandbox.fetch_dir(box, "/opt/eval/nothing-here") == {}
 
 
 # --- container settings -------------------------------------------------------------
+
 
 async def test_containers_are_labelled_limited_and_unprivileged(sandbox, engine):
     handle = await sandbox.create(spec("inst-attrs"))
@@ -250,8 +261,9 @@ async def test_spec_limits_override_the_defaults(sandbox, engine):
     try:
         host = engine.containers.get(handle).attrs["HostConfig"]
         # cgroup v1 path first, then v2: the limit is what the kernel enforces inside
-        result = await sandbox.exec(handle, "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max",
-                                    timeout=10)
+        result = await sandbox.exec(
+            handle, "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max", timeout=10
+        )
     finally:
         await sandbox.destroy(handle)
     assert (host["NanoCpus"], host["Memory"], host["PidsLimit"]) == (500_000_000, 256 * 1024 * 1024, 32)
@@ -341,6 +353,7 @@ async def test_unreachable_engine_is_a_startup_error():
 
 
 # --- lifecycle ----------------------------------------------------------------------
+
 
 async def test_destroy_is_idempotent_and_the_handle_is_dead_afterwards(sandbox, engine):
     handle = await sandbox.create(spec())

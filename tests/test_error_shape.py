@@ -8,22 +8,28 @@ import threading
 import time
 
 import pytest
-
 from conftest import FAULTY_UID_BASE, sandbox_dirs, sandbox_uids_processes
+
 
 def test_unexpected_exception_is_a_500_envelope_without_traceback(faulty_node):
     with faulty_node.client() as c:
         iid = c.post("/instances", json={"environment": "faulty", "task_id": "ok"}).json()["instance_id"]
         r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "crash"}})
         assert r.status_code == 500
-        assert r.json() == {"ok": False, "error": "internal error; see the server log", "code": "internal",
-                            "status": 500}
+        assert r.json() == {
+            "ok": False,
+            "error": "internal error; see the server log",
+            "code": "internal",
+            "status": 500,
+        }
         assert "secret traceback" in faulty_node.log(), "the traceback goes to the server log"
         ok = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run", "arguments": {"code": "print(1)"}}})
         assert ok.json()["observation"]["content"] == "1\n", "the instance survives a crashing step"
         if os.geteuid() == 0:  # the uid range the leak check below looks at
-            uid = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run", "arguments": {
-                "code": "import os; print(os.getuid())"}}}).json()["observation"]["content"]
+            uid = c.post(
+                f"/instances/{iid}/step",
+                json={"action": {"tool": "run", "arguments": {"code": "import os; print(os.getuid())"}}},
+            ).json()["observation"]["content"]
             assert FAULTY_UID_BASE <= int(uid) < FAULTY_UID_BASE + 64
         c.post(f"/instances/{iid}/release")
 
@@ -38,8 +44,15 @@ def test_failed_create_leaks_no_slot_sandbox_or_live_row(faulty_node):
         failed = c.get("/instances", params={"state": "failed"}).json()
         assert failed["total"] == 3 and "reset exploded" in failed["instances"][0]["error"]
         # A typed error from the environment is answered as such, and still ends the row.
-        r = c.post("/instances", json={"environment": "faulty", "task_id": "bad-reset", "params": {"raise": "conflict"},
-                                        "instance_id": "busy"})
+        r = c.post(
+            "/instances",
+            json={
+                "environment": "faulty",
+                "task_id": "bad-reset",
+                "params": {"raise": "conflict"},
+                "instance_id": "busy",
+            },
+        )
         assert (r.status_code, r.json()["code"]) == (409, "conflict"), r.text
         assert c.get("/instances/busy").json()["state"] == "failed"
         assert c.get("/instances", params={"state": "creating,active"}).json()["total"] == 0

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO, EnvhubProcess
 
 import envhub
-from conftest import REPO, EnvhubProcess
 from envhub.plugins.process_sandbox.zygote import landlock as _landlock
 
 NOBODY = 65534
@@ -45,8 +45,9 @@ def test_allowed_paths_reach_everything_but_the_hidden(tmp_path):
     assert {str(tmp_path / n) for n in ("visible.txt", "lib", "to-lib")} <= set(allowed)
     for path in allowed:
         assert path == keep[0] or not path.startswith(str(tmp_path / "data")), path
-        assert not str(tmp_path).startswith(path.rstrip("/") + "/") and path != str(tmp_path), \
+        assert not str(tmp_path).startswith(path.rstrip("/") + "/") and path != str(tmp_path), (
             f"{path} would allow everything beneath it, the hidden paths too"
+        )
     assert str(tmp_path / "mbpp.jsonl") not in allowed
     assert str(tmp_path / "into-data") not in allowed
     assert _landlock.allowed_paths([], keep) == ["/"]
@@ -64,23 +65,43 @@ def test_a_hidden_file_inside_a_kept_dir_stays_hidden(tmp_path):
 
     allowed = set(_landlock.allowed_paths([str(repo / "envhub" / "data" / "mbpp_sample.jsonl")], [str(repo)]))
 
-    assert {str(repo / "README.md"), str(repo / "envhub" / "cli.py"),
-            str(repo / "envhub" / "data" / "terminal-bench")} <= allowed
-    assert not allowed & {str(repo), str(repo / "envhub"), str(repo / "envhub" / "data"),
-                          str(repo / "envhub" / "data" / "mbpp_sample.jsonl")}
+    assert {
+        str(repo / "README.md"),
+        str(repo / "envhub" / "cli.py"),
+        str(repo / "envhub" / "data" / "terminal-bench"),
+    } <= allowed
+    assert not allowed & {
+        str(repo),
+        str(repo / "envhub"),
+        str(repo / "envhub" / "data"),
+        str(repo / "envhub" / "data" / "mbpp_sample.jsonl"),
+    }
 
 
 def _python_for(prefix: list[str]) -> tuple[str, dict[str, str]] | None:
     """A Python of this minor version that can run envhub from this checkout under
     ``prefix`` (another user may not reach a pyenv under /root), and its environment."""
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
-           "PYTHONPATH": os.pathsep.join([sysconfig.get_paths()["purelib"], str(REPO)])}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": os.pathsep.join([sysconfig.get_paths()["purelib"], str(REPO)]),
+    }
     for python in (sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"):
         try:
             # The node execs sys.executable for its zygote: that must work too.
-            r = subprocess.run([*prefix, python, "-c", "import envhub.cli, subprocess, sys; "
-                                "subprocess.run([sys.executable, '-I', '-c', 'import json'], check=True)"],
-                               env=env, cwd=REPO, capture_output=True, timeout=60)
+            r = subprocess.run(
+                [
+                    *prefix,
+                    python,
+                    "-c",
+                    "import envhub.cli, subprocess, sys; "
+                    "subprocess.run([sys.executable, '-I', '-c', 'import json'], check=True)",
+                ],
+                env=env,
+                cwd=REPO,
+                capture_output=True,
+                timeout=60,
+            )
         except OSError:
             continue
         if r.returncode == 0:
@@ -130,16 +151,29 @@ def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenar
     config = open_dir / "node.yaml"  # beside visible.txt; it may hold API keys
     config.write_text("capacity: 8  # and a key for the network mode: secret\n")
     config.chmod(0o644)
-    node = EnvhubProcess(data, "--config", str(config), "--set", f"environments.mbpp.path={dataset}",
-                         "--set", "environments.terminal-bench.enabled=false",
-                         "--set", f"sandboxes.process.python={python}", python=python, prefix=tuple(prefix), env=env)
+    node = EnvhubProcess(
+        data,
+        "--config",
+        str(config),
+        "--set",
+        f"environments.mbpp.path={dataset}",
+        "--set",
+        "environments.terminal-bench.enabled=false",
+        "--set",
+        f"sandboxes.process.python={python}",
+        python=python,
+        prefix=tuple(prefix),
+        env=env,
+    )
     try:
         node.start()
         with node.client() as client:
-            graded = client.post("/instances", json={"environment": "mbpp", "task_id": "13",
-                                                     "trial": "hidden"}).json()["instance_id"]
-            client.post(f"/instances/{graded}/step",
-                        json={"action": {"tool": "submit_solution", "arguments": {"code": FIB}}})
+            graded = client.post("/instances", json={"environment": "mbpp", "task_id": "13", "trial": "hidden"}).json()[
+                "instance_id"
+            ]
+            client.post(
+                f"/instances/{graded}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": FIB}}}
+            )
             assert client.post(f"/instances/{graded}/evaluate", json={"release": True}).json()["reward"] == 1.0
             log = data / "trials" / "hidden" / graded / "episode.jsonl"
             for _ in range(100):
@@ -148,8 +182,15 @@ def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenar
                 time.sleep(0.05)
             assert "fib(30)" in log.read_text(), "the log holds the hidden tests"
             iid = client.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
-            paths = [str(dataset), str(data / "envhub.db"), str(data / "envhub.db-wal"), str(data),
-                     str(data / "trials"), str(log), str(config)]
+            paths = [
+                str(dataset),
+                str(data / "envhub.db"),
+                str(data / "envhub.db-wal"),
+                str(data),
+                str(data / "trials"),
+                str(log),
+                str(config),
+            ]
             code = f"""
 import os, socket, tempfile
 seen = {{}}
@@ -173,8 +214,9 @@ with tempfile.TemporaryFile() as f:
     f.write(b"tmp")
 json_ok = __import__("json").dumps([1])
 seen, open({str(visible)!r}).read(), open("mine.txt").read(), json_ok"""
-            r = client.post(f"/instances/{iid}/step",
-                            json={"action": {"tool": "run_python", "arguments": {"code": code}}}).json()
+            r = client.post(
+                f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": code}}}
+            ).json()
             assert r["observation"]["exception"] is None, r["observation"]
             seen, control, own, _ = eval(r["observation"]["value_repr"])
             assert control == "visible", "a file beside the hidden ones is readable"
@@ -184,8 +226,9 @@ seen, open({str(visible)!r}).read(), open("mine.txt").read(), json_ok"""
             assert seen["tcp"] == "PermissionError", seen["tcp"]
             if scenario != "nobody" or _landlock.abi_version() >= 6:  # the same uid: only scoping stops it
                 assert seen["signal"] == "PermissionError", "the node cannot be signalled"
-            client.post(f"/instances/{iid}/step",
-                        json={"action": {"tool": "submit_solution", "arguments": {"code": FIB}}})
+            client.post(
+                f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": FIB}}}
+            )
             assert client.post(f"/instances/{iid}/evaluate", json={"release": True}).json()["reward"] == 1.0
             assert json.loads(client.get("/health").text)["active"] == 0
     finally:

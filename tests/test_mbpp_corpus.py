@@ -1,7 +1,7 @@
 """All 974 MBPP problems: each reference solution, submitted through the API, scores 1.0.
 
 The only exceptions are problems whose own reference fails its own tests under the
-default limits; they are listed here and in the README with the reason, and the test
+default limits; they are listed here and in docs/environments.md with the reason, and the test
 checks that they still fail, and how (so the list cannot go stale).
 """
 
@@ -11,7 +11,6 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import MBPP_JSONL
 
 # task_id -> why the reference solution does not pass its own tests.
@@ -42,8 +41,7 @@ def test_every_reference_solution_scores_full_reward(start_node):
 
 def test_a_larger_cpu_budget_lets_the_slow_reference_pass(start_node):
     problems = {str(p["task_id"]): p for p in map(json.loads, MBPP_JSONL.read_text().splitlines())}
-    node = start_node("--set", f"environments.mbpp.path={MBPP_JSONL}",
-                      "--set", "environments.mbpp.test_cpu_seconds=10")
+    node = start_node("--set", f"environments.mbpp.path={MBPP_JSONL}", "--set", "environments.mbpp.test_cpu_seconds=10")
     assert run_reference(node, problems["123"])[1] == 1.0
 
 
@@ -54,8 +52,10 @@ def run_reference(node, problem: dict) -> tuple[str, float, dict]:
         r = c.post("/instances", json={"environment": "mbpp", "task_id": task_id, "trial": "corpus"})
         assert r.status_code == 201, r.text
         iid = r.json()["instance_id"]
-        c.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution",
-                                                          "arguments": {"code": problem["code"]}}})
+        c.post(
+            f"/instances/{iid}/step",
+            json={"action": {"tool": "submit_solution", "arguments": {"code": problem["code"]}}},
+        )
         ev = c.post(f"/instances/{iid}/evaluate").json()
         c.post(f"/instances/{iid}/release")
         return task_id, ev["reward"], ev["details"]

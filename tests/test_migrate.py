@@ -117,8 +117,21 @@ def test_files_are_numbered_without_gaps_and_open_with_a_comment():
 
 
 def test_wheel_ships_the_migrations_and_the_sample(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(REPO)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+    )
     wheel = next(tmp_path.glob("envhub-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for f in migration_files():

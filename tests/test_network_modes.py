@@ -28,8 +28,10 @@ def tunnel(*machines: tuple[str, int, int], relay_port: int | None = None) -> di
     relay = {"host": RELAY, "ssh_user": "root"}
     if relay_port is not None:
         relay["port"] = relay_port
-    return {"relay": relay,
-            "gpu_machines": [{"name": n, "base_remote_port": b, "num_ranks": r} for n, b, r in machines]}
+    return {
+        "relay": relay,
+        "gpu_machines": [{"name": n, "base_remote_port": b, "num_ranks": r} for n, b, r in machines],
+    }
 
 
 # --- registration -----------------------------------------------------------------------
@@ -49,8 +51,11 @@ def test_registers_three_modes_beside_direct():
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_longest_prefix_wins_whatever_the_key_order(reverse):
-    rules = [("http://a:8000", "http://r:1"), ("http://a:8000/v1", "http://r:2/x"),
-             ("http://a:8000/v1/special", "https://s:3")]
+    rules = [
+        ("http://a:8000", "http://r:1"),
+        ("http://a:8000/v1", "http://r:2/x"),
+        ("http://a:8000/v1/special", "https://s:3"),
+    ]
     mode = RewriteNetwork({"url_rewrite": dict(reversed(rules) if reverse else rules)})
     assert mode.rewrite("http://a:8000/v1/s1") == "http://r:2/x/s1"
     assert mode.rewrite("http://a:8000/v1/special/y") == "https://s:3/y"
@@ -58,9 +63,15 @@ def test_longest_prefix_wins_whatever_the_key_order(reverse):
 
 
 def test_prefix_matches_only_at_a_boundary():
-    mode = RewriteNetwork({"url_rewrite": {"http://a:8000": "http://r:1",
-                                           "http://b:9000/v1": "http://r:2",
-                                           "http://c:7000/v1/": "http://r:3/"}})
+    mode = RewriteNetwork(
+        {
+            "url_rewrite": {
+                "http://a:8000": "http://r:1",
+                "http://b:9000/v1": "http://r:2",
+                "http://c:7000/v1/": "http://r:3/",
+            }
+        }
+    )
     assert mode.rewrite("http://a:80001/v1/s") == "http://a:80001/v1/s"
     assert mode.rewrite("http://a:8000") == "http://r:1"
     assert mode.rewrite("http://a:8000?x=1") == "http://r:1?x=1"
@@ -72,8 +83,10 @@ def test_prefix_matches_only_at_a_boundary():
 
 def test_rewrite_keeps_path_and_query():
     mode = RewriteNetwork({"url_rewrite": {"http://10.0.0.5:8100": "http://relay:39001"}})
-    assert (mode.rewrite("http://10.0.0.5:8100/v1/sess-1/chat/completions?stream=false")
-            == "http://relay:39001/v1/sess-1/chat/completions?stream=false")
+    assert (
+        mode.rewrite("http://10.0.0.5:8100/v1/sess-1/chat/completions?stream=false")
+        == "http://relay:39001/v1/sess-1/chat/completions?stream=false"
+    )
 
 
 @pytest.mark.parametrize("url", ["http://other:8100/v1/s", "https://10.0.0.5:8100/v1/s", "not a url", ""])
@@ -97,15 +110,18 @@ def test_get_map_is_a_copy():
     assert RewriteNetwork().get_map() == {}
 
 
-@pytest.mark.parametrize("mapping, field", [
-    (["http://a:1", "http://r:1"], "url_rewrite"),
-    ({"ftp://a:1": "http://r:1"}, "ftp://a:1"),
-    ({"a:1": "http://r:1"}, "a:1"),
-    ({"http://a:1": "relay:39001"}, "http://a:1"),
-    ({"http://a:1": 39001}, "http://a:1"),
-    ({"http://a:1": "http://r:1", "http://b:2": "http://r :2"}, "http://b:2"),
-    ({"http://a:99999": "http://r:1"}, "http://a:99999"),
-])
+@pytest.mark.parametrize(
+    "mapping, field",
+    [
+        (["http://a:1", "http://r:1"], "url_rewrite"),
+        ({"ftp://a:1": "http://r:1"}, "ftp://a:1"),
+        ({"a:1": "http://r:1"}, "a:1"),
+        ({"http://a:1": "relay:39001"}, "http://a:1"),
+        ({"http://a:1": 39001}, "http://a:1"),
+        ({"http://a:1": "http://r:1", "http://b:2": "http://r :2"}, "http://b:2"),
+        ({"http://a:99999": "http://r:1"}, "http://a:99999"),
+    ],
+)
 def test_set_map_rejects_a_bad_entry_naming_its_key_and_keeps_the_old_map(mapping, field):
     mode = RewriteNetwork({"url_rewrite": {"http://old:1": "http://r:0"}})
     with pytest.raises(InvalidRequest) as e:
@@ -115,11 +131,14 @@ def test_set_map_rejects_a_bad_entry_naming_its_key_and_keeps_the_old_map(mappin
     assert mode.get_map() == {"http://old:1": "http://r:0"}
 
 
-@pytest.mark.parametrize("url_rewrite, named", [
-    ("http://a:1=http://r:1", "mapping"),
-    ({"http://a:1": "r:1"}, "'r:1'"),
-    ({"/v1": "http://r:1"}, "'/v1'"),
-])
+@pytest.mark.parametrize(
+    "url_rewrite, named",
+    [
+        ("http://a:1=http://r:1", "mapping"),
+        ({"http://a:1": "r:1"}, "'r:1'"),
+        ({"/v1": "http://r:1"}, "'/v1'"),
+    ],
+)
 def test_bad_url_rewrite_in_config_is_a_startup_error_naming_the_entry(url_rewrite, named):
     with pytest.raises(StartupError, match=named):
         RewriteNetwork({"url_rewrite": url_rewrite})
@@ -130,13 +149,19 @@ def test_bad_url_rewrite_in_config_is_a_startup_error_naming_the_entry(url_rewri
 
 def test_runpod_sends_an_explicit_port_to_the_pod_proxy():
     mode = RunPodNetwork({"pod_id": "abc123"})
-    assert (mode.rewrite("http://10.0.0.5:8100/v1/s1?x=1")
-            == "https://abc123-8100.proxy.runpod.net/v1/s1?x=1")
+    assert mode.rewrite("http://10.0.0.5:8100/v1/s1?x=1") == "https://abc123-8100.proxy.runpod.net/v1/s1?x=1"
     assert mode.rewrite("http://localhost:30000") == "https://abc123-30000.proxy.runpod.net"
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.5/v1/s1", "https://10.0.0.5:8100/v1/s1",
-                                 "https://abc123-8100.proxy.runpod.net/v1/s1", "http://10.0.0.5:notaport/v1"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.5/v1/s1",
+        "https://10.0.0.5:8100/v1/s1",
+        "https://abc123-8100.proxy.runpod.net/v1/s1",
+        "http://10.0.0.5:notaport/v1",
+    ],
+)
 def test_runpod_leaves_urls_without_port_or_already_https_unchanged(url):
     assert RunPodNetwork({"pod_id": "abc123"}).rewrite(url) == url
 
@@ -149,19 +174,26 @@ def test_runpod_rewrites_only_listed_hosts():
 
 
 def test_runpod_tries_the_explicit_map_first():
-    mode = RunPodNetwork({"pod_id": "abc123",
-                          "url_rewrite": {"http://10.0.0.5:8100": "http://relay:39001"}})
+    mode = RunPodNetwork({"pod_id": "abc123", "url_rewrite": {"http://10.0.0.5:8100": "http://relay:39001"}})
     assert mode.rewrite("http://10.0.0.5:8100/v1/s") == "http://relay:39001/v1/s"
     assert mode.rewrite("http://10.0.0.5:8101/v1/s") == "https://abc123-8101.proxy.runpod.net/v1/s"
     mode.set_map({})
     assert mode.rewrite("http://10.0.0.5:8100/v1/s") == "https://abc123-8100.proxy.runpod.net/v1/s"
 
 
-@pytest.mark.parametrize("config", [
-    {}, {"pod_id": ""}, {"pod_id": "ABC123"}, {"pod_id": "abc-123"}, {"pod_id": 123},
-    {"pod_id": "abc123", "hosts": "10.0.0.5"}, {"pod_id": "abc123", "hosts": [""]},
-    {"pod_id": "abc123", "url_rewrite": {"http://a:1": "nope"}},
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"pod_id": ""},
+        {"pod_id": "ABC123"},
+        {"pod_id": "abc-123"},
+        {"pod_id": 123},
+        {"pod_id": "abc123", "hosts": "10.0.0.5"},
+        {"pod_id": "abc123", "hosts": [""]},
+        {"pod_id": "abc123", "url_rewrite": {"http://a:1": "nope"}},
+    ],
+)
 def test_runpod_refuses_bad_config(config):
     with pytest.raises(StartupError):
         RunPodNetwork(config)
@@ -173,8 +205,10 @@ def test_runpod_refuses_bad_config(config):
 def test_frp_derives_the_map_from_an_inline_tunnel():
     mode = FrpNetwork({"tunnel": tunnel(("gpu0", 39001, 2)), "local_host": "10.0.0.5", "local_base_port": 8100})
     assert mode.machine == "gpu0"
-    assert mode.rewrite_map == {"http://10.0.0.5:8100": f"http://{RELAY}:39001",
-                                "http://10.0.0.5:8101": f"http://{RELAY}:39002"}
+    assert mode.rewrite_map == {
+        "http://10.0.0.5:8100": f"http://{RELAY}:39001",
+        "http://10.0.0.5:8101": f"http://{RELAY}:39002",
+    }
     assert mode.rewrite("http://10.0.0.5:8101/v1/s1") == f"http://{RELAY}:39002/v1/s1"
     assert mode.rewrite("http://10.0.0.5:81000/v1/s1") == "http://10.0.0.5:81000/v1/s1"
     assert mode.relay_port == 7000
@@ -183,11 +217,18 @@ def test_frp_derives_the_map_from_an_inline_tunnel():
 def test_frp_reads_a_tunnel_config_yaml_file(tmp_path):
     path = tmp_path / "tunnel_config.yaml"
     path.write_text(yaml.safe_dump(tunnel(("gpu0", 39001, 4), ("gpu1", 39005, 2), relay_port=7100)))
-    mode = FrpNetwork({"tunnel_config": str(path), "machine": "gpu1",
-                       "local_addresses": ["http://10.0.0.7:9000/", "http://10.0.0.7:9010"]})
+    mode = FrpNetwork(
+        {
+            "tunnel_config": str(path),
+            "machine": "gpu1",
+            "local_addresses": ["http://10.0.0.7:9000/", "http://10.0.0.7:9010"],
+        }
+    )
     assert mode.relay_port == 7100
-    assert mode.rewrite_map == {"http://10.0.0.7:9000": f"http://{RELAY}:39005",
-                                "http://10.0.0.7:9010": f"http://{RELAY}:39006"}
+    assert mode.rewrite_map == {
+        "http://10.0.0.7:9000": f"http://{RELAY}:39005",
+        "http://10.0.0.7:9010": f"http://{RELAY}:39006",
+    }
 
 
 def test_frp_picks_the_machine_named_like_this_host():
@@ -204,40 +245,78 @@ def test_frp_refuses_to_guess_among_several_machines():
 
 
 def test_frp_refuses_overlapping_port_ranges_but_accepts_adjacent_ones():
-    FrpNetwork({"tunnel": tunnel(("a", 39001, 4), ("b", 39005, 4)), "machine": "a",
-                "local_host": "127.0.0.1", "local_base_port": 8100})
+    FrpNetwork(
+        {
+            "tunnel": tunnel(("a", 39001, 4), ("b", 39005, 4)),
+            "machine": "a",
+            "local_host": "127.0.0.1",
+            "local_base_port": 8100,
+        }
+    )
     with pytest.raises(StartupError, match="overlap"):
-        FrpNetwork({"tunnel": tunnel(("a", 39001, 4), ("b", 39004, 4)), "machine": "a",
-                    "local_host": "127.0.0.1", "local_base_port": 8100})
+        FrpNetwork(
+            {
+                "tunnel": tunnel(("a", 39001, 4), ("b", 39004, 4)),
+                "machine": "a",
+                "local_host": "127.0.0.1",
+                "local_base_port": 8100,
+            }
+        )
 
 
 def test_frp_refuses_a_local_address_count_other_than_num_ranks():
     with pytest.raises(StartupError, match="num_ranks=3"):
-        FrpNetwork({"tunnel": tunnel(("gpu0", 39001, 3)),
-                    "local_addresses": ["http://10.0.0.5:8100", "http://10.0.0.5:8101"]})
+        FrpNetwork(
+            {"tunnel": tunnel(("gpu0", 39001, 3)), "local_addresses": ["http://10.0.0.5:8100", "http://10.0.0.5:8101"]}
+        )
 
 
-@pytest.mark.parametrize("config", [
-    {},
-    {"tunnel": tunnel(("g", 39001, 1)), "tunnel_config": "x.yaml", "local_host": "h", "local_base_port": 1},
-    {"tunnel_config": "/nonexistent/tunnel_config.yaml", "local_host": "h", "local_base_port": 1},
-    {"tunnel": {"gpu_machines": [{"name": "g", "base_remote_port": 39001, "num_ranks": 1}]},
-     "local_host": "h", "local_base_port": 1},
-    {"tunnel": {"relay": {"host": "relay:7000"}, "gpu_machines": [{"name": "g", "base_remote_port": 1,
-                                                                   "num_ranks": 1}]},
-     "local_host": "h", "local_base_port": 1},
-    {"tunnel": tunnel(("g", 39001, 0)), "local_host": "h", "local_base_port": 1},
-    {"tunnel": tunnel(("g", 65535, 2)), "local_host": "h", "local_base_port": 1},
-    {"tunnel": tunnel(("g", 39001, 1), ("g", 39002, 1)), "machine": "g", "local_host": "h", "local_base_port": 1},
-    {"tunnel": tunnel(("g", 39001, 1)), "machine": "other", "local_host": "h", "local_base_port": 1},
-    {"tunnel": tunnel(("g", 39001, 1))},
-    {"tunnel": tunnel(("g", 39001, 1)), "local_addresses": ["http://h:1"], "local_host": "h"},
-    {"tunnel": tunnel(("g", 39001, 1)), "local_addresses": ["http://h"]},
-    {"tunnel": tunnel(("g", 39001, 1)), "local_addresses": ["http://h:8100/v1"]},
-    {"tunnel": tunnel(("g", 39001, 2)), "local_addresses": ["http://h:8100", "http://h:8100"]},
-], ids=["nothing", "both-sources", "missing-file", "no-relay", "relay-with-port", "zero-ranks",
-        "ports-past-65535", "duplicate-name", "unknown-machine", "no-local-addresses",
-        "addresses-and-host", "address-without-port", "address-with-path", "duplicate-address"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"tunnel": tunnel(("g", 39001, 1)), "tunnel_config": "x.yaml", "local_host": "h", "local_base_port": 1},
+        {"tunnel_config": "/nonexistent/tunnel_config.yaml", "local_host": "h", "local_base_port": 1},
+        {
+            "tunnel": {"gpu_machines": [{"name": "g", "base_remote_port": 39001, "num_ranks": 1}]},
+            "local_host": "h",
+            "local_base_port": 1,
+        },
+        {
+            "tunnel": {
+                "relay": {"host": "relay:7000"},
+                "gpu_machines": [{"name": "g", "base_remote_port": 1, "num_ranks": 1}],
+            },
+            "local_host": "h",
+            "local_base_port": 1,
+        },
+        {"tunnel": tunnel(("g", 39001, 0)), "local_host": "h", "local_base_port": 1},
+        {"tunnel": tunnel(("g", 65535, 2)), "local_host": "h", "local_base_port": 1},
+        {"tunnel": tunnel(("g", 39001, 1), ("g", 39002, 1)), "machine": "g", "local_host": "h", "local_base_port": 1},
+        {"tunnel": tunnel(("g", 39001, 1)), "machine": "other", "local_host": "h", "local_base_port": 1},
+        {"tunnel": tunnel(("g", 39001, 1))},
+        {"tunnel": tunnel(("g", 39001, 1)), "local_addresses": ["http://h:1"], "local_host": "h"},
+        {"tunnel": tunnel(("g", 39001, 1)), "local_addresses": ["http://h"]},
+        {"tunnel": tunnel(("g", 39001, 1)), "local_addresses": ["http://h:8100/v1"]},
+        {"tunnel": tunnel(("g", 39001, 2)), "local_addresses": ["http://h:8100", "http://h:8100"]},
+    ],
+    ids=[
+        "nothing",
+        "both-sources",
+        "missing-file",
+        "no-relay",
+        "relay-with-port",
+        "zero-ranks",
+        "ports-past-65535",
+        "duplicate-name",
+        "unknown-machine",
+        "no-local-addresses",
+        "addresses-and-host",
+        "address-without-port",
+        "address-with-path",
+        "duplicate-address",
+    ],
+)
 def test_frp_refuses_bad_config(config):
     with pytest.raises(StartupError):
         FrpNetwork(config)
@@ -255,22 +334,34 @@ def test_frp_refuses_unparsable_yaml(tmp_path):
 
 async def test_frp_writes_frpc_toml_and_without_frpc_only_rewrites(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # so a host-installed frpc is not found
-    mode = FrpNetwork({"tunnel": tunnel(("gpu0", 39001, 2), relay_port=7001), "work_dir": str(tmp_path / "w"),
-                       "local_addresses": ["http://10.0.0.5:8100", "http://10.0.0.5:8200"]})
+    mode = FrpNetwork(
+        {
+            "tunnel": tunnel(("gpu0", 39001, 2), relay_port=7001),
+            "work_dir": str(tmp_path / "w"),
+            "local_addresses": ["http://10.0.0.5:8100", "http://10.0.0.5:8200"],
+        }
+    )
     await mode.start()
     try:
         assert mode.frpc_config_path == tmp_path / "w" / "frpc.toml"
         conf = tomllib.loads(mode.frpc_config_path.read_text())
         assert conf == {
-            "serverAddr": RELAY, "serverPort": 7001, "loginFailExit": False,
+            "serverAddr": RELAY,
+            "serverPort": 7001,
+            "loginFailExit": False,
             "transport": {"poolCount": 50, "heartbeatInterval": 10, "heartbeatTimeout": 30},
             "proxies": [
                 {"name": "gpu0-rank0", "type": "tcp", "localIP": "10.0.0.5", "localPort": 8100, "remotePort": 39001},
                 {"name": "gpu0-rank1", "type": "tcp", "localIP": "10.0.0.5", "localPort": 8200, "remotePort": 39002},
             ],
         }
-        assert mode.status() == {"running": False, "pid": None, "restarts": 0, "binary": None,
-                                 "config": str(mode.frpc_config_path)}
+        assert mode.status() == {
+            "running": False,
+            "pid": None,
+            "restarts": 0,
+            "binary": None,
+            "config": str(mode.frpc_config_path),
+        }
         assert "no frpc binary" in caplog.text
         assert mode.rewrite("http://10.0.0.5:8200/v1/s") == f"http://{RELAY}:39002/v1/s"
     finally:
@@ -297,8 +388,15 @@ def test_frpc_toml_escapes_strings():
 
 async def test_frp_refuses_a_frpc_path_that_is_not_executable(tmp_path):
     (tmp_path / "frpc").write_text("not executable")
-    mode = FrpNetwork({"tunnel": tunnel(("gpu0", 39001, 1)), "local_host": "127.0.0.1", "local_base_port": 8100,
-                       "frpc_path": str(tmp_path / "frpc"), "work_dir": str(tmp_path / "w")})
+    mode = FrpNetwork(
+        {
+            "tunnel": tunnel(("gpu0", 39001, 1)),
+            "local_host": "127.0.0.1",
+            "local_base_port": 8100,
+            "frpc_path": str(tmp_path / "frpc"),
+            "work_dir": str(tmp_path / "w"),
+        }
+    )
     with pytest.raises(StartupError, match="frpc_path"):
         await mode.start()
 
@@ -318,8 +416,10 @@ async def wait_for_starts(calls: Path, n: int, timeout: float = 5.0) -> list[tup
     deadline = time.monotonic() + timeout
     while True:
         lines = calls.read_text().splitlines() if calls.exists() else []
-        starts = [(int(a.split()[1]), a.split(" ", 2)[2], int(b.split()[1]))
-                  for a, b in zip(lines[0::2], lines[1::2])]
+        starts = [
+            (int(a.split()[1]), a.split(" ", 2)[2], int(b.split()[1]))
+            for a, b in zip(lines[0::2], lines[1::2], strict=True)
+        ]
         if len(starts) >= n:
             return starts
         assert time.monotonic() < deadline, f"only {len(starts)} of {n} frpc starts: {lines}"
@@ -349,14 +449,27 @@ async def test_frp_runs_frpc_restarts_it_when_killed_and_stop_leaves_nothing(tmp
     a killed frpc's leftovers are killed before the restart, and that stop() ends them all.
     """
     script, calls = fake_frpc(tmp_path)
-    mode = FrpNetwork({"tunnel": tunnel(("gpu0", 39001, 1)), "local_host": "127.0.0.1", "local_base_port": 8100,
-                       "frpc_path": str(script), "work_dir": str(tmp_path / "w"), "restart_backoff": 0.05})
+    mode = FrpNetwork(
+        {
+            "tunnel": tunnel(("gpu0", 39001, 1)),
+            "local_host": "127.0.0.1",
+            "local_base_port": 8100,
+            "frpc_path": str(script),
+            "work_dir": str(tmp_path / "w"),
+            "restart_backoff": 0.05,
+        }
+    )
     await mode.start()
     try:
         [(pid1, args, child1)] = await wait_for_starts(calls, 1)
         assert args == f"-c {mode.frpc_config_path}"
-        assert mode.status() == {"running": True, "pid": pid1, "restarts": 0, "binary": str(script),
-                                 "config": str(mode.frpc_config_path)}
+        assert mode.status() == {
+            "running": True,
+            "pid": pid1,
+            "restarts": 0,
+            "binary": str(script),
+            "config": str(mode.frpc_config_path),
+        }
         os.kill(pid1, signal.SIGKILL)
         starts = await wait_for_starts(calls, 2)
         pid2, args2, child2 = starts[1]
@@ -380,9 +493,18 @@ async def test_frp_limits_restarts_per_window(tmp_path):
     """The bash script stands in for the frpc binary, which cannot be downloaded here."""
     script, calls = fake_frpc(tmp_path)
     window = 1.0
-    mode = FrpNetwork({"tunnel": tunnel(("gpu0", 39001, 1)), "local_host": "127.0.0.1", "local_base_port": 8100,
-                       "frpc_path": str(script), "work_dir": str(tmp_path / "w"), "restart_backoff": 0.01,
-                       "max_restarts": 1, "restart_window": window})
+    mode = FrpNetwork(
+        {
+            "tunnel": tunnel(("gpu0", 39001, 1)),
+            "local_host": "127.0.0.1",
+            "local_base_port": 8100,
+            "frpc_path": str(script),
+            "work_dir": str(tmp_path / "w"),
+            "restart_backoff": 0.01,
+            "max_restarts": 1,
+            "restart_window": window,
+        }
+    )
     await mode.start()
     try:
         [(pid1, _, _)] = await wait_for_starts(calls, 1)

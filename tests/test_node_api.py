@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import sandbox_dirs, sandbox_uids_processes
 
 import envhub
-from conftest import sandbox_dirs, sandbox_uids_processes
 
 
 def create(client, task_id="13", **body):
@@ -53,15 +53,33 @@ def test_full_episode_lifecycle_scores_a_correct_submission(client, node):
     assert {t["function"]["name"] for t in obs["tools"]} == {"run_python", "submit_solution"}
     assert "fib(30)" not in json.dumps(created), "hidden tests leaked into the observation"
 
-    step = run(client, iid, "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\nfib(10)")
+    step = run(
+        client,
+        iid,
+        "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\nfib(10)",
+    )
     assert step["observation"]["value_repr"] == "55" and step["done"] is False and step["reward"] == 0.0
-    r = client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
-        "code": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"}}})
+    r = client.post(
+        f"/instances/{iid}/step",
+        json={
+            "action": {
+                "tool": "submit_solution",
+                "arguments": {
+                    "code": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+                    "        a, b = b, a + b\n    return a"
+                },
+            }
+        },
+    )
     assert r.json()["done"] is True
     ev = client.post(f"/instances/{iid}/evaluate").json()
     assert ev["reward"] == 1.0 and ev["details"]["passed"] == ev["details"]["total"] == 4
     assert client.get(f"/instances/{iid}").json()["state"] == "done"
-    assert client.post(f"/instances/{iid}/release").json() == {"instance_id": iid, "released": True, "state": "released"}
+    assert client.post(f"/instances/{iid}/release").json() == {
+        "instance_id": iid,
+        "released": True,
+        "state": "released",
+    }
     got = client.get(f"/instances/{iid}").json()
     assert got["state"] == "released" and got["reward"] == 1.0 and got["step_count"] == 2
 
@@ -76,8 +94,15 @@ def test_full_episode_lifecycle_scores_a_correct_submission(client, node):
 
 def test_evaluate_can_release_in_the_same_call_and_a_repeat_returns_the_same_grade(client):
     iid = create(client, "13")["instance_id"]
-    client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
-        "code": "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)"}}})
+    client.post(
+        f"/instances/{iid}/step",
+        json={
+            "action": {
+                "tool": "submit_solution",
+                "arguments": {"code": "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)"},
+            }
+        },
+    )
     active = client.get("/health").json()["active"]
     ev = client.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
     assert ev["reward"] == 1.0 and ev["released"] is True and ev["state"] == "released"
@@ -104,8 +129,15 @@ def test_evaluate_can_release_in_the_same_call_and_a_repeat_returns_the_same_gra
 def test_partial_and_missing_submissions_get_graded_rewards(client):
     iid = create(client, "13")["instance_id"]
     assert client.post(f"/instances/{iid}/evaluate").json()["reward"] == 0.0
-    client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
-        "code": "def fib(n):\n    return {0: 0, 1: 1}.get(n, -1)"}}})
+    client.post(
+        f"/instances/{iid}/step",
+        json={
+            "action": {
+                "tool": "submit_solution",
+                "arguments": {"code": "def fib(n):\n    return {0: 0, 1: 1}.get(n, -1)"},
+            }
+        },
+    )
     ev = client.post(f"/instances/{iid}/evaluate").json()
     assert ev["details"]["passed"] == 2 and ev["reward"] == pytest.approx(0.1 + 0.4 * 2 / 4)
     statuses = [t["status"] for t in ev["details"]["tests"]]
@@ -117,8 +149,18 @@ def test_an_answer_equal_to_everything_earns_no_reward_for_it(client):
     """The reward hack, through a real sandbox: the grader there must see the class the
     submission defined behind the answer (see _mbpp_harness)."""
     iid = create(client, "13")["instance_id"]
-    client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
-        "code": "class Any:\n    def __eq__(self, other):\n        return True\n\ndef fib(n):\n    return Any()"}}})
+    client.post(
+        f"/instances/{iid}/step",
+        json={
+            "action": {
+                "tool": "submit_solution",
+                "arguments": {
+                    "code": "class Any:\n    def __eq__(self, other):\n        return True\n\n"
+                    "def fib(n):\n    return Any()"
+                },
+            }
+        },
+    )
     ev = client.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
     assert ev["details"]["passed"] == 0 and ev["reward"] == pytest.approx(0.1)
     assert all("whose __eq__ the solution defined" in t["error"] for t in ev["details"]["tests"]), ev
@@ -126,8 +168,18 @@ def test_an_answer_equal_to_everything_earns_no_reward_for_it(client):
 
 def test_crashing_submission_is_told_apart_from_a_wrong_one(client):
     iid = create(client, "13")["instance_id"]
-    client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {
-        "code": "def fib(n):\n    if n > 5: raise ValueError('big')\n    return n if n < 2 else fib(n-1) + fib(n-2)"}}})
+    client.post(
+        f"/instances/{iid}/step",
+        json={
+            "action": {
+                "tool": "submit_solution",
+                "arguments": {
+                    "code": "def fib(n):\n    if n > 5: raise ValueError('big')\n"
+                    "    return n if n < 2 else fib(n-1) + fib(n-2)"
+                },
+            }
+        },
+    )
     tests = client.post(f"/instances/{iid}/evaluate").json()["details"]["tests"]
     assert [t["status"] for t in tests] == ["passed", "passed", "error", "error"]
     assert "ValueError: big" in tests[2]["error"]
@@ -170,7 +222,9 @@ def test_fork_bomb_is_contained_and_leaves_no_process(client):
     iid = create(client, params={"run_timeout": 3})["instance_id"]
     other = create(client)["instance_id"]
     uid = int(run(client, iid, "import os\nos.getuid()")["observation"]["value_repr"])
-    obs = run(client, iid, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")["observation"]
+    obs = run(client, iid, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")[
+        "observation"
+    ]
     assert obs["timed_out"] is True or "BlockingIOError" in (obs["exception"] or "")
     assert run(client, other, "6 * 7")["observation"]["value_repr"] == "42"
     client.post(f"/instances/{iid}/release")
@@ -198,26 +252,40 @@ def test_episode_code_cannot_read_the_dataset_or_the_node_records(start_node, tm
     db = tmp_path / "elsewhere" / "envhub.db"  # a database outside the data dir, and its WAL
     config = tmp_path / "node.yaml"  # its config file, which may hold API keys
     config.write_text("capacity: 8  # and a key for the network mode: secret\n")
-    node = start_node("--config", str(config), "--set", f"environments.mbpp.path={dataset}", "--set", f"db_path={db}",
-                      "--set", f"sandboxes.process.work_root={data / 'sandboxes'}")
+    node = start_node(
+        "--config",
+        str(config),
+        "--set",
+        f"environments.mbpp.path={dataset}",
+        "--set",
+        f"db_path={db}",
+        "--set",
+        f"sandboxes.process.work_root={data / 'sandboxes'}",
+    )
     with node.client() as client:
         graded = create(client, trial="hidden")["instance_id"]
-        client.post(f"/instances/{graded}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": FIB}}})
+        client.post(
+            f"/instances/{graded}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": FIB}}}
+        )
         assert client.post(f"/instances/{graded}/evaluate", json={"release": True}).json()["reward"] == 1.0
         log = data / "trials" / "hidden" / graded / "episode.jsonl"
         assert "fib(30)" in json.dumps(wait_for_lines(log, 3)), "the log holds the hidden tests"
         iid = create(client)["instance_id"]
-        probe = run(client, iid, f"""
+        paths = [str(p) for p in (dataset, db, f"{db}-wal", data, data / "trials", log, data / "sandboxes", config)]
+        probe = run(
+            client,
+            iid,
+            f"""
 import os
 seen = {{}}
-for path in {[str(dataset), str(db), f"{db}-wal", str(data), str(data / "trials"), str(log),
-              str(data / "sandboxes"), str(config)]!r}:
+for path in {paths!r}:
     try:
         seen[path] = os.listdir(path) if os.path.isdir(path) else open(path).read(100)
     except OSError as e:
         seen[path] = type(e).__name__
 open("mine.txt", "w").write("ok")
-seen, open("mine.txt").read()""")["observation"]
+seen, open("mine.txt").read()""",
+        )["observation"]
         seen, own = eval(probe["value_repr"])
         assert own == "ok", "the sandbox's own dir still works"
         assert all(v in ("PermissionError", "FileNotFoundError") for v in seen.values()), seen
@@ -226,22 +294,35 @@ seen, open("mine.txt").read()""")["observation"]
     assert "episode code can read" not in node.log()
 
 
-@pytest.mark.parametrize("body, status, code, field", [
-    (b"{not json", 400, "invalid_request", None),
-    (b"[1, 2]", 400, "invalid_request", None),
-    (b"", 400, "invalid_request", None),
-    (json.dumps({"task_id": "13"}).encode(), 400, "invalid_request", "environment"),
-    (json.dumps({"environment": "mbpp"}).encode(), 400, "invalid_request", "task_id"),
-    (json.dumps({"environment": "nope", "task_id": "1"}).encode(), 404, "not_found", None),
-    (json.dumps({"environment": "mbpp", "task_id": "99999"}).encode(), 404, "not_found", None),
-    (json.dumps({"environment": "mbpp", "task_id": "13", "params": [1]}).encode(), 400, "invalid_request", "params"),
-    (json.dumps({"environment": "mbpp", "task_id": "13", "instance_id": "../etc"}).encode(), 400,
-     "invalid_request", "instance_id"),
-])
+@pytest.mark.parametrize(
+    "body, status, code, field",
+    [
+        (b"{not json", 400, "invalid_request", None),
+        (b"[1, 2]", 400, "invalid_request", None),
+        (b"", 400, "invalid_request", None),
+        (json.dumps({"task_id": "13"}).encode(), 400, "invalid_request", "environment"),
+        (json.dumps({"environment": "mbpp"}).encode(), 400, "invalid_request", "task_id"),
+        (json.dumps({"environment": "nope", "task_id": "1"}).encode(), 404, "not_found", None),
+        (json.dumps({"environment": "mbpp", "task_id": "99999"}).encode(), 404, "not_found", None),
+        (
+            json.dumps({"environment": "mbpp", "task_id": "13", "params": [1]}).encode(),
+            400,
+            "invalid_request",
+            "params",
+        ),
+        (
+            json.dumps({"environment": "mbpp", "task_id": "13", "instance_id": "../etc"}).encode(),
+            400,
+            "invalid_request",
+            "instance_id",
+        ),
+    ],
+)
 def test_bad_create_bodies_get_one_clear_error(client, body, status, code, field):
     before = client.get("/health").json()["active"]
-    err = assert_error(client.post("/instances", content=body, headers={"content-type": "application/json"}),
-                       status, code)
+    err = assert_error(
+        client.post("/instances", content=body, headers={"content-type": "application/json"}), status, code
+    )
     if field:
         assert err["field"] == field
     assert client.get("/health").json()["active"] == before
@@ -252,10 +333,10 @@ def test_bad_steps_and_unknown_ids(client):
     url = f"/instances/{iid}/step"
     assert_error(client.post(url, json={}), 400, "invalid_request")
     assert_error(client.post(url, json={"action": {"tool": "rm_rf"}}), 400, "invalid_request")
-    assert_error(client.post(url, json={"action": {"tool": "run_python", "arguments": {"code": 5}}}),
-                 400, "invalid_request")
-    assert_error(client.post(url, json={"action": {"name": "run_python", "arguments": "{bad"}}),
-                 400, "invalid_request")
+    assert_error(
+        client.post(url, json={"action": {"tool": "run_python", "arguments": {"code": 5}}}), 400, "invalid_request"
+    )
+    assert_error(client.post(url, json={"action": {"name": "run_python", "arguments": "{bad"}}), 400, "invalid_request")
     ok = client.post(url, json={"action": {"name": "run_python", "arguments": '{"code": "2+2"}'}})
     assert ok.json()["observation"]["value_repr"] == "4", "OpenAI-style string arguments are accepted"
     assert_error(client.post("/instances/nope/step", json={"action": {"tool": "run_python"}}), 404, "not_found")
@@ -265,8 +346,7 @@ def test_bad_steps_and_unknown_ids(client):
     assert_error(client.get("/no/such/route"), 404, "http_404")
     assert_error(client.put("/instances"), 405, "http_405")
     client.post(f"/instances/{iid}/release")
-    assert_error(client.post(url, json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}),
-                 409, "conflict")
+    assert_error(client.post(url, json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}), 409, "conflict")
     assert_error(client.post(f"/instances/{iid}/evaluate"), 409, "conflict")
     assert client.post(f"/instances/{iid}/release").json()["released"] is False
 
@@ -274,8 +354,11 @@ def test_bad_steps_and_unknown_ids(client):
 def test_steps_after_submit_are_refused(client):
     iid = create(client)["instance_id"]
     client.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": "x=1"}}})
-    err = assert_error(client.post(f"/instances/{iid}/step", json={
-        "action": {"tool": "run_python", "arguments": {"code": "1"}}}), 409, "conflict")
+    err = assert_error(
+        client.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}),
+        409,
+        "conflict",
+    )
     assert err["state"] == "done"
     client.post(f"/instances/{iid}/release")
 
@@ -296,8 +379,9 @@ def test_concurrent_duplicate_creates_make_one_instance(client, node):
 
     def go():
         with node.client() as c:
-            results.append(c.post("/instances", json={"environment": "mbpp", "task_id": "12",
-                                                      "instance_id": "dup-burst"}))
+            results.append(
+                c.post("/instances", json={"environment": "mbpp", "task_id": "12", "instance_id": "dup-burst"})
+            )
 
     threads = [threading.Thread(target=go) for _ in range(6)]
     for t in threads:
@@ -313,6 +397,7 @@ def test_concurrent_duplicate_creates_make_one_instance(client, node):
 def test_health_lists_the_slot_holders_and_a_create_carries_its_slot_mark(client):
     """What a scheduler counts slots by: the ids holding slots, and a seq that every
     change to them advances, which a create's reply carries as it stood when answered."""
+
     def mark(value):
         boot, _, seq = value.rpartition(".")
         return boot, int(seq)
@@ -359,8 +444,11 @@ def test_capacity_limit_queues_then_answers_429(start_node):
 
         # A queued create gets the slot a release frees.
         results = []
-        waiter = threading.Thread(target=lambda: results.append(
-            httpx.post(node.url + "/instances", json={"environment": "mbpp", "task_id": "13"}, timeout=30)))
+        waiter = threading.Thread(
+            target=lambda: results.append(
+                httpx.post(node.url + "/instances", json={"environment": "mbpp", "task_id": "13"}, timeout=30)
+            )
+        )
         waiter.start()
         time.sleep(0.1)
         c.post(f"/instances/{a}/release")
@@ -373,8 +461,11 @@ def test_queue_wait_gets_the_released_slot(start_node):
     with node.client() as c:
         first = create(c)["instance_id"]
         results = []
-        waiter = threading.Thread(target=lambda: results.append(
-            httpx.post(node.url + "/instances", json={"environment": "mbpp", "task_id": "13"}, timeout=30)))
+        waiter = threading.Thread(
+            target=lambda: results.append(
+                httpx.post(node.url + "/instances", json={"environment": "mbpp", "task_id": "13"}, timeout=30)
+            )
+        )
         waiter.start()
         time.sleep(0.3)
         assert c.get("/health").json()["queued"] == 1
@@ -393,8 +484,9 @@ def test_api_key_is_required_on_every_route_but_health(start_node):
     assert_error(httpx.get(url + "/environments", headers={"X-API-Key": "wrong"}), 403, "forbidden")
     assert_error(httpx.get(url + "/environments", headers={"Authorization": "Bearer wrong"}), 403, "forbidden")
     assert httpx.get(url + "/environments", headers={"X-API-Key": "s3cret"}).status_code == 200
-    r = httpx.post(url + "/instances", json={"environment": "mbpp", "task_id": "13"},
-                   headers={"Authorization": "Bearer s3cret"})
+    r = httpx.post(
+        url + "/instances", json={"environment": "mbpp", "task_id": "13"}, headers={"Authorization": "Bearer s3cret"}
+    )
     assert r.status_code == 201
     iid = r.json()["instance_id"]
     assert_error(httpx.post(url + f"/instances/{iid}/release"), 401, "unauthorized")
@@ -405,8 +497,10 @@ def test_retention_deletes_ended_rows_and_keeps_live_ones_and_trial_logs(start_n
     node = start_node("--set", "retention_hours=0.0005", "--set", "reap_interval=0.2")  # 1.8 s
     with node.client() as c:
         create(c, "13", instance_id="old-1")
-        step = c.post("/instances/old-1/step", json={"request_id": "r1", "action": {
-            "tool": "run_python", "arguments": {"code": "1"}}})  # a recorded step reply goes too
+        step = c.post(
+            "/instances/old-1/step",
+            json={"request_id": "r1", "action": {"tool": "run_python", "arguments": {"code": "1"}}},
+        )  # a recorded step reply goes too
         assert step.status_code == 200
         assert c.post("/instances/old-1/release").json()["released"] is True
         create(c, "12", instance_id="live-1")
@@ -434,8 +528,11 @@ def test_idle_reaper_expires_instances_and_frees_their_slots(start_node):
         got = c.get(f"/instances/{iid}").json()
         assert got["state"] == "expired" and "idle" in got["error"]
         assert c.get("/health").json()["active"] == 0
-        err = assert_error(c.post(f"/instances/{iid}/step", json={
-            "action": {"tool": "run_python", "arguments": {"code": "1"}}}), 409, "conflict")
+        err = assert_error(
+            c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}),
+            409,
+            "conflict",
+        )
         assert err["state"] == "expired"
     assert sandbox_dirs(node.data_dir) == [], "the sandbox's working dir was removed"
 
@@ -487,10 +584,13 @@ def test_binds_loopback_by_default(node):
             httpx.get(f"http://{address}:{node.port}/health", timeout=2)
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("environments.mbpp.path=/nonexistent/mbpp.jsonl", "mbpp: cannot read dataset /nonexistent/mbpp.jsonl"),
-    ("sandboxes.process.hide=/etc", "sandboxes.process.hide must be a list of paths or names, not '/etc'"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("environments.mbpp.path=/nonexistent/mbpp.jsonl", "mbpp: cannot read dataset /nonexistent/mbpp.jsonl"),
+        ("sandboxes.process.hide=/etc", "sandboxes.process.hide must be a list of paths or names, not '/etc'"),
+    ],
+)
 def test_a_start_that_fails_exits_with_its_reason(tmp_path, setting, message):
     """A start that fails after the store opened used to print its error and then hang:
     the database's thread kept the process alive. It must exit 1, saying why."""
@@ -500,9 +600,28 @@ def test_a_start_that_fails_exits_with_its_reason(tmp_path, setting, message):
     from conftest import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
-    done = subprocess.run([sys.executable, "-m", "envhub", "serve", "--role", "node", "--port", str(free_port()),
-                           "--data-dir", str(tmp_path / "data"), "--set", "environments.mbpp.run_timeout=10",
-                           "--set", setting], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "envhub",
+            "serve",
+            "--role",
+            "node",
+            "--port",
+            str(free_port()),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--set",
+            "environments.mbpp.run_timeout=10",
+            "--set",
+            setting,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 1, done.stderr[-2000:]
     last = done.stderr.splitlines()[-1]
     assert last.startswith("Error: ") and message in last, done.stderr[-2000:]

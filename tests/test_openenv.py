@@ -18,26 +18,29 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlparse
 
 import docker
 import httpx
 import pytest
 import yaml
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
 from openenv.cli._validation import validate_running_environment
 from openenv.core import GenericEnvClient
 from openenv.core.env_server.types import Action, Observation, State
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
-
 KEY = "small-node-key"
 MBPP_ONLY = ("--set", "environments.terminal-bench.enabled=false")
 FAST_PINGS = {"SANIC_WEBSOCKET_PING_INTERVAL": "1", "SANIC_WEBSOCKET_PING_TIMEOUT": "2"}
-SAMPLE = {p["task_id"]: p for p in map(json.loads, (REPO / "envhub/plugins/mbpp/data/mbpp_sample.jsonl").read_text().splitlines())}
+SAMPLE = {
+    p["task_id"]: p
+    for p in map(json.loads, (REPO / "envhub/plugins/mbpp/data/mbpp_sample.jsonl").read_text().splitlines())
+}
 
 
 # The upstream models typed clients parse with (extra="forbid"): coding_env and tbench2_env.
@@ -88,6 +91,7 @@ class Tbench2State(State):
 
 # -- processes ---------------------------------------------------------------------------------
 
+
 def start_all(*procs: EnvhubProcess, timeout: float = 60) -> None:
     errors: list[BaseException] = []
 
@@ -114,8 +118,17 @@ def scheduler_for(tmp: Path, node: EnvhubProcess, slots: int) -> EnvhubProcess:
     start at once); it sends the node's API key."""
     nodes = tmp / "nodes.yaml"
     nodes.write_text(yaml.safe_dump({"nodes": [{"url": node.url, "slots": slots}], "api_key": node.api_key}))
-    return EnvhubProcess(tmp / "sched", "--set", f"nodes_file={nodes}", "--set", "health_interval=0.2",
-                         "--set", "retry_max_wait=0", role="scheduler", env=FAST_PINGS)
+    return EnvhubProcess(
+        tmp / "sched",
+        "--set",
+        f"nodes_file={nodes}",
+        "--set",
+        "health_interval=0.2",
+        "--set",
+        "retry_max_wait=0",
+        role="scheduler",
+        env=FAST_PINGS,
+    )
 
 
 def node_is_up(sched: EnvhubProcess) -> bool:
@@ -145,13 +158,15 @@ def fleet(tmp_path_factory):
 
 # -- helpers -----------------------------------------------------------------------------------
 
+
 def ws_url(proc: EnvhubProcess, env: str = "mbpp") -> str:
     return proc.url.replace("http://", "ws://") + f"/openenv/{env}/ws"
 
 
 def open_ws(proc: EnvhubProcess, env: str = "mbpp", key: str | None = None):
-    return connect(ws_url(proc, env), additional_headers={"X-API-Key": key} if key else None,
-                   open_timeout=10, close_timeout=5)
+    return connect(
+        ws_url(proc, env), additional_headers={"X-API-Key": key} if key else None, open_timeout=10, close_timeout=5
+    )
 
 
 def ask(ws, message: Any, timeout: float = 60) -> dict[str, Any]:
@@ -198,8 +213,10 @@ def raw_socket(proc: EnvhubProcess, path: str = "/openenv/mbpp/ws") -> socket.so
     url = urlparse(proc.url)
     sock = socket.create_connection((url.hostname, url.port), timeout=10)
     key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    sock.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
     head = b""
     while b"\r\n\r\n" not in head:
         head += sock.recv(1)
@@ -234,6 +251,7 @@ def _read(sock: socket.socket, n: int) -> bytes:
 
 # -- episodes with OpenEnv's own client --------------------------------------------------------
 
+
 @pytest.mark.parametrize("via", ["node", "sched"])
 def test_an_mbpp_episode_with_the_stock_client_keeps_state_and_scores_a_submission(fleet, via):
     target, holder = fleet[via], fleet["node" if via == "node" else "small"]
@@ -266,9 +284,11 @@ def test_an_mbpp_episode_with_the_stock_client_keeps_state_and_scores_a_submissi
 
 # -- the socket protocol -----------------------------------------------------------------------
 
+
 def test_every_error_frame_has_its_code_and_the_session_survives_them(fleet):
     node = fleet["node"]
     with open_ws(node) as ws:
+
         def error(message):
             reply = ask(ws, message)
             assert reply["type"] == "error", reply
@@ -279,7 +299,9 @@ def test_every_error_frame_has_its_code_and_the_session_survives_them(fleet):
         assert error({"type": "bogus"}) == {"message": "Unknown message type: bogus", "code": "UNKNOWN_TYPE"}
         assert error({"data": {}}) == {"message": "Unknown message type: ", "code": "UNKNOWN_TYPE"}
         assert error({"type": "step", "data": {"code": "1"}}) == {
-            "code": "EXECUTION_ERROR", "message": "MBPP environment not initialized. Call reset() first."}
+            "code": "EXECUTION_ERROR",
+            "message": "MBPP environment not initialized. Call reset() first.",
+        }
         assert "no task" in error({"type": "reset", "data": {"task_id": "99999"}})["message"]
 
         for message, kind, loc in [
@@ -298,13 +320,24 @@ def test_every_error_frame_has_its_code_and_the_session_survives_them(fleet):
         reply = ask(ws, {"type": "reset", "data": {"task_id": "1"}})
         assert reply["type"] == "observation" and reply["data"]["reward"] == 0.0
         reply = ask(ws, {"type": "step", "data": {"code": "print(6 * 7)"}})
-        assert reply == {"type": "observation",
-                         "data": {"observation": {"stdout": "42\n", "stderr": "", "exit_code": 0},
-                                  "reward": None, "done": False}}
+        assert reply == {
+            "type": "observation",
+            "data": {"observation": {"stdout": "42\n", "stderr": "", "exit_code": 0}, "reward": None, "done": False},
+        }
         state = ask(ws, {"type": "state"})
         assert state["type"] == "state" and state["data"]["step_count"] == 1
-        tools = ask(ws, {"type": "mcp", "data": {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
-                                                   "params": {"name": "run_python", "arguments": {"code": "6*7"}}}})
+        tools = ask(
+            ws,
+            {
+                "type": "mcp",
+                "data": {
+                    "jsonrpc": "2.0",
+                    "id": 3,
+                    "method": "tools/call",
+                    "params": {"name": "run_python", "arguments": {"code": "6*7"}},
+                },
+            },
+        )
         assert tools["type"] == "mcp" and tools["data"]["id"] == 3
         assert tools["data"]["result"]["structuredContent"]["value_repr"] == "42"
         ws.send(json.dumps({"type": "close"}))
@@ -361,8 +394,9 @@ def test_a_session_the_node_turns_away_gives_its_slot_back_at_once(fleet, tmp_pa
     small = fleet["small"]
     nodes = tmp_path / "nodes.yaml"
     nodes.write_text(yaml.safe_dump({"nodes": [{"url": small.url, "slots": 1}], "api_key": "wrong"}))
-    sched = EnvhubProcess(tmp_path / "sched", "--set", f"nodes_file={nodes}", "--set", "health_interval=0.2",
-                          role="scheduler")
+    sched = EnvhubProcess(
+        tmp_path / "sched", "--set", f"nodes_file={nodes}", "--set", "health_interval=0.2", role="scheduler"
+    )
     start_all(sched)
     try:
         wait_for(lambda: node_is_up(sched), timeout=10, what="the scheduler to see its node")
@@ -370,7 +404,7 @@ def test_a_session_the_node_turns_away_gives_its_slot_back_at_once(fleet, tmp_pa
             frame = json.loads(ws.recv(timeout=10))
             assert frame["data"]["code"] == "SESSION_ERROR" and "did not take the session" in frame["data"]["message"]
             assert "403" in frame["data"]["message"], frame
-            node, = httpx.get(sched.url + "/status", timeout=5).json()["nodes"]
+            (node,) = httpx.get(sched.url + "/status", timeout=5).json()["nodes"]
             assert node["healthy"] and node["active_slots"] == 0, node
             assert closed_with(ws) == 1000
     finally:
@@ -436,7 +470,7 @@ def test_a_node_lost_mid_session_is_a_session_error_through_the_scheduler(fleet)
             try:
                 frame = json.loads(ws.recv(timeout=10))
             except ConnectionClosed as e:
-                # Known gap (see the README): on a loaded machine the proxy's SESSION_ERROR
+                # Known gap (see docs/openenv.md): on a loaded machine the proxy's SESSION_ERROR
                 # frame is sometimes lost before its close reaches this client. The session
                 # must still end at once with a normal close, never hang.
                 assert e.rcvd is not None and e.rcvd.code == 1000, e
@@ -453,6 +487,7 @@ def test_a_node_lost_mid_session_is_a_session_error_through_the_scheduler(fleet)
 
 # -- HTTP routes and auth ----------------------------------------------------------------------
 
+
 def test_http_routes_have_openenv_shapes_and_pass_openenv_validate(fleet):
     node = fleet["node"]
     base = f"{node.url}/openenv/mbpp"
@@ -461,8 +496,11 @@ def test_http_routes_have_openenv_shapes_and_pass_openenv_validate(fleet):
         meta = c.get("/metadata").json()
         assert meta["name"] == "mbpp" and isinstance(meta["description"], str) and meta["description"]
         schema = c.get("/schema").json()
-        for model, ours in ((CodeAction, schema["action"]), (CodeObservation, schema["observation"]),
-                            (CodeState, schema["state"])):
+        for model, ours in (
+            (CodeAction, schema["action"]),
+            (CodeObservation, schema["observation"]),
+            (CodeState, schema["state"]),
+        ):
             assert set(ours["properties"]) == set(model.model_json_schema()["properties"]), model
         assert schema["action"]["required"] == ["code"] and schema["action"]["additionalProperties"] is False
         assert c.get("/state").json() == {"episode_id": None, "step_count": 0}
@@ -472,11 +510,16 @@ def test_http_routes_have_openenv_shapes_and_pass_openenv_validate(fleet):
         assert c.post("/reset").status_code == 200, "the body is optional"
         bad_seed = c.post("/reset", json={"seed": -1})
         assert bad_seed.status_code == 422
-        assert (bad_seed.json()["detail"][0]["type"], bad_seed.json()["detail"][0]["loc"]) == \
-            ("greater_than_equal", ["body", "seed"])
+        assert (bad_seed.json()["detail"][0]["type"], bad_seed.json()["detail"][0]["loc"]) == (
+            "greater_than_equal",
+            ["body", "seed"],
+        )
         step = c.post("/step", json={"action": {"code": "print(2 + 2)"}, "timeout_s": 5})
-        assert step.json() == {"observation": {"stdout": "4\n", "stderr": "", "exit_code": 0},
-                               "reward": None, "done": False}
+        assert step.json() == {
+            "observation": {"stdout": "4\n", "stderr": "", "exit_code": 0},
+            "reward": None,
+            "done": False,
+        }
         assert c.post("/step", json={}).json()["detail"][0]["loc"] == ["body", "action"]
         extra = c.post("/step", json={"action": {"code": "1", "bogus": 2}})
         assert extra.status_code == 422 and extra.json()["detail"][0]["loc"] == ["bogus"]
@@ -514,13 +557,21 @@ def test_openenv_routes_need_the_api_key_like_every_route_but_health(fleet):
 
 # -- terminal-bench (Docker) ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tb_fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openenv-tb")
     config = tmp / "node.yaml"
     node_id = f"openenv-{os.getpid()}"
-    config.write_text(yaml.safe_dump({"node_id": node_id, "image_map": {"debian:bookworm": BASE_IMAGE},
-                                      "environments": {"mbpp": {"enabled": False}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "node_id": node_id,
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "environments": {"mbpp": {"enabled": False}},
+            }
+        )
+    )
     node = EnvhubProcess(tmp / "node", "--config", str(config), "--capacity", "4")
     sched = scheduler_for(tmp, node, slots=4)
     start_all(node, sched)
@@ -553,8 +604,9 @@ def test_a_terminal_bench_episode_with_the_stock_client_solves_and_scores_one(tb
 
         pwd = env.step({"command": "pwd"})  # action_type defaults to exec
         assert Tbench2Observation(**pwd.observation).output.strip() == "/app" and pwd.reward is None
-        wrote = env.step({"action_type": "write_file", "file_path": "/app/greet.sh",
-                          "content": '#!/bin/bash\necho "Hello, $1!"\n'})
+        wrote = env.step(
+            {"action_type": "write_file", "file_path": "/app/greet.sh", "content": '#!/bin/bash\necho "Hello, $1!"\n'}
+        )
         assert wrote.observation["success"] is True and wrote.observation["output"] == "Wrote content to /app/greet.sh"
         fails = env.step({"action_type": "exec", "command": "exit 3"})
         assert fails.observation["success"] is False and fails.observation["info"]["exit_code"] == 3
@@ -562,14 +614,21 @@ def test_a_terminal_bench_episode_with_the_stock_client_solves_and_scores_one(tb
         assert view.success is False and view.error.startswith("Unsupported action_type")
         env.step({"command": "chmod +x greet.sh && echo 'Hello, envhub!' > hello.txt"})
         state = Tbench2State(**env.state())
-        assert (state.step_count, state.task_id, state.last_action_type, state.terminal_ready) == \
-            (5, "hello-envhub", "exec", True)
+        assert (state.step_count, state.task_id, state.last_action_type, state.terminal_ready) == (
+            5,
+            "hello-envhub",
+            "exec",
+            True,
+        )
 
         graded = env.step({"action_type": "evaluate"})
         obs = Tbench2Observation(**graded.observation)
         assert graded.reward == 1.0 and graded.done is True and obs.success is True
         assert obs.info["tests_passed"] is True and obs.info["tests"] == {
-            "test_hello_file": "passed", "test_greet_executable": "passed", "test_greet_output": "passed"}
+            "test_hello_file": "passed",
+            "test_greet_executable": "passed",
+            "test_greet_output": "passed",
+        }
         assert active(node) == 1
         if via == "node":
             late = Tbench2Observation(**env.step({"command": "ls"}).observation)  # a failed step is an observation

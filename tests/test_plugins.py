@@ -13,11 +13,11 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from plugins.extra import ClashPlugin, Echoer, ExtraPlugin, Letters, NullSandbox, Upper
 
 from envhub import hookspecs
 from envhub.errors import StartupError
 from envhub.plugins import DEFAULT_PLUGINS, collect, get_plugin_manager
-from plugins.extra import ClashPlugin, Echoer, ExtraPlugin, Letters, NullSandbox, Upper
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(fn, "envhub_spec")]
@@ -101,8 +101,13 @@ def test_every_hook_is_documented():
 
 
 def test_builtins_are_listed_by_the_plugins_command():
-    out = subprocess.run([sys.executable, "-m", "envhub", "plugins"], capture_output=True, text=True, check=True,
-                         env={**os.environ, "ENVHUB_LOAD_ENTRYPOINTS": "false"})
+    out = subprocess.run(
+        [sys.executable, "-m", "envhub", "plugins"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "ENVHUB_LOAD_ENTRYPOINTS": "false"},
+    )
     listed = {p["name"]: p for p in json.loads(out.stdout)}
     assert set(DEFAULT_PLUGINS) <= set(listed)
     assert listed["envhub.plugins.mbpp"]["environments"] == ["mbpp"]
@@ -113,20 +118,39 @@ def test_builtins_are_listed_by_the_plugins_command():
 def arith_site(tmp_path_factory):
     """The contrib plugin pip-installed (without deps) into its own folder."""
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(REPO / "plugins_contrib" / "envhub-arith")], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO / "plugins_contrib" / "envhub-arith"),
+        ],
+        check=True,
+    )
     return target
 
 
 def test_contrib_plugin_is_found_through_its_entry_point(arith_site):
     env = {**os.environ, "PYTHONPATH": str(arith_site)}
-    out = subprocess.run([sys.executable, "-m", "envhub", "plugins"], capture_output=True, text=True,
-                         check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "envhub", "plugins"], capture_output=True, text=True, check=True, env=env
+    )
     arith = next(p for p in json.loads(out.stdout) if p["name"] == "arith")
     assert arith["distribution"] == "envhub-arith" and arith["version"] == "0.1.0"
     assert arith["environments"] == ["arith"]
-    out = subprocess.run([sys.executable, "-m", "envhub", "plugins"], capture_output=True, text=True,
-                         check=True, env={**env, "ENVHUB_DISABLED_PLUGINS": "arith"})
+    out = subprocess.run(
+        [sys.executable, "-m", "envhub", "plugins"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**env, "ENVHUB_DISABLED_PLUGINS": "arith"},
+    )
     assert "arith" not in {p["name"] for p in json.loads(out.stdout)}
 
 
@@ -136,8 +160,10 @@ def test_contrib_plugin_serves_episodes_over_the_api(arith_site, start_node):
         tasks = c.get("/environments/arith/tasks").json()["tasks"]
         assert {t["id"] for t in tasks} == {"add", "mul", "pow", "mix"}
         iid = c.post("/instances", json={"environment": "arith", "task_id": "mix"}).json()["instance_id"]
-        step = c.post(f"/instances/{iid}/step", json={"action": {"tool": "python",
-                                                                 "arguments": {"code": "print((7 + 3) * 11 - 4)"}}})
+        step = c.post(
+            f"/instances/{iid}/step",
+            json={"action": {"tool": "python", "arguments": {"code": "print((7 + 3) * 11 - 4)"}}},
+        )
         assert step.json()["observation"]["content"] == "106\n"
         c.post(f"/instances/{iid}/step", json={"action": {"tool": "answer", "arguments": {"value": 106}}})
         assert c.post(f"/instances/{iid}/evaluate").json()["reward"] == 1.0

@@ -13,8 +13,8 @@ import uuid
 import pytest
 import pytest_asyncio
 
-from envhub.errors import InvalidRequest, NotFound, StartupError
 import envhub.plugins.process_sandbox as plugin
+from envhub.errors import InvalidRequest, NotFound, StartupError
 from envhub.plugins.process_sandbox import sandbox as process_sandbox
 from envhub.plugins.process_sandbox.sandbox import ProcessSandbox
 from envhub.sandbox import Limits, SandboxSpec
@@ -24,8 +24,9 @@ needs_root = pytest.mark.skipif(not ROOT, reason="uid isolation and the network 
 
 
 def spec(limits: Limits | None = None, **env: str) -> SandboxSpec:
-    return SandboxSpec(instance_id=f"t-{uuid.uuid4().hex[:12]}", environment="test",
-                       task_id="1", limits=limits or Limits(), env=env)
+    return SandboxSpec(
+        instance_id=f"t-{uuid.uuid4().hex[:12]}", environment="test", task_id="1", limits=limits or Limits(), env=env
+    )
 
 
 def pids_of_uid(uid: int) -> list[int]:
@@ -112,12 +113,17 @@ async def test_state_persists_between_execs(sandboxes, handle):
 
 @pytest.mark.asyncio
 async def test_captures_stdout_stderr_and_subprocess_output(sandboxes, handle):
-    r = await sandboxes.exec(handle, (
-        "import os, subprocess, sys\n"
-        "print('from print')\n"
-        "print('to stderr', file=sys.stderr)\n"
-        "os.write(1, b'raw fd write\\n')\n"
-        "subprocess.run(['sh', '-c', 'echo from child; echo child err >&2'])\n"), timeout=10)
+    r = await sandboxes.exec(
+        handle,
+        (
+            "import os, subprocess, sys\n"
+            "print('from print')\n"
+            "print('to stderr', file=sys.stderr)\n"
+            "os.write(1, b'raw fd write\\n')\n"
+            "subprocess.run(['sh', '-c', 'echo from child; echo child err >&2'])\n"
+        ),
+        timeout=10,
+    )
     assert r.exit_code == 0, r.exception
     assert r.stdout == "from print\nraw fd write\nfrom child\n"
     assert r.stderr == "to stderr\nchild err\n"
@@ -149,18 +155,31 @@ async def test_syntax_error_and_system_exit_are_reported_and_interpreter_survive
     assert (r.value, r.restarted) == (5, False)
 
 
-@pytest.mark.parametrize("value", [
-    {"a": 1, 2: "b", True: None, None: 1.5, 3.25: [1, 2]}, "é\"\\\n\u2028", [float("inf"), -0.0, 1e300, 10**40],
-    {"t": (1, 2)}, [], {}, float("nan"), {(1, 2): 3}, object()])
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": 1, 2: "b", True: None, None: 1.5, 3.25: [1, 2]},
+        'é"\\\n\u2028',
+        [float("inf"), -0.0, 1e300, 10**40],
+        {"t": (1, 2)},
+        [],
+        {},
+        float("nan"),
+        {(1, 2): 3},
+        object(),
+    ],
+)
 @pytest.mark.parametrize("allow_nan", [True, False])
 def test_the_zygote_s_encoder_writes_and_refuses_what_json_dumps_does(value, allow_nan):
     """Frames and the zygote's replies are encoded by a C encoder made once
     (zygote.shared.dumps), not by json.dumps: same text, same errors."""
+
     def outcome(dumps):
         try:
             return dumps(value, allow_nan=allow_nan)
         except (TypeError, ValueError) as e:
             return type(e)
+
     assert outcome(process_sandbox.zygote.dumps) == outcome(json.dumps)
 
 
@@ -198,14 +217,19 @@ async def test_timeout_reports_partial_output_and_keeps_state(sandboxes, handle)
 @pytest.mark.asyncio
 async def test_code_swallowing_the_timeout_is_hard_killed_and_next_exec_restarts(sandboxes, handle):
     await sandboxes.exec(handle, "lost = 1", timeout=5)
-    r = await sandboxes.exec(handle, (
-        "print('started', flush=True)\n"
-        "while True:\n"
-        "    try:\n"
-        "        while True:\n"
-        "            pass\n"
-        "    except BaseException:\n"
-        "        pass\n"), timeout=0.2)
+    r = await sandboxes.exec(
+        handle,
+        (
+            "print('started', flush=True)\n"
+            "while True:\n"
+            "    try:\n"
+            "        while True:\n"
+            "            pass\n"
+            "    except BaseException:\n"
+            "        pass\n"
+        ),
+        timeout=0.2,
+    )
     assert (r.timed_out, r.exit_code, r.stdout) == (True, None, "started\n")
     assert "killed" in r.exception
     r = await sandboxes.exec(handle, "'lost' in globals()", timeout=5)
@@ -237,8 +261,7 @@ async def test_cpu_time_limit_kills_the_interpreter(sandboxes):
 @pytest.mark.asyncio
 async def test_memory_bomb_raises_memory_error_and_sandbox_keeps_working(sandboxes):
     h = await sandboxes.create(spec(Limits(memory_mb=256)))
-    for bomb in ("x = bytearray(10**11)", "x = [0] * 10**10",
-                 "x = []\nwhile True:\n    x.append(' ' * 10**6)"):
+    for bomb in ("x = bytearray(10**11)", "x = [0] * 10**10", "x = []\nwhile True:\n    x.append(' ' * 10**6)"):
         r = await sandboxes.exec(h, bomb, timeout=10)
         assert r.exit_code == 1 and "MemoryError" in r.exception, (bomb, r)
     r = await sandboxes.exec(h, "del x\nsum(range(10))", timeout=5)
@@ -281,7 +304,8 @@ async def test_sandbox_has_no_network_when_root(sandboxes, handle):
         port = server.getsockname()[1]
         for address in (("127.0.0.1", port), ("1.1.1.1", 53)):
             r = await sandboxes.exec(
-                handle, f"import socket\nsocket.create_connection({address!r}, timeout=2)", timeout=5)
+                handle, f"import socket\nsocket.create_connection({address!r}, timeout=2)", timeout=5
+            )
             assert r.exit_code == 1 and "Network is unreachable" in r.exception, r
 
 
@@ -302,8 +326,10 @@ async def test_sandboxes_run_with_no_new_privs_and_die_with_the_zygote(sandboxes
     """no_new_privs comes from the zygote (inherited), the parent-death signal from each
     interpreter's setup (a uid change clears it): check both, in a persistent sandbox and
     in a one-shot run."""
-    code = ("import ctypes\nsig = ctypes.c_int()\nctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)\n"
-            "[line.split()[1] for line in open('/proc/self/status') if line.startswith('NoNewPrivs')] + [sig.value]")
+    code = (
+        "import ctypes\nsig = ctypes.c_int()\nctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)\n"
+        "[line.split()[1] for line in open('/proc/self/status') if line.startswith('NoNewPrivs')] + [sig.value]"
+    )
     r = await sandboxes.exec(handle, code, timeout=5)
     assert r.value == ["1", 9], r
     r = await sandboxes.run_once(spec(), code, timeout=5)
@@ -346,8 +372,11 @@ async def test_path_escapes_and_planted_symlinks_are_rejected(sandboxes, handle,
                 await sandboxes.write_file(handle, path, b"x")
             with pytest.raises(InvalidRequest):
                 await sandboxes.read_file(handle, path)
-        await sandboxes.exec(handle, f"import os\nos.symlink({str(outside)!r}, 'link')\n"
-                                     f"os.symlink({str(tmp_path.parent)!r}, 'dirlink')", timeout=5)
+        await sandboxes.exec(
+            handle,
+            f"import os\nos.symlink({str(outside)!r}, 'link')\nos.symlink({str(tmp_path.parent)!r}, 'dirlink')",
+            timeout=5,
+        )
         for path in ("link", "dirlink/" + outside.name):
             with pytest.raises(InvalidRequest):
                 await sandboxes.write_file(handle, path, b"overwritten")
@@ -378,9 +407,11 @@ async def test_stop_leaves_no_processes_and_no_dirs(tmp_path):
     uids = []
     for _ in range(2):
         h = await plugin.create(spec())
-        r = await plugin.exec(h, "import os, subprocess\n"
-                                 "subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
-                                 "os.getuid()", timeout=5)
+        r = await plugin.exec(
+            h,
+            "import os, subprocess\nsubprocess.Popen(['sleep', '60'], start_new_session=True)\nos.getuid()",
+            timeout=5,
+        )
         uids.append(r.value)
     assert os.listdir(tmp_path)
     await plugin.stop()
@@ -401,8 +432,9 @@ async def test_output_beyond_the_limit_keeps_head_and_tail(sandboxes, handle):
 @pytest.mark.asyncio
 async def test_execs_on_one_handle_run_one_at_a_time(sandboxes, handle):
     code = "import time\nt0 = time.monotonic()\ntime.sleep(0.2)\n(t0, time.monotonic())"
-    first, second = await asyncio.gather(sandboxes.exec(handle, code, timeout=5),
-                                         sandboxes.exec(handle, code, timeout=5))
+    first, second = await asyncio.gather(
+        sandboxes.exec(handle, code, timeout=5), sandboxes.exec(handle, code, timeout=5)
+    )
     spans = sorted([first.value, second.value])
     assert spans[0][1] <= spans[1][0]
 
@@ -450,17 +482,20 @@ async def test_first_exec_of_any_size_runs_and_times_out_like_later_ones(sandbox
         assert (await sandboxes.exec(h, "x + 1", timeout=5)).value == 43
         fresh = await sandboxes.create(spec())
         started = time.monotonic()
-        r = await sandboxes.exec(fresh, "print('a', flush=True)\nimport time\n" + padding + "time.sleep(10)",
-                                 timeout=0.5)
+        r = await sandboxes.exec(
+            fresh, "print('a', flush=True)\nimport time\n" + padding + "time.sleep(10)", timeout=0.5
+        )
         assert time.monotonic() - started < 5
         assert (r.timed_out, r.exit_code, r.stdout) == (True, None, "a\n")
 
 
 @pytest.mark.asyncio
 async def test_common_modules_are_preloaded_and_rare_heavy_ones_import_on_use(sandboxes, handle):
-    r = await sandboxes.exec(handle, "import sys\n[m in sys.modules for m in "
-                                     "('re', 'math', 'collections', 'heapq', 'itertools', 'typing', 'json')]",
-                             timeout=5)
+    r = await sandboxes.exec(
+        handle,
+        "import sys\n[m in sys.modules for m in ('re', 'math', 'collections', 'heapq', 'itertools', 'typing', 'json')]",
+        timeout=5,
+    )
     assert r.value == [True] * 7
     rare = "[m in sys.modules for m in ('shutil', 'statistics', 'decimal')]"
     r = await sandboxes.exec(handle, rare, timeout=5)
@@ -536,9 +571,11 @@ async def test_a_one_shot_run_answers_then_leaves_no_process_and_no_dir(sandboxe
 async def test_what_a_one_shot_run_left_is_killed_before_its_uid_runs_again(sandboxes):
     """The node reuses a uid as soon as the one-shot interpreter has answered; a process
     it left behind must be dead before the next sandbox under that uid starts."""
-    leftover = await sandboxes.run_once(spec(), "import os, subprocess\n"
-                                        "p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
-                                        "(os.getuid(), p.pid)", timeout=5)
+    leftover = await sandboxes.run_once(
+        spec(),
+        "import os, subprocess\np = subprocess.Popen(['sleep', '60'], start_new_session=True)\n(os.getuid(), p.pid)",
+        timeout=5,
+    )
     uid, sleeper = leftover.value
     handle = await sandboxes.create(spec())
     try:
@@ -555,8 +592,9 @@ async def test_a_one_shot_run_binds_its_inputs_each_run_afresh(sandboxes):
     still gets its own values, and an error in that cell is reported with its line."""
     cell = "def total(xs):\n    return sum(xs) * factor\n[total(xs), label, type(meta).__name__]"
     for xs, factor in (([1, 2, 3], 2), ([10], 3)):
-        r = await sandboxes.run_once(spec(), cell, timeout=5,
-                                     inputs={"xs": xs, "factor": factor, "label": "é\n", "meta": {"a": None}})
+        r = await sandboxes.run_once(
+            spec(), cell, timeout=5, inputs={"xs": xs, "factor": factor, "label": "é\n", "meta": {"a": None}}
+        )
         assert (r.exit_code, r.value) == (0, [sum(xs) * factor, "é\n", "dict"]), r
     bad = await sandboxes.run_once(spec(), "x = 1\nraise ValueError(word)", timeout=5, inputs={"word": "nope"})
     assert "raise ValueError(word)" in bad.exception and "ValueError: nope" in bad.exception

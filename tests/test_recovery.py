@@ -12,7 +12,6 @@ from pathlib import Path
 import docker
 import httpx
 import yaml
-
 from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
 
 BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
@@ -20,8 +19,15 @@ BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 
 def tb_node(tmp_path: Path, node_id: str, *args: str) -> EnvhubProcess:
     cfg = tmp_path / f"{node_id}.yaml"
-    cfg.write_text(yaml.safe_dump({"node_id": node_id, "image_map": {"debian:bookworm": BASE_IMAGE},
-                                   "environments": {"terminal-bench": {"datasets": [str(BUNDLED)]}}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "node_id": node_id,
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "environments": {"terminal-bench": {"datasets": [str(BUNDLED)]}},
+            }
+        )
+    )
     return EnvhubProcess(tmp_path / node_id, "--config", str(cfg), *args)
 
 
@@ -49,9 +55,12 @@ def test_kill_9_with_32_live_docker_instances_then_all_step_again_with_no_orphan
     node = tb_node(tmp_path, node_id, "--capacity", "40").start(timeout=60)
     try:
         with node.client(timeout=300) as c:
+
             def make(i: int) -> str:
-                r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub",
-                                                "instance_id": f"keep-{i}"})
+                r = c.post(
+                    "/instances",
+                    json={"environment": "terminal-bench", "task_id": "hello-envhub", "instance_id": f"keep-{i}"},
+                )
                 assert r.status_code == 201, r.text
                 assert run_command(c, f"keep-{i}", f"echo {i} > /app/mine.txt").json()["observation"]["exit_code"] == 0
                 return f"keep-{i}"
@@ -63,9 +72,12 @@ def test_kill_9_with_32_live_docker_instances_then_all_step_again_with_no_orphan
         assert len(containers(node_id)) == 32, "the containers outlive their node"
         # A stray container labelled for this node, with no row: removed at start.
         client = docker.from_env()
-        stray = client.containers.run(BASE_IMAGE, ["sleep", "600"], detach=True,
-                                      labels={"envhub.node": node_id, "envhub.managed": "1",
-                                              "envhub.instance": "never-recorded"})
+        stray = client.containers.run(
+            BASE_IMAGE,
+            ["sleep", "600"],
+            detach=True,
+            labels={"envhub.node": node_id, "envhub.managed": "1", "envhub.instance": "never-recorded"},
+        )
         client.close()
 
         node.start(timeout=60)
@@ -73,7 +85,9 @@ def test_kill_9_with_32_live_docker_instances_then_all_step_again_with_no_orphan
             for i, iid in enumerate(ids):
                 r = run_command(c, iid, "cat /app/mine.txt")
                 assert r.status_code == 200 and r.json()["observation"]["stdout"] == f"{i}\n", r.text
-            gone = c.post(f"/instances/{mbpp}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}})
+            gone = c.post(
+                f"/instances/{mbpp}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}
+            )
             assert gone.status_code == 410 and gone.json()["code"] == "gone"
             assert c.get(f"/instances/{mbpp}").json()["state"] == "lost"
             assert c.get("/health").json()["active"] == 32
@@ -94,14 +108,19 @@ def test_sigterm_leaves_docker_instances_for_the_next_start_and_marks_vanished_o
     node_id = f"term-{uuid.uuid4().hex[:6]}"
     node = tb_node(tmp_path, node_id).start(timeout=60)
     with node.client(timeout=300) as c:
-        a = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()["instance_id"]
-        b = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()["instance_id"]
+        a = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()[
+            "instance_id"
+        ]
+        b = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()[
+            "instance_id"
+        ]
         run_command(c, a, "touch /app/kept")
     assert node.stop() == 0
     survivors = containers(node_id)
     assert len(survivors) == 2
     docker.from_env().api.remove_container(
-        next(r["Id"] for r in survivors if r["Labels"]["envhub.instance"] == b), force=True)
+        next(r["Id"] for r in survivors if r["Labels"]["envhub.instance"] == b), force=True
+    )
     node.start(timeout=60)
     with node.client(timeout=300) as c:
         assert run_command(c, a, "ls /app").json()["observation"]["stdout"] == "kept\n"
@@ -116,7 +135,9 @@ def test_release_on_shutdown_removes_every_container(tmp_path):
     node_id = f"rel-{uuid.uuid4().hex[:6]}"
     node = tb_node(tmp_path, node_id, "--set", "release_on_shutdown=true").start(timeout=60)
     with node.client(timeout=300) as c:
-        iid = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()["instance_id"]
+        iid = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()[
+            "instance_id"
+        ]
     assert node.stop() == 0
     assert containers(node_id) == []
     node.start(timeout=60)
@@ -127,12 +148,17 @@ def test_release_on_shutdown_removes_every_container(tmp_path):
 
 def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path):
     """Clients retry their create with the same id until it succeeds, as envhub.client does."""
-    nodes = [EnvhubProcess(tmp_path / f"n{i}", "--capacity", "16", "--set", "environments.terminal-bench.enabled=false")
-             .start() for i in range(2)]
+    nodes = [
+        EnvhubProcess(
+            tmp_path / f"n{i}", "--capacity", "16", "--set", "environments.terminal-bench.enabled=false"
+        ).start()
+        for i in range(2)
+    ]
     nodes_yaml = tmp_path / "nodes.yaml"
     nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": n.url, "slots": 16} for n in nodes]}))
-    sched = EnvhubProcess(tmp_path / "s", "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.3",
-                          role="scheduler").start()
+    sched = EnvhubProcess(
+        tmp_path / "s", "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.3", role="scheduler"
+    ).start()
     ids = [f"burst-{i}" for i in range(24)]
     done: dict[str, int] = {}
 
@@ -140,8 +166,11 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                r = httpx.post(sched.url + "/instances", json={"environment": "mbpp", "task_id": "13",
-                                                              "instance_id": iid}, timeout=10)
+                r = httpx.post(
+                    sched.url + "/instances",
+                    json={"environment": "mbpp", "task_id": "13", "instance_id": iid},
+                    timeout=10,
+                )
                 if r.status_code in (200, 201):
                     done[iid] = r.status_code
                     return
@@ -162,10 +191,14 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
         for iid in ids:
             # An attempt a node abandoned before it finished leaves a 'failed' row there,
             # which is not an instance; a live one on two nodes would be a duplicate.
-            states = [r.json()["state"] for n in nodes if (r := httpx.get(f"{n.url}/instances/{iid}")).status_code == 200]
+            states = [
+                r.json()["state"] for n in nodes if (r := httpx.get(f"{n.url}/instances/{iid}")).status_code == 200
+            ]
             assert [s for s in states if s != "failed"] == ["active"], f"{iid} on the nodes: {states}"
-            r = httpx.post(f"{sched.url}/instances/{iid}/step",
-                           json={"action": {"tool": "run_python", "arguments": {"code": "1 + 1"}}})
+            r = httpx.post(
+                f"{sched.url}/instances/{iid}/step",
+                json={"action": {"tool": "run_python", "arguments": {"code": "1 + 1"}}},
+            )
             assert r.status_code == 200, f"{iid} not routable through the restarted scheduler: {r.text}"
             assert r.json()["observation"]["value_repr"] == "2"
         assert sum(httpx.get(n.url + "/health").json()["active"] for n in nodes) == 24
@@ -175,19 +208,33 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
 
 
 def test_a_node_dying_mid_step_gives_a_clear_error_and_the_slot_returns(tmp_path):
-    node = EnvhubProcess(tmp_path / "n", "--capacity", "2", "--set", "environments.terminal-bench.enabled=false").start()
+    node = EnvhubProcess(
+        tmp_path / "n", "--capacity", "2", "--set", "environments.terminal-bench.enabled=false"
+    ).start()
     nodes_yaml = tmp_path / "nodes.yaml"
     nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": node.url, "slots": 2}]}))
-    sched = EnvhubProcess(tmp_path / "s", "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.2",
-                          "--set", "retry_max_wait=0", role="scheduler").start()
+    sched = EnvhubProcess(
+        tmp_path / "s",
+        "--set",
+        f"nodes_file={nodes_yaml}",
+        "--set",
+        "health_interval=0.2",
+        "--set",
+        "retry_max_wait=0",
+        role="scheduler",
+    ).start()
     try:
-        iid = httpx.post(sched.url + "/instances", json={"environment": "mbpp", "task_id": "13",
-                                                          "params": {"run_timeout": 30}}).json()["instance_id"]
+        iid = httpx.post(
+            sched.url + "/instances", json={"environment": "mbpp", "task_id": "13", "params": {"run_timeout": 30}}
+        ).json()["instance_id"]
         result = {}
 
         def slow_step() -> None:
-            result["r"] = httpx.post(f"{sched.url}/instances/{iid}/step", timeout=60,
-                                     json={"action": {"tool": "run_python", "arguments": {"code": "import time\ntime.sleep(20)"}}})
+            result["r"] = httpx.post(
+                f"{sched.url}/instances/{iid}/step",
+                timeout=60,
+                json={"action": {"tool": "run_python", "arguments": {"code": "import time\ntime.sleep(20)"}}},
+            )
 
         t = threading.Thread(target=slow_step)
         t.start()
@@ -204,7 +251,9 @@ def test_a_node_dying_mid_step_gives_a_clear_error_and_the_slot_returns(tmp_path
                 break
             assert time.monotonic() < deadline, status
             time.sleep(0.1)
-        gone = httpx.post(f"{sched.url}/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}})
+        gone = httpx.post(
+            f"{sched.url}/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}
+        )
         assert gone.status_code == 410, "the instance is reported lost, through the scheduler too"
         assert httpx.post(sched.url + "/instances", json={"environment": "mbpp", "task_id": "13"}).status_code == 201
     finally:

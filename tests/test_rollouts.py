@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
 from openai_standin import StandIn
 
@@ -27,9 +26,15 @@ BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 
 
 def node_config(path: Path, node_id: str, *datasets: Path) -> Path:
-    path.write_text(yaml.safe_dump({
-        "node_id": node_id, "image_map": {"debian:bookworm": BASE_IMAGE},
-        "environments": {"terminal-bench": {"datasets": [str(d) for d in datasets or (BUNDLED,)]}}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "node_id": node_id,
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "environments": {"terminal-bench": {"datasets": [str(d) for d in datasets or (BUNDLED,)]}},
+            }
+        )
+    )
     return path
 
 
@@ -42,15 +47,22 @@ def model():
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rollout-node")
-    proc = EnvhubProcess(tmp / "data", "--config", str(node_config(tmp / "node.yaml", f"rn-{uuid.uuid4().hex[:6]}")),
-                         "--capacity", "8").start(timeout=60)
+    proc = EnvhubProcess(
+        tmp / "data", "--config", str(node_config(tmp / "node.yaml", f"rn-{uuid.uuid4().hex[:6]}")), "--capacity", "8"
+    ).start(timeout=60)
     yield proc
     assert proc.stop() == 0, proc.log()
 
 
 def rollout(node_or_sched: EnvhubProcess, model: StandIn, session: str, **extra) -> dict:
-    body = {"environment": "terminal-bench", "task_id": "hello-envhub", "model_url": f"{model.url}/v1/{session}",
-            "model_api_key": session, "trial": "rollouts", **extra}
+    body = {
+        "environment": "terminal-bench",
+        "task_id": "hello-envhub",
+        "model_url": f"{model.url}/v1/{session}",
+        "model_api_key": session,
+        "trial": "rollouts",
+        **extra,
+    }
     with node_or_sched.client(timeout=300) as c:
         r = c.post("/rollouts", json=body)
     assert r.status_code == 200, r.text
@@ -105,9 +117,15 @@ def test_a_model_that_times_out_is_reported_not_waited_for(node, model):
 
 
 def test_seta_step_request_and_response_shapes(node, model):
-    body = {"task": {"task_name": "hello-envhub", "instruction": "ignored: the dataset's is used"},
-            "uid": "hello-envhub_t0_abc123", "traj_i": 0, "model_url": f"{model.url}/v1/solve-seta",
-            "model_api_key": "solve-seta", "dataset_name": "bundled", "trial_name": "trial1-seta"}
+    body = {
+        "task": {"task_name": "hello-envhub", "instruction": "ignored: the dataset's is used"},
+        "uid": "hello-envhub_t0_abc123",
+        "traj_i": 0,
+        "model_url": f"{model.url}/v1/solve-seta",
+        "model_api_key": "solve-seta",
+        "dataset_name": "bundled",
+        "trial_name": "trial1-seta",
+    }
     with node.client(timeout=300) as c:
         r = c.post("/step", json=body)
         assert r.status_code == 200 and set(r.json()) == {"run_info", "reward", "error"}
@@ -126,23 +144,46 @@ def test_rollouts_through_the_scheduler_rewrite_the_model_url_and_share_one_buil
     tasks = tmp_path / "tasks"
     shutil.copytree(BUNDLED / "hello-envhub", tasks / "grpo-hello")
     (tasks / "grpo-hello" / "environment" / "marker.txt").write_text(uuid.uuid4().hex)
-    nodes = [EnvhubProcess(tmp_path / f"n{i}", "--config",
-                           str(node_config(tmp_path / f"n{i}.yaml", f"grpo-{i}-{uuid.uuid4().hex[:4]}", tasks)),
-                           "--capacity", "8").start(timeout=60) for i in range(2)]
+    nodes = [
+        EnvhubProcess(
+            tmp_path / f"n{i}",
+            "--config",
+            str(node_config(tmp_path / f"n{i}.yaml", f"grpo-{i}-{uuid.uuid4().hex[:4]}", tasks)),
+            "--capacity",
+            "8",
+        ).start(timeout=60)
+        for i in range(2)
+    ]
     nodes_yaml = tmp_path / "nodes.yaml"
-    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": n.url, "slots": 8} for n in nodes],
-                                          "url_rewrite": {"http://trainer.fake:9999": model.url}}))
-    sched = EnvhubProcess(tmp_path / "s", "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.3",
-                          role="scheduler").start()
+    nodes_yaml.write_text(
+        yaml.safe_dump(
+            {
+                "nodes": [{"url": n.url, "slots": 8} for n in nodes],
+                "url_rewrite": {"http://trainer.fake:9999": model.url},
+            }
+        )
+    )
+    sched = EnvhubProcess(
+        tmp_path / "s", "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.3", role="scheduler"
+    ).start()
     try:
         results: list[dict] = []
 
         def go(i: int) -> None:
             with sched.client(timeout=300) as c:
-                results.append(c.post("/step", json={
-                    "task": {"task_name": "grpo-hello"}, "uid": f"grpo-hello_t{i}_{uuid.uuid4().hex[:6]}",
-                    "traj_i": i, "model_url": f"http://trainer.fake:9999/v1/solve-grpo{i}", "model_api_key": "k",
-                    "trial_name": "grpo"}).json())
+                results.append(
+                    c.post(
+                        "/step",
+                        json={
+                            "task": {"task_name": "grpo-hello"},
+                            "uid": f"grpo-hello_t{i}_{uuid.uuid4().hex[:6]}",
+                            "traj_i": i,
+                            "model_url": f"http://trainer.fake:9999/v1/solve-grpo{i}",
+                            "model_api_key": "k",
+                            "trial_name": "grpo",
+                        },
+                    ).json()
+                )
 
         threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
         for t in threads:
@@ -174,8 +215,14 @@ def test_health_counts_a_rollout_once_from_the_moment_it_holds_a_slot(faulty_nod
     count: reported any later, the scheduler saw the slot twice and sent the rest of a
     GRPO group to another node. The model URL points nowhere: the agent fails, which
     this test does not look at."""
-    body = {"environment": "faulty", "task_id": "slow-reset", "params": {"reset_s": 1.5},
-            "uid": "counted-once", "model_url": "http://127.0.0.1:9/v1", "model_api_key": "k"}
+    body = {
+        "environment": "faulty",
+        "task_id": "slow-reset",
+        "params": {"reset_s": 1.5},
+        "uid": "counted-once",
+        "model_url": "http://127.0.0.1:9/v1",
+        "model_api_key": "k",
+    }
     done: list[httpx.Response] = []
     with faulty_node.client(timeout=60) as c:
         t = threading.Thread(target=lambda: done.append(c.post("/rollouts", json=body)))

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from conftest import EnvhubProcess, faulty_plugin_env
+
 from envhub.scheduler.fleet import Node
 
 NODE_ARGS = ("--capacity", "4", "--set", "environments.terminal-bench.enabled=false")
@@ -30,16 +30,29 @@ def write_nodes_yaml(path: Path, nodes: list[EnvhubProcess], **extra) -> Path:
 
 
 def start_scheduler(tmp_path: Path, nodes_yaml: Path, *args: str, data: str = "sched") -> EnvhubProcess:
-    return EnvhubProcess(tmp_path / data, "--set", f"nodes_file={nodes_yaml}", "--set", "health_interval=0.2",
-                         "--set", "retry_max_wait=0", *args, role="scheduler").start()
+    return EnvhubProcess(
+        tmp_path / data,
+        "--set",
+        f"nodes_file={nodes_yaml}",
+        "--set",
+        "health_interval=0.2",
+        "--set",
+        "retry_max_wait=0",
+        *args,
+        role="scheduler",
+    ).start()
 
 
 @pytest.fixture
 def fleet(tmp_path):
     """Three nodes of 4 slots behind one scheduler; everything stopped (exit 0) at the end."""
     procs = start_nodes(tmp_path, 3)
-    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", procs,
-                                                       url_rewrite={"http://trainer.internal:8000": "http://relay:39001"}))
+    sched = start_scheduler(
+        tmp_path,
+        write_nodes_yaml(
+            tmp_path / "nodes.yaml", procs, url_rewrite={"http://trainer.internal:8000": "http://relay:39001"}
+        ),
+    )
     started = [sched, *procs]
     yield sched, procs, started
     for p in started:
@@ -83,7 +96,9 @@ def test_a_group_of_one_task_lands_on_one_node_until_full_then_overflows(busy_fl
         assert sorted(n["active_slots"] for n in status) == [0, 4, 4]
         assert any("mbpp/13" in n["task_affinity"] for n in status)
         # Every later call follows the route.
-        step = c.post(f"/instances/{ids[5]}/step", json={"action": {"tool": "run_python", "arguments": {"code": "6*7"}}})
+        step = c.post(
+            f"/instances/{ids[5]}/step", json={"action": {"tool": "run_python", "arguments": {"code": "6*7"}}}
+        )
         assert step.json()["observation"]["value_repr"] == "42"
         for iid in ids:
             assert c.post(f"/instances/{iid}/release").json()["released"] is True
@@ -108,6 +123,7 @@ def test_slot_accounting_counts_each_instance_once_in_any_order_of_reports_and_r
     """The races a live fleet hits now and then, each set up in order on the scheduler's
     own Node (plain Python, no process): reports taken before, during and after a
     create, a release, a failed create, a restarted node and OpenEnv sessions."""
+
     def report(node, ids, mark, anonymous=0):
         node.report({"slot_ids": ids, "active": len(ids) + anonymous, "slot_mark": mark})
 
@@ -179,8 +195,9 @@ def test_instances_a_node_reaps_leave_neither_slots_nor_cached_routes_in_the_sch
 
 def test_retention_deletes_the_routes_of_instances_that_ended_long_ago(tmp_path):
     node = start_nodes(tmp_path, 1)[0]
-    sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", [node]),
-                            "--set", "retention_hours=0.0005")  # 1.8 s
+    sched = start_scheduler(
+        tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", [node]), "--set", "retention_hours=0.0005"
+    )  # 1.8 s
     try:
         with sched.client() as c:
             old, live = (create(c, task)["instance_id"] for task in ("11", "12"))
@@ -208,8 +225,18 @@ def test_a_malformed_health_report_names_its_field_and_changes_nothing():
 
 class _MalformedHealth(BaseHTTPRequestHandler):
     def do_GET(self):
-        body = json.dumps({"ok": True, "role": "node", "capacity": 4, "active": 0, "rollouts": "two",
-                           "slot_ids": [], "slot_mark": "x.0", "accepting": True}).encode()
+        body = json.dumps(
+            {
+                "ok": True,
+                "role": "node",
+                "capacity": 4,
+                "active": 0,
+                "rollouts": "two",
+                "slot_ids": [],
+                "slot_mark": "x.0",
+                "accepting": True,
+            }
+        ).encode()
         self.send_response(200 if self.path == "/health" else 404)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -229,8 +256,11 @@ def test_a_node_with_a_malformed_health_report_is_down_and_the_health_round_goes
     threading.Thread(target=bad.serve_forever, daemon=True).start()
     node = start_nodes(tmp_path, 1)[0]
     nodes_yaml = tmp_path / "nodes.yaml"
-    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": f"http://127.0.0.1:{bad.server_port}", "slots": 4},
-                                                    {"url": node.url, "slots": 4}]}))
+    nodes_yaml.write_text(
+        yaml.safe_dump(
+            {"nodes": [{"url": f"http://127.0.0.1:{bad.server_port}", "slots": 4}, {"url": node.url, "slots": 4}]}
+        )
+    )
     sched = None
     try:
         sched = start_scheduler(tmp_path, nodes_yaml, "--set", "retention_hours=0.0005")  # 1.8 s
@@ -318,7 +348,9 @@ def test_a_stopped_node_gets_no_work_and_its_instances_answer_503_until_it_retur
             assert time.monotonic() < deadline
             time.sleep(0.1)
         r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}})
-        assert r.status_code == 503 and r.json()["code"] == "upstream_unavailable" and nodes[down].url in r.json()["error"]
+        assert (
+            r.status_code == 503 and r.json()["code"] == "upstream_unavailable" and nodes[down].url in r.json()["error"]
+        )
         others = [create(c, "11")["instance_id"] for _ in range(3)]
         assert all(node_of(sched, [n for i, n in enumerate(nodes) if i != down], o) in (0, 1) for o in others)
         nodes[down].start()  # same port and data dir
@@ -327,8 +359,12 @@ def test_a_stopped_node_gets_no_work_and_its_instances_answer_503_until_it_retur
             assert time.monotonic() < deadline
             time.sleep(0.1)
         # The node released its instances when it stopped: a clear 409 now, not a hang.
-        assert c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}
-                      ).status_code == 409
+        assert (
+            c.post(
+                f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}
+            ).status_code
+            == 409
+        )
         for o in others:
             c.post(f"/instances/{o}/release")
 
@@ -355,8 +391,9 @@ def test_retried_create_with_the_same_id_makes_one_instance(fleet):
 
         def go():
             with sched.client() as cc:
-                results.append(cc.post("/instances", json={"environment": "mbpp", "task_id": "12",
-                                                            "instance_id": "same-id"}))
+                results.append(
+                    cc.post("/instances", json={"environment": "mbpp", "task_id": "12", "instance_id": "same-id"})
+                )
 
         threads = [threading.Thread(target=go) for _ in range(4)]
         for t in threads:
@@ -395,9 +432,14 @@ def test_a_retried_create_joins_the_attempt_in_flight_or_follows_it_to_its_node(
 
     try:
         answers: list[httpx.Response] = []
-        threads = [threading.Thread(target=lambda: answers.append(
-            httpx.post(sched.url + "/instances", json={**body, "instance_id": "twice"}, timeout=30)))
-            for _ in range(2)]
+        threads = [
+            threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(sched.url + "/instances", json={**body, "instance_id": "twice"}, timeout=30)
+                )
+            )
+            for _ in range(2)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -416,8 +458,9 @@ def test_a_retried_create_joins_the_attempt_in_flight_or_follows_it_to_its_node(
         r = httpx.post(sched.url + "/instances", json={**body, "instance_id": "cut"}, timeout=30)
         assert r.status_code == 201, r.text
         assert states("cut")[first] == "active" and states("cut").count(None) == 1, states("cut")
-        step = httpx.post(f"{sched.url}/instances/cut/step",
-                          json={"action": {"tool": "run", "arguments": {"code": "print(3)"}}})
+        step = httpx.post(
+            f"{sched.url}/instances/cut/step", json={"action": {"tool": "run", "arguments": {"code": "print(3)"}}}
+        )
         assert step.json()["observation"]["content"] == "3\n"
     finally:
         for p in (sched, *nodes):
@@ -438,14 +481,24 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
     try:
         with node.client() as c:
             with pytest.raises(httpx.ReadTimeout):  # the node abandons this create: its caller left
-                c.post("/instances", json={"environment": "faulty", "task_id": "slow-reset",
-                                           "instance_id": "abandoned", "params": {"reset_s": 1.0}}, timeout=0.3)
+                c.post(
+                    "/instances",
+                    json={
+                        "environment": "faulty",
+                        "task_id": "slow-reset",
+                        "instance_id": "abandoned",
+                        "params": {"reset_s": 1.0},
+                    },
+                    timeout=0.3,
+                )
             deadline = time.monotonic() + 10
             while c.get("/instances/abandoned").json()["state"] != "failed":
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            assert c.post("/instances", json={"environment": "mbpp", "task_id": "13",
-                                              "instance_id": "lost"}).status_code == 201
+            assert (
+                c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "lost"}).status_code
+                == 201
+            )
         assert sched.stop() == 0
         node.proc.send_signal(signal.SIGKILL)  # a crash: the restarted node finds 'lost' gone
         node.proc.wait()
@@ -453,15 +506,21 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
         node.start()
         with node.client() as c:
             assert c.get("/instances/lost").json()["state"] == "lost"
-            assert c.post("/instances", json={"environment": "mbpp", "task_id": "13",
-                                              "instance_id": "kept"}).status_code == 201
+            assert (
+                c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "kept"}).status_code
+                == 201
+            )
         with sqlite3.connect(sched.data_dir / "envhub.db") as db:
             now = time.time()
-            db.executemany("INSERT INTO routes VALUES (?, ?, ?, ?, 'creating', ?, ?)",
-                           [("kept", node.url, "mbpp", "13", now, now),
-                            ("abandoned", node.url, "faulty", "slow-reset", now, now),
-                            ("lost", node.url, "mbpp", "13", now, now),
-                            ("never-arrived", node.url, "mbpp", "13", now, now)])
+            db.executemany(
+                "INSERT INTO routes VALUES (?, ?, ?, ?, 'creating', ?, ?)",
+                [
+                    ("kept", node.url, "mbpp", "13", now, now),
+                    ("abandoned", node.url, "faulty", "slow-reset", now, now),
+                    ("lost", node.url, "mbpp", "13", now, now),
+                    ("never-arrived", node.url, "mbpp", "13", now, now),
+                ],
+            )
         db.close()
         sched.start()
         with sched.client() as c:
@@ -469,11 +528,22 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
             assert c.get("/instances/abandoned").status_code == 404, "a route to a create that never finished"
             assert c.get("/instances/never-arrived").status_code == 404
             assert c.get("/instances/lost").status_code == 404, "a route to an instance its node lost"
-            retried = c.post("/instances", json={"environment": "faulty", "task_id": "slow-reset",
-                                                 "instance_id": "abandoned", "params": {"reset_s": 0.1}})
+            retried = c.post(
+                "/instances",
+                json={
+                    "environment": "faulty",
+                    "task_id": "slow-reset",
+                    "instance_id": "abandoned",
+                    "params": {"reset_s": 0.1},
+                },
+            )
             assert retried.status_code == 201, retried.text
-            assert c.post("/instances/abandoned/step",
-                          json={"action": {"tool": "run", "arguments": {"code": "print(5)"}}}).status_code == 200
+            assert (
+                c.post(
+                    "/instances/abandoned/step", json={"action": {"tool": "run", "arguments": {"code": "print(5)"}}}
+                ).status_code
+                == 200
+            )
             for iid in ("kept", "abandoned"):
                 assert c.post(f"/instances/{iid}/release").status_code == 200
     finally:

@@ -11,8 +11,9 @@ from envhub.settings import Settings, parse_assignment
 def test_precedence_defaults_yaml_environment_overrides(tmp_path):
     cfg = tmp_path / "node.yaml"
     cfg.write_text("capacity: 4\nport: 9000\nenvironments:\n  mbpp:\n    run_timeout: 3\n    path: a.jsonl\n")
-    s = Settings.load(cfg, environ={"ENVHUB_PORT": "9100", "ENVHUB_ENVIRONMENTS__MBPP__PATH": "b.jsonl"},
-                      overrides={"port": 9200})
+    s = Settings.load(
+        cfg, environ={"ENVHUB_PORT": "9100", "ENVHUB_ENVIRONMENTS__MBPP__PATH": "b.jsonl"}, overrides={"port": 9200}
+    )
     assert (s.capacity, s.port, s.host) == (4, 9200, "127.0.0.1")
     assert s.environments["mbpp"] == {"run_timeout": 3, "path": "b.jsonl"}
     assert s.db_path == s.data_dir / "envhub.db"
@@ -29,15 +30,18 @@ def test_set_assignments_parse_yaml_values():
         parse_assignment("no-equals-sign")
 
 
-@pytest.mark.parametrize("yaml_text, message", [
-    ("capacty: 3\n", "unknown setting"),
-    ("capacity: lots\n", "bad value"),
-    ("capacity: 0\n", "at least 1"),
-    ("retention_hours: 0\n", "retention_hours must be positive"),
-    ("retention_hours: soon\n", "bad value"),
-    ("- a\n", "mapping"),
-    ("a: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "yaml_text, message",
+    [
+        ("capacty: 3\n", "unknown setting"),
+        ("capacity: lots\n", "bad value"),
+        ("capacity: 0\n", "at least 1"),
+        ("retention_hours: 0\n", "retention_hours must be positive"),
+        ("retention_hours: soon\n", "bad value"),
+        ("- a\n", "mapping"),
+        ("a: [\n", "not valid YAML"),
+    ],
+)
 def test_bad_config_is_refused_with_a_clear_message(tmp_path, yaml_text, message):
     cfg = tmp_path / "node.yaml"
     cfg.write_text(yaml_text)

@@ -117,8 +117,11 @@ def test_parses_every_status_of_real_pytest_ra_output():
 
 def test_all_passed_output_is_resolved():
     results = parse_pytest_summary(ALL_PASSED)
-    assert results == {"test_has_close_elements_in_range": "passed", "test_empty_list": "passed",
-                       "test_unsorted_pairs": "passed"}
+    assert results == {
+        "test_has_close_elements_in_range": "passed",
+        "test_empty_list": "passed",
+        "test_unsorted_pairs": "passed",
+    }
     assert reward_from_tests(results) == 1.0
 
 
@@ -143,19 +146,24 @@ def test_summary_with_no_result_lines_is_empty_not_an_error():
     assert parse_pytest_summary("=== short test summary info ===\n=== no tests ran in 0.01s ===\n") == {}
 
 
-@pytest.mark.parametrize("code, status, mark, word, expected", [
-    (0, "PASSED", "✓", "passed", {"aider_polyglot_test": "passed"}),
-    (1, "FAILED", "✗", "failed", {"aider_polyglot_test": "failed"}),
-])
+@pytest.mark.parametrize(
+    "code, status, mark, word, expected",
+    [
+        (0, "PASSED", "✓", "passed", {"aider_polyglot_test": "passed"}),
+        (1, "FAILED", "✗", "failed", {"aider_polyglot_test": "failed"}),
+    ],
+)
 def test_polyglot_run_tests_own_summary_block(code, status, mark, word, expected):
     text = POLYGLOT_TAIL.format(code=code, status=status, mark=mark, word=word)
     assert parse_pytest_summary(text) == expected
 
 
 def test_failed_message_is_cut_at_the_last_separator_as_upstream_does():
-    text = ("=== short test summary info ===\n"
-            "FAILED t.py::test_a[x - y] - AssertionError: boom\n"
-            "FAILED t.py::test_b - assert 1 - 2 == 0\n")
+    text = (
+        "=== short test summary info ===\n"
+        "FAILED t.py::test_a[x - y] - AssertionError: boom\n"
+        "FAILED t.py::test_b - assert 1 - 2 == 0\n"
+    )
     # upstream splits on every " - " and drops only the last piece
     assert parse_pytest_summary(text) == {"test_a[x - y]": "failed", "test_b - assert 1": "failed"}
 
@@ -185,19 +193,24 @@ def test_unknown_words_and_bare_statuses_are_skipped():
 
 
 def ctrf(*tests: dict) -> bytes:
-    return json.dumps({"results": {"tool": {"name": "pytest"}, "summary": {"tests": len(tests)},
-                                   "tests": list(tests)}}).encode()
+    return json.dumps(
+        {"results": {"tool": {"name": "pytest"}, "summary": {"tests": len(tests)}, "tests": list(tests)}}
+    ).encode()
 
 
 def test_ctrf_only_passed_counts_as_passed():
-    data = ctrf({"name": "test_state.py::test_hello_file_exists", "status": "passed", "duration": 1},
-                {"name": "test_state.py::test_content", "status": "failed", "message": "assert"},
-                {"name": "test_state.py::test_skip", "status": "skipped"},
-                {"name": "test_state.py::test_other", "status": "other"})
-    assert parse_ctrf(data) == {"test_state.py::test_hello_file_exists": "passed",
-                                "test_state.py::test_content": "failed",
-                                "test_state.py::test_skip": "failed",
-                                "test_state.py::test_other": "failed"}
+    data = ctrf(
+        {"name": "test_state.py::test_hello_file_exists", "status": "passed", "duration": 1},
+        {"name": "test_state.py::test_content", "status": "failed", "message": "assert"},
+        {"name": "test_state.py::test_skip", "status": "skipped"},
+        {"name": "test_state.py::test_other", "status": "other"},
+    )
+    assert parse_ctrf(data) == {
+        "test_state.py::test_hello_file_exists": "passed",
+        "test_state.py::test_content": "failed",
+        "test_state.py::test_skip": "failed",
+        "test_state.py::test_other": "failed",
+    }
     assert reward_from_tests(parse_ctrf(data), "pass_ratio") == 0.25
 
 
@@ -205,11 +218,20 @@ def test_ctrf_with_no_tests_is_empty():
     assert parse_ctrf(ctrf()) == {}
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"{not json", b"\xff\xfe", b"[]", b'{"results": []}', b'{"results": {}}',
-    b'{"results": {"tests": {}}}', b'{"results": {"tests": [{"name": "a"}]}}',
-    b'{"results": {"tests": [{"name": 1, "status": "passed"}]}}',
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"{not json",
+        b"\xff\xfe",
+        b"[]",
+        b'{"results": []}',
+        b'{"results": {}}',
+        b'{"results": {"tests": {}}}',
+        b'{"results": {"tests": [{"name": "a"}]}}',
+        b'{"results": {"tests": [{"name": 1, "status": "passed"}]}}',
+    ],
+)
 def test_malformed_ctrf_is_a_grading_error(data):
     with pytest.raises(GradingError, match="ctrf.json"):
         parse_ctrf(data)
@@ -231,27 +253,30 @@ def test_reward_json_is_flat_and_wins_over_reward_txt():
     assert all(type(v) is float for v in rewards.values())
 
 
-@pytest.mark.parametrize("files, needle", [
-    ({}, "neither"),
-    ({"test-stdout.txt": b"1"}, "neither"),
-    ({"reward.txt": b""}, "empty"),
-    ({"reward.txt": b"\n"}, "empty"),
-    ({"reward.txt": b"passed"}, "one number"),
-    ({"reward.txt": b"1\n0\n"}, "one number"),
-    ({"reward.txt": b"nan"}, "not finite"),
-    ({"reward.txt": b"inf"}, "not finite"),
-    ({"reward.txt": b"\xff"}, "UTF-8"),
-    ({"reward.json": b""}, "empty"),
-    ({"reward.json": b"{oops"}, "not valid JSON"),
-    ({"reward.json": b"[1]"}, "object"),
-    ({"reward.json": b"{}"}, "non-empty"),
-    ({"reward.json": b'{"a": "1"}'}, "not a number"),
-    ({"reward.json": b'{"a": true}'}, "not a number"),
-    ({"reward.json": b'{"a": {"b": 1}}'}, "not a number"),
-    ({"reward.json": b'{"a": NaN}'}, "not finite"),
-    ({"reward.json": b'{"a": 1, "b": Infinity}'}, "not finite"),
-    ({"reward.json": b"not json", "reward.txt": b"1"}, "not valid JSON"),  # no fallback past a bad json
-])
+@pytest.mark.parametrize(
+    "files, needle",
+    [
+        ({}, "neither"),
+        ({"test-stdout.txt": b"1"}, "neither"),
+        ({"reward.txt": b""}, "empty"),
+        ({"reward.txt": b"\n"}, "empty"),
+        ({"reward.txt": b"passed"}, "one number"),
+        ({"reward.txt": b"1\n0\n"}, "one number"),
+        ({"reward.txt": b"nan"}, "not finite"),
+        ({"reward.txt": b"inf"}, "not finite"),
+        ({"reward.txt": b"\xff"}, "UTF-8"),
+        ({"reward.json": b""}, "empty"),
+        ({"reward.json": b"{oops"}, "not valid JSON"),
+        ({"reward.json": b"[1]"}, "object"),
+        ({"reward.json": b"{}"}, "non-empty"),
+        ({"reward.json": b'{"a": "1"}'}, "not a number"),
+        ({"reward.json": b'{"a": true}'}, "not a number"),
+        ({"reward.json": b'{"a": {"b": 1}}'}, "not a number"),
+        ({"reward.json": b'{"a": NaN}'}, "not finite"),
+        ({"reward.json": b'{"a": 1, "b": Infinity}'}, "not finite"),
+        ({"reward.json": b"not json", "reward.txt": b"1"}, "not valid JSON"),  # no fallback past a bad json
+    ],
+)
 def test_bad_or_missing_reward_files_are_grading_errors(files, needle):
     with pytest.raises(GradingError, match=needle):
         tb2_reward(files)

@@ -27,8 +27,13 @@ def write(path: Path, text: str, mode: int | None = None) -> Path:
     return path
 
 
-def make_tb1(root: Path, name: str = "t1", task_yaml: str = "instruction: do it\ndifficulty: easy\n",
-             dockerfile: str | None = "FROM ubuntu:24.04\nWORKDIR /app\n", compose: str | None = None) -> Path:
+def make_tb1(
+    root: Path,
+    name: str = "t1",
+    task_yaml: str = "instruction: do it\ndifficulty: easy\n",
+    dockerfile: str | None = "FROM ubuntu:24.04\nWORKDIR /app\n",
+    compose: str | None = None,
+) -> Path:
     d = root / name
     write(d / "task.yaml", task_yaml)
     if dockerfile is not None:
@@ -41,9 +46,13 @@ def make_tb1(root: Path, name: str = "t1", task_yaml: str = "instruction: do it\
     return d
 
 
-def make_tb2(root: Path, name: str = "t2", task_toml: str = 'version = "1.0"\n',
-             dockerfile: str | None = "FROM ubuntu:24.04\nWORKDIR /app\n",
-             instruction: str | None = "Create hello.txt.\n") -> Path:
+def make_tb2(
+    root: Path,
+    name: str = "t2",
+    task_toml: str = 'version = "1.0"\n',
+    dockerfile: str | None = "FROM ubuntu:24.04\nWORKDIR /app\n",
+    instruction: str | None = "Create hello.txt.\n",
+) -> Path:
     d = root / name
     write(d / "task.toml", task_toml)
     if instruction is not None:
@@ -240,8 +249,10 @@ services:
 
 
 def test_tb1_compose_environment_mapping_takes_numbers_and_booleans(tmp_path):
-    compose = "services:\n  client:\n    build: .\n    mem_limit: 512m\n" \
-              "    environment:\n      PORT: 8080\n      DEBUG: true\n      TEST_DIR: /custom\n"
+    compose = (
+        "services:\n  client:\n    build: .\n    mem_limit: 512m\n"
+        "    environment:\n      PORT: 8080\n      DEBUG: true\n      TEST_DIR: /custom\n"
+    )
     t = load_task(make_tb1(tmp_path, compose=compose))
     assert t.env == {"TEST_DIR": "/custom", "PORT": "8080", "DEBUG": "true"}
     assert t.memory_mb == 512 and t.build_context == t.path
@@ -309,32 +320,38 @@ def test_rejects_missing_test_scripts(tmp_path):
     assert_format_error(d2, "tests/test.sh")
 
 
-@pytest.mark.parametrize("line, field", [
-    ("max_agent_timeout_sec: soon", "max_agent_timeout_sec"),
-    ("max_test_timeout_sec: -5", "max_test_timeout_sec"),
-    ("max_test_timeout_sec: .nan", "max_test_timeout_sec"),
-    ("tags: python", "tags"),
-    ("run_tests_in_same_shell: maybe", "run_tests_in_same_shell"),
-    ("difficulty: 3", "difficulty"),
-])
+@pytest.mark.parametrize(
+    "line, field",
+    [
+        ("max_agent_timeout_sec: soon", "max_agent_timeout_sec"),
+        ("max_test_timeout_sec: -5", "max_test_timeout_sec"),
+        ("max_test_timeout_sec: .nan", "max_test_timeout_sec"),
+        ("tags: python", "tags"),
+        ("run_tests_in_same_shell: maybe", "run_tests_in_same_shell"),
+        ("difficulty: 3", "difficulty"),
+    ],
+)
 def test_rejects_tb1_fields_of_the_wrong_type(tmp_path, line, field):
     e = assert_format_error(make_tb1(tmp_path, task_yaml=f"instruction: do it\n{line}\n"), "task.yaml", field)
     assert e.field == field
 
 
-@pytest.mark.parametrize("toml, field", [
-    ('[agent]\ntimeout_sec = "soon"\n', "agent.timeout_sec"),
-    ("[verifier]\ntimeout_sec = 0\n", "verifier.timeout_sec"),
-    ('[environment]\ncpus = "many"\n', "environment.cpus"),
-    ("[environment]\nmemory_mb = 1.5\n", "environment.memory_mb"),
-    ('[environment]\nmemory = "lots"\n', "environment.memory"),
-    ("[environment]\nallow_internet = 1\n", "environment.allow_internet"),
-    ('[environment]\nnetwork_mode = "bridge"\n', "environment.network_mode"),
-    ("[environment.env]\nA = [1]\n", "environment.env.A"),
-    ("[environment.env]\nPORT = 8080\n", "environment.env.PORT"),  # harbor's env is dict[str, str]
-    ("environment = 3\n", "environment"),
-    ("[metadata]\ntags = [1, 2]\n", "metadata.tags"),
-])
+@pytest.mark.parametrize(
+    "toml, field",
+    [
+        ('[agent]\ntimeout_sec = "soon"\n', "agent.timeout_sec"),
+        ("[verifier]\ntimeout_sec = 0\n", "verifier.timeout_sec"),
+        ('[environment]\ncpus = "many"\n', "environment.cpus"),
+        ("[environment]\nmemory_mb = 1.5\n", "environment.memory_mb"),
+        ('[environment]\nmemory = "lots"\n', "environment.memory"),
+        ("[environment]\nallow_internet = 1\n", "environment.allow_internet"),
+        ('[environment]\nnetwork_mode = "bridge"\n', "environment.network_mode"),
+        ("[environment.env]\nA = [1]\n", "environment.env.A"),
+        ("[environment.env]\nPORT = 8080\n", "environment.env.PORT"),  # harbor's env is dict[str, str]
+        ("environment = 3\n", "environment"),
+        ("[metadata]\ntags = [1, 2]\n", "metadata.tags"),
+    ],
+)
 def test_rejects_tb2_fields_of_the_wrong_type(tmp_path, toml, field):
     e = assert_format_error(make_tb2(tmp_path, task_toml=toml), "task.toml", field)
     assert e.field == field
@@ -420,8 +437,9 @@ def test_context_hash_is_stable_and_independent_of_location_and_write_bits(tmp_p
 def test_context_hash_of_sample_task_equals_hash_of_its_copy(tmp_path):
     shutil.copytree(TB_DATA / "tb2" / "skills", tmp_path / "skills")
     image_map = {"ubuntu": "envhub/base:1"}
-    assert context_hash(load_task(tmp_path / "skills"), image_map) == \
-        context_hash(load_task(TB_DATA / "tb2" / "skills"), image_map)
+    assert context_hash(load_task(tmp_path / "skills"), image_map) == context_hash(
+        load_task(TB_DATA / "tb2" / "skills"), image_map
+    )
 
 
 @pytest.mark.parametrize("edit", ["content", "new_file", "new_empty_dir", "exec_bit", "rename", "symlink"])
@@ -490,8 +508,10 @@ def test_substitute_base_matches_an_exact_tag():
 
 def test_substitute_base_key_without_tag_matches_any_tag_or_digest():
     text = "FROM ubuntu:24.04\nFROM ubuntu@sha256:abc\nFROM ubuntu\nFROM ubuntu-extra:1\n"
-    assert substitute_base(text, {"ubuntu": "local/u:1"}) == \
-        "FROM local/u:1\nFROM local/u:1\nFROM local/u:1\nFROM ubuntu-extra:1\n"
+    assert (
+        substitute_base(text, {"ubuntu": "local/u:1"})
+        == "FROM local/u:1\nFROM local/u:1\nFROM local/u:1\nFROM ubuntu-extra:1\n"
+    )
 
 
 def test_substitute_base_prefers_exact_key_then_repository_then_catch_all():
@@ -501,29 +521,36 @@ def test_substitute_base_prefers_exact_key_then_repository_then_catch_all():
 
 
 def test_substitute_base_keeps_stage_references_scratch_and_aliases():
-    text = ("FROM golang:1.22 AS Build\nRUN go build\n"
-            "FROM build AS test\n"
-            "FROM scratch\nCOPY --from=build /out /out\n"
-            "from   debian:12   as   final  # runtime\n")
+    text = (
+        "FROM golang:1.22 AS Build\nRUN go build\n"
+        "FROM build AS test\n"
+        "FROM scratch\nCOPY --from=build /out /out\n"
+        "from   debian:12   as   final  # runtime\n"
+    )
     assert substitute_base(text, {"*": "local/base"}) == (
         "FROM local/base AS Build\nRUN go build\n"
         "FROM build AS test\n"
         "FROM scratch\nCOPY --from=build /out /out\n"
-        "from   local/base   as   final  # runtime\n")
+        "from   local/base   as   final  # runtime\n"
+    )
 
 
 def test_substitute_base_keeps_platform_flag():
     text = "FROM --platform=linux/amd64 buildpack-deps:jammy AS base\n"
-    assert substitute_base(text, {"buildpack-deps": "local/bp:jammy"}) == \
-        "FROM --platform=linux/amd64 local/bp:jammy AS base\n"
+    assert (
+        substitute_base(text, {"buildpack-deps": "local/bp:jammy"})
+        == "FROM --platform=linux/amd64 local/bp:jammy AS base\n"
+    )
     text = "FROM --platform=$BUILDPLATFORM python:3.13 \n"
     assert substitute_base(text, {"python:3.13": "local/py"}) == "FROM --platform=$BUILDPLATFORM local/py \n"
 
 
 def test_substitute_base_normalises_docker_hub_names_and_keeps_registry_ports():
     text = "FROM docker.io/library/ubuntu:24.04\nFROM localhost:5000/team/app:2\n"
-    assert substitute_base(text, {"ubuntu:24.04": "local/u", "localhost:5000/team/app": "local/app"}) == \
-        "FROM local/u\nFROM local/app\n"
+    assert (
+        substitute_base(text, {"ubuntu:24.04": "local/u", "localhost:5000/team/app": "local/app"})
+        == "FROM local/u\nFROM local/app\n"
+    )
 
 
 def test_substitute_base_leaves_comments_and_other_lines_alone():

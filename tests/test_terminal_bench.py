@@ -20,7 +20,6 @@ from pathlib import Path
 import docker
 import pytest
 import yaml
-
 from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
 
 pytestmark = [needs_docker]
@@ -31,11 +30,16 @@ NODE_ID = f"tbtest-{uuid.uuid4().hex[:8]}"
 
 
 def write_config(path: Path, *datasets: Path, **extra) -> Path:
-    path.write_text(yaml.safe_dump({
-        "node_id": NODE_ID,
-        "image_map": {"debian:bookworm": BASE_IMAGE},
-        "environments": {"terminal-bench": {"datasets": [str(d) for d in datasets]}},
-        **extra}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "node_id": NODE_ID,
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "environments": {"terminal-bench": {"datasets": [str(d) for d in datasets]}},
+                **extra,
+            }
+        )
+    )
     return path
 
 
@@ -167,8 +171,10 @@ def test_a_broken_dockerfile_fails_every_create_with_its_log_tail_and_is_retried
 def test_unknown_task_and_bad_arguments_are_clear_4xx(c):
     assert c.post("/instances", json={"environment": "terminal-bench", "task_id": "nope"}).status_code == 404
     iid = create(c, "hello-envhub")["instance_id"]
-    r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_command", "arguments": {"command": "ls",
-                                                                                                 "timeout": -1}}})
+    r = c.post(
+        f"/instances/{iid}/step",
+        json={"action": {"tool": "run_command", "arguments": {"command": "ls", "timeout": -1}}},
+    )
     assert r.status_code == 400 and r.json()["field"] == "action.arguments.timeout"
     r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "write_file", "arguments": {"path": "x"}}})
     assert r.status_code == 400 and r.json()["field"] == "action.arguments.content"
@@ -204,14 +210,18 @@ def test_concurrent_creates_of_an_unbuilt_task_share_one_build(tmp_path, start_n
     # Unchanged across a restart: no rebuild. Edited: a new image.
     again = start_node("--config", str(tmp_path / "node.yaml"), "--data-dir", str(node.data_dir))
     with again.client(timeout=300) as client:
-        iid = client.post("/instances", json={"environment": "terminal-bench", "task_id": "fresh-hello"}).json()["instance_id"]
+        iid = client.post("/instances", json={"environment": "terminal-bench", "task_id": "fresh-hello"}).json()[
+            "instance_id"
+        ]
         client.post(f"/instances/{iid}/release")
         assert client.get("/builds", params={"task_id": "fresh-hello"}).json()["total"] == 1
     assert again.stop() == 0
     (root / "fresh-hello" / "environment" / "marker.txt").write_text("edited")
     edited = start_node("--config", str(tmp_path / "node.yaml"), "--data-dir", str(node.data_dir))
     with edited.client(timeout=300) as client:
-        iid = client.post("/instances", json={"environment": "terminal-bench", "task_id": "fresh-hello"}).json()["instance_id"]
+        iid = client.post("/instances", json={"environment": "terminal-bench", "task_id": "fresh-hello"}).json()[
+            "instance_id"
+        ]
         client.post(f"/instances/{iid}/release")
         builds = client.get("/builds", params={"task_id": "fresh-hello"}).json()["builds"]
         assert len(builds) == 2 and builds[0]["image"] != image
@@ -225,13 +235,41 @@ def test_concurrent_creates_of_an_unbuilt_task_share_one_build(tmp_path, start_n
 
 def test_envhub_build_prebuilds_with_a_progress_bar(tmp_path):
     cfg = write_config(tmp_path / "node.yaml", BUNDLED, TEST_TASKS)
-    out = subprocess.run([sys.executable, "-m", "envhub", "build", "--config", str(cfg), "--data-dir",
-                          str(tmp_path / "data"), "word-count", "hello-envhub"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "envhub",
+            "build",
+            "--config",
+            str(cfg),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "word-count",
+            "hello-envhub",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert "building terminal-bench images" in out.stdout and "2 ready, 0 failed" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "envhub", "build", "--config", str(cfg), "--data-dir",
-                          str(tmp_path / "data"), "broken-build"], capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "envhub",
+            "build",
+            "--config",
+            str(cfg),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "broken-build",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 1 and "FAILED broken-build" in bad.stderr
     assert our_containers() == []
 

@@ -72,12 +72,23 @@ async def get_env_profile(backend: Backend, body: dict[str, Any]) -> list[str]:
 async def create(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     environment, task_id = required(body, "env_type"), required(body, "task_id")
     instance_id = body.get("instance_id") or f"exp_{int(time.time())}_{uuid.uuid4().hex[:8]}"
-    reply = await call(backend.create, {"environment": environment, "task_id": task_id,
-                                        "params": body.get("params") or {}, "instance_id": instance_id})
+    reply = await call(
+        backend.create,
+        {
+            "environment": environment,
+            "task_id": task_id,
+            "params": body.get("params") or {},
+            "instance_id": instance_id,
+        },
+    )
     obs = reply["observation"]
-    return {"state": [{"role": "system", "content": obs.get("system_prompt", "")},
-                      {"role": "user", "content": obs.get("instruction", "")}],
-            "info": {"instance_id": reply["instance_id"], "task_id": task_id}}
+    return {
+        "state": [
+            {"role": "system", "content": obs.get("system_prompt", "")},
+            {"role": "user", "content": obs.get("instruction", "")},
+        ],
+        "info": {"instance_id": reply["instance_id"], "task_id": task_id},
+    }
 
 
 async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
@@ -98,8 +109,13 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
         if done:
             break
     if not actions:
-        state.append({"role": "user", "tool_calls": [],
-                      "content": "No tool call and no code block found in your message. Call a tool."})
+        state.append(
+            {
+                "role": "user",
+                "tool_calls": [],
+                "content": "No tool call and no code block found in your message. Call a tool.",
+            }
+        )
     return {"state": state, "reward": reward, "is_terminated": done, "info": info}
 
 

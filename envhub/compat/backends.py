@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from envhub.errors import EnvhubError
-from envhub.node.service import NodeService
 from envhub.compat import seta
+from envhub.errors import EnvhubError
 from envhub.node.rollouts import run_rollout
+from envhub.node.service import NodeService
 from envhub.scheduler.service import SchedulerService
 
 
@@ -42,8 +42,13 @@ class NodeBackend:
         return self.node.environment(environment).splits()
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        reply, _ = await self.node.create(body.get("environment"), body.get("task_id"), body.get("params"),
-                                          instance_id=body.get("instance_id"), trial=body.get("trial"))
+        reply, _ = await self.node.create(
+            body.get("environment"),
+            body.get("task_id"),
+            body.get("params"),
+            instance_id=body.get("instance_id"),
+            trial=body.get("trial"),
+        )
         return reply
 
     async def step(self, instance_id: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -85,8 +90,11 @@ class SchedulerBackend:
         return _unwrap(*await self.scheduler.create(body))
 
     async def step(self, instance_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return _unwrap(*await self.scheduler.forward(instance_id, "POST", "/step", json.dumps(body).encode(),
-                                                     idempotent=body.get("request_id") is not None))
+        return _unwrap(
+            *await self.scheduler.forward(
+                instance_id, "POST", "/step", json.dumps(body).encode(), idempotent=body.get("request_id") is not None
+            )
+        )
 
     async def evaluate(self, instance_id: str) -> dict[str, Any]:
         return _unwrap(*await self.scheduler.forward(instance_id, "POST", "/evaluate", idempotent=False))
@@ -98,9 +106,15 @@ class SchedulerBackend:
         return _unwrap(*await self.scheduler.forward(instance_id, "GET", idempotent=True))
 
     async def seta_step(self, body: dict[str, Any]) -> dict[str, Any]:
-        return _unwrap(*await self.scheduler.rollout(
-            body, environment=self.scheduler.settings.seta_environment,
-            task_id=seta.task_name(body) or body.get("uid"), path="/step", failure_as_reply=True))
+        return _unwrap(
+            *await self.scheduler.rollout(
+                body,
+                environment=self.scheduler.settings.seta_environment,
+                task_id=seta.task_name(body) or body.get("uid"),
+                path="/step",
+                failure_as_reply=True,
+            )
+        )
 
 
 class PeerError(EnvhubError):

@@ -36,8 +36,15 @@ def rollout_request(body: dict[str, Any], *, environment: str) -> RolloutRequest
         raise InvalidRequest("'task' must be an object with task_name", field="task")
     if not isinstance(body.get("uid"), str) or not body["uid"]:
         raise InvalidRequest("'uid' must be a non-empty string", field="uid")
-    return RolloutRequest.parse({"environment": environment, "task_id": task_name(body), "uid": body["uid"],
-                                 "traj_i": body.get("traj_i", 0), "model_url": body.get("model_url") or "",
-                                 "model_api_key": body.get("model_api_key") or "",
-                                 "trial": body.get("trial_name") or None,
-                                 **{k: body[k] for k in _PASSED_THROUGH if k in body}})
+    return RolloutRequest.parse(
+        {
+            "environment": environment,
+            "task_id": task_name(body),
+            "uid": body["uid"],
+            "traj_i": body.get("traj_i", 0),
+            "model_url": body.get("model_url") or "",
+            "model_api_key": body.get("model_api_key") or "",
+            "trial": body.get("trial_name") or None,
+            **{k: body[k] for k in _PASSED_THROUGH if k in body},
+        }
+    )

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from envhub.errors import BuildFailed, EnvhubError
 from envhub.sandbox import BuildRequest, ImageBuilder
@@ -66,13 +67,23 @@ class BuildGate:
             if on_start is not None:
                 on_start(req)
             self.logs_dir.mkdir(parents=True, exist_ok=True)
-            build_id, log_path = await store.start(self.db, environment=req.environment, task_id=req.task_id,
-                                                   context_hash=req.context_hash, image=req.image,
-                                                   logs_dir=self.logs_dir)
+            build_id, log_path = await store.start(
+                self.db,
+                environment=req.environment,
+                task_id=req.task_id,
+                context_hash=req.context_hash,
+                image=req.image,
+                logs_dir=self.logs_dir,
+            )
             try:
-                await self.builder.build_image(context_dir=req.context_dir, dockerfile=req.dockerfile,
-                                               image=req.image, log_path=log_path, timeout=req.timeout,
-                                               extra_files=req.extra_files)
+                await self.builder.build_image(
+                    context_dir=req.context_dir,
+                    dockerfile=req.dockerfile,
+                    image=req.image,
+                    log_path=log_path,
+                    timeout=req.timeout,
+                    extra_files=req.extra_files,
+                )
             except BaseException as e:
                 error = e.message if isinstance(e, EnvhubError) else f"{type(e).__name__}: {e}"
                 await asyncio.shield(store.finish(self.db, build_id, ok=False, error=error[-4000:]))
@@ -81,8 +92,10 @@ class BuildGate:
                     e.extra.setdefault("build_id", build_id)
                     raise
                 if isinstance(e, Exception):
-                    raise BuildFailed(f"image for {req.environment}/{req.task_id} failed to build: {error}",
-                                      extra={"build_id": build_id}) from e
+                    raise BuildFailed(
+                        f"image for {req.environment}/{req.task_id} failed to build: {error}",
+                        extra={"build_id": build_id},
+                    ) from e
                 raise
             await store.finish(self.db, build_id, ok=True)
             self._ready.add(req.image)

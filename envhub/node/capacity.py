@@ -36,7 +36,9 @@ class Slots:
     def _full(self, why: str) -> CapacityExceeded:
         return CapacityExceeded(
             f"node is at capacity ({self.used}/{self.capacity} slots in use); {why}",
-            retry_after=self.retry_after, extra={"capacity": self.capacity, "queued": self.queued})
+            retry_after=self.retry_after,
+            extra={"capacity": self.capacity, "queued": self.queued},
+        )
 
     async def acquire(self) -> None:
         if self.used < self.capacity and not self._waiters:

@@ -8,19 +8,20 @@ a node started afterwards finds the image ready and never rebuilds it.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 import click
 
 from envhub.errors import EnvhubError, NotFound
-from envhub.plugins import collect, get_plugin_manager
 from envhub.node.runtime import NodeRuntime
+from envhub.plugins import collect, get_plugin_manager
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
 
 
-async def prebuild(settings: Settings, environment: str, task_ids: list[str] | None, *,
-                   echo: Callable[[str], None] = print) -> dict[str, str | None]:
+async def prebuild(
+    settings: Settings, environment: str, task_ids: list[str] | None, *, echo: Callable[[str], None] = print
+) -> dict[str, str | None]:
     """Build the images of ``task_ids`` (all tasks when ``None``) of ``environment``,
     in parallel up to ``build_parallel``; returns ``{task_id: error or None}``."""
     pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
@@ -28,16 +29,19 @@ async def prebuild(settings: Settings, environment: str, task_ids: list[str] | N
     runtime = NodeRuntime(settings, db)
     try:
         await migrate(db)
-        await runtime.start(collect(pm, "register_environments", "environment"),
-                            collect(pm, "register_sandboxes", "sandbox"))
+        await runtime.start(
+            collect(pm, "register_environments", "environment"), collect(pm, "register_sandboxes", "sandbox")
+        )
         env = runtime.environments.get(environment)
         if env is None:
             why = runtime.skipped.get(environment, "it is not registered or not enabled")
             raise NotFound(f"environment {environment!r} is not available: {why}")
         tasks = env.tasks() if task_ids is None else [env.task(t) for t in task_ids]
         outcome: dict[str, str | None] = {}
-        with click.progressbar(length=len(tasks), label=f"building {environment} images",
-                               show_pos=True, item_show_func=lambda t: t) as bar:
+        with click.progressbar(
+            length=len(tasks), label=f"building {environment} images", show_pos=True, item_show_func=lambda t: t
+        ) as bar:
+
             async def one(task) -> None:
                 try:
                     await env.prepare(task, {})

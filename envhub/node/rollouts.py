@@ -47,10 +47,11 @@ class RolloutRequest:
     budgets: Budgets | None = None
 
     @classmethod
-    def parse(cls, body: dict[str, Any]) -> "RolloutRequest":
+    def parse(cls, body: dict[str, Any]) -> RolloutRequest:
         """envhub's own shape: ``{environment, task_id, model_url, uid?, traj_i?, trial?,
         agent?, model?, model_api_key?, params?, max_steps?, max_tokens?, timeout?,
         model_timeout?}``."""
+
         def text(key: str, *, required: bool = False, default: str = "") -> str:
             value = body.get(key, default)
             if value is None:
@@ -60,8 +61,12 @@ class RolloutRequest:
             return str(value)
 
         budgets = Budgets()
-        for key, attr, kind in (("max_steps", "max_steps", int), ("max_tokens", "max_tokens", int),
-                                ("timeout", "timeout_s", float), ("model_timeout", "model_timeout_s", float)):
+        for key, attr, kind in (
+            ("max_steps", "max_steps", int),
+            ("max_tokens", "max_tokens", int),
+            ("timeout", "timeout_s", float),
+            ("model_timeout", "model_timeout_s", float),
+        ):
             if body.get(key) is not None:
                 value = body[key]
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -74,29 +79,54 @@ class RolloutRequest:
         if not isinstance(traj_i, int) or isinstance(traj_i, bool):
             raise InvalidRequest("'traj_i' must be an integer", field="traj_i")
         uid = body.get("uid") or f"{text('task_id', required=True)}_t{traj_i}_{secrets.token_hex(3)}"
-        return cls(environment=text("environment", required=True), task_id=text("task_id", required=True),
-                   uid=validate_instance_id(uid), model_url=text("model_url", required=True),
-                   model_api_key=text("model_api_key"), model=text("model", default="default"), traj_i=traj_i,
-                   trial=body.get("trial") or None, agent=text("agent", default="terminal"), params=params,
-                   budgets=budgets)
+        return cls(
+            environment=text("environment", required=True),
+            task_id=text("task_id", required=True),
+            uid=validate_instance_id(uid),
+            model_url=text("model_url", required=True),
+            model_api_key=text("model_api_key"),
+            model=text("model", default="default"),
+            traj_i=traj_i,
+            trial=body.get("trial") or None,
+            agent=text("agent", default="terminal"),
+            params=params,
+            budgets=budgets,
+        )
 
 
-async def run_rollout(node: NodeService, agents: dict[str, Agent], http: aiohttp.ClientSession,
-                      req: RolloutRequest) -> dict[str, Any]:
+async def run_rollout(
+    node: NodeService, agents: dict[str, Agent], http: aiohttp.ClientSession, req: RolloutRequest
+) -> dict[str, Any]:
     agent = agents.get(req.agent)
     if agent is None:
         raise InvalidRequest(f"no agent {req.agent!r} (agents: {', '.join(sorted(agents))})", field="agent")
     budgets = req.budgets or Budgets()
     trial = req.trial or node.settings.default_trial
     run_info: dict[str, Any] = {
-        "task_name": req.task_id, "uid": req.uid, "traj_i": req.traj_i, "environment": req.environment,
-        "node_id": node.settings.node_id, "trial": trial, "error_info": {}, "timings": {}, "reward": None,
-        "evaluation": {}, "agent_summary": {}}
+        "task_name": req.task_id,
+        "uid": req.uid,
+        "traj_i": req.traj_i,
+        "environment": req.environment,
+        "node_id": node.settings.node_id,
+        "trial": trial,
+        "error_info": {},
+        "timings": {},
+        "reward": None,
+        "evaluation": {},
+        "agent_summary": {},
+    }
     return await _run(node, agent, http, req, budgets, trial, run_info)
 
 
-async def _run(node: NodeService, agent: Agent, http: aiohttp.ClientSession, req: RolloutRequest, budgets: Budgets,
-               trial: str, run_info: dict[str, Any]) -> dict[str, Any]:
+async def _run(
+    node: NodeService,
+    agent: Agent,
+    http: aiohttp.ClientSession,
+    req: RolloutRequest,
+    budgets: Budgets,
+    trial: str,
+    run_info: dict[str, Any],
+) -> dict[str, Any]:
     timings = run_info["timings"]
     error: str | None = None
     created = False
@@ -110,8 +140,9 @@ async def _run(node: NodeService, agent: Agent, http: aiohttp.ClientSession, req
 
     t0 = time.monotonic()
     try:
-        reply, _ = await node.create(req.environment, req.task_id, req.params, instance_id=req.uid, trial=trial,
-                                     rollout=True)
+        reply, _ = await node.create(
+            req.environment, req.task_id, req.params, instance_id=req.uid, trial=trial, rollout=True
+        )
         created = True
     except EnvhubError as e:
         fail("reset", e.message)
@@ -139,9 +170,14 @@ async def _run(node: NodeService, agent: Agent, http: aiohttp.ClientSession, req
                 result = AgentResult("error", error=e.message)
             timings["2_run_agent"] = round(time.monotonic() - t1, 3)
             run_info["agent_summary"] = {
-                "agent": agent.name, "steps": result.steps, "model_calls": model.calls, "tokens": model.tokens,
-                "termination_reason": result.termination_reason, **result.summary,
-                **({"error": result.error} if result.error else {})}
+                "agent": agent.name,
+                "steps": result.steps,
+                "model_calls": model.calls,
+                "tokens": model.tokens,
+                "termination_reason": result.termination_reason,
+                **result.summary,
+                **({"error": result.error} if result.error else {}),
+            }
             if result.error:
                 fail("agent", result.error)
 

@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from envhub.node.builds import BuildGate
 from envhub.environment import EnvContext, Environment
 from envhub.errors import EnvhubError, StartupError
+from envhub.node.builds import BuildGate
 from envhub.plugins import Registry
 from envhub.sandbox import Sandbox
 from envhub.settings import Settings
@@ -39,8 +39,10 @@ class NodeRuntime:
         settings = self.settings
         unknown = sorted(set(settings.environments) - set(env_registry.classes))
         if unknown:
-            raise StartupError(f"config names unknown environment(s): {', '.join(unknown)} "
-                               f"(known: {', '.join(sorted(env_registry.classes))})")
+            raise StartupError(
+                f"config names unknown environment(s): {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(env_registry.classes))})"
+            )
         envs: dict[str, Environment] = {}
         for name, cls in env_registry.classes.items():
             config = dict(settings.environments.get(name) or {})
@@ -62,23 +64,27 @@ class NodeRuntime:
                 except EnvhubError as e:
                     required = [n for n in users if n in settings.environments]
                     if required:
-                        raise StartupError(f"sandbox {sandbox_name!r} (needed by {', '.join(required)}) "
-                                           f"cannot start: {e.message}") from None
+                        raise StartupError(
+                            f"sandbox {sandbox_name!r} (needed by {', '.join(required)}) cannot start: {e.message}"
+                        ) from None
                     for n in users:
                         self.skipped[n] = f"sandbox {sandbox_name!r} cannot start: {e.message}"
                         envs.pop(n)
-                    log.warning("not serving %s: sandbox %r cannot start: %s", ", ".join(users), sandbox_name,
-                                e.message)
+                    log.warning(
+                        "not serving %s: sandbox %r cannot start: %s", ", ".join(users), sandbox_name, e.message
+                    )
                     continue
                 self.sandboxes[sandbox_name] = sandbox
                 if self.builds is None and hasattr(sandbox, "build_image"):
-                    self.builds = BuildGate(self.db, sandbox, settings.data_dir / "builds",
-                                            parallel=settings.build_parallel)
+                    self.builds = BuildGate(
+                        self.db, sandbox, settings.data_dir / "builds", parallel=settings.build_parallel
+                    )
             failed = await builds_store.fail_unfinished(self.db)
             if failed:
                 log.warning("marked %d build(s) a previous run left unfinished as failed", failed)
-            context = EnvContext(settings=settings, sandboxes=self.sandboxes, builds=self.builds,
-                                 data_dir=settings.data_dir)
+            context = EnvContext(
+                settings=settings, sandboxes=self.sandboxes, builds=self.builds, data_dir=settings.data_dir
+            )
             for env in envs.values():
                 await env.start(context)
         except BaseException:

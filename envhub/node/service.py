@@ -25,18 +25,19 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-from envhub.node.capacity import Slots
 from envhub.environment import Action, Environment, Episode
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
+from envhub.node.capacity import Slots
+from envhub.node.trial_log import TrialLog, TrialWriter
 from envhub.sandbox import Sandbox, SandboxSpec
 from envhub.settings import Settings
-from envhub.util.singleflight import SingleFlight
 from envhub.store import instances, step_results
 from envhub.store.db import Database, delete_in_batches
-from envhub.node.trial_log import TrialLog, TrialWriter
+from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.node")
 
@@ -60,14 +61,20 @@ class Live:
 
 def validate_instance_id(value: Any) -> str:
     if not isinstance(value, str) or not 1 <= len(value) <= 128 or not set(value) <= _ID_CHARS:
-        raise InvalidRequest("'instance_id' must be 1-128 characters of letters, digits and . _ - :",
-                             field="instance_id")
+        raise InvalidRequest(
+            "'instance_id' must be 1-128 characters of letters, digits and . _ - :", field="instance_id"
+        )
     return value
 
 
 class NodeService:
-    def __init__(self, settings: Settings, db: Database, environments: Mapping[str, Environment],
-                 sandboxes: Mapping[str, Sandbox]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        db: Database,
+        environments: Mapping[str, Environment],
+        sandboxes: Mapping[str, Sandbox],
+    ) -> None:
         self.settings = settings
         self.db = db
         self.environments = dict(environments)
@@ -93,8 +100,9 @@ class NodeService:
             return self.environments[name]
         except KeyError:
             known = ", ".join(sorted(self.environments))
-            raise NotFound(f"no environment {name!r} (this node serves: {known})",
-                           extra={"environment": name}) from None
+            raise NotFound(
+                f"no environment {name!r} (this node serves: {known})", extra={"environment": name}
+            ) from None
 
     async def _live_or_raise(self, instance_id: str) -> Live:
         live = self._live.get(instance_id)
@@ -104,10 +112,13 @@ class NodeService:
         if row.state == "creating":
             raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
         if row.state == "lost":
-            raise Gone(f"instance {instance_id!r} is lost: {row.error}", extra={"state": row.state,
-                                                                                "instance_id": instance_id})
-        raise Conflict(f"instance {instance_id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
-                       extra={"state": row.state, "instance_id": instance_id})
+            raise Gone(
+                f"instance {instance_id!r} is lost: {row.error}", extra={"state": row.state, "instance_id": instance_id}
+            )
+        raise Conflict(
+            f"instance {instance_id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
+            extra={"state": row.state, "instance_id": instance_id},
+        )
 
     async def prebuild(self, environment: Any, task_id: Any) -> None:
         """Make a task ready (build its image) without starting an episode."""
@@ -146,9 +157,16 @@ class NodeService:
 
     # -- create ----------------------------------------------------------------------
 
-    async def create(self, environment: Any, task_id: Any, params: Any = None, *,
-                     instance_id: Any = None, trial: Any = None, rollout: bool = False
-                     ) -> tuple[dict[str, Any], bool]:
+    async def create(
+        self,
+        environment: Any,
+        task_id: Any,
+        params: Any = None,
+        *,
+        instance_id: Any = None,
+        trial: Any = None,
+        rollout: bool = False,
+    ) -> tuple[dict[str, Any], bool]:
         """Start an episode. Returns ``(reply, created)``; ``created`` is False for a replay.
         ``rollout``: the instance of a whole rollout, reported as such in /health."""
         env = self.environment(environment)
@@ -181,20 +199,32 @@ class NodeService:
 
     def _replay(self, row: instances.InstanceRow, environment: str, task_id: str) -> dict[str, Any]:
         if (row.environment, row.task_id) != (environment, task_id):
-            raise Conflict(f"instance id {row.id!r} already names an instance of {row.environment}/{row.task_id}",
-                           extra={"instance_id": row.id})
+            raise Conflict(
+                f"instance id {row.id!r} already names an instance of {row.environment}/{row.task_id}",
+                extra={"instance_id": row.id},
+            )
         if row.observation is None:
-            raise Conflict(f"instance {row.id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
-                           extra={"instance_id": row.id, "state": row.state})
+            raise Conflict(
+                f"instance {row.id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
+                extra={"instance_id": row.id, "state": row.state},
+            )
         return self._create_reply(row.id, row.environment, row.task_id, row.trial, row.observation, row.state)
 
-    def _create_reply(self, instance_id: str, environment: str, task_id: str, trial: str,
-                      observation: dict[str, Any], state: str) -> dict[str, Any]:
-        return {"instance_id": instance_id, "environment": environment, "task_id": task_id,
-                "trial": trial, "state": state, "observation": observation}
+    def _create_reply(
+        self, instance_id: str, environment: str, task_id: str, trial: str, observation: dict[str, Any], state: str
+    ) -> dict[str, Any]:
+        return {
+            "instance_id": instance_id,
+            "environment": environment,
+            "task_id": task_id,
+            "trial": trial,
+            "state": state,
+            "observation": observation,
+        }
 
-    async def _create(self, env: Environment, task: Any, params: dict[str, Any], instance_id: str,
-                      trial: str, rollout: bool = False) -> tuple[dict[str, Any], bool]:
+    async def _create(
+        self, env: Environment, task: Any, params: dict[str, Any], instance_id: str, trial: str, rollout: bool = False
+    ) -> tuple[dict[str, Any], bool]:
         sandbox = self.sandboxes[env.sandbox]
         await env.prepare(task, params)  # image builds happen before a slot is taken
         await self.slots.acquire()
@@ -205,25 +235,59 @@ class NodeService:
         logged: TrialLog | None = None  # the log, once "created" is in it
         row: instances.InstanceRow | None = None
         try:
-            row = await instances.insert(self.db, id=instance_id, environment=env.name, task_id=task.id,
-                                         trial=trial, node_id=self.settings.node_id, sandbox=sandbox.name,
-                                         params=params)
-            spec = env.sandbox_spec(task, params, SandboxSpec(
-                instance_id=instance_id, environment=env.name, task_id=task.id,
-                labels={"envhub.node": self.settings.node_id, "envhub.instance": instance_id,
-                        "envhub.task": f"{env.name}/{task.id}"}))
+            row = await instances.insert(
+                self.db,
+                id=instance_id,
+                environment=env.name,
+                task_id=task.id,
+                trial=trial,
+                node_id=self.settings.node_id,
+                sandbox=sandbox.name,
+                params=params,
+            )
+            spec = env.sandbox_spec(
+                task,
+                params,
+                SandboxSpec(
+                    instance_id=instance_id,
+                    environment=env.name,
+                    task_id=task.id,
+                    labels={
+                        "envhub.node": self.settings.node_id,
+                        "envhub.instance": instance_id,
+                        "envhub.task": f"{env.name}/{task.id}",
+                    },
+                ),
+            )
             handle = await sandbox.create(spec)
             trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, trial, instance_id)
-            episode = Episode(instance_id=instance_id, task=task, params=params, sandbox=sandbox,
-                              handle=handle, spec=spec, log_dir=trial_log.dir)
+            episode = Episode(
+                instance_id=instance_id,
+                task=task,
+                params=params,
+                sandbox=sandbox,
+                handle=handle,
+                spec=spec,
+                log_dir=trial_log.dir,
+            )
             observation = await env.reset(episode)
-            trial_log.record("created", {
-                "instance_id": instance_id, "environment": env.name, "task_id": task.id, "trial": trial,
-                "node_id": self.settings.node_id, "params": params, "created_at": row.created_at,
-                "observation": observation})
+            trial_log.record(
+                "created",
+                {
+                    "instance_id": instance_id,
+                    "environment": env.name,
+                    "task_id": task.id,
+                    "trial": trial,
+                    "node_id": self.settings.node_id,
+                    "params": params,
+                    "created_at": row.created_at,
+                    "observation": observation,
+                },
+            )
             logged = trial_log
-            await instances.activate(self.db, instance_id, handle=handle, observation=observation,
-                                     env_state=episode.state)
+            await instances.activate(
+                self.db, instance_id, handle=handle, observation=observation, env_state=episode.state
+            )
             row.state, row.sandbox_handle, row.observation = "active", handle, observation
             self._live[instance_id] = Live(row=row, env=env, episode=episode, log=trial_log)
         except BaseException as e:
@@ -237,8 +301,9 @@ class NodeService:
             raise
         return self._create_reply(instance_id, env.name, task.id, trial, observation, "active"), True
 
-    async def _abort_create(self, instance_id: str, sandbox: Sandbox, handle: str | None,
-                            error: BaseException, *, ours: bool) -> None:
+    async def _abort_create(
+        self, instance_id: str, sandbox: Sandbox, handle: str | None, error: BaseException, *, ours: bool
+    ) -> None:
         try:
             if handle is not None:
                 await sandbox.destroy(handle)
@@ -271,20 +336,35 @@ class NodeService:
                 if recorded is not None:
                     return recorded
             if live.done:
-                raise Conflict(f"instance {instance_id!r} is done; evaluate or release it",
-                               extra={"state": "done"})
+                raise Conflict(f"instance {instance_id!r} is done; evaluate or release it", extra={"state": "done"})
             started = time.monotonic()
             result = await live.env.step(live.episode, action)
             live.last_active = time.monotonic()
             live.row.step_count += 1
             live.done = live.done or result.done
-            await instances.record_step(self.db, instance_id, step_count=live.row.step_count, done=result.done,
-                                        env_state=live.episode.state, reward=result.reward if result.done else None)
-            reply = {"observation": result.observation, "reward": result.reward, "done": result.done,
-                     "info": result.info}
-            live.log.record("step", {
-                "step": live.row.step_count, "duration_s": live.last_active - started,
-                "action": {"tool": action.tool, "arguments": action.arguments}, **reply})
+            await instances.record_step(
+                self.db,
+                instance_id,
+                step_count=live.row.step_count,
+                done=result.done,
+                env_state=live.episode.state,
+                reward=result.reward if result.done else None,
+            )
+            reply = {
+                "observation": result.observation,
+                "reward": result.reward,
+                "done": result.done,
+                "info": result.info,
+            }
+            live.log.record(
+                "step",
+                {
+                    "step": live.row.step_count,
+                    "duration_s": live.last_active - started,
+                    "action": {"tool": action.tool, "arguments": action.arguments},
+                    **reply,
+                },
+            )
             result = {"instance_id": instance_id, "step": live.row.step_count, **reply}
             if request_id is not None:
                 await step_results.record(self.db, instance_id, request_id, result)
@@ -308,8 +388,9 @@ class NodeService:
             evaluation = await live.env.evaluate(live.episode)
             live.last_active = time.monotonic()
             reply = {"instance_id": instance_id, "reward": evaluation.reward, "details": evaluation.details}
-            record = instances.evaluation_statement(instance_id, reward=evaluation.reward, evaluation=reply,
-                                                    env_state=live.episode.state)
+            record = instances.evaluation_statement(
+                instance_id, reward=evaluation.reward, evaluation=reply, env_state=live.episode.state
+            )
             live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
             if release:  # one transaction records the evaluation and the end
                 await asyncio.shield(self._end(live, "released", also=[record]))
@@ -332,8 +413,7 @@ class NodeService:
             await asyncio.shield(self._end(live, reason))
         return {"instance_id": instance_id, "released": True, "state": reason}
 
-    async def _end(self, live: Live, state: str, error: str | None = None, *,
-                   also: list[tuple[str, Any]] = ()) -> None:
+    async def _end(self, live: Live, state: str, error: str | None = None, *, also: list[tuple[str, Any]] = ()) -> None:
         """Destroy the sandbox, free the slot and record the end (with ``also``, statements
         to commit in the same transaction)."""
         instance_id = live.row.id
@@ -349,8 +429,9 @@ class NodeService:
 
     def _ensure_still_live(self, live: Live) -> None:
         if self._live.get(live.row.id) is not live:
-            raise Conflict(f"instance {live.row.id!r} was released while this call waited",
-                           extra={"instance_id": live.row.id})
+            raise Conflict(
+                f"instance {live.row.id!r} was released while this call waited", extra={"instance_id": live.row.id}
+            )
 
     async def get(self, instance_id: str) -> dict[str, Any]:
         row = await instances.get(self.db, instance_id)
@@ -365,8 +446,11 @@ class NodeService:
     RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
 
     def config(self) -> dict[str, Any]:
-        return {"environments": {name: env.config for name, env in self.environments.items()},
-                "idle_ttl": self.settings.idle_ttl, "queue_timeout": self.settings.queue_timeout}
+        return {
+            "environments": {name: env.config for name, env in self.environments.items()},
+            "idle_ttl": self.settings.idle_ttl,
+            "queue_timeout": self.settings.queue_timeout,
+        }
 
     async def reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Merge ``changes`` into the running config. An environment section is merged into
@@ -374,8 +458,10 @@ class NodeService:
         with. Nothing is applied unless everything validates."""
         unknown = sorted(set(changes) - set(self.RECONFIGURABLE))
         if unknown:
-            raise InvalidRequest(f"cannot change {', '.join(unknown)} at run time "
-                                 f"(can: {', '.join(self.RECONFIGURABLE)})", field=unknown[0])
+            raise InvalidRequest(
+                f"cannot change {', '.join(unknown)} at run time (can: {', '.join(self.RECONFIGURABLE)})",
+                field=unknown[0],
+            )
         sections = changes.get("environments") or {}
         if not isinstance(sections, dict):
             raise InvalidRequest("'environments' must map names to config sections", field="environments")
@@ -448,8 +534,9 @@ class NodeService:
         if hours is None:
             return 0
         cutoff = (time.time() if now is None else now) - hours * 3600
-        deleted = await delete_in_batches(lambda n: instances.delete_ended(self.db, cutoff, n),
-                                          _PRUNE_BATCH, _PRUNE_PER_PASS)
+        deleted = await delete_in_batches(
+            lambda n: instances.delete_ended(self.db, cutoff, n), _PRUNE_BATCH, _PRUNE_PER_PASS
+        )
         if deleted:
             log.info("retention: deleted %d ended instance(s) created over %g h ago", deleted, hours)
         return deleted
@@ -482,17 +569,32 @@ class NodeService:
     async def _adopt(self, row: instances.InstanceRow) -> Live | None:
         sandbox = self.sandboxes.get(row.sandbox)
         env = self.environments.get(row.environment)
-        if row.state == "creating" or sandbox is None or env is None or not row.sandbox_handle \
-                or not sandbox.survives_restart:
+        if (
+            row.state == "creating"
+            or sandbox is None
+            or env is None
+            or not row.sandbox_handle
+            or not sandbox.survives_restart
+        ):
             return None
         try:
             task = env.task(row.task_id)
         except NotFound:
             return None
-        spec = env.sandbox_spec(task, row.params, SandboxSpec(
-            instance_id=row.id, environment=env.name, task_id=task.id,
-            labels={"envhub.node": self.settings.node_id, "envhub.instance": row.id,
-                    "envhub.task": f"{env.name}/{task.id}"}))
+        spec = env.sandbox_spec(
+            task,
+            row.params,
+            SandboxSpec(
+                instance_id=row.id,
+                environment=env.name,
+                task_id=task.id,
+                labels={
+                    "envhub.node": self.settings.node_id,
+                    "envhub.instance": row.id,
+                    "envhub.task": f"{env.name}/{task.id}",
+                },
+            ),
+        )
         try:
             if not await sandbox.adopt(row.sandbox_handle, spec):
                 return None
@@ -500,8 +602,16 @@ class NodeService:
             log.warning("cannot adopt %s: %s", row.id, e.message)
             return None
         trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, row.trial, row.id)
-        episode = Episode(instance_id=row.id, task=task, params=row.params, sandbox=sandbox,
-                          handle=row.sandbox_handle, spec=spec, state=row.env_state, log_dir=trial_log.dir)
+        episode = Episode(
+            instance_id=row.id,
+            task=task,
+            params=row.params,
+            sandbox=sandbox,
+            handle=row.sandbox_handle,
+            spec=spec,
+            state=row.env_state,
+            log_dir=trial_log.dir,
+        )
         trial_log.record("adopted")
         return Live(row=row, env=env, episode=episode, log=trial_log, done=row.state == "done")
 

@@ -4,7 +4,7 @@ Each instance directory holds ``episode.jsonl``: one JSON object per line, each 
 ``event`` and a ``time``, in the order things happened: ``created`` (what was asked for
 and the initial observation), one ``step`` per action (action, observation, reward,
 done, timing), ``evaluation`` (reward and details, once per evaluate) and the end
-(``released``, ``reaped``, ``failed`` ..., with ``error`` when there was one); a node
+(``released``, ``expired``, ``failed`` ..., with ``error`` when there was one); a node
 restart adds ``detached`` and ``adopted``. A create that fails after its ``created`` was
 written adds ``failed``; a retry of that id then appends its own ``created``.
 Environments may add their own files next to it (the terminal-bench verifier output; a
@@ -146,7 +146,7 @@ def _write(path: str, data: bytes, flag: int) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 

@@ -10,8 +10,9 @@ name is a ``StartupError`` that names both.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import pluggy
 
@@ -79,7 +80,8 @@ def collect(pm: pluggy.PluginManager, hook_name: str, kind: str) -> Registry:
                 raise StartupError(
                     f"duplicate {kind} name {name!r}: {first.__module__}.{first.__qualname__} "
                     f"(plugin {owners[name]}) and {cls.__module__}.{cls.__qualname__} "
-                    f"(plugin {impl.plugin_name})")
+                    f"(plugin {impl.plugin_name})"
+                )
             classes[name] = cls
             owners[name] = impl.plugin_name
     return Registry(kind=kind, classes=classes, owners=owners)
@@ -99,10 +101,12 @@ def describe_plugins(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
             "distribution": dist.project_name if dist else ("envhub" if name in DEFAULT_PLUGINS else None),
             "hooks": sorted(c.name for c in pm.get_hookcallers(plugin) or []),
         }
-        for hook_name, kind in (("register_environments", "environments"),
-                                ("register_sandboxes", "sandboxes"),
-                                ("register_network_modes", "network_modes"),
-                                ("register_agents", "agents")):
+        for hook_name, kind in (
+            ("register_environments", "environments"),
+            ("register_sandboxes", "sandboxes"),
+            ("register_network_modes", "network_modes"),
+            ("register_agents", "agents"),
+        ):
             impl = getattr(plugin, hook_name, None)
             if impl is not None and hook_name in entry["hooks"]:
                 entry[kind] = sorted(cls.name for cls in impl() or [])

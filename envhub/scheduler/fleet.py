@@ -69,8 +69,7 @@ class Node:
         self.holders = holders
         self.active = max(0, active - len(holders))
         self.reported_rollouts = rollouts
-        self.created = {i: (b, s) for i, (b, s) in self.created.items()
-                        if i not in holders and b == boot and s > seq}
+        self.created = {i: (b, s) for i, (b, s) in self.created.items() if i not in holders and b == boot and s > seq}
         self.ended &= holders
 
     def answered(self, instance_id: str, created: bool, mark: str | None) -> None:

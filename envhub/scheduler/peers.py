@@ -28,7 +28,7 @@ from envhub.errors import UpstreamUnavailable
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 
-@dataclass
+@dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 3
     multiplier: float = 0.2
@@ -55,9 +55,20 @@ class _Retryable(Exception):
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
 
-async def call(http: aiohttp.ClientSession, base_url: str, method: str, path: str, *, api_key: str | None = None,
-               json: Any = None, data: bytes | None = None, params: dict[str, str] | None = None,
-               idempotent: bool = False, retry: RetryPolicy = RetryPolicy(), timeout: float | None = None) -> PeerReply:
+async def call(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    method: str,
+    path: str,
+    *,
+    api_key: str | None = None,
+    json: Any = None,
+    data: bytes | None = None,
+    params: dict[str, str] | None = None,
+    idempotent: bool = False,
+    retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
+    timeout: float | None = None,
+) -> PeerReply:
     """One call to ``base_url + path``; retried only when ``idempotent``. ``data`` is a
     JSON body already encoded (passed through as it came from a client)."""
     headers = {"X-API-Key": api_key} if api_key else {}
@@ -67,8 +78,9 @@ async def call(http: aiohttp.ClientSession, base_url: str, method: str, path: st
     attempts = retry.attempts if idempotent else 1
 
     async def once() -> PeerReply:
-        async with http.request(method, base_url + path, json=json, data=data, params=params, headers=headers,
-                                **extra) as response:
+        async with http.request(
+            method, base_url + path, json=json, data=data, params=params, headers=headers, **extra
+        ) as response:
             # Reading the body inside the block hands the connection back to the pool
             # before any retry.
             body = await response.read()
@@ -82,7 +94,8 @@ async def call(http: aiohttp.ClientSession, base_url: str, method: str, path: st
         async for attempt in AsyncRetrying(
             stop=stop_after_attempt(attempts),
             wait=wait_exponential_jitter(multiplier=retry.multiplier, max=retry.max_wait, jitter=retry.multiplier)
-            if retry.max_wait > 0 else wait_none(),
+            if retry.max_wait > 0
+            else wait_none(),
             retry=retry_if_exception_type((*TRANSPORT_ERRORS, _Retryable)),
             reraise=True,
         ):
@@ -92,12 +105,15 @@ async def call(http: aiohttp.ClientSession, base_url: str, method: str, path: st
         last_error: Exception = e
     except TRANSPORT_ERRORS as e:
         last_error = e
-    raise UpstreamUnavailable(f"node {base_url} did not answer {method} {path}: "
-                              f"{type(last_error).__name__}: {last_error}",
-                              extra={"node": base_url}) from last_error
+    raise UpstreamUnavailable(
+        f"node {base_url} did not answer {method} {path}: {type(last_error).__name__}: {last_error}",
+        extra={"node": base_url},
+    ) from last_error
 
 
 def session(*, total_timeout: float) -> aiohttp.ClientSession:
     """The process's one client session; make it inside the running loop, close it at stop."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0),
-                                 timeout=aiohttp.ClientTimeout(total=total_timeout, connect=10))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0),
+        timeout=aiohttp.ClientTimeout(total=total_timeout, connect=10),
+    )

@@ -33,15 +33,15 @@ from typing import Any
 
 import aiohttp
 
-from envhub.scheduler import peers
 from envhub.errors import EnvhubError, InvalidRequest, Unavailable, UpstreamUnavailable
 from envhub.network import NetworkMode
 from envhub.node.service import validate_instance_id
+from envhub.scheduler import peers
+from envhub.scheduler.fleet import Fleet, Node
 from envhub.settings import Settings
-from envhub.util.singleflight import SingleFlight
 from envhub.store import routes
 from envhub.store.db import Database, delete_in_batches
-from envhub.scheduler.fleet import Fleet, Node
+from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.scheduler")
 
@@ -58,8 +58,9 @@ _PRUNE_PER_ROUND = 5_000  # and per health round
 
 
 class SchedulerService:
-    def __init__(self, settings: Settings, db: Database, http: aiohttp.ClientSession, fleet: Fleet,
-                 network: NetworkMode) -> None:
+    def __init__(
+        self, settings: Settings, db: Database, http: aiohttp.ClientSession, fleet: Fleet, network: NetworkMode
+    ) -> None:
         self.settings = settings
         self.db = db
         self.http = http
@@ -110,7 +111,7 @@ class SchedulerService:
         """One health round. Each node's check stands alone: one that fails in a way
         :meth:`_check` does not expect marks that node down, and the round goes on."""
         results = await asyncio.gather(*(self._check(node) for node in self.nodes), return_exceptions=True)
-        for node, result in zip(self.nodes, results):
+        for node, result in zip(self.nodes, results, strict=True):
             if isinstance(result, Exception):
                 log.error("health check of %s", node.url, exc_info=result)
                 self.mark_down(node, f"{type(result).__name__}: {result}")
@@ -123,8 +124,13 @@ class SchedulerService:
         gone = []
         for instance_id, url in self._route_cache.items():
             node = self.by_url.get(url)
-            if node is not None and node.healthy and instance_id not in node.holders \
-                    and instance_id not in node.created and instance_id not in node.creating:
+            if (
+                node is not None
+                and node.healthy
+                and instance_id not in node.holders
+                and instance_id not in node.created
+                and instance_id not in node.creating
+            ):
                 gone.append(instance_id)
         for instance_id in gone:
             del self._route_cache[instance_id]
@@ -166,8 +172,9 @@ class SchedulerService:
         if hours is None:
             return 0
         cutoff = time.time() - hours * 3600
-        return await delete_in_batches(lambda n: routes.delete_ended(self.db, cutoff, n),
-                                       _PRUNE_BATCH, _PRUNE_PER_ROUND)
+        return await delete_in_batches(
+            lambda n: routes.delete_ended(self.db, cutoff, n), _PRUNE_BATCH, _PRUNE_PER_ROUND
+        )
 
     # -- choosing a node -----------------------------------------------------------------
 
@@ -190,12 +197,15 @@ class SchedulerService:
             if left <= 0:
                 healthy = [n for n in self.nodes if n.healthy]
                 why = "all nodes are at capacity" if healthy else "no node is healthy"
-                raise AllNodesBusy(f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
-                                   f"slots in use on {len(healthy)} healthy node(s))",
-                                   headers={"Retry-After": "2"}, extra={"retry_after": 2})
+                raise AllNodesBusy(
+                    f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
+                    f"slots in use on {len(healthy)} healthy node(s))",
+                    headers={"Retry-After": "2"},
+                    extra={"retry_after": 2},
+                )
             try:
                 await asyncio.wait_for(self._freed.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _choose(self, task_key: str) -> Node | None:
@@ -222,17 +232,20 @@ class SchedulerService:
         if not isinstance(params, dict):
             raise InvalidRequest("'params' must be an object", field="params")
         instance_id = body.get("instance_id")
-        instance_id = validate_instance_id(instance_id) if instance_id is not None else \
-            f"{environment}-{secrets.token_hex(8)}"
+        instance_id = (
+            validate_instance_id(instance_id) if instance_id is not None else f"{environment}-{secrets.token_hex(8)}"
+        )
         # A concurrent retry (a client that timed out while this runs) joins the attempt.
         (status, data), ran = await self._creating.run(
-            instance_id, lambda: self._create(body, environment, str(task_id), params, instance_id))
+            instance_id, lambda: self._create(body, environment, str(task_id), params, instance_id)
+        )
         if not ran and status == 201:
             status = 200  # as a node answers a replay
         return status, data
 
-    async def _create(self, body: dict[str, Any], environment: str, task_id: str, params: dict[str, Any],
-                      instance_id: str) -> tuple[int, bytes]:
+    async def _create(
+        self, body: dict[str, Any], environment: str, task_id: str, params: dict[str, Any], instance_id: str
+    ) -> tuple[int, bytes]:
         """Forward a create, recording its route first.
 
         The route stays ``creating`` when the outcome is unknown (the call failed or this
@@ -246,10 +259,12 @@ class SchedulerService:
             if existing.state != "creating":
                 # A retried create: the node that has it replays its first answer.
                 if node is None:
-                    raise Unavailable(f"instance {instance_id!r} is on node {existing.node_url}, "
-                                      "which is no longer configured")
-                reply = await self.call(node, "POST", "/instances", idempotent=True,
-                                        json={**body, "instance_id": instance_id})
+                    raise Unavailable(
+                        f"instance {instance_id!r} is on node {existing.node_url}, which is no longer configured"
+                    )
+                reply = await self.call(
+                    node, "POST", "/instances", idempotent=True, json={**body, "instance_id": instance_id}
+                )
                 return reply.status, reply.body
             if node is not None and node.healthy:
                 node.creating.add(instance_id)  # an earlier attempt's node: it may hold the instance already
@@ -264,11 +279,13 @@ class SchedulerService:
         created = answered = False
         mark: str | None = None
         try:
-            await routes.put(self.db, instance_id=instance_id, node_url=node.url, environment=environment,
-                             task_id=task_id)
+            await routes.put(
+                self.db, instance_id=instance_id, node_url=node.url, environment=environment, task_id=task_id
+            )
             await routes.touch_affinity(self.db, task_key, node.url)
-            reply = await self.call(node, "POST", "/instances", json=forwarded, idempotent=True,
-                                    timeout=self.settings.forward_timeout)
+            reply = await self.call(
+                node, "POST", "/instances", json=forwarded, idempotent=True, timeout=self.settings.forward_timeout
+            )
             answered, mark = True, reply.slots
             created = reply.status in (200, 201)
             if created:
@@ -282,14 +299,20 @@ class SchedulerService:
                     await asyncio.shield(routes.delete(self.db, instance_id))
                 self._freed.set()
 
-    async def rollout(self, body: dict[str, Any], *, environment: Any, task_id: Any, path: str = "/rollouts",
-                      failure_as_reply: bool = False) -> tuple[int, bytes]:
+    async def rollout(
+        self,
+        body: dict[str, Any],
+        *,
+        environment: Any,
+        task_id: Any,
+        path: str = "/rollouts",
+        failure_as_reply: bool = False,
+    ) -> tuple[int, bytes]:
         """Send a whole rollout to a node picked like a create (task affinity first), with
         its model URL rewritten, to ``path`` there. A node failure is a 503, or with
         ``failure_as_reply`` a 200 whose ``error`` says so (as SETA's scheduler answers)."""
         if not isinstance(environment, str) or not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
-            raise InvalidRequest("a rollout needs 'environment' and 'task_id' (SETA: task.task_name)",
-                                 field="task_id")
+            raise InvalidRequest("a rollout needs 'environment' and 'task_id' (SETA: task.task_name)", field="task_id")
         if isinstance(body.get("model_url"), str):
             body = {**body, "model_url": self.network.rewrite(body["model_url"])}
         node = await self._pick(f"{environment}/{task_id}")
@@ -306,8 +329,9 @@ class SchedulerService:
             node.rollouts -= 1
             self._freed.set()
 
-    async def forward(self, instance_id: str, method: str, suffix: str = "", body: bytes | None = None, *,
-                      idempotent: bool) -> tuple[int, bytes]:
+    async def forward(
+        self, instance_id: str, method: str, suffix: str = "", body: bytes | None = None, *, idempotent: bool
+    ) -> tuple[int, bytes]:
         """Send a call for ``instance_id`` to its node; ``body`` is the client's raw JSON,
         passed through unparsed (the node validates it and answers as it would directly)."""
         node_url = self._route_cache.get(instance_id)
@@ -320,10 +344,18 @@ class SchedulerService:
         if node is None:
             raise Unavailable(f"instance {instance_id!r} is on node {node_url}, which is no longer configured")
         if not node.healthy:
-            raise UpstreamUnavailable(f"instance {instance_id!r} is on node {node.url}, which is down",
-                                      extra={"node": node.url, "instance_id": instance_id})
-        reply = await self.call(node, method, f"/instances/{instance_id}{suffix}", data=body or None,
-                                idempotent=idempotent, timeout=self.settings.forward_timeout)
+            raise UpstreamUnavailable(
+                f"instance {instance_id!r} is on node {node.url}, which is down",
+                extra={"node": node.url, "instance_id": instance_id},
+            )
+        reply = await self.call(
+            node,
+            method,
+            f"/instances/{instance_id}{suffix}",
+            data=body or None,
+            idempotent=idempotent,
+            timeout=self.settings.forward_timeout,
+        )
         return reply.status, reply.body
 
     async def release(self, instance_id: str, method: str = "POST") -> tuple[int, bytes]:
@@ -417,20 +449,37 @@ class SchedulerService:
 
     def health(self) -> dict[str, Any]:
         healthy = [n for n in self.nodes if n.healthy]
-        return {"ok": True, "status": "ok", "role": "scheduler", "nodes": len(self.nodes),
-                "healthy_nodes": len(healthy), "total_slots": sum(n.capacity for n in healthy),
-                "active_slots": sum(n.used for n in healthy)}
+        return {
+            "ok": True,
+            "status": "ok",
+            "role": "scheduler",
+            "nodes": len(self.nodes),
+            "healthy_nodes": len(healthy),
+            "total_slots": sum(n.capacity for n in healthy),
+            "active_slots": sum(n.used for n in healthy),
+        }
 
     def status(self) -> dict[str, Any]:
         now = time.time()
         window = self.settings.affinity_window
         out = []
         for node in self.nodes:
-            out.append({
-                "url": node.url, "name": node.name, "healthy": node.healthy, "error": node.error,
-                "total_slots": node.capacity, "configured_slots": node.slots, "active_slots": node.used,
-                "free_ratio": round(node.free_ratio, 3),
-                "last_seen_s": None if node.last_seen is None else round(now - node.last_seen, 3),
-                "task_affinity": {k: round(now - t, 3) for k, (url, t) in self._affinity.items()
-                                  if url == node.url and now - t <= window}})
+            out.append(
+                {
+                    "url": node.url,
+                    "name": node.name,
+                    "healthy": node.healthy,
+                    "error": node.error,
+                    "total_slots": node.capacity,
+                    "configured_slots": node.slots,
+                    "active_slots": node.used,
+                    "free_ratio": round(node.free_ratio, 3),
+                    "last_seen_s": None if node.last_seen is None else round(now - node.last_seen, 3),
+                    "task_affinity": {
+                        k: round(now - t, 3)
+                        for k, (url, t) in self._affinity.items()
+                        if url == node.url and now - t <= window
+                    },
+                }
+            )
         return {"nodes": out, "cached_routes": len(self._route_cache)}

@@ -35,13 +35,16 @@ class BuildRow:
         return out
 
 
-async def start(db: Database, *, environment: str, task_id: str, context_hash: str, image: str,
-                logs_dir: Path) -> tuple[int, Path]:
+async def start(
+    db: Database, *, environment: str, task_id: str, context_hash: str, image: str, logs_dir: Path
+) -> tuple[int, Path]:
     """Record a build attempt; returns its id and the log file it writes (``<id>.log``)."""
     async with db.transaction():
         cursor = await db.conn.execute(
             "INSERT INTO builds (environment, task_id, context_hash, image, state, started_at) "
-            "VALUES (?, ?, ?, ?, 'building', ?)", (environment, task_id, context_hash, image, time.time()))
+            "VALUES (?, ?, ?, ?, 'building', ?)",
+            (environment, task_id, context_hash, image, time.time()),
+        )
         build_id = cursor.lastrowid
         log_path = Path(logs_dir) / f"{build_id}.log"
         await db.conn.execute("UPDATE builds SET log_path = ? WHERE id = ?", (str(log_path), build_id))
@@ -49,8 +52,10 @@ async def start(db: Database, *, environment: str, task_id: str, context_hash: s
 
 
 async def finish(db: Database, build_id: int, *, ok: bool, error: str | None = None) -> None:
-    await db.write("UPDATE builds SET state = ?, error = ?, finished_at = ? WHERE id = ?",
-                   ("ready" if ok else "failed", error, time.time(), build_id))
+    await db.write(
+        "UPDATE builds SET state = ?, error = ?, finished_at = ? WHERE id = ?",
+        ("ready" if ok else "failed", error, time.time(), build_id),
+    )
 
 
 async def latest_ready(db: Database, image: str) -> BuildRow | None:
@@ -65,8 +70,9 @@ async def get(db: Database, build_id: int) -> BuildRow:
     return BuildRow(**dict(row))
 
 
-async def list_(db: Database, *, environment: str | None = None, task_id: str | None = None,
-                limit: int = 100, offset: int = 0) -> tuple[list[BuildRow], int]:
+async def list_(
+    db: Database, *, environment: str | None = None, task_id: str | None = None, limit: int = 100, offset: int = 0
+) -> tuple[list[BuildRow], int]:
     where, params = [], []
     if environment:
         where.append("environment = ?")
@@ -82,5 +88,8 @@ async def list_(db: Database, *, environment: str | None = None, task_id: str | 
 
 async def fail_unfinished(db: Database) -> int:
     """At start: builds a previous process left ``building`` will never finish."""
-    return await db.write("UPDATE builds SET state = 'failed', error = 'the node stopped during the build', "
-                          "finished_at = ? WHERE state = 'building'", (time.time(),))
+    return await db.write(
+        "UPDATE builds SET state = 'failed', error = 'the node stopped during the build', "
+        "finished_at = ? WHERE state = 'building'",
+        (time.time(),),
+    )

@@ -27,8 +27,9 @@ import asyncio
 import contextlib
 import importlib.resources
 import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import aiosqlite
 
@@ -64,7 +65,7 @@ class Database:
         self._committer: asyncio.Task | None = None  # drains _queued; None when idle
 
     @classmethod
-    async def open(cls, path: Path) -> "Database":
+    async def open(cls, path: Path) -> Database:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = await aiosqlite.connect(str(path), isolation_level=None)
@@ -94,7 +95,7 @@ class Database:
         return await self.conn._execute(fn, self.conn._conn, *args)
 
     @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator["Database"]:
+    async def transaction(self) -> AsyncIterator[Database]:
         async with self._lock:
             await self.conn.execute("BEGIN IMMEDIATE")
             try:
@@ -136,7 +137,7 @@ class Database:
                         outcomes = await self._in_thread(_write_batch, [s for s, _ in batch])
                 except Exception as e:  # the connection is unusable (closed): every write failed
                     outcomes = [e] * len(batch)
-                for (_, done), outcome in zip(batch, outcomes):
+                for (_, done), outcome in zip(batch, outcomes, strict=True):
                     if done.done():
                         continue
                     if isinstance(outcome, Exception):
@@ -174,8 +175,7 @@ async def delete_in_batches(delete: Callable[[int], Awaitable[int]], batch: int,
     return deleted
 
 
-def _write_batch(conn: sqlite3.Connection,
-                 requests: list[list[tuple[str, Params]]]) -> list[list[int] | Exception]:
+def _write_batch(conn: sqlite3.Connection, requests: list[list[tuple[str, Params]]]) -> list[list[int] | Exception]:
     """Each request's row counts, or the error that rolled back its statements alone."""
     if len(requests) > 1:
         conn.execute("BEGIN IMMEDIATE")

@@ -91,32 +91,60 @@ def never_started(row: InstanceRow) -> bool:
     return row.observation is None and row.state in _UNFINISHED_CREATE_STATES
 
 
-async def insert(db: Database, *, id: str, environment: str, task_id: str, trial: str, node_id: str,
-                 sandbox: str, params: dict[str, Any]) -> InstanceRow:
+async def insert(
+    db: Database,
+    *,
+    id: str,
+    environment: str,
+    task_id: str,
+    trial: str,
+    node_id: str,
+    sandbox: str,
+    params: dict[str, Any],
+) -> InstanceRow:
     """Record a new instance in state ``creating``, in place of a row that
     :func:`never_started`; ``Conflict`` if the id is taken."""
     now = time.time()
     try:
-        _, inserted = await db.write_many([
-            (trials.ENSURE_SQL, (trial, now)),
-            ("INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, "
-             "created_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, 'creating', ?, ?, ?) "
-             "ON CONFLICT(id) DO UPDATE SET environment = excluded.environment, task_id = excluded.task_id, "
-             "trial = excluded.trial, node_id = excluded.node_id, sandbox = excluded.sandbox, "
-             "sandbox_handle = NULL, state = 'creating', params = excluded.params, env_state = '{}', "
-             "step_count = 0, reward = NULL, evaluation = NULL, error = NULL, "
-             "created_at = excluded.created_at, last_active_at = excluded.last_active_at, ended_at = NULL "
-             f"WHERE instances.observation IS NULL AND instances.state IN {_UNFINISHED_CREATE_STATES!r}",
-             (id, environment, task_id, trial, node_id, sandbox, json.dumps(params), now, now)),
-        ])
+        _, inserted = await db.write_many(
+            [
+                (trials.ENSURE_SQL, (trial, now)),
+                (
+                    "INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, "
+                    "created_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, 'creating', ?, ?, ?) "
+                    "ON CONFLICT(id) DO UPDATE SET environment = excluded.environment, task_id = excluded.task_id, "
+                    "trial = excluded.trial, node_id = excluded.node_id, sandbox = excluded.sandbox, "
+                    "sandbox_handle = NULL, state = 'creating', params = excluded.params, env_state = '{}', "
+                    "step_count = 0, reward = NULL, evaluation = NULL, error = NULL, "
+                    "created_at = excluded.created_at, last_active_at = excluded.last_active_at, ended_at = NULL "
+                    f"WHERE instances.observation IS NULL AND instances.state IN {_UNFINISHED_CREATE_STATES!r}",
+                    (id, environment, task_id, trial, node_id, sandbox, json.dumps(params), now, now),
+                ),
+            ]
+        )
     except sqlite3.IntegrityError:
         inserted = 0
     if not inserted:
         raise Conflict(f"instance id {id!r} is already taken", extra={"instance_id": id})
-    return InstanceRow(id=id, environment=environment, task_id=task_id, trial=trial, node_id=node_id,
-                       sandbox=sandbox, sandbox_handle=None, state="creating", params=params,
-                       observation=None, env_state={}, step_count=0, reward=None, evaluation=None,
-                       error=None, created_at=now, last_active_at=now)
+    return InstanceRow(
+        id=id,
+        environment=environment,
+        task_id=task_id,
+        trial=trial,
+        node_id=node_id,
+        sandbox=sandbox,
+        sandbox_handle=None,
+        state="creating",
+        params=params,
+        observation=None,
+        env_state={},
+        step_count=0,
+        reward=None,
+        evaluation=None,
+        error=None,
+        created_at=now,
+        last_active_at=now,
+    )
 
 
 async def get(db: Database, instance_id: str) -> InstanceRow:
@@ -131,56 +159,69 @@ async def find(db: Database, instance_id: str) -> InstanceRow | None:
     return None if row is None else _decode(row)
 
 
-def list_statements(states: tuple[str, ...] | None, limit: int, offset: int
-                    ) -> tuple[tuple[str, list[Any]], tuple[str, list[Any]]]:
+def list_statements(
+    states: tuple[str, ...] | None, limit: int, offset: int
+) -> tuple[tuple[str, list[Any]], tuple[str, list[Any]]]:
     """The count and the page of :func:`list_`. Indexed (migration 006): a page of all
     rows or of one state is read in order, never sorted from the whole table."""
     where, params = "", []
     if states:
         where = f"WHERE state IN ({','.join('?' * len(states))})"
         params = list(states)
-    return ((f"SELECT COUNT(*) FROM instances {where}", params),
-            (f"SELECT * FROM instances {where} ORDER BY created_at LIMIT ? OFFSET ?", [*params, limit, offset]))
+    return (
+        (f"SELECT COUNT(*) FROM instances {where}", params),
+        (f"SELECT * FROM instances {where} ORDER BY created_at LIMIT ? OFFSET ?", [*params, limit, offset]),
+    )
 
 
-async def list_(db: Database, *, states: tuple[str, ...] | None = None, limit: int = 100,
-                offset: int = 0) -> tuple[list[InstanceRow], int]:
+async def list_(
+    db: Database, *, states: tuple[str, ...] | None = None, limit: int = 100, offset: int = 0
+) -> tuple[list[InstanceRow], int]:
     count, page = list_statements(states, limit, offset)
     total = await db.scalar(*count)
     rows = await db.rows(*page)
     return [_decode(r) for r in rows], total
 
 
-async def activate(db: Database, instance_id: str, *, handle: str, observation: dict[str, Any],
-                   env_state: dict[str, Any]) -> None:
+async def activate(
+    db: Database, instance_id: str, *, handle: str, observation: dict[str, Any], env_state: dict[str, Any]
+) -> None:
     await db.write(
         "UPDATE instances SET state = 'active', sandbox_handle = ?, observation = ?, env_state = ?, "
         "last_active_at = ? WHERE id = ?",
-        (handle, json.dumps(observation), json.dumps(env_state), time.time(), instance_id))
+        (handle, json.dumps(observation), json.dumps(env_state), time.time(), instance_id),
+    )
 
 
-async def record_step(db: Database, instance_id: str, *, step_count: int, done: bool,
-                      env_state: dict[str, Any], reward: float | None) -> None:
+async def record_step(
+    db: Database, instance_id: str, *, step_count: int, done: bool, env_state: dict[str, Any], reward: float | None
+) -> None:
     await db.write(
         "UPDATE instances SET step_count = ?, env_state = ?, last_active_at = ?, "
         "state = CASE WHEN ? THEN 'done' ELSE state END, reward = COALESCE(?, reward) "
         "WHERE id = ? AND state IN ('active', 'done')",
-        (step_count, json.dumps(env_state), time.time(), done, reward, instance_id))
+        (step_count, json.dumps(env_state), time.time(), done, reward, instance_id),
+    )
 
 
-def evaluation_statement(instance_id: str, *, reward: float, evaluation: dict[str, Any],
-                         env_state: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+def evaluation_statement(
+    instance_id: str, *, reward: float, evaluation: dict[str, Any], env_state: dict[str, Any]
+) -> tuple[str, tuple[Any, ...]]:
     """The write that records an evaluation (for ``db.write`` or a ``write_many`` batch)."""
-    return ("UPDATE instances SET reward = ?, evaluation = ?, env_state = ?, last_active_at = ? WHERE id = ?",
-            (reward, json.dumps(evaluation), json.dumps(env_state), time.time(), instance_id))
+    return (
+        "UPDATE instances SET reward = ?, evaluation = ?, env_state = ?, last_active_at = ? WHERE id = ?",
+        (reward, json.dumps(evaluation), json.dumps(env_state), time.time(), instance_id),
+    )
 
 
 def end_statement(instance_id: str, state: str, *, error: str | None = None) -> tuple[str, tuple[Any, ...]]:
     """The write of :func:`end`."""
     assert state in ENDED_STATES
-    return ("UPDATE instances SET state = ?, error = COALESCE(?, error), ended_at = ? "
-            f"WHERE id = ? AND state IN ({','.join('?' * len(LIVE_STATES))})",
-            (state, error, time.time(), instance_id, *LIVE_STATES))
+    return (
+        "UPDATE instances SET state = ?, error = COALESCE(?, error), ended_at = ? "
+        f"WHERE id = ? AND state IN ({','.join('?' * len(LIVE_STATES))})",
+        (state, error, time.time(), instance_id, *LIVE_STATES),
+    )
 
 
 async def end(db: Database, instance_id: str, state: str, *, error: str | None = None) -> None:
@@ -194,12 +235,15 @@ async def fail_create(db: Database, instance_id: str, *, error: str) -> None:
     left the node and the sandbox is gone, so nobody ever had that instance."""
     await db.write(
         "UPDATE instances SET state = 'failed', observation = NULL, error = ?, ended_at = ? "
-        "WHERE id = ? AND state IN ('creating', 'active')", (error, time.time(), instance_id))
+        "WHERE id = ? AND state IN ('creating', 'active')",
+        (error, time.time(), instance_id),
+    )
 
 
 async def count_live(db: Database) -> int:
     return await db.scalar(
-        f"SELECT COUNT(*) FROM instances WHERE state IN ({','.join('?' * len(LIVE_STATES))})", LIVE_STATES)
+        f"SELECT COUNT(*) FROM instances WHERE state IN ({','.join('?' * len(LIVE_STATES))})", LIVE_STATES
+    )
 
 
 async def delete_ended(db: Database, created_before: float, limit: int) -> int:
@@ -209,14 +253,21 @@ async def delete_ended(db: Database, created_before: float, limit: int) -> int:
     transaction that checks the condition again: a create that never started may be
     retried in between, which makes its row live again with a new ``created_at``."""
     ended = ",".join("?" * len(ENDED_STATES))
-    rows = await db.rows(f"SELECT id FROM instances WHERE state IN ({ended}) AND created_at < ? LIMIT ?",
-                         (*ENDED_STATES, created_before, limit))
+    rows = await db.rows(
+        f"SELECT id FROM instances WHERE state IN ({ended}) AND created_at < ? LIMIT ?",
+        (*ENDED_STATES, created_before, limit),
+    )
     ids = [r[0] for r in rows]
     if not ids:
         return 0
-    still = (f"SELECT id FROM instances WHERE id IN ({','.join('?' * len(ids))}) "
-             f"AND state IN ({ended}) AND created_at < ?")
+    still = (
+        f"SELECT id FROM instances WHERE id IN ({','.join('?' * len(ids))}) AND state IN ({ended}) AND created_at < ?"
+    )
     params = [*ids, *ENDED_STATES, created_before]
-    counts = await db.write_many([(f"DELETE FROM step_results WHERE instance_id IN ({still})", params),
-                                  (f"DELETE FROM instances WHERE id IN ({still})", params)])
+    counts = await db.write_many(
+        [
+            (f"DELETE FROM step_results WHERE instance_id IN ({still})", params),
+            (f"DELETE FROM instances WHERE id IN ({still})", params),
+        ]
+    )
     return counts[1]

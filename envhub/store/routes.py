@@ -27,18 +27,22 @@ class Route:
     updated_at: float
 
 
-async def put(db: Database, *, instance_id: str, node_url: str, environment: str, task_id: str,
-              state: str = "creating") -> None:
+async def put(
+    db: Database, *, instance_id: str, node_url: str, environment: str, task_id: str, state: str = "creating"
+) -> None:
     now = time.time()
     await db.write(
         "INSERT INTO routes (instance_id, node_url, environment, task_id, state, created_at, updated_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(instance_id) DO UPDATE SET node_url = excluded.node_url, "
         "state = excluded.state, updated_at = excluded.updated_at",
-        (instance_id, node_url, environment, task_id, state, now, now))
+        (instance_id, node_url, environment, task_id, state, now, now),
+    )
 
 
 async def set_state(db: Database, instance_id: str, state: str) -> None:
-    await db.write("UPDATE routes SET state = ?, updated_at = ? WHERE instance_id = ?", (state, time.time(), instance_id))
+    await db.write(
+        "UPDATE routes SET state = ?, updated_at = ? WHERE instance_id = ?", (state, time.time(), instance_id)
+    )
 
 
 async def delete(db: Database, instance_id: str) -> None:
@@ -64,8 +68,10 @@ async def find(db: Database, instance_id: str) -> Route | None:
 
 
 # Served by routes_state_updated (migration 007).
-DELETE_ENDED_SQL = ("DELETE FROM routes WHERE instance_id IN (SELECT instance_id FROM routes "
-                    "WHERE state = 'ended' AND updated_at < ? LIMIT ?)")
+DELETE_ENDED_SQL = (
+    "DELETE FROM routes WHERE instance_id IN (SELECT instance_id FROM routes "
+    "WHERE state = 'ended' AND updated_at < ? LIMIT ?)"
+)
 # Both read only routes not yet ended, seeking them by state (migration 007).
 LIVE_COUNTS_SQL = "SELECT node_url, COUNT(*) FROM routes WHERE state IN ('creating', 'live') GROUP BY node_url"
 UNFINISHED_SQL = "SELECT instance_id, node_url FROM routes WHERE state = 'creating'"
@@ -82,9 +88,11 @@ async def unfinished(db: Database) -> list[tuple[str, str]]:
 
 
 async def touch_affinity(db: Database, task_key: str, node_url: str) -> None:
-    await db.write("INSERT INTO affinity (task_key, node_url, updated_at) VALUES (?, ?, ?) "
-                   "ON CONFLICT(task_key) DO UPDATE SET node_url = excluded.node_url, updated_at = excluded.updated_at",
-                   (task_key, node_url, time.time()))
+    await db.write(
+        "INSERT INTO affinity (task_key, node_url, updated_at) VALUES (?, ?, ?) "
+        "ON CONFLICT(task_key) DO UPDATE SET node_url = excluded.node_url, updated_at = excluded.updated_at",
+        (task_key, node_url, time.time()),
+    )
 
 
 async def affinities(db: Database, *, newer_than: float) -> dict[str, tuple[str, float]]:

@@ -12,7 +12,8 @@ join it rather than make a second instance. Invariants:
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Generic, Hashable, TypeVar
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 

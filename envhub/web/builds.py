@@ -15,10 +15,13 @@ bp = Blueprint("builds", url_prefix="/builds")
 
 @bp.get("/")
 async def list_builds(request: Request):
-    rows, total = await store.list_(request.app.ctx.db, environment=request.args.get("environment"),
-                                    task_id=request.args.get("task_id"),
-                                    limit=query_int(request, "limit", 100, minimum=1, maximum=1000),
-                                    offset=query_int(request, "offset", 0, maximum=10**9))
+    rows, total = await store.list_(
+        request.app.ctx.db,
+        environment=request.args.get("environment"),
+        task_id=request.args.get("task_id"),
+        limit=query_int(request, "limit", 100, minimum=1, maximum=1000),
+        offset=query_int(request, "offset", 0, maximum=10**9),
+    )
     return json({"total": total, "builds": [r.to_public() for r in rows]})
 
 
@@ -27,8 +30,11 @@ async def get_build(request: Request, build_id: int):
     row = await store.get(request.app.ctx.db, build_id)
     tail = ""
     if row.log_path and Path(row.log_path).exists():
-        tail = "\n".join(Path(row.log_path).read_text(errors="replace").splitlines()[-query_int(
-            request, "lines", 50, minimum=1, maximum=10_000):])
+        tail = "\n".join(
+            Path(row.log_path)
+            .read_text(errors="replace")
+            .splitlines()[-query_int(request, "lines", 50, minimum=1, maximum=10_000) :]
+        )
     return json({**row.to_public(), "log_tail": tail})
 
 
@@ -38,5 +44,11 @@ async def prebuild(request: Request):
     node = request.app.ctx.node
     await node.prebuild(body.get("environment"), body.get("task_id"))
     rows, _ = await store.list_(request.app.ctx.db, environment=body["environment"], task_id=body["task_id"], limit=1)
-    return json({"environment": body["environment"], "task_id": body["task_id"], "ready": True,
-                 "build": rows[0].to_public() if rows else None})
+    return json(
+        {
+            "environment": body["environment"],
+            "task_id": body["task_id"],
+            "ready": True,
+            "build": rows[0].to_public() if rows else None,
+        }
+    )

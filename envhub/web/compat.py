@@ -65,8 +65,11 @@ async def step(request: Request):
     if seta.is_step_request(body):  # one whole rollout
         return json(await request.app.ctx.backend.seta_step(body))
     if "instance_id" not in body:
-        raise InvalidRequest("POST /step takes SETA's StepRequest (task, uid, ...) or AgentEvolver's "
-                             "ServiceRequest (instance_id, messages)", field="task")
+        raise InvalidRequest(
+            "POST /step takes SETA's StepRequest (task, uid, ...) or AgentEvolver's "
+            "ServiceRequest (instance_id, messages)",
+            field="task",
+        )
     return await _reply(request, ae.step)
 
 

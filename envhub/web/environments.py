@@ -14,17 +14,33 @@ bp = Blueprint("environments", url_prefix="/environments")
 @bp.get("/")
 async def list_environments(request: Request):
     node = request.app.ctx.node
-    return json({"environments": [
-        {"name": env.name, "description": env.description, "sandbox": env.sandbox,
-         "splits": env.splits(), "tasks": len(env.tasks())}
-        for env in node.environments.values()]})
+    return json(
+        {
+            "environments": [
+                {
+                    "name": env.name,
+                    "description": env.description,
+                    "sandbox": env.sandbox,
+                    "splits": env.splits(),
+                    "tasks": len(env.tasks()),
+                }
+                for env in node.environments.values()
+            ]
+        }
+    )
 
 
 @bp.get("/<name>")
 async def get_environment(request: Request, name: str):
     env = request.app.ctx.node.environment(name)
-    return json({"name": env.name, "description": env.description, "sandbox": env.sandbox,
-                 "splits": {s: len(env.tasks(s)) for s in env.splits()}})
+    return json(
+        {
+            "name": env.name,
+            "description": env.description,
+            "sandbox": env.sandbox,
+            "splits": {s: len(env.tasks(s)) for s in env.splits()},
+        }
+    )
 
 
 @bp.get("/<name>/tasks")
@@ -32,10 +48,19 @@ async def list_tasks(request: Request, name: str):
     env = request.app.ctx.node.environment(name)
     split = request.args.get("split")
     if split is not None and split not in env.splits():
-        raise InvalidRequest(f"environment {name!r} has no split {split!r} (splits: {', '.join(env.splits())})",
-                             field="split")
+        raise InvalidRequest(
+            f"environment {name!r} has no split {split!r} (splits: {', '.join(env.splits())})", field="split"
+        )
     offset = query_int(request, "offset", 0, maximum=10**9)
     limit = query_int(request, "limit", 100, minimum=1, maximum=1000)
     tasks = env.tasks(split)
-    return json({"environment": name, "split": split, "total": len(tasks), "offset": offset, "limit": limit,
-                 "tasks": [t.summary() for t in tasks[offset:offset + limit]]})
+    return json(
+        {
+            "environment": name,
+            "split": split,
+            "total": len(tasks),
+            "offset": offset,
+            "limit": limit,
+            "tasks": [t.summary() for t in tasks[offset : offset + limit]],
+        }
+    )

@@ -18,8 +18,9 @@ from envhub.errors import EnvhubError
 log = logging.getLogger("envhub.web")
 
 
-def envelope(status: int, code: str, message: str, extra: dict | None = None,
-             headers: dict | None = None) -> JSONResponse:
+def envelope(
+    status: int, code: str, message: str, extra: dict | None = None, headers: dict | None = None
+) -> JSONResponse:
     body = {"ok": False, "error": message, "code": code, "status": status, **(extra or {})}
     return json(body, status=status, headers=headers)
 

@@ -22,8 +22,12 @@ bp = Blueprint("instances", url_prefix="/instances")
 async def create(request: Request):
     body = json_body(request)
     reply, created = await request.app.ctx.node.create(
-        body.get("environment"), body.get("task_id"), body.get("params"),
-        instance_id=body.get("instance_id"), trial=body.get("trial"))
+        body.get("environment"),
+        body.get("task_id"),
+        body.get("params"),
+        instance_id=body.get("instance_id"),
+        trial=body.get("trial"),
+    )
     node = request.app.ctx.node
     return json(reply, status=201 if created else 200, headers={"X-Envhub-Slots": node.slot_mark()})
 
@@ -32,9 +36,12 @@ async def create(request: Request):
 async def list_instances(request: Request):
     state = request.args.get("state")
     states = tuple(s for s in state.split(",") if s) if state else None
-    rows, total = await store.list_(request.app.ctx.node.db, states=states,
-                                    limit=query_int(request, "limit", 100, minimum=1, maximum=1000),
-                                    offset=query_int(request, "offset", 0, maximum=10**9))
+    rows, total = await store.list_(
+        request.app.ctx.node.db,
+        states=states,
+        limit=query_int(request, "limit", 100, minimum=1, maximum=1000),
+        offset=query_int(request, "offset", 0, maximum=10**9),
+    )
     return json({"total": total, "instances": [r.to_public() for r in rows]})
 
 

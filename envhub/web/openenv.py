@@ -114,8 +114,7 @@ async def close_with(ws: Any, frame: dict[str, Any] | None, code: int = 1000, wa
         # ...and also when an earlier recv of this socket was cancelled (the scheduler's
         # proxy cancels its reader): then wait for the closing handshake itself.
         proto = getattr(ws, "ws_proto", None)
-        while proto is not None and proto.state is not State.CLOSED \
-                and asyncio.get_running_loop().time() < deadline:
+        while proto is not None and proto.state is not State.CLOSED and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
 
 
@@ -165,11 +164,24 @@ async def _stateless(request: Request, environment: str, call: str, *, optional:
     try:
         body = jsonlib.loads(raw) if raw and raw.strip() else ({} if optional else None)
     except ValueError as e:
-        return json({"detail": [{"type": "json_invalid", "loc": ["body", 0], "msg": "JSON decode error",
-                                 "input": {}, "ctx": {"error": str(e)}}]}, status=422)
+        return json(
+            {
+                "detail": [
+                    {
+                        "type": "json_invalid",
+                        "loc": ["body", 0],
+                        "msg": "JSON decode error",
+                        "input": {},
+                        "ctx": {"error": str(e)},
+                    }
+                ]
+            },
+            status=422,
+        )
     if body is None:
-        return json({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}]},
-                    status=422)
+        return json(
+            {"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}]}, status=422
+        )
     try:
         return json(await getattr(request.app.ctx.openenv, call)(environment, body))
     except ValidationFailed as e:

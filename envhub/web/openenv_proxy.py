@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 from sanic import Blueprint, Request
 
-from envhub.errors import NotFound, UpstreamUnavailable
 from envhub.compat.openenv import ADAPTERS, WireError, capacity_reached
+from envhub.errors import NotFound, UpstreamUnavailable
 from envhub.scheduler.fleet import Node
 from envhub.scheduler.service import AllNodesBusy, SchedulerService
 from envhub.web.openenv import close_with, refuse
@@ -40,10 +40,12 @@ MAX_FRAME = 100 * 2**20  # the OpenEnv client's own limit (max_message_size_mb=1
 async def known_environment(request: Request) -> None:
     environment = request.match_info["environment"]
     healthy = [n for n in request.app.ctx.scheduler.nodes if n.healthy]
-    if environment not in ADAPTERS or (healthy and not any(environment in n.info.get("environments", ())
-                                                           for n in healthy)):
-        raise NotFound(f"no OpenEnv environment {environment!r} behind this scheduler",
-                       extra={"environment": environment})
+    if environment not in ADAPTERS or (
+        healthy and not any(environment in n.info.get("environments", ()) for n in healthy)
+    ):
+        raise NotFound(
+            f"no OpenEnv environment {environment!r} behind this scheduler", extra={"environment": environment}
+        )
 
 
 @bp.websocket("/ws")
@@ -53,22 +55,29 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
         node = await scheduler.session_slot(environment)
     except AllNodesBusy:
         healthy = [n for n in scheduler.nodes if n.healthy]
-        error = (capacity_reached(sum(n.used for n in healthy), sum(n.capacity for n in healthy)) if healthy else
-                 WireError("SESSION_ERROR", "no node is healthy"))
+        error = (
+            capacity_reached(sum(n.used for n in healthy), sum(n.capacity for n in healthy))
+            if healthy
+            else WireError("SESSION_ERROR", "no node is healthy")
+        )
         await refuse(ws, error.frame())
         return
     try:
         upstream = await request.app.ctx.http.ws_connect(
-            f"{node.url}/openenv/{environment}/ws", headers={"X-API-Key": node.api_key} if node.api_key else None,
-            heartbeat=_heartbeat(request.app.config), max_msg_size=MAX_FRAME)
+            f"{node.url}/openenv/{environment}/ws",
+            headers={"X-API-Key": node.api_key} if node.api_key else None,
+            heartbeat=_heartbeat(request.app.config),
+            max_msg_size=MAX_FRAME,
+        )
     except BaseException as e:
         scheduler.session_closed(node, opened=False)  # before a refusal waits on the client
         if not isinstance(e, (aiohttp.ClientError, asyncio.TimeoutError)):
             raise
         if not isinstance(e, aiohttp.WSServerHandshakeError):
             scheduler.mark_down(node, f"OpenEnv socket: {type(e).__name__}: {e}")
-        await refuse(ws, WireError("SESSION_ERROR", f"node {node.url} did not take the session: "
-                                   f"{type(e).__name__}: {e}").frame())
+        await refuse(
+            ws, WireError("SESSION_ERROR", f"node {node.url} did not take the session: {type(e).__name__}: {e}").frame()
+        )
         return
     scheduler.session_opened(node)
     try:
@@ -141,8 +150,14 @@ async def episode_call(request: Request, environment: str):
     route = request.path.rsplit("/", 1)[-1]
     node = await scheduler.session_slot(environment)
     try:
-        reply = await scheduler.call(node, "POST", f"/openenv/{environment}/{route}", data=request.body or b"{}",
-                                     idempotent=False, timeout=scheduler.settings.forward_timeout)
+        reply = await scheduler.call(
+            node,
+            "POST",
+            f"/openenv/{environment}/{route}",
+            data=request.body or b"{}",
+            idempotent=False,
+            timeout=scheduler.settings.forward_timeout,
+        )
         return passthrough(reply.status, reply.body)
     finally:
         scheduler.session_closed(node, opened=False)
@@ -160,6 +175,12 @@ async def mcp(request: Request, environment: str):
     node = next((n for n in scheduler.nodes if n.healthy), None)
     if node is None:
         raise UpstreamUnavailable("no node is healthy")
-    reply = await scheduler.call(node, "POST", f"/openenv/{environment}/mcp", data=request.body or b"",
-                                 idempotent=False, timeout=scheduler.settings.forward_timeout)
+    reply = await scheduler.call(
+        node,
+        "POST",
+        f"/openenv/{environment}/mcp",
+        data=request.body or b"",
+        idempotent=False,
+        timeout=scheduler.settings.forward_timeout,
+    )
     return passthrough(reply.status, reply.body)

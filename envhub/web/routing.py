@@ -47,8 +47,9 @@ async def get(request: Request, instance_id: str):
 
 @bp.post("/instances/<instance_id>/step")
 async def step(request: Request, instance_id: str):
-    return passthrough(*await request.app.ctx.scheduler.forward(instance_id, "POST", "/step", request.body,
-                                                                idempotent=False))
+    return passthrough(
+        *await request.app.ctx.scheduler.forward(instance_id, "POST", "/step", request.body, idempotent=False)
+    )
 
 
 @bp.post("/instances/<instance_id>/evaluate")
@@ -69,5 +70,6 @@ async def delete(request: Request, instance_id: str):
 @bp.post("/rollouts")
 async def rollout(request: Request):
     body = json_body(request)
-    return passthrough(*await request.app.ctx.scheduler.rollout(body, environment=body.get("environment"),
-                                                                task_id=body.get("task_id")))
+    return passthrough(
+        *await request.app.ctx.scheduler.rollout(body, environment=body.get("environment"), task_id=body.get("task_id"))
+    )

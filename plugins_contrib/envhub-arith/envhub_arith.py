@@ -16,19 +16,35 @@ class Arith(envhub.Environment):
     sandbox = "process"
 
     def tasks(self, split=None):
-        return [envhub.Task(id=key, split="train", title=expr) for key, expr in QUESTIONS.items()
-                if split in (None, "train")]
+        return [
+            envhub.Task(id=key, split="train", title=expr)
+            for key, expr in QUESTIONS.items()
+            if split in (None, "train")
+        ]
 
     async def reset(self, episode):
         expr = QUESTIONS[episode.task.id]
         tools = [
-            {"type": "function", "function": {"name": "python", "parameters": {
-                "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
-            {"type": "function", "function": {"name": "answer", "parameters": {
-                "type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]}}},
+            {
+                "type": "function",
+                "function": {
+                    "name": "python",
+                    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+                },
+            },
+            {
+                "type": "function",
+                "function": {
+                    "name": "answer",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"value": {"type": "number"}},
+                        "required": ["value"],
+                    },
+                },
+            },
         ]
-        return {"system_prompt": "Answer with the answer tool.", "instruction": f"What is {expr}?",
-                "tools": tools}
+        return {"system_prompt": "Answer with the answer tool.", "instruction": f"What is {expr}?", "tools": tools}
 
     async def step(self, episode, action):
         if action.tool == "python":

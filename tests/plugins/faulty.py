@@ -14,8 +14,11 @@ class Faulty(envhub.Environment):
     sandbox = "process"
 
     def tasks(self, split=None):
-        return [envhub.Task(id="ok", split="train"), envhub.Task(id="bad-reset", split="train"),
-                envhub.Task(id="slow-reset", split="train")]
+        return [
+            envhub.Task(id="ok", split="train"),
+            envhub.Task(id="bad-reset", split="train"),
+            envhub.Task(id="slow-reset", split="train"),
+        ]
 
     async def reset(self, episode):
         if episode.task.id == "bad-reset":

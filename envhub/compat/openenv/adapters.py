@@ -7,11 +7,11 @@ upstream model declares, so typed clients that parse with ``extra="forbid"`` acc
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from envhub.compat.openenv.wire import METADATA, Field, model_schema
 from envhub.environment import Environment, Task
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
-from envhub.compat.openenv.wire import Field, METADATA, model_schema
 
 if TYPE_CHECKING:
     from envhub.compat.openenv.session import Session
@@ -55,13 +55,16 @@ class Adapter:
         return self.env.task(str(task_id))
 
     def fresh_state(self) -> dict[str, Any]:
-        return {"episode_id": None, "step_count": 0,
-                **{n: f.default for n, f in self.state.items() if n not in ("episode_id", "step_count")}}
+        return {
+            "episode_id": None,
+            "step_count": 0,
+            **{n: f.default for n, f in self.state.items() if n not in ("episode_id", "step_count")},
+        }
 
-    def reset(self, session: "Session", task: Task, created: dict[str, Any]) -> Wire:
+    def reset(self, session: Session, task: Task, created: dict[str, Any]) -> Wire:
         raise NotImplementedError
 
-    async def step(self, session: "Session", action: dict[str, Any]) -> Wire:
+    async def step(self, session: Session, action: dict[str, Any]) -> Wire:
         raise NotImplementedError
 
     def tools(self) -> list[dict[str, Any]]:
@@ -70,9 +73,11 @@ class Adapter:
     def schemas(self) -> dict[str, Any]:
         a, o, s = self.titles
         done = {"done": Field("bool", False), "reward": Field("number", None, nullable=True), "metadata": METADATA}
-        return {"action": model_schema(a, {**self.action, "metadata": METADATA}),
-                "observation": model_schema(o, {**done, **self.observation}),
-                "state": model_schema(s, self.state, extra=True)}
+        return {
+            "action": model_schema(a, {**self.action, "metadata": METADATA}),
+            "observation": model_schema(o, {**done, **self.observation}),
+            "state": model_schema(s, self.state, extra=True),
+        }
 
 
 def _wire(observation: dict[str, Any], reward: float | None = None, done: bool = False) -> Wire:
@@ -89,24 +94,30 @@ class CodingAdapter(Adapter):
     titles = ("CodeAction", "CodeObservation", "CodeState")
     action = {"code": Field("str")}
     observation = {"stdout": Field("str", ""), "stderr": Field("str", ""), "exit_code": Field("int", 0)}
-    state = {"episode_id": Field("str", None, nullable=True), "step_count": Field("int", 0, ge=0),
-             "last_exit_code": Field("int", 0)}
+    state = {
+        "episode_id": Field("str", None, nullable=True),
+        "step_count": Field("int", 0, ge=0),
+        "last_exit_code": Field("int", 0),
+    }
     not_ready = "MBPP environment not initialized. Call reset() first."
 
-    def reset(self, session: "Session", task: Task, created: dict[str, Any]) -> Wire:
+    def reset(self, session: Session, task: Task, created: dict[str, Any]) -> Wire:
         session.extra = {"last_exit_code": 0}
         return _wire({"stdout": created["observation"]["instruction"], "stderr": "", "exit_code": 0}, 0.0)
 
-    async def step(self, session: "Session", action: dict[str, Any]) -> Wire:
+    async def step(self, session: Session, action: dict[str, Any]) -> Wire:
         node, iid = session.node, session.instance_id
         if action["metadata"].get("submit") is True:
             await node.step(iid, {"tool": "submit_solution", "arguments": {"code": action["code"]}})
             graded = await node.evaluate(iid)
             details = graded["details"]
             ok = graded["reward"] == 1.0
-            obs = {"stdout": f"Solution submitted: {details.get('passed', 0)}/{details.get('total', 0)} hidden "
-                             "tests passed.\n",
-                   "stderr": details.get("error", ""), "exit_code": 0 if ok else 1}
+            obs = {
+                "stdout": f"Solution submitted: {details.get('passed', 0)}/{details.get('total', 0)} hidden "
+                "tests passed.\n",
+                "stderr": details.get("error", ""),
+                "exit_code": 0 if ok else 1,
+            }
             session.extra["last_exit_code"] = obs["exit_code"]
             return _wire(obs, graded["reward"], True)
         reply = await node.step(iid, {"tool": "run_python", "arguments": {"code": action["code"]}})
@@ -136,18 +147,37 @@ class Tbench2Adapter(Adapter):
 
     name = "terminal-bench"
     titles = ("Tbench2Action", "Tbench2Observation", "Tbench2State")
-    action = {"action_type": Field("str", "exec"), "command": Field("str", ""),
-              "session_id": Field("str", None, nullable=True), "block": Field("bool", True),
-              "wait_seconds": Field("number", None, nullable=True), "file_path": Field("str", ""),
-              "content": Field("str", "")}
-    observation = {"instruction": Field("str", ""), "output": Field("str", ""), "success": Field("bool", True),
-                   "error": Field("str", ""), "task_id": Field("str", ""), "task_path": Field("str", ""),
-                   "session_id": Field("str", None, nullable=True), "action_type": Field("str", ""),
-                   "info": Field("dict", {})}
-    state = {"episode_id": Field("str", None, nullable=True), "step_count": Field("int", 0, ge=0),
-             "task_id": Field("str", ""), "task_path": Field("str", ""),
-             "session_id": Field("str", None, nullable=True), "terminal_ready": Field("bool", False),
-             "last_action_type": Field("str", ""), "last_command": Field("str", ""), "last_output": Field("str", "")}
+    action = {
+        "action_type": Field("str", "exec"),
+        "command": Field("str", ""),
+        "session_id": Field("str", None, nullable=True),
+        "block": Field("bool", True),
+        "wait_seconds": Field("number", None, nullable=True),
+        "file_path": Field("str", ""),
+        "content": Field("str", ""),
+    }
+    observation = {
+        "instruction": Field("str", ""),
+        "output": Field("str", ""),
+        "success": Field("bool", True),
+        "error": Field("str", ""),
+        "task_id": Field("str", ""),
+        "task_path": Field("str", ""),
+        "session_id": Field("str", None, nullable=True),
+        "action_type": Field("str", ""),
+        "info": Field("dict", {}),
+    }
+    state = {
+        "episode_id": Field("str", None, nullable=True),
+        "step_count": Field("int", 0, ge=0),
+        "task_id": Field("str", ""),
+        "task_path": Field("str", ""),
+        "session_id": Field("str", None, nullable=True),
+        "terminal_ready": Field("bool", False),
+        "last_action_type": Field("str", ""),
+        "last_command": Field("str", ""),
+        "last_output": Field("str", ""),
+    }
     not_ready = "TB2 environment not initialized. Call reset() first."
 
     def task(self, data: dict[str, Any]) -> Task:
@@ -156,26 +186,43 @@ class Tbench2Adapter(Adapter):
             data = {**data, "task_id": path.rstrip("/").rsplit("/", 1)[-1]}  # a task's directory is its id
         return super().task(data)
 
-    def reset(self, session: "Session", task: Task, created: dict[str, Any]) -> Wire:
+    def reset(self, session: Session, task: Task, created: dict[str, Any]) -> Wire:
         tb = self.env.tb(task)  # type: ignore[attr-defined]
-        session.extra = {"task_id": task.id, "task_path": str(tb.path), "session_id": None, "terminal_ready": True,
-                         "last_action_type": "", "last_command": "", "last_output": ""}
-        info = {"verifier_timeout_sec": tb.test_timeout_sec,
-                "command_timeout_s": getattr(self.env, "command_timeout", None)}
-        return _wire(self._observation(session, "reset", instruction=tb.instruction, session_id=None, info=info),
-                     0.0)
+        session.extra = {
+            "task_id": task.id,
+            "task_path": str(tb.path),
+            "session_id": None,
+            "terminal_ready": True,
+            "last_action_type": "",
+            "last_command": "",
+            "last_output": "",
+        }
+        info = {
+            "verifier_timeout_sec": tb.test_timeout_sec,
+            "command_timeout_s": getattr(self.env, "command_timeout", None),
+        }
+        return _wire(self._observation(session, "reset", instruction=tb.instruction, session_id=None, info=info), 0.0)
 
-    def _observation(self, session: "Session", action_type: str, **fields: Any) -> dict[str, Any]:
-        obs = {"instruction": session.instruction, "output": "", "success": True, "error": "",
-               "task_id": session.extra["task_id"], "task_path": session.extra["task_path"],
-               "session_id": session.extra["session_id"], "action_type": action_type, "info": {}}
+    def _observation(self, session: Session, action_type: str, **fields: Any) -> dict[str, Any]:
+        obs = {
+            "instruction": session.instruction,
+            "output": "",
+            "success": True,
+            "error": "",
+            "task_id": session.extra["task_id"],
+            "task_path": session.extra["task_path"],
+            "session_id": session.extra["session_id"],
+            "action_type": action_type,
+            "info": {},
+        }
         obs.update(fields)
         return obs
 
-    async def step(self, session: "Session", action: dict[str, Any]) -> Wire:
+    async def step(self, session: Session, action: dict[str, Any]) -> Wire:
         kind = action["action_type"]
-        session.extra.update(last_action_type=kind, last_command=action["command"],
-                             session_id=action["session_id"] or "tb2-session")
+        session.extra.update(
+            last_action_type=kind, last_command=action["command"], session_id=action["session_id"] or "tb2-session"
+        )
         try:
             reward, done, fields = await self._act(session, kind, action)
         except EnvhubError as e:  # upstream turns a failed step into an observation, not an error frame
@@ -185,31 +232,55 @@ class Tbench2Adapter(Adapter):
         session.extra["last_output"] = obs["output"]
         return _wire(obs, reward, done)
 
-    async def _act(self, session: "Session", kind: str, action: dict[str, Any]) -> tuple[Any, bool, dict]:
+    async def _act(self, session: Session, kind: str, action: dict[str, Any]) -> tuple[Any, bool, dict]:
         node, iid = session.node, session.instance_id
         if kind == "exec":
             ran = (await node.step(iid, {"tool": "run_command", "arguments": {"command": action["command"]}}))[
-                "observation"]
-            fields = {"output": ran.get("stdout", "") + ran.get("stderr", ""),
-                      "success": ran.get("exit_code") == 0 and not ran.get("timed_out"),
-                      "info": {"exit_code": ran.get("exit_code"), "timed_out": bool(ran.get("timed_out"))}}
+                "observation"
+            ]
+            fields = {
+                "output": ran.get("stdout", "") + ran.get("stderr", ""),
+                "success": ran.get("exit_code") == 0 and not ran.get("timed_out"),
+                "info": {"exit_code": ran.get("exit_code"), "timed_out": bool(ran.get("timed_out"))},
+            }
             if ran.get("timed_out"):
                 fields["error"] = "the command timed out and was killed"
             return None, False, fields
         if kind == "write_file":
-            wrote = (await node.step(iid, {"tool": "write_file", "arguments": {
-                "path": action["file_path"], "content": action["content"]}}))["observation"]
-            return None, False, ({"output": f"Wrote content to {action['file_path']}"} if wrote.get("ok") else
-                                 {"success": False, "error": str(wrote.get("content", "write failed"))})
+            wrote = (
+                await node.step(
+                    iid,
+                    {"tool": "write_file", "arguments": {"path": action["file_path"], "content": action["content"]}},
+                )
+            )["observation"]
+            return (
+                None,
+                False,
+                (
+                    {"output": f"Wrote content to {action['file_path']}"}
+                    if wrote.get("ok")
+                    else {"success": False, "error": str(wrote.get("content", "write failed"))}
+                ),
+            )
         if kind == "evaluate":
             graded = await node.evaluate(iid)
             details = graded["details"]
-            return graded["reward"], True, {
-                "output": details.get("output_tail", ""), "success": "error" not in details,
-                "error": details.get("error", ""),
-                "info": {"tests_passed": graded["reward"] == 1.0, "tests": details.get("tests", {}),
-                         "passed": details.get("passed"), "total": details.get("total"),
-                         "harness": details.get("format")}}
+            return (
+                graded["reward"],
+                True,
+                {
+                    "output": details.get("output_tail", ""),
+                    "success": "error" not in details,
+                    "error": details.get("error", ""),
+                    "info": {
+                        "tests_passed": graded["reward"] == 1.0,
+                        "tests": details.get("tests", {}),
+                        "passed": details.get("passed"),
+                        "total": details.get("total"),
+                        "harness": details.get("format"),
+                    },
+                },
+            )
         if kind == "close":
             await session.release_instance()
             session.reserve()  # the socket is still a session, so it goes on counting against capacity
@@ -226,5 +297,3 @@ class Tbench2Adapter(Adapter):
 
 
 ADAPTERS: dict[str, type[Adapter]] = {a.name: a for a in (CodingAdapter, Tbench2Adapter)}
-
-

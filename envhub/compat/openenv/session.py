@@ -31,23 +31,38 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from envhub import __version__
+from envhub.compat.openenv.adapters import ADAPTERS, Adapter, Wire
+from envhub.compat.openenv.wire import (
+    JSONRPC_FIELDS,
+    MESSAGE_FIELDS,
+    METADATA,
+    RESET_FIELDS,
+    STEP_FIELDS,
+    NotReady,
+    ValidationFailed,
+    WireError,
+    capacity_reached,
+    error,
+    rpc_error,
+    rpc_result,
+    validate,
+)
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.node.service import NodeService
-from envhub.compat.openenv.wire import (METADATA, NotReady, RESET_FIELDS, STEP_FIELDS, ValidationFailed, WireError, JSONRPC_FIELDS, MESSAGE_FIELDS, capacity_reached, error, rpc_error, rpc_result, validate)
-from envhub.compat.openenv.adapters import ADAPTERS, Adapter, Wire
-
 
 log = logging.getLogger("envhub.openenv")
 
 # -- sessions --------------------------------------------------------------------------------
 
+
 class Session:
     """One OpenEnv session: the envhub instance it holds, its clock and its state fields."""
 
-    def __init__(self, service: "OpenEnvService", adapter: Adapter, *, reserved: bool) -> None:
+    def __init__(self, service: OpenEnvService, adapter: Adapter, *, reserved: bool) -> None:
         self.service = service
         self.node: NodeService = service.node
         self.adapter = adapter
@@ -202,8 +217,10 @@ class OpenEnvService:
         env = self.node.environments.get(environment)
         if env is None or environment not in ADAPTERS:
             known = ", ".join(sorted(n for n in self.node.environments if n in ADAPTERS)) or "none"
-            raise NotFound(f"no OpenEnv environment {environment!r} on this node (OpenEnv environments: {known})",
-                           extra={"environment": environment})
+            raise NotFound(
+                f"no OpenEnv environment {environment!r} on this node (OpenEnv environments: {known})",
+                extra={"environment": environment},
+            )
         return ADAPTERS[environment](env)
 
     def open(self, environment: str) -> Session:
@@ -221,8 +238,9 @@ class OpenEnvService:
 
     async def expire(self, session: Session) -> WireError:
         await asyncio.shield(self.close(session, reason="expired"))
-        return WireError("SESSION_ERROR", f"Session idle for more than {self.node.settings.idle_ttl:g} s; "
-                         "its episode was released")
+        return WireError(
+            "SESSION_ERROR", f"Session idle for more than {self.node.settings.idle_ttl:g} s; its episode was released"
+        )
 
     def close(self, session: Session, reason: str = "released") -> asyncio.Future[None]:
         """Release the session's instance and slot, once; a task of its own, so that a
@@ -247,8 +265,9 @@ class OpenEnvService:
 
     # -- stateless HTTP (an episode per call, released before the reply) ----------------------
 
-    async def _one_shot(self, adapter: Adapter, data: dict[str, Any],
-                        then: Callable[[Session], Awaitable[Any]] | None = None) -> Any:
+    async def _one_shot(
+        self, adapter: Adapter, data: dict[str, Any], then: Callable[[Session], Awaitable[Any]] | None = None
+    ) -> Any:
         session = Session(self, adapter, reserved=False)
         try:
             reply = await session.reset(data)
@@ -271,8 +290,14 @@ class OpenEnvService:
 
     def metadata(self, environment: str) -> dict[str, Any]:
         adapter = self.adapter(environment)
-        return {"name": adapter.env.name, "description": adapter.env.description or f"{adapter.env.name} environment",
-                "readme_content": None, "version": __version__, "author": "envhub", "documentation_url": None}
+        return {
+            "name": adapter.env.name,
+            "description": adapter.env.description or f"{adapter.env.name} environment",
+            "readme_content": None,
+            "version": __version__,
+            "author": "envhub",
+            "documentation_url": None,
+        }
 
     def schema(self, environment: str) -> dict[str, Any]:
         return self.adapter(environment).schemas()
@@ -291,16 +316,27 @@ class OpenEnvService:
         try:
             request = validate(body, JSONRPC_FIELDS)
             if request["jsonrpc"] != "2.0":
-                raise ValidationFailed([error("literal_error", ("jsonrpc",), "Input should be '2.0'",
-                                              request["jsonrpc"])])
+                raise ValidationFailed(
+                    [error("literal_error", ("jsonrpc",), "Input should be '2.0'", request["jsonrpc"])]
+                )
         except ValidationFailed as e:
-            return rpc_error(None, -32600, "Invalid request: " + "; ".join(
-                f"{'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}" for err in e.errors))
+            return rpc_error(
+                None,
+                -32600,
+                "Invalid request: "
+                + "; ".join(f"{'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}" for err in e.errors),
+            )
         rid, method, params = request["id"], request["method"], request["params"]
         if method == "tools/list":
-            return rpc_result(rid, {"tools": [
-                {"name": f["name"], "description": f.get("description", ""), "inputSchema": f["parameters"]}
-                for f in (t["function"] for t in adapter.tools())]})
+            return rpc_result(
+                rid,
+                {
+                    "tools": [
+                        {"name": f["name"], "description": f.get("description", ""), "inputSchema": f["parameters"]}
+                        for f in (t["function"] for t in adapter.tools())
+                    ]
+                },
+            )
         if method != "tools/call":
             return rpc_error(rid, -32601, f"Method not found: {method}")
         name, arguments = params.get("name"), params.get("arguments") or {}
@@ -316,24 +352,38 @@ class OpenEnvService:
         except EnvhubError as e:
             return rpc_error(rid, -32603, e.message)
         obs = reply["observation"]
-        return rpc_result(rid, {"content": [{"type": "text", "text": str(obs.get("content", ""))}],
-                                "structuredContent": obs, "isError": False})
+        return rpc_result(
+            rid,
+            {
+                "content": [{"type": "text", "text": str(obs.get("content", ""))}],
+                "structuredContent": obs,
+                "isError": False,
+            },
+        )
 
     def openapi(self, environment: str, prefix: str) -> dict[str, Any]:
         """Enough OpenAPI for ``openenv validate --url``: the version and the routes."""
         adapter = self.adapter(environment)
-        ops = {"/reset": ("post", "Reset the environment"), "/step": ("post", "Execute an action"),
-               "/state": ("get", "Get the state of a new environment"), "/health": ("get", "Health check"),
-               "/metadata": ("get", "Get environment metadata"), "/schema": ("get", "Get all JSON schemas"),
-               "/mcp": ("post", "MCP JSON-RPC endpoint")}
-        return {"openapi": "3.1.0", "servers": [{"url": prefix}],
-                "info": {"title": f"envhub OpenEnv: {adapter.env.name}", "version": "1.0.0"},
-                "paths": {path: {method: {"summary": summary, "responses": {"200": {"description": "OK"}}}}
-                          for path, (method, summary) in ops.items()}}
+        ops = {
+            "/reset": ("post", "Reset the environment"),
+            "/step": ("post", "Execute an action"),
+            "/state": ("get", "Get the state of a new environment"),
+            "/health": ("get", "Health check"),
+            "/metadata": ("get", "Get environment metadata"),
+            "/schema": ("get", "Get all JSON schemas"),
+            "/mcp": ("post", "MCP JSON-RPC endpoint"),
+        }
+        return {
+            "openapi": "3.1.0",
+            "servers": [{"url": prefix}],
+            "info": {"title": f"envhub OpenEnv: {adapter.env.name}", "version": "1.0.0"},
+            "paths": {
+                path: {method: {"summary": summary, "responses": {"200": {"description": "OK"}}}}
+                for path, (method, summary) in ops.items()
+            },
+        }
 
 
 def _http_reward(reply: Wire) -> Wire:
     reward = reply["reward"]
     return {**reply, "reward": None if reward is None else float(reward)}  # HTTP coerces, as upstream
-
-

@@ -9,7 +9,6 @@ from typing import Any
 
 from envhub.errors import EnvhubError
 
-
 # -- validation in pydantic's error shape (what upstream servers send back) ------------------
 
 _REQUIRED = object()
@@ -86,14 +85,29 @@ def validate(data: Any, fields: dict[str, Field], *, loc: tuple = (), extra: boo
             _, kind, msg = _KINDS[f.kind]
             errors.append(error(kind, loc + (name,), msg, value))
         elif f.ge is not None and value < f.ge:
-            errors.append(error("greater_than_equal", loc + (name,), f"Input should be greater than or equal to "
-                                f"{f.ge:g}", value, ge=f.ge))
+            errors.append(
+                error(
+                    "greater_than_equal",
+                    loc + (name,),
+                    f"Input should be greater than or equal to {f.ge:g}",
+                    value,
+                    ge=f.ge,
+                )
+            )
         elif f.gt is not None and value <= f.gt:
-            errors.append(error("greater_than", loc + (name,), f"Input should be greater than {f.gt:g}", value,
-                                gt=f.gt))
+            errors.append(
+                error("greater_than", loc + (name,), f"Input should be greater than {f.gt:g}", value, gt=f.gt)
+            )
         elif f.max_length is not None and len(value) > f.max_length:
-            errors.append(error("string_too_long", loc + (name,), f"String should have at most {f.max_length} "
-                                "characters", value, max_length=f.max_length))
+            errors.append(
+                error(
+                    "string_too_long",
+                    loc + (name,),
+                    f"String should have at most {f.max_length} characters",
+                    value,
+                    max_length=f.max_length,
+                )
+            )
         else:
             out[name] = value
     for name, value in data.items():
@@ -109,8 +123,12 @@ def validate(data: Any, fields: dict[str, Field], *, loc: tuple = (), extra: boo
 
 def model_schema(title: str, fields: dict[str, Field], *, description: str = "", extra: bool = False) -> dict:
     required = [n for n, f in fields.items() if f.default is _REQUIRED]
-    out: dict[str, Any] = {"title": title, "type": "object", "description": description,
-                           "properties": {n: f.schema(n) for n, f in fields.items()}}
+    out: dict[str, Any] = {
+        "title": title,
+        "type": "object",
+        "description": description,
+        "properties": {n: f.schema(n) for n, f in fields.items()},
+    }
     if required:
         out["required"] = required
     if not extra:
@@ -119,19 +137,32 @@ def model_schema(title: str, fields: dict[str, Field], *, description: str = "",
 
 
 METADATA = Field("dict", {})
-RESET_FIELDS = {"seed": Field("int", None, nullable=True, ge=0),
-                "episode_id": Field("str", None, nullable=True, max_length=255)}
-STEP_FIELDS = {"action": Field("dict"), "timeout_s": Field("number", None, nullable=True, gt=0),
-               "request_id": Field("str", None, nullable=True, max_length=255)}
-MESSAGE_FIELDS = {"reset": {"type": Field("str"), "data": Field("dict", {})},
-                   "step": {"type": Field("str"), "data": Field("dict")},
-                   "state": {"type": Field("str")}, "close": {"type": Field("str")},
-                   "mcp": {"type": Field("str"), "data": Field("dict")}}
-JSONRPC_FIELDS = {"jsonrpc": Field("str"), "method": Field("str"), "params": Field("dict", {}),
-                   "id": Field("id", None, nullable=True)}
+RESET_FIELDS = {
+    "seed": Field("int", None, nullable=True, ge=0),
+    "episode_id": Field("str", None, nullable=True, max_length=255),
+}
+STEP_FIELDS = {
+    "action": Field("dict"),
+    "timeout_s": Field("number", None, nullable=True, gt=0),
+    "request_id": Field("str", None, nullable=True, max_length=255),
+}
+MESSAGE_FIELDS = {
+    "reset": {"type": Field("str"), "data": Field("dict", {})},
+    "step": {"type": Field("str"), "data": Field("dict")},
+    "state": {"type": Field("str")},
+    "close": {"type": Field("str")},
+    "mcp": {"type": Field("str"), "data": Field("dict")},
+}
+JSONRPC_FIELDS = {
+    "jsonrpc": Field("str"),
+    "method": Field("str"),
+    "params": Field("dict", {}),
+    "id": Field("id", None, nullable=True),
+}
 
 
 # -- wire errors -----------------------------------------------------------------------------
+
 
 class WireError(Exception):
     """An error frame: ``{"type": "error", "data": {"message", "code", ...}}``."""
@@ -152,8 +183,12 @@ class NotReady(EnvhubError):
 
 
 def capacity_reached(used: int, capacity: int) -> WireError:
-    return WireError("CAPACITY_REACHED", f"Server at capacity: {used}/{capacity} sessions active. "
-                     "Cannot accept new connections.", active_sessions=used, max_sessions=capacity)
+    return WireError(
+        "CAPACITY_REACHED",
+        f"Server at capacity: {used}/{capacity} sessions active. Cannot accept new connections.",
+        active_sessions=used,
+        max_sessions=capacity,
+    )
 
 
 def rpc_result(rid: Any, result: Any) -> dict[str, Any]:
@@ -162,5 +197,3 @@ def rpc_result(rid: Any, result: Any) -> dict[str, Any]:
 
 def rpc_error(rid: Any, code: int, message: str) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message, "data": None}}
-
-

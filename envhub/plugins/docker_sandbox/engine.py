@@ -9,16 +9,14 @@ import re
 import socket
 import struct
 import tarfile
-from typing import Callable
+from collections.abc import Callable
 
 import docker
 import docker.errors
-
 import docker.types
 import requests.exceptions
 
 from envhub.errors import EnvhubError, SandboxError
-
 
 log = logging.getLogger("envhub.plugins.docker_sandbox")
 
@@ -31,7 +29,6 @@ GO_MODE_DIR = 1 << 31  # os.ModeDir in the engine's path-stat header
 MAX_SYMLINK_HOPS = 16
 ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_.-]+")
-
 
 
 class CappedOutput:

@@ -13,13 +13,18 @@ import ssl
 import time
 from typing import Any
 
-
-from envhub.plugins.docker_sandbox.shell_agent import AgentBroken, ShellAgent
-
 from envhub.errors import InvalidRequest
+from envhub.plugins.docker_sandbox.engine import (
+    ENGINE_ERRORS,
+    EXEC_FRAME,
+    STDERR,
+    STDOUT,
+    CappedOutput,
+    container_error,
+    release_response,
+)
+from envhub.plugins.docker_sandbox.shell_agent import AgentBroken, ShellAgent
 from envhub.sandbox import ExecResult
-from envhub.plugins.docker_sandbox.engine import (CappedOutput, ENGINE_ERRORS, EXEC_FRAME, STDERR, STDOUT, container_error, release_response)
-
 
 log = logging.getLogger("envhub.plugins.docker_sandbox")
 
@@ -46,15 +51,20 @@ class DockerExec:
                 log.warning("docker sandbox: shell agent of %s failed (%s); using docker exec", cid[:12], e)
                 self._agents[cid] = False
                 # The command may have run; what it printed is lost with the agent.
-                return ExecResult(exit_code=None, timed_out=True, duration_s=timeout,
-                                  stderr=f"envhub: the command's result was lost ({e})\n")
+                return ExecResult(
+                    exit_code=None,
+                    timed_out=True,
+                    duration_s=timeout,
+                    stderr=f"envhub: the command's result was lost ({e})\n",
+                )
         return self._exec_sync(cid, [*self.shell, code], timeout)
 
     def _start_agent(self, cid: str) -> ShellAgent | None:
         api = self._api
         try:
-            exec_id = api.exec_create(cid, ["sh", "-c", ShellAgent.script(self.output_limit)],
-                                      stdin=True, stdout=True, stderr=True, tty=False)["Id"]
+            exec_id = api.exec_create(
+                cid, ["sh", "-c", ShellAgent.script(self.output_limit)], stdin=True, stdout=True, stderr=True, tty=False
+            )["Id"]
             sock = api.exec_start(exec_id, socket=True)
         except ENGINE_ERRORS as e:
             release_response(e)
@@ -102,8 +112,14 @@ class DockerExec:
         # 124: coreutils timeout sent TERM; 137: it had to KILL. A command exiting 124 on
         # its own before the deadline is not a timeout.
         timed_out = not finished or (exit_code in (124, 137) and elapsed >= timeout)
-        return ExecResult(stdout=out.text(), stderr=err.text(), exit_code=None if timed_out else exit_code,
-                          timed_out=timed_out, duration_s=elapsed, truncated=out.dropped > 0 or err.dropped > 0)
+        return ExecResult(
+            stdout=out.text(),
+            stderr=err.text(),
+            exit_code=None if timed_out else exit_code,
+            timed_out=timed_out,
+            duration_s=elapsed,
+            truncated=out.dropped > 0 or err.dropped > 0,
+        )
 
     def _pump(self, sock: Any, deadline: float, out: CappedOutput, err: CappedOutput) -> bool:
         """Demultiplex the exec's stream into ``out``/``err`` until it ends (True), or
@@ -119,8 +135,8 @@ class DockerExec:
                 stream, size = EXEC_FRAME.unpack_from(buf)
                 if len(buf) < EXEC_FRAME.size + size:
                     break
-                payload = bytes(buf[EXEC_FRAME.size:EXEC_FRAME.size + size])
-                del buf[:EXEC_FRAME.size + size]
+                payload = bytes(buf[EXEC_FRAME.size : EXEC_FRAME.size + size])
+                del buf[: EXEC_FRAME.size + size]
                 if stream == STDERR:
                     err.add(payload)
                 elif stream == STDOUT:
@@ -154,4 +170,3 @@ class DockerExec:
                 feed(chunk)
         finally:
             response.close()
-

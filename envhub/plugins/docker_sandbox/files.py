@@ -18,13 +18,21 @@ from typing import Any
 
 import docker
 import docker.errors
-
 import docker.types
 import requests.exceptions
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError
-from envhub.plugins.docker_sandbox.engine import (ENGINE_ERRORS, GO_MODE_DIR, MAX_SYMLINK_HOPS, container_error, explain, no_such_container, owned_by_root, release_response, tar_bytes)
-
+from envhub.plugins.docker_sandbox.engine import (
+    ENGINE_ERRORS,
+    GO_MODE_DIR,
+    MAX_SYMLINK_HOPS,
+    container_error,
+    explain,
+    no_such_container,
+    owned_by_root,
+    release_response,
+    tar_bytes,
+)
 
 
 class DockerFiles:
@@ -172,6 +180,6 @@ class DockerFiles:
                 raise container_error(cid, "write", e) from e
             made = self._exec_sync(cid, ["mkdir", "-p", "--", directory], self.api_timeout)
             if made.exit_code != 0:
-                raise InvalidRequest(f"cannot create {directory!r}: {made.stderr.strip() or made.stdout.strip()}",
-                                     field="path")
-
+                raise InvalidRequest(
+                    f"cannot create {directory!r}: {made.stderr.strip() or made.stdout.strip()}", field="path"
+                )

@@ -32,20 +32,42 @@ class DockerImages:
         except docker.errors.ImageNotFound:
             return False
 
-    async def build_image(self, *, context_dir: Path, dockerfile: str, image: str, log_path: Path,
-                          timeout: float, extra_files: dict[str, bytes] | None = None) -> None:
+    async def build_image(
+        self,
+        *,
+        context_dir: Path,
+        dockerfile: str,
+        image: str,
+        log_path: Path,
+        timeout: float,
+        extra_files: dict[str, bytes] | None = None,
+    ) -> None:
         """Build ``image`` from ``context_dir`` with ``dockerfile`` (text) as its Dockerfile.
 
         The context is sent as an in-memory tar with the Dockerfile (and ``extra_files``)
         added under reserved names, so the task folder is never written to. The build's
         output goes to ``log_path``; a failure raises ``BuildFailed`` with the log's tail.
         """
-        await self._call(self._build_sync, Path(context_dir), dockerfile, image, Path(log_path), float(timeout),
-                         dict(extra_files or {}))
+        await self._call(
+            self._build_sync,
+            Path(context_dir),
+            dockerfile,
+            image,
+            Path(log_path),
+            float(timeout),
+            dict(extra_files or {}),
+        )
 
-    def _build_sync(self, context_dir: Path, dockerfile: str, image: str, log_path: Path, timeout: float,
-                    extra_files: dict[str, bytes]) -> None:
-        
+    def _build_sync(
+        self,
+        context_dir: Path,
+        dockerfile: str,
+        image: str,
+        log_path: Path,
+        timeout: float,
+        extra_files: dict[str, bytes],
+    ) -> None:
+
         def fill(tf: tarfile.TarFile) -> None:
             for child in sorted(context_dir.iterdir()):
                 tf.add(str(child), arcname=child.name, filter=owned_by_root)
@@ -62,8 +84,16 @@ class DockerImages:
         with open(log_path, "w") as logf:
             try:
                 context = io.BytesIO(tar_bytes(fill))
-                stream = self._api.build(fileobj=context, custom_context=True, dockerfile=_DOCKERFILE_NAME,
-                                         tag=image, rm=True, forcerm=True, decode=True, timeout=timeout)
+                stream = self._api.build(
+                    fileobj=context,
+                    custom_context=True,
+                    dockerfile=_DOCKERFILE_NAME,
+                    tag=image,
+                    rm=True,
+                    forcerm=True,
+                    decode=True,
+                    timeout=timeout,
+                )
                 for chunk in stream:
                     text = chunk.get("stream") or chunk.get("status") or ""
                     if "error" in chunk:
@@ -86,6 +116,7 @@ class DockerImages:
                 logf.write(f"\nenvhub: build failed: {error}\n")
         if error is not None:
             tail = "\n".join(lines[-30:])
-            raise BuildFailed(f"image {image} failed to build: {error}\n--- last lines of the build log ---\n{tail}",
-                              extra={"log_tail": tail})
-
+            raise BuildFailed(
+                f"image {image} failed to build: {error}\n--- last lines of the build log ---\n{tail}",
+                extra={"log_tail": tail},
+            )

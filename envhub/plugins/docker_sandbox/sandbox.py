@@ -42,23 +42,32 @@ import functools
 import logging
 import os
 import secrets
-from typing import Any, Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import docker
 import docker.errors
-
-from envhub.plugins.docker_sandbox.shell_agent import ShellAgent
-from envhub.plugins.docker_sandbox.images import DockerImages
-from envhub.plugins.docker_sandbox.exec import DockerExec
-from envhub.plugins.docker_sandbox.files import DockerFiles
-from envhub.plugins.docker_sandbox.egress import EgressError, EgressPolicy, validate_cidrs
 import docker.types
-from docker.constants import DEFAULT_UNIX_SOCKET
 import requests.exceptions
+from docker.constants import DEFAULT_UNIX_SOCKET
 
 from envhub.errors import InvalidRequest, SandboxError, StartupError
+from envhub.plugins.docker_sandbox.egress import EgressError, EgressPolicy, validate_cidrs
+from envhub.plugins.docker_sandbox.engine import (
+    DEFAULT_CAPS,
+    ENGINE_ERRORS,
+    MANAGED_LABELS,
+    explain,
+    network_problem,
+    remove_quietly,
+    sanitize,
+    unix_socket_problem,
+)
+from envhub.plugins.docker_sandbox.exec import DockerExec
+from envhub.plugins.docker_sandbox.files import DockerFiles
+from envhub.plugins.docker_sandbox.images import DockerImages
+from envhub.plugins.docker_sandbox.shell_agent import ShellAgent
 from envhub.sandbox import Sandbox, SandboxSpec
-from envhub.plugins.docker_sandbox.engine import (DEFAULT_CAPS, ENGINE_ERRORS, MANAGED_LABELS, explain, network_problem, remove_quietly, sanitize, unix_socket_problem)
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +181,12 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
             nets = api.networks(names=[self.network])
             net = next((n for n in nets if n.get("Name") == self.network), None)
             if net is None:
-                api.create_network(self.network, driver="bridge", labels={"envhub.managed": "1"},
-                                   options={"com.docker.network.bridge.enable_icc": "false"})
+                api.create_network(
+                    self.network,
+                    driver="bridge",
+                    labels={"envhub.managed": "1"},
+                    options={"com.docker.network.bridge.enable_icc": "false"},
+                )
                 net = api.inspect_network(self.network)
             configs = (net.get("IPAM") or {}).get("Config") or []
             if not configs:
@@ -182,8 +195,11 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
             subnet = configs[0]["Subnet"]
             self._egress = EgressPolicy(subnet)
             self._egress.install()
-            log.info("docker sandbox: egress policy on %s (%s): private ranges and 169.254.0.0/16 refused",
-                     self.network, subnet)
+            log.info(
+                "docker sandbox: egress policy on %s (%s): private ranges and 169.254.0.0/16 refused",
+                self.network,
+                subnet,
+            )
         except (EgressError, ENGINE_ERRORS, KeyError, IndexError) as e:
             log.error("docker sandbox: cannot enforce the egress policy (%s); containers get no network", e)
             self._egress = None
@@ -199,8 +215,7 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
             raise StartupError(f"docker sandbox: the Docker engine at {where} is not reachable: {problem}")
         client = None
         try:
-            client = (docker.DockerClient(base_url=self.docker_host, **kw) if self.docker_host
-                      else docker.from_env(**kw))
+            client = docker.DockerClient(base_url=self.docker_host, **kw) if self.docker_host else docker.from_env(**kw)
             client.ping()
             ncpu = client.info().get("NCPU")
         except ENGINE_ERRORS as e:
@@ -310,8 +325,10 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
                 detach=True,
             )
         except docker.errors.ImageNotFound as e:
-            raise SandboxError(f"image {spec.image!r} is not on this node's Docker engine "
-                               f"(the docker sandbox never pulls): {explain(e)}") from e
+            raise SandboxError(
+                f"image {spec.image!r} is not on this node's Docker engine "
+                f"(the docker sandbox never pulls): {explain(e)}"
+            ) from e
         except ENGINE_ERRORS as e:
             raise SandboxError(f"cannot create a container from {spec.image!r}: {explain(e)}") from e
         cid = created["Id"]
@@ -384,8 +401,16 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
             rows = self._api.containers(all=True, filters={"label": wanted})
         except ENGINE_ERRORS as e:
             raise SandboxError(f"cannot list containers: {explain(e)}") from e
-        return [{"id": row["Id"], "name": (row.get("Names") or ["/"])[0].lstrip("/"), "image": row.get("Image"),
-                 "labels": row.get("Labels") or {}, "status": row.get("State")} for row in rows]
+        return [
+            {
+                "id": row["Id"],
+                "name": (row.get("Names") or ["/"])[0].lstrip("/"),
+                "image": row.get("Image"),
+                "labels": row.get("Labels") or {},
+                "status": row.get("State"),
+            }
+            for row in rows
+        ]
 
     async def remove_managed(self, node_id: str) -> int:
         """Remove every managed container of ``node_id`` (say, left by a crashed run of
@@ -395,7 +420,6 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
         rows = await self.list_managed(node_id)
         await asyncio.gather(*(self.destroy(row["id"]) for row in rows))
         return len(rows)
-
 
     # --- surviving node restarts ----------------------------------------------------------
 

@@ -37,7 +37,8 @@ trap 'rm -rf "$d"' EXIT
 enc() {
   n=$(wc -c < "$1"); n=${n##* }
   if [ "$n" -gt LIMIT ]; then
-    { head -c HALF "$1"; printf '\n[... %s bytes truncated ...]\n' $((n - LIMIT)); tail -c HALF "$1"; } | base64 | tr -d '\n'; printf ' 1'
+    { head -c HALF "$1"; printf '\n[... %s bytes truncated ...]\n' $((n - LIMIT))
+      tail -c HALF "$1"; } | base64 | tr -d '\n'; printf ' 1'
   else
     base64 < "$1" | tr -d '\n'; printf ' 0'
   fi
@@ -102,9 +103,14 @@ class ShellAgent:
             elapsed = time.monotonic() - started
             # 124: timeout sent TERM; 137: it had to KILL. Only a timeout if the time had passed.
             timed_out = rc in (124, 137) and elapsed >= timeout
-            return ExecResult(stdout=stdout, stderr=stderr, exit_code=None if timed_out else rc,
-                              timed_out=timed_out, duration_s=elapsed,
-                              truncated=fields[3] == b"1" or fields[5] == b"1")
+            return ExecResult(
+                stdout=stdout,
+                stderr=stderr,
+                exit_code=None if timed_out else rc,
+                timed_out=timed_out,
+                duration_s=elapsed,
+                truncated=fields[3] == b"1" or fields[5] == b"1",
+            )
 
     def _read_line(self, deadline: float) -> bytes:
         self._split_frames()
@@ -112,7 +118,7 @@ class ShellAgent:
             nl = self._lines.find(b"\n")
             if nl >= 0:
                 line = bytes(self._lines[:nl])
-                del self._lines[:nl + 1]
+                del self._lines[: nl + 1]
                 return line
             left = deadline - time.monotonic()
             if left <= 0:
@@ -134,8 +140,8 @@ class ShellAgent:
             if len(self._frames) < _FRAME_HEADER + size:
                 break
             if stream == STDOUT:
-                self._lines += self._frames[_FRAME_HEADER:_FRAME_HEADER + size]
-            del self._frames[:_FRAME_HEADER + size]
+                self._lines += self._frames[_FRAME_HEADER : _FRAME_HEADER + size]
+            del self._frames[: _FRAME_HEADER + size]
 
     def close(self) -> None:
         self.broken = True

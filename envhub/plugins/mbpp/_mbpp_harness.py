@@ -19,7 +19,7 @@ not counted as an answer, and the test fails. That is the reward hack RL finds f
 class whose ``__eq__`` always returns True; likewise ``__bool__`` or ``__len__`` for a
 test that only asks ``assert f(x)``. It is a guard against that, not a sandbox: the
 solution runs in the grader's own interpreter, and code written to defeat the grader
-can (see the README's MBPP section).
+can (see docs/security.md).
 """
 
 import _signal
@@ -31,9 +31,18 @@ import traceback
 
 _eval, _bool, _compile, _issubclass, _type = eval, bool, compile, issubclass, type
 
-_COMPARE = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
-            ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
-            "is": operator.is_, "is not": operator.is_not}
+_COMPARE = {
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "in": lambda a, b: a in b,
+    "not in": lambda a, b: a not in b,
+    "is": operator.is_,
+    "is not": operator.is_not,
+}
 _COMPARE_HOOKS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__contains__")
 _TRUTH_HOOKS = ("__bool__", "__len__")
 _PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))

@@ -31,8 +31,18 @@ _HARNESS = "_mbpp_harness"  # preloaded into the sandbox from _mbpp_harness.py b
 _GRADE_CELL = f"import {_HARNESS}\n{_HARNESS}.grade(submission, setup, tests, cpu)"
 
 
-_OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
-        ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
+_OPS = {
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.In: "in",
+    ast.NotIn: "not in",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+}
 
 
 def prepare_tests(tests: list[str]) -> list[tuple[str, str, str | None]]:
@@ -90,17 +100,31 @@ SYSTEM_PROMPT = (
 )
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "run_python",
-        "description": "Run Python code in your persistent interpreter and see stdout, stderr, "
-                       "any exception and the value of a trailing expression.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source"}},
-                       "required": ["code"]}}},
-    {"type": "function", "function": {
-        "name": "submit_solution",
-        "description": "Submit your final solution code. This ends the episode.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source"}},
-                       "required": ["code"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "run_python",
+            "description": "Run Python code in your persistent interpreter and see stdout, stderr, "
+            "any exception and the value of a trailing expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "Python source"}},
+                "required": ["code"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "submit_solution",
+            "description": "Submit your final solution code. This ends the episode.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "Python source"}},
+                "required": ["code"],
+            },
+        },
+    },
 ]
 
 
@@ -120,8 +144,9 @@ def entry_point(reference: str, tests: list[str]) -> tuple[str | None, str | Non
     defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     first = tests[0] if tests else ""
     try:
-        called = [n.func.id for n in ast.walk(ast.parse(first))
-                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+        called = [
+            n.func.id for n in ast.walk(ast.parse(first)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        ]
     except SyntaxError:
         called = []
     for name in called:
@@ -143,10 +168,17 @@ def parse_line(line: str, where: str) -> Task:
     challenge = list(p.get("challenge_test_list") or [])
     name, signature = entry_point(code, tests)
     return Task(
-        id=str(task_id), split=split_of(task_id), title=text[:100],
+        id=str(task_id),
+        split=split_of(task_id),
+        title=text[:100],
         public={"text": text, "entry_point": name, "signature": signature},
-        private={"code": code, "test_list": tests, "test_setup_code": p.get("test_setup_code") or "",
-                 "challenge_test_list": challenge})
+        private={
+            "code": code,
+            "test_list": tests,
+            "test_setup_code": p.get("test_setup_code") or "",
+            "challenge_test_list": challenge,
+        },
+    )
 
 
 class MBPP(Environment):
@@ -172,8 +204,9 @@ class MBPP(Environment):
             text = bundled.read_text()
             where = "bundled sample"
             self._source = str(bundled) if isinstance(bundled, Path) else None
-        tasks = [parse_line(line, f"{where} line {n}")
-                 for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+        tasks = [
+            parse_line(line, f"{where} line {n}") for n, line in enumerate(text.splitlines(), start=1) if line.strip()
+        ]
         self._tasks = {t.id: t for t in tasks}
         if len(self._tasks) != len(tasks):
             raise StartupError(f"mbpp: {where} repeats a task_id")
@@ -219,24 +252,38 @@ class MBPP(Environment):
         elif task.public.get("entry_point"):
             instruction += f"\n\nName the function `{task.public['entry_point']}`."
         episode.state.update(submission=None, runs=0)
-        return {"system_prompt": SYSTEM_PROMPT, "instruction": instruction, "tools": TOOLS,
-                "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                             {"role": "user", "content": instruction}]}
+        return {
+            "system_prompt": SYSTEM_PROMPT,
+            "instruction": instruction,
+            "tools": TOOLS,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}],
+        }
 
     async def step(self, episode: Episode, action: Action) -> StepResult:
         if action.tool == "run_python":
             code = action.require_str("code")
             result = await episode.exec(code, timeout=self._timeout(episode))
             episode.state["runs"] = episode.state.get("runs", 0) + 1
-            fields = {k: getattr(result, k) for k in
-                      ("stdout", "stderr", "exception", "value_repr", "timed_out", "exit_code", "restarted",
-                       "truncated")}
+            fields = {
+                k: getattr(result, k)
+                for k in (
+                    "stdout",
+                    "stderr",
+                    "exception",
+                    "value_repr",
+                    "timed_out",
+                    "exit_code",
+                    "restarted",
+                    "truncated",
+                )
+            }
             return StepResult({"content": format_run(result), **fields})
         if action.tool == "submit_solution":
             episode.state["submission"] = action.require_str("code")
             return StepResult({"content": "Solution submitted."}, done=True, info={"submitted": True})
-        raise InvalidRequest(f"mbpp has no tool {action.tool!r} (tools: run_python, submit_solution)",
-                             field="action.tool")
+        raise InvalidRequest(
+            f"mbpp has no tool {action.tool!r} (tools: run_python, submit_solution)", field="action.tool"
+        )
 
     def _timeout(self, episode: Episode) -> float:
         value = episode.params.get("run_timeout", self.run_timeout)
@@ -252,9 +299,16 @@ class MBPP(Environment):
         tests = self._hidden_tests(episode.task)
         # The submission and tests go as data: a cell holding them as literals would be
         # parsed and compiled by every grading interpreter.
-        result = await episode.run_fresh(_GRADE_CELL, timeout=self.eval_timeout, inputs={
-            "submission": submission, "setup": private["test_setup_code"],
-            "tests": self._prepared[episode.task.id], "cpu": self.test_cpu})
+        result = await episode.run_fresh(
+            _GRADE_CELL,
+            timeout=self.eval_timeout,
+            inputs={
+                "submission": submission,
+                "setup": private["test_setup_code"],
+                "tests": self._prepared[episode.task.id],
+                "cpu": self.test_cpu,
+            },
+        )
         graded = result.value if isinstance(result.value, dict) else None
         if graded is None or graded.get("stage") != "tests":
             if graded is not None:

@@ -21,8 +21,9 @@ import socket
 import tempfile
 import time
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -43,8 +44,9 @@ def _fail(message: str) -> StartupError:
     return StartupError(f"network mode 'frp': {message}")
 
 
-def _int_field(entry: Mapping[str, Any], key: str, where: str, *, default: int | None = None,
-               low: int = 1, high: int = 65535) -> int:
+def _int_field(
+    entry: Mapping[str, Any], key: str, where: str, *, default: int | None = None, low: int = 1, high: int = 65535
+) -> int:
     value = entry.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise _fail(f"{where}.{key} must be an integer in [{low}, {high}], got {value!r}")
@@ -182,8 +184,10 @@ class FrpNetwork(NetworkMode):
             ranks = _int_field(entry, "num_ranks", where, high=65535 - base + 1)
             for other, (other_base, other_ranks) in machines.items():
                 if base < other_base + other_ranks and other_base < base + ranks:
-                    raise _fail(f"remote ports of {name!r} ({base}-{base + ranks - 1}) overlap those of "
-                                f"{other!r} ({other_base}-{other_base + other_ranks - 1})")
+                    raise _fail(
+                        f"remote ports of {name!r} ({base}-{base + ranks - 1}) overlap those of "
+                        f"{other!r} ({other_base}-{other_base + other_ranks - 1})"
+                    )
             machines[name] = (base, ranks)
         return machines
 
@@ -199,8 +203,7 @@ class FrpNetwork(NetworkMode):
                 return name
         if len(machines) == 1:
             return next(iter(machines))
-        raise _fail(f"set machine: none of gpu_machines ({', '.join(machines)}) is named like "
-                    f"this host ({hostname!r})")
+        raise _fail(f"set machine: none of gpu_machines ({', '.join(machines)}) is named like this host ({hostname!r})")
 
     def _local_addresses(self) -> list[str]:
         given = self.config.get("local_addresses")
@@ -215,8 +218,9 @@ class FrpNetwork(NetworkMode):
         if not isinstance(given, (list, tuple)):
             raise _fail(f"local_addresses must be a list, got {given!r}")
         if len(given) != self.num_ranks:
-            raise _fail(f"machine {self.machine!r} has num_ranks={self.num_ranks} but "
-                        f"{len(given)} local_addresses were given")
+            raise _fail(
+                f"machine {self.machine!r} has num_ranks={self.num_ranks} but {len(given)} local_addresses were given"
+            )
         addresses = []
         for address in given:
             if not is_http_url(address):
@@ -296,8 +300,11 @@ class FrpNetwork(NetworkMode):
         self.frpc_config_path = config_path
         self.frpc_log_path = work / "frpc.log"
         if binary is None:
-            log.warning("no frpc binary (set frpc_path or put frpc on PATH): only URL rewrites are active; "
-                        "start frpc yourself with -c %s", config_path)
+            log.warning(
+                "no frpc binary (set frpc_path or put frpc on PATH): only URL rewrites are active; "
+                "start frpc yourself with -c %s",
+                config_path,
+            )
             return
         self._binary = binary
         self._proc = await self._spawn()
@@ -308,9 +315,14 @@ class FrpNetwork(NetworkMode):
         assert self._binary is not None and self.frpc_config_path is not None and self.frpc_log_path is not None
         with open(self.frpc_log_path, "ab") as out:  # the child keeps its own copy of the fd
             return await asyncio.create_subprocess_exec(
-                self._binary, "-c", str(self.frpc_config_path),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True)  # its own group, so stop() also ends anything it forked
+                self._binary,
+                "-c",
+                str(self.frpc_config_path),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )  # its own group, so stop() also ends anything it forked
 
     def _restart_delay(self) -> float:
         now = time.monotonic()
@@ -319,8 +331,12 @@ class FrpNetwork(NetworkMode):
         delay = min(self.restart_backoff * 2 ** len(self._recent), 30.0)
         if self.max_restarts and len(self._recent) >= self.max_restarts:
             wait = self._recent[0] + self.restart_window - now
-            log.error("frpc restarted %d times in %.0f s; next restart in %.1f s",
-                      len(self._recent), self.restart_window, wait)
+            log.error(
+                "frpc restarted %d times in %.0f s; next restart in %.1f s",
+                len(self._recent),
+                self.restart_window,
+                wait,
+            )
             delay = max(delay, wait)
         return delay
 
@@ -354,7 +370,7 @@ class FrpNetwork(NetworkMode):
                 _kill_group(proc.pid, signal.SIGTERM)
                 try:
                     await asyncio.wait_for(proc.wait(), 5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     _kill_group(proc.pid, signal.SIGKILL)
                     await proc.wait()
             _kill_group(proc.pid, signal.SIGKILL)

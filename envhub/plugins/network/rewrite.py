@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
-
 
 from envhub.errors import InvalidRequest, StartupError
 from envhub.network import NetworkMode
@@ -97,7 +97,7 @@ class RewriteMap:
         """The rewritten URL, or None when no prefix matches."""
         for prefix, replacement in self._rules:
             if _matches(url, prefix):
-                return replacement + url[len(prefix):]
+                return replacement + url[len(prefix) :]
         return None
 
 

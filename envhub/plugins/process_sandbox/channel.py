@@ -21,7 +21,6 @@ from typing import Any
 from envhub.errors import SandboxError, StartupError
 from envhub.plugins.process_sandbox.zygote import shared as zygote
 
-
 log = logging.getLogger("envhub.plugins.process_sandbox")
 
 
@@ -109,14 +108,29 @@ class ZygoteControl:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                [self.python, "-I", "-B", str(Path(zygote.__file__).with_name("__main__.py")), json.dumps({
-                    "ctl_fd": theirs.fileno(), "parent_pid": os.getpid(),
-                    "isolate_network": self.isolate_network, "preload": self.preload,
-                    "hide": self.hide, "work_root": self.work_root,
-                    "killer_uid": self._killer[0] if self._killer else None})],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, env=self.env,  # interpreters inherit it
-                start_new_session=True)  # the terminal's Ctrl-C is the node's to handle
+                [
+                    self.python,
+                    "-I",
+                    "-B",
+                    str(Path(zygote.__file__).with_name("__main__.py")),
+                    json.dumps(
+                        {
+                            "ctl_fd": theirs.fileno(),
+                            "parent_pid": os.getpid(),
+                            "isolate_network": self.isolate_network,
+                            "preload": self.preload,
+                            "hide": self.hide,
+                            "work_root": self.work_root,
+                            "killer_uid": self._killer[0] if self._killer else None,
+                        }
+                    ),
+                ],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=self.env,  # interpreters inherit it
+                start_new_session=True,
+            )  # the terminal's Ctrl-C is the node's to handle
         except OSError as e:
             ours.close()
             raise StartupError(f"process sandbox: cannot run {self.python}: {e}") from e
@@ -139,19 +153,27 @@ class ZygoteControl:
                 "process sandbox: sandbox uids cannot traverse "
                 f"{', '.join(hello['unreachable'])} (on the way to work_root or to Python) "
                 "and the zygote could not open them up in a mount namespace; grant o+x or "
-                "move sandboxes.process.work_root / python elsewhere")
+                "move sandboxes.process.work_root / python elsewhere"
+            )
         if hello.get("unhidden"):
             log.warning("process sandbox: episode code can read %s", "; ".join(hello["unhidden"]))
         landlock = hello.get("landlock")
         if landlock:
-            log.info("process sandbox: Landlock ABI %s (%s rules)%s%s", landlock["abi"], landlock["rules"],
-                     "; TCP denied" if landlock["tcp_denied"] else "",
-                     "; signals and abstract sockets scoped" if landlock["scoped"] else "")
+            log.info(
+                "process sandbox: Landlock ABI %s (%s rules)%s%s",
+                landlock["abi"],
+                landlock["rules"],
+                "; TCP denied" if landlock["tcp_denied"] else "",
+                "; signals and abstract sockets scoped" if landlock["scoped"] else "",
+            )
         self.network_isolated = bool(hello.get("network_isolated"))
         if self.isolate_network and not self.network_isolated:
-            log.warning("process sandbox: sandboxes have network access (%s)",
-                        "unshare(CLONE_NEWNET) failed and Landlock cannot deny TCP" if self.root
-                        else "without root only Landlock ABI 4+ can deny TCP, and it is not available")
+            log.warning(
+                "process sandbox: sandboxes have network access (%s)",
+                "unshare(CLONE_NEWNET) failed and Landlock cannot deny TCP"
+                if self.root
+                else "without root only Landlock ABI 4+ can deny TCP, and it is not available",
+            )
 
     async def _close_zygote(self) -> None:
         if self._ctl is not None:

@@ -12,7 +12,7 @@ Policy and invariants:
   max_sandboxes)``, and all sandboxes share one network namespace that holds only a down
   loopback. A uid is claimed host-wide by binding an abstract Unix socket, so two nodes
   on one host never share one, and it returns to the pool only after every process of
-  that uid was killed. The node keeps the claims of the uids it has used (``_idle``)
+  that uid was killed. The node keeps the claims of the uids it has used (``uids.py``)
   until :meth:`~ProcessSandbox.stop`, so a new sandbox usually claims nothing. The uid
   makes RLIMIT_NPROC per sandbox and lets destroy kill processes that left the process
   group; one more claimed uid, which no process runs as, lets the zygote do that kill
@@ -71,14 +71,22 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.plugins.process_sandbox.channel import Channel, ZygoteControl
+from envhub.plugins.process_sandbox.uids import UidPool
+from envhub.plugins.process_sandbox.workdirs import (
+    default_work_root,
+    open_in_workdir,
+    read_fd,
+    relative_parts,
+    write_in_workdir,
+)
 from envhub.plugins.process_sandbox.zygote import shared as zygote
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec, check_inputs
-from envhub.plugins.process_sandbox.channel import Channel, ZygoteControl
-from envhub.plugins.process_sandbox.workdirs import (default_work_root, open_in_workdir, read_fd, relative_parts, write_in_workdir)
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +96,7 @@ _INLINE_IO_BYTES = 1 << 20  # larger file transfers run in a thread, off the eve
 # (zygote.CTL_MAX_MESSAGE): a send past the socket buffer fails like a dead zygote.
 _CARRIED_CELL_CHARS = 4096
 _MAX_ENV_JSON = 16 << 10
-_RESULT_FIELDS = ("stdout", "stderr", "exit_code", "timed_out", "exception", "value",
-                  "value_repr", "truncated")
+_RESULT_FIELDS = ("stdout", "stderr", "exit_code", "timed_out", "exception", "value", "value_repr", "truncated")
 _SIGNAL_HINTS = {
     "SIGXCPU": "the CPU time limit was reached",
     "SIGXFSZ": "the file size limit was reached",
@@ -169,16 +176,17 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         self.hide = [os.path.abspath(p) for p in [*_path_list(c, "hide"), *_node_records(settings)]]
         self.start_timeout = float(c.get("start_timeout", 30.0))
         self.lazy_start = bool(c.get("lazy_start", True))
-        self.env = {"PATH": os.environ.get("PATH", os.defpath), "LANG": "C.UTF-8",
-                    **{str(k): str(v) for k, v in (c.get("env") or {}).items()}}
+        self.env = {
+            "PATH": os.environ.get("PATH", os.defpath),
+            "LANG": "C.UTF-8",
+            **{str(k): str(v) for k, v in (c.get("env") or {}).items()},
+        }
         self.root = os.geteuid() == 0
         self.network_isolated = False  # known once the zygote has started
         self._boxes: dict[str, _Box] = {}
-        # Free uid offsets, reused last-in first-out: few distinct uids get used, so the
-        # purge on a uid's first use in this node (see _spawn) is rare.
-        self._free = list(range(self.max_sandboxes - 1, -1, -1))
-        self._idle: list[tuple[int, socket.socket]] = []  # free uids still claimed by us
-        self._purged: set[int] = set()  # uids already cleared of an earlier node's leftovers
+        # Uids are reused last-in first-out: few distinct uids get used, so the purge on a
+        # uid's first use in this node (see _spawn) is rare.
+        self._uids = UidPool(self.uid_base, self.max_sandboxes)
         self._killer: tuple[int, socket.socket] | None = None  # see zygote/forkserver.kill_uid
         self._closing: set[asyncio.Task] = set()
         self._ctl: socket.socket | None = None
@@ -209,12 +217,9 @@ class ProcessSandbox(ZygoteControl, Sandbox):
             await asyncio.gather(*self._closing, return_exceptions=True)
         await self._close_zygote()
         if self._killer is not None:
-            self._idle.append(self._killer)
+            self._uids.release(*self._killer)
             self._killer = None
-        for uid, claim in self._idle:
-            claim.close()
-            self._free.append(uid - self.uid_base)
-        self._idle = []
+        self._uids.close()
         if self._own_shm_root:
             try:
                 os.rmdir(self.work_root)  # empty now; in memory, unlike the disk default
@@ -234,7 +239,6 @@ class ProcessSandbox(ZygoteControl, Sandbox):
             mode = stat.S_IMODE(os.stat(self.work_root).st_mode)
             if mode != (mode | 0o011) & ~0o066:  # a new dir is 0755 under the usual umask
                 os.chmod(self.work_root, (mode | 0o011) & ~0o066)
-
 
     # --- sandboxes ----------------------------------------------------------------------
 
@@ -297,8 +301,9 @@ class ProcessSandbox(ZygoteControl, Sandbox):
             result.restarted = restarted
             return result
 
-    async def run_once(self, spec: SandboxSpec, code: str, *, timeout: float,
-                       inputs: dict[str, Any] | None = None) -> ExecResult:
+    async def run_once(
+        self, spec: SandboxSpec, code: str, *, timeout: float, inputs: dict[str, Any] | None = None
+    ) -> ExecResult:
         """A one-shot interpreter: the spawn carries the code and the interpreter exits
         once it has answered; the zygote then cleans up after it without being asked, so
         the run costs one control request instead of two. ``inputs`` travel as data with
@@ -338,17 +343,25 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         except TimeoutError:
             # The code swallowed CellTimeout or is stuck in C: kill what it started too.
             _, stdout, stderr, cut = await self._kill_and_collect(box)
-            return ExecResult(stdout=stdout, stderr=stderr, exit_code=None, timed_out=True,
-                              truncated=cut, exception=(
-                                  f"Timeout: the code ran past {timeout:g}s and did not stop, so "
-                                  "the interpreter was killed; its state is lost and the next "
-                                  "call starts a fresh one.\n"))
+            return ExecResult(
+                stdout=stdout,
+                stderr=stderr,
+                exit_code=None,
+                timed_out=True,
+                truncated=cut,
+                exception=(
+                    f"Timeout: the code ran past {timeout:g}s and did not stop, so "
+                    "the interpreter was killed; its state is lost and the next "
+                    "call starts a fresh one.\n"
+                ),
+            )
         except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
             if box.destroyed:
                 raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
             status, stdout, stderr, cut = await self._kill_and_collect(box)
-            return ExecResult(stdout=stdout, stderr=stderr, exit_code=None, truncated=cut,
-                              exception=_death_message(status))
+            return ExecResult(
+                stdout=stdout, stderr=stderr, exit_code=None, truncated=cut, exception=_death_message(status)
+            )
         except asyncio.CancelledError:
             # The interpreter is still busy with this code and would answer the next call.
             await self._kill_and_collect(box)
@@ -364,11 +377,10 @@ class ProcessSandbox(ZygoteControl, Sandbox):
                 log.warning("process sandbox: killing %s failed: %s", box.handle, e)
                 status = None
                 if box.uid is not None:
-                    self._purged.discard(box.uid)  # kill leftovers before the uid runs again
+                    self._uids.purged.discard(box.uid)  # kill leftovers before the uid runs again
             stdout, stderr, cut = "", "", False
             if box.output_fds is not None:
-                (stdout, c1), (stderr, c2) = (zygote.read_capped(fd, self.output_limit)
-                                              for fd in box.output_fds)
+                (stdout, c1), (stderr, c2) = (zygote.read_capped(fd, self.output_limit) for fd in box.output_fds)
                 cut = c1 or c2
             return status, stdout, stderr, cut
         finally:
@@ -382,7 +394,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         req = dict(box.spawn_req, workdir=box.workdir)
         if cell is not None:
             req["cell"] = cell
-        req["purge"] = box.uid is not None and box.uid not in self._purged
+        req["purge"] = box.uid is not None and box.uid not in self._uids.purged
         box.pending = asyncio.ensure_future(self._spawn_exchange(box, req))
         await asyncio.shield(box.pending)
         box.pending = None
@@ -409,7 +421,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         box.output_fds = (fds[1], fds[2])
         box.chan = Channel(socket.socket(fileno=fds[0]))
         if box.uid is not None:
-            self._purged.add(box.uid)
+            self._uids.purged.add(box.uid)
 
     async def _kill(self, box: _Box, *, remove: bool, wait: bool = False) -> str | None:
         """Kill every process of ``box``; return how the interpreter ended if on its own
@@ -422,8 +434,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         box.pid = None
         if pid is None and box.uid is None and not (remove and box.workdir):
             return None
-        req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove,
-               "wait": wait}
+        req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove, "wait": wait}
         msg, _ = await self._ctl_call(req)  # even if cancelled, the zygote completes it
         return msg.get("status")
 
@@ -454,7 +465,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         except SandboxError as e:
             log.warning("process sandbox: cleaning up %s failed: %s", box.handle, e)
             if box.uid is not None:
-                self._purged.discard(box.uid)  # kill its leftovers before the uid is used again
+                self._uids.purged.discard(box.uid)  # kill its leftovers before the uid is used again
         finally:
             self._release_uid(box)
 
@@ -472,12 +483,18 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         if nproc is None and self.root:
             nproc = 64
         return {
-            "op": "spawn", "uid": uid, "work_root": self.work_root,
+            "op": "spawn",
+            "uid": uid,
+            "work_root": self.work_root,
             "prefix": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.instance_id)[:40] + "-",
-            "limits": {"as_bytes": int(memory_mb) << 20, "cpu_seconds": int(cpu),
-                       "fsize_bytes": self.max_file_mb << 20,
-                       "nproc": None if nproc is None else int(nproc)},
-            "env": dict(spec.env), "output_limit": self.output_limit,
+            "limits": {
+                "as_bytes": int(memory_mb) << 20,
+                "cpu_seconds": int(cpu),
+                "fsize_bytes": self.max_file_mb << 20,
+                "nproc": None if nproc is None else int(nproc),
+            },
+            "env": dict(spec.env),
+            "output_limit": self.output_limit,
         }
 
     def _allocate_uid(self) -> tuple[int | None, socket.socket | None]:
@@ -485,23 +502,11 @@ class ProcessSandbox(ZygoteControl, Sandbox):
             if len(self._boxes) >= self.max_sandboxes:
                 raise SandboxError(f"all {self.max_sandboxes} process sandboxes are in use")
             return None, None
-        if self._idle:
-            return self._idle.pop()
-        for i in range(len(self._free) - 1, -1, -1):
-            offset = self._free[i]
-            claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            try:
-                claim.bind(f"\0envhub-process-sandbox-uid-{self.uid_base + offset}")
-            except OSError:  # another envhub process on this host holds it
-                claim.close()
-                continue
-            del self._free[i]
-            return self.uid_base + offset, claim
-        raise SandboxError(f"all {self.max_sandboxes} sandbox uids are in use")
+        return self._uids.allocate()
 
     def _release_uid(self, box: _Box) -> None:
         if box.claim is not None:
-            self._idle.append((box.uid, box.claim))  # kept claimed: the next one is free
+            self._uids.release(box.uid, box.claim)
             box.claim = None
 
     # --- files ----------------------------------------------------------------------------
@@ -570,7 +575,7 @@ def _forget_interpreter(box: _Box) -> None:
 def _death_message(status: str | None) -> str:
     how = status or "it stopped answering"
     hint = next((h for sig, h in _SIGNAL_HINTS.items() if status and status.endswith(sig)), None)
-    return (f"InterpreterDied: the Python interpreter died ({how}{f': {hint}' if hint else ''}); "
-            "its state is lost and the next call starts a fresh interpreter.\n")
-
-
+    return (
+        f"InterpreterDied: the Python interpreter died ({how}{f': {hint}' if hint else ''}); "
+        "its state is lost and the next call starts a fresh interpreter.\n"
+    )

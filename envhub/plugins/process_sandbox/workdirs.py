@@ -13,10 +13,9 @@ import os
 import posixpath
 import stat
 import tempfile
-from typing import Any, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError
-
 
 if TYPE_CHECKING:
     from envhub.plugins.process_sandbox.sandbox import _Box
@@ -52,7 +51,7 @@ def relative_parts(box: _Box, path: str) -> list[str]:
     if norm.startswith("/"):
         if not norm.startswith(box.workdir + "/"):
             raise InvalidRequest(f"path {path!r} is outside the sandbox", field="path")
-        norm = norm[len(box.workdir) + 1:]
+        norm = norm[len(box.workdir) + 1 :]
     if norm == "." or norm == ".." or norm.startswith("../"):
         raise InvalidRequest(f"path {path!r} escapes the sandbox", field="path")
     return norm.split("/")
@@ -71,16 +70,14 @@ def open_in_workdir(box: _Box, parts: list[str], *, write: bool) -> int:
                             os.chown(name, box.uid, box.uid, dir_fd=dfd, follow_symlinks=False)
                     except FileExistsError:
                         pass
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=dfd)
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
                 os.close(dfd)
                 dfd = sub
             # O_NONBLOCK: a FIFO planted under this name must not hang the node.
             flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             if write:
                 try:
-                    fd = os.open(parts[-1], flags | os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644,
-                                 dir_fd=dfd)
+                    fd = os.open(parts[-1], flags | os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
                     if box.uid is not None:
                         os.fchown(fd, box.uid, box.uid)
                     return fd
@@ -110,7 +107,7 @@ def write_in_workdir(box: _Box, parts: list[str], data: bytes) -> None:
         os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -118,4 +115,3 @@ def write_in_workdir(box: _Box, parts: list[str], data: bytes) -> None:
 def read_fd(fd: int) -> bytes:
     with open(fd, "rb", closefd=True) as f:
         return f.read()
-

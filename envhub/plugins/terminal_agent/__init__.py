@@ -30,8 +30,10 @@ class TerminalAgent(Agent):
         tools = obs.get("tools") or []
         known = {t.get("function", {}).get("name") for t in tools}
         messages = session.messages
-        messages[:] = [{"role": "system", "content": obs.get("system_prompt", "")},
-                       {"role": "user", "content": obs.get("instruction", "")}]
+        messages[:] = [
+            {"role": "system", "content": obs.get("system_prompt", "")},
+            {"role": "user", "content": obs.get("instruction", "")},
+        ]
         budgets = session.budgets
         max_malformed = int(self.config.get("max_malformed", 3))
         steps = malformed_turns = 0
@@ -45,8 +47,13 @@ class TerminalAgent(Agent):
             except ModelError as e:
                 return AgentResult(e.reason, steps, error=e.message)
             calls = message.get("tool_calls") or []
-            messages.append({"role": "assistant", "content": message.get("content") or "",
-                             **({"tool_calls": calls} if calls else {})})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": message.get("content") or "",
+                    **({"tool_calls": calls} if calls else {}),
+                }
+            )
             if not calls:
                 return AgentResult("finished", steps)
             usable = 0
@@ -59,8 +66,9 @@ class TerminalAgent(Agent):
                 messages.append({"role": "tool", "tool_call_id": str(call.get("id", "")), "content": reply[1]})
             malformed_turns = 0 if usable else malformed_turns + 1
             if malformed_turns >= max_malformed:
-                return AgentResult("malformed_tool_calls", steps,
-                                   error=f"{malformed_turns} turns in a row had no usable tool call")
+                return AgentResult(
+                    "malformed_tool_calls", steps, error=f"{malformed_turns} turns in a row had no usable tool call"
+                )
 
     async def _one_call(self, session: AgentSession, call: Any, known: set[str]) -> tuple[int, str] | None:
         """Run one tool call; returns (steps taken, text for the model)."""

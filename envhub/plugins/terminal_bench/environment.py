@@ -28,19 +28,19 @@ import json
 import logging
 import re
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
-from envhub.sandbox import BuildRequest
 from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.terminal_bench import grading
 from envhub.plugins.terminal_bench.images import context_hash, substitute_base
 from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
-from envhub.sandbox import Limits, SandboxSpec
+from envhub.sandbox import BuildRequest, Limits, SandboxSpec
 
 log = logging.getLogger("envhub.terminal_bench")
 
@@ -54,22 +54,41 @@ SYSTEM_PROMPT = (
 )
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "run_command",
-        "description": "Run a bash command in the container and see its stdout, stderr and exit code.",
-        "parameters": {"type": "object", "properties": {
-            "command": {"type": "string", "description": "A bash command line"},
-            "timeout": {"type": "number", "description": "Seconds before the command is killed (default 120)"}},
-            "required": ["command"]}}},
-    {"type": "function", "function": {
-        "name": "write_file",
-        "description": "Create or overwrite a file in the container.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string"}, "content": {"type": "string"}}, "required": ["path", "content"]}}},
-    {"type": "function", "function": {
-        "name": "read_file",
-        "description": "Read a text file from the container.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "run_command",
+            "description": "Run a bash command in the container and see its stdout, stderr and exit code.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "command": {"type": "string", "description": "A bash command line"},
+                    "timeout": {"type": "number", "description": "Seconds before the command is killed (default 120)"},
+                },
+                "required": ["command"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Create or overwrite a file in the container.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a text file from the container.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
 ]
 
 _TAG_SAFE = re.compile(r"[^a-z0-9._-]+")
@@ -112,10 +131,13 @@ class TerminalBench(Environment):
                 raise StartupError(f"terminal-bench: dataset {root}: {e}") from None
             for tb in loaded:
                 if tb.id in self._tasks:
-                    raise StartupError(f"terminal-bench: task id {tb.id!r} is in {self._tasks[tb.id][0].path} "
-                                       f"and {tb.path}")
-                self._tasks[tb.id] = (tb, Task(id=tb.id, split=tb.format, title=tb.instruction.strip()[:100],
-                                               public=_public(tb)))
+                    raise StartupError(
+                        f"terminal-bench: task id {tb.id!r} is in {self._tasks[tb.id][0].path} and {tb.path}"
+                    )
+                self._tasks[tb.id] = (
+                    tb,
+                    Task(id=tb.id, split=tb.format, title=tb.instruction.strip()[:100], public=_public(tb)),
+                )
         self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
         self._images: dict[str, str] = {}
 
@@ -151,9 +173,16 @@ class TerminalBench(Environment):
             extra["envhub-ca.crt"] = Path(ca_bundle).read_bytes()
             dockerfile = _trust_ca(dockerfile)
             digest = _sha256(digest.encode() + extra["envhub-ca.crt"])
-        return BuildRequest(environment=self.name, task_id=tb.id, context_hash=digest,
-                            image=image_tag(self.name, tb, digest), context_dir=tb.build_context,
-                            dockerfile=dockerfile, timeout=tb.build_timeout_sec, extra_files=extra)
+        return BuildRequest(
+            environment=self.name,
+            task_id=tb.id,
+            context_hash=digest,
+            image=image_tag(self.name, tb, digest),
+            context_dir=tb.build_context,
+            dockerfile=dockerfile,
+            timeout=tb.build_timeout_sec,
+            extra_files=extra,
+        )
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         tb = self.tb(task)
@@ -162,8 +191,10 @@ class TerminalBench(Environment):
             image = self._image_map().get(tb.docker_image, tb.docker_image)
             sandbox = self.context.sandboxes[self.sandbox]
             if not await sandbox.image_exists(image):
-                raise SandboxError(f"task {tb.id} names image {image!r}, which is not on this node's engine "
-                                   "(map it to a local image with image_map)")
+                raise SandboxError(
+                    f"task {tb.id} names image {image!r}, which is not on this node's engine "
+                    "(map it to a local image with image_map)"
+                )
             self._images[task.id] = image
             return
         if self.context is None or self.context.builds is None:
@@ -187,18 +218,23 @@ class TerminalBench(Environment):
         episode.state.update(commands=0, evaluated=False)
         if episode.params.get("oracle"):
             episode.state["oracle"] = await self._run_oracle(episode, tb)
-        return {"system_prompt": SYSTEM_PROMPT, "instruction": tb.instruction, "tools": TOOLS,
-                "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                             {"role": "user", "content": tb.instruction}],
-                "task": _public(tb), **({"oracle": episode.state["oracle"]} if "oracle" in episode.state else {})}
+        return {
+            "system_prompt": SYSTEM_PROMPT,
+            "instruction": tb.instruction,
+            "tools": TOOLS,
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": tb.instruction}],
+            "task": _public(tb),
+            **({"oracle": episode.state["oracle"]} if "oracle" in episode.state else {}),
+        }
 
     async def _run_oracle(self, episode: Episode, tb: TbTask) -> dict[str, Any]:
         if tb.solution is None:
             raise InvalidRequest(f"task {tb.id} has no reference solution for oracle mode", field="params.oracle")
         sandbox = episode.sandbox
         if tb.solution.suffix in (".yaml", ".yml"):
-            commands = [c["command"] if isinstance(c, dict) else str(c)
-                        for c in yaml.safe_load(tb.solution.read_text()) or []]
+            commands = [
+                c["command"] if isinstance(c, dict) else str(c) for c in yaml.safe_load(tb.solution.read_text()) or []
+            ]
             script = "\n".join(commands) + "\n"
             await sandbox.write_file(episode.handle, "/oracle/solve.sh", script.encode())
         elif tb.format == "tb2":
@@ -206,29 +242,42 @@ class TerminalBench(Environment):
         else:
             await sandbox.write_file(episode.handle, "/oracle/solve.sh", tb.solution.read_bytes())
         timeout = tb.agent_timeout_sec or self.max_command_timeout
-        result = await episode.exec(f"{_cd(tb)}bash /oracle/{tb.solution.name if tb.format == 'tb2' else 'solve.sh'}",
-                                    timeout=timeout)
+        result = await episode.exec(
+            f"{_cd(tb)}bash /oracle/{tb.solution.name if tb.format == 'tb2' else 'solve.sh'}", timeout=timeout
+        )
         await episode.exec("rm -rf /oracle", timeout=30)
-        return {"exit_code": result.exit_code, "timed_out": result.timed_out,
-                "stdout_tail": result.stdout[-2000:], "stderr_tail": result.stderr[-2000:]}
+        return {
+            "exit_code": result.exit_code,
+            "timed_out": result.timed_out,
+            "stdout_tail": result.stdout[-2000:],
+            "stderr_tail": result.stderr[-2000:],
+        }
 
     async def step(self, episode: Episode, action: Action) -> StepResult:
         if episode.state.get("evaluated"):
-            raise Conflict("the episode was evaluated (its tests are now in the container); it takes no more steps",
-                           extra={"state": "evaluated"})
+            raise Conflict(
+                "the episode was evaluated (its tests are now in the container); it takes no more steps",
+                extra={"state": "evaluated"},
+            )
         tb = self.tb(episode.task)
         sandbox = episode.sandbox
         if action.tool == "run_command":
             command = action.require_str("command")
             timeout = action.arguments.get("timeout", self.command_timeout)
             if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-                raise InvalidRequest("'timeout' must be a positive number of seconds",
-                                     field="action.arguments.timeout")
+                raise InvalidRequest("'timeout' must be a positive number of seconds", field="action.arguments.timeout")
             result = await episode.exec(f"{_cd(tb)}{command}", timeout=min(float(timeout), self.max_command_timeout))
             episode.state["commands"] = episode.state.get("commands", 0) + 1
-            return StepResult({"content": self._format(result), "stdout": result.stdout, "stderr": result.stderr,
-                               "exit_code": result.exit_code, "timed_out": result.timed_out,
-                               "truncated": result.truncated})
+            return StepResult(
+                {
+                    "content": self._format(result),
+                    "stdout": result.stdout,
+                    "stderr": result.stderr,
+                    "exit_code": result.exit_code,
+                    "timed_out": result.timed_out,
+                    "truncated": result.truncated,
+                }
+            )
         if action.tool == "write_file":
             path, content = action.require_str("path"), action.require_str("content")
             try:
@@ -243,10 +292,13 @@ class TerminalBench(Environment):
             except (NotFound, InvalidRequest) as e:
                 return StepResult({"content": f"error: {e.message}", "ok": False})
             text = data.decode("utf-8", errors="replace")
-            return StepResult({"content": text[: self.output_limit], "ok": True,
-                               "truncated": len(text) > self.output_limit})
-        raise InvalidRequest(f"terminal-bench has no tool {action.tool!r} (tools: run_command, write_file, read_file)",
-                             field="action.tool")
+            return StepResult(
+                {"content": text[: self.output_limit], "ok": True, "truncated": len(text) > self.output_limit}
+            )
+        raise InvalidRequest(
+            f"terminal-bench has no tool {action.tool!r} (tools: run_command, write_file, read_file)",
+            field="action.tool",
+        )
 
     def _format(self, result: Any) -> str:
         parts = [result.stdout.rstrip("\n")] if result.stdout else []
@@ -277,20 +329,27 @@ class TerminalBench(Environment):
         if tb.format == "tb1":
             await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
             await sandbox.write_file(episode.handle, "/tests/run-tests.sh", tb.test_script.read_bytes())
-            result = await episode.exec(f"{_cd(tb)}TEST_DIR=/tests bash /tests/run-tests.sh 2>&1",
-                                        timeout=tb.test_timeout_sec)
+            result = await episode.exec(
+                f"{_cd(tb)}TEST_DIR=/tests bash /tests/run-tests.sh 2>&1", timeout=tb.test_timeout_sec
+            )
             output = result.stdout + result.stderr
             files["test-stdout.txt"] = output.encode()
             tests = None if result.timed_out else grading.parse_pytest_summary(output)
             reward = grading.reward_from_tests(tests, mode) or 0.0
-            error = ("tests timed out" if result.timed_out else
-                     "no pytest short test summary in the output" if tests is None else None)
+            error = (
+                "tests timed out"
+                if result.timed_out
+                else "no pytest short test summary in the output"
+                if tests is None
+                else None
+            )
         else:
             await episode.exec("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier", timeout=30)
             await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
             result = await episode.exec(
                 f"{_cd(tb)}bash /tests/{tb.test_script.name} > /logs/verifier/test-stdout.txt 2>&1",
-                timeout=tb.test_timeout_sec)
+                timeout=tb.test_timeout_sec,
+            )
             files = await sandbox.fetch_dir(episode.handle, "/logs/verifier")
             output = files.get("test-stdout.txt", b"").decode("utf-8", errors="replace")
             tests = grading.parse_ctrf(files["ctrf.json"]) if "ctrf.json" in files else None
@@ -308,9 +367,15 @@ class TerminalBench(Environment):
             else:
                 reward = rewards.get("reward", sum(rewards.values()) / len(rewards) if rewards else 0.0)
         details: dict[str, Any] = {
-            "format": tb.format, "reward_mode": mode, "tests": tests or {},
-            "passed": sum(s == "passed" for s in (tests or {}).values()), "total": len(tests or {}),
-            "exit_code": result.exit_code, "timed_out": result.timed_out, "output_tail": output[-4000:]}
+            "format": tb.format,
+            "reward_mode": mode,
+            "tests": tests or {},
+            "passed": sum(s == "passed" for s in (tests or {}).values()),
+            "total": len(tests or {}),
+            "exit_code": result.exit_code,
+            "timed_out": result.timed_out,
+            "output_tail": output[-4000:],
+        }
         if tb.format == "tb2":
             details["rewards"] = rewards
         if error:
@@ -321,9 +386,18 @@ class TerminalBench(Environment):
 
 
 def _public(tb: TbTask) -> dict[str, Any]:
-    return {"format": tb.format, "name": tb.name, "difficulty": tb.difficulty, "category": tb.category,
-            "tags": tb.tags, "agent_timeout_sec": tb.agent_timeout_sec, "test_timeout_sec": tb.test_timeout_sec,
-            "cpus": tb.cpus, "memory_mb": tb.memory_mb, "allow_internet": tb.allow_internet}
+    return {
+        "format": tb.format,
+        "name": tb.name,
+        "difficulty": tb.difficulty,
+        "category": tb.category,
+        "tags": tb.tags,
+        "agent_timeout_sec": tb.agent_timeout_sec,
+        "test_timeout_sec": tb.test_timeout_sec,
+        "cpus": tb.cpus,
+        "memory_mb": tb.memory_mb,
+        "allow_internet": tb.allow_internet,
+    }
 
 
 def _cd(tb: TbTask) -> str:
@@ -341,12 +415,16 @@ def _trust_ca(dockerfile: str) -> str:
     steps (package downloads behind a TLS-inspecting proxy) already trust it."""
     lines = dockerfile.splitlines()
     last_from = max((i for i, line in enumerate(lines) if line.strip().upper().startswith("FROM ")), default=-1)
-    trust = ["COPY envhub-ca.crt /usr/local/share/ca-certificates/envhub-ca.crt",
-             "RUN mkdir -p /etc/ssl/certs && cat /usr/local/share/ca-certificates/envhub-ca.crt "
-             ">> /etc/ssl/certs/ca-certificates.crt",
-             "ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt "
-             "PIP_CERT=/etc/ssl/certs/ca-certificates.crt NODE_EXTRA_CA_CERTS=/usr/local/share/ca-certificates/envhub-ca.crt"]
-    return "\n".join(lines[: last_from + 1] + trust + lines[last_from + 1:]) + "\n"
+    trust = [
+        "COPY envhub-ca.crt /usr/local/share/ca-certificates/envhub-ca.crt",
+        "RUN mkdir -p /etc/ssl/certs && cat /usr/local/share/ca-certificates/envhub-ca.crt "
+        ">> /etc/ssl/certs/ca-certificates.crt",
+        "ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt "
+        "REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt "
+        "PIP_CERT=/etc/ssl/certs/ca-certificates.crt "
+        "NODE_EXTRA_CA_CERTS=/usr/local/share/ca-certificates/envhub-ca.crt",
+    ]
+    return "\n".join(lines[: last_from + 1] + trust + lines[last_from + 1 :]) + "\n"
 
 
 def _sha256(data: bytes) -> str:

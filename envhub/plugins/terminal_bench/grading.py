@@ -27,8 +27,14 @@ from typing import Literal
 PASSED, FAILED = "passed", "failed"
 
 _SUMMARY_HEADER = re.compile(r"=+\s*short test summary info\s*=+", re.IGNORECASE)
-_PYTEST_STATUS = {"PASSED": PASSED, "XFAIL": PASSED, "SKIPPED": PASSED,
-                  "FAILED": FAILED, "XPASS": FAILED, "ERROR": FAILED}
+_PYTEST_STATUS = {
+    "PASSED": PASSED,
+    "XFAIL": PASSED,
+    "SKIPPED": PASSED,
+    "FAILED": FAILED,
+    "XPASS": FAILED,
+    "ERROR": FAILED,
+}
 _FAILED_MESSAGE_DELIMITER = " - "
 
 
@@ -90,8 +96,11 @@ def parse_ctrf(data: bytes) -> dict[str, str]:
         raise GradingError("ctrf.json has no results.tests array")
     results: dict[str, str] = {}
     for i, test in enumerate(tests):
-        if not isinstance(test, dict) or not isinstance(test.get("name"), str) \
-                or not isinstance(test.get("status"), str):
+        if (
+            not isinstance(test, dict)
+            or not isinstance(test.get("name"), str)
+            or not isinstance(test.get("status"), str)
+        ):
             raise GradingError(f"ctrf.json results.tests[{i}] needs string name and status, got {test!r}")
         results[test["name"]] = PASSED if test["status"] == "passed" else FAILED
     return results
@@ -152,8 +161,9 @@ def _finite(value: float, what: str) -> float:
     return value
 
 
-def reward_from_tests(results: dict[str, str] | None,
-                      mode: Literal["all_pass", "pass_ratio"] = "all_pass") -> float | None:
+def reward_from_tests(
+    results: dict[str, str] | None, mode: Literal["all_pass", "pass_ratio"] = "all_pass"
+) -> float | None:
     """One reward from per-test results.
 
     ``all_pass``: 1.0 iff every test passed. ``{}`` gives 1.0 (terminal-bench's

@@ -43,7 +43,7 @@ def substitute_base(dockerfile_text: str, image_map: dict[str, str]) -> str:
             if image.lower() not in stages and image.lower() != "scratch":
                 mapped = _lookup_image(image, image_map)
                 if mapped is not None:
-                    line = match.group("head") + mapped + match.group("tail") + line[len(body):]
+                    line = match.group("head") + mapped + match.group("tail") + line[len(body) :]
             stage = _STAGE_NAME.match(match.group("tail"))
             if stage:
                 stages.add(stage.group(1).lower())
@@ -65,9 +65,9 @@ def _lookup_image(image: str, image_map: dict[str, str]) -> str | None:
 def _normalise_image(ref: str) -> str:
     for prefix in ("docker.io/", "index.docker.io/", "registry-1.docker.io/"):
         if ref.startswith(prefix):
-            ref = ref[len(prefix):]
+            ref = ref[len(prefix) :]
             break
-    return ref[len("library/"):] if ref.startswith("library/") and ref.count("/") == 1 else ref
+    return ref[len("library/") :] if ref.startswith("library/") and ref.count("/") == 1 else ref
 
 
 def _repository(ref: str) -> str:
@@ -109,7 +109,7 @@ def _walk(root: Path) -> list[tuple[str, Path]]:
     return sorted(entries)
 
 
-def _hash_entry(h: "hashlib._Hash", rel: str, full: Path) -> None:
+def _hash_entry(h: hashlib._Hash, rel: str, full: Path) -> None:
     st = full.lstat()
     if stat.S_ISLNK(st.st_mode):
         kind, content = b"l", os.readlink(full).encode()
@@ -121,7 +121,7 @@ def _hash_entry(h: "hashlib._Hash", rel: str, full: Path) -> None:
     _hash_field(h, kind, rel.encode(), mode, hashlib.sha256(content).digest())
 
 
-def _hash_field(h: "hashlib._Hash", *parts: bytes) -> None:
+def _hash_field(h: hashlib._Hash, *parts: bytes) -> None:
     # Length prefixes keep ("ab", "c") and ("a", "bc") apart.
     for part in parts:
         h.update(len(part).to_bytes(8, "big") + part)

@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-
-
 TB1_AGENT_TIMEOUT_SEC = 360.0
 TB1_TEST_TIMEOUT_SEC = 60.0
 TB2_VERIFIER_TIMEOUT_SEC = 600.0
@@ -49,7 +47,6 @@ TB2_BUILD_TIMEOUT_SEC = 600.0
 TB2_CPUS = 1.0
 TB2_MEMORY_MB = 2048
 TB2_STORAGE_MB = 10240
-
 
 
 class TaskFormatError(ValueError):
@@ -122,8 +119,7 @@ class Table:
 
     def __init__(self, data: Any, file: Path, prefix: str = "") -> None:
         if not isinstance(data, dict):
-            raise TaskFormatError(file, f"expected a table/mapping, got {type(data).__name__}",
-                                  field=prefix or None)
+            raise TaskFormatError(file, f"expected a table/mapping, got {type(data).__name__}", field=prefix or None)
         self.data, self.file, self.prefix = data, file, prefix
 
     def _name(self, key: str) -> str:
@@ -261,5 +257,3 @@ def logical_lines(text: str) -> list[str]:
 
 
 LoadErrors = list[tuple[Path, TaskFormatError]]
-
-

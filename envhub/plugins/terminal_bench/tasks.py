@@ -14,7 +14,26 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import yaml
-from envhub.plugins.terminal_bench.model import (LoadErrors, TB1_AGENT_TIMEOUT_SEC, TB1_TEST_TIMEOUT_SEC, TB2_BUILD_TIMEOUT_SEC, TB2_CPUS, TB2_MEMORY_MB, TB2_STORAGE_MB, TB2_VERIFIER_TIMEOUT_SEC, TaskFormatError, TbStep, TbTask, Table, dockerfile_workdir, first_existing, read_text, require_file, size_to_mb)
+
+from envhub.plugins.terminal_bench.model import (
+    TB1_AGENT_TIMEOUT_SEC,
+    TB1_TEST_TIMEOUT_SEC,
+    TB2_BUILD_TIMEOUT_SEC,
+    TB2_CPUS,
+    TB2_MEMORY_MB,
+    TB2_STORAGE_MB,
+    TB2_VERIFIER_TIMEOUT_SEC,
+    LoadErrors,
+    Table,
+    TaskFormatError,
+    TbStep,
+    TbTask,
+    dockerfile_workdir,
+    first_existing,
+    read_text,
+    require_file,
+    size_to_mb,
+)
 
 # Container-side values the tb harness gives the T_BENCH_* variables its compose files use.
 _TB1_COMPOSE_VARS = {
@@ -61,18 +80,30 @@ def _load_tb1(path: Path) -> TbTask:
         "compose_services": compose.other_services,
     }
     return TbTask(
-        id=path.name, name=path.name, format="tb1", path=path, instruction=instruction,
-        dockerfile=dockerfile, build_context=compose.context, docker_image=None,
+        id=path.name,
+        name=path.name,
+        format="tb1",
+        path=path,
+        instruction=instruction,
+        dockerfile=dockerfile,
+        build_context=compose.context,
+        docker_image=None,
         agent_timeout_sec=cfg.number("max_agent_timeout_sec", TB1_AGENT_TIMEOUT_SEC, positive=True),
         test_timeout_sec=cfg.number("max_test_timeout_sec", TB1_TEST_TIMEOUT_SEC, positive=True),
         build_timeout_sec=TB2_BUILD_TIMEOUT_SEC,
-        tests_dir=path / "tests", test_script=require_file(path / "run-tests.sh", "run-tests.sh"),
-        solution=solution, cpus=compose.cpus, memory_mb=compose.memory_mb,
-        workdir=dockerfile_workdir(read_text(dockerfile)), env=compose.env,
+        tests_dir=path / "tests",
+        test_script=require_file(path / "run-tests.sh", "run-tests.sh"),
+        solution=solution,
+        cpus=compose.cpus,
+        memory_mb=compose.memory_mb,
+        workdir=dockerfile_workdir(read_text(dockerfile)),
+        env=compose.env,
         difficulty=cfg.string("difficulty", "unknown"),
-        category=cfg.string("category", "software_engineering"), tags=cfg.strings("tags"),
+        category=cfg.string("category", "software_engineering"),
+        tags=cfg.strings("tags"),
         parser=cfg.string("parser_name", "pytest"),
-        run_tests_in_same_shell=cfg.boolean("run_tests_in_same_shell", False), extra=extra,
+        run_tests_in_same_shell=cfg.boolean("run_tests_in_same_shell", False),
+        extra=extra,
     )
 
 
@@ -176,27 +207,51 @@ def _load_tb2(path: Path) -> TbTask:
     workdir = envc.string("workdir") or (dockerfile_workdir(read_text(dockerfile)) if dockerfile else None)
     extra = {
         "schema_version": cfg.string("schema_version") or cfg.string("version"),
-        "metadata": dict(meta.data), "description": pkg.string("description", ""),
-        "keywords": pkg.strings("keywords"), "gpus": envc.integer("gpus", 0),
-        "os": envc.string("os", "linux"), "network_mode": network_mode,
-        "allowed_hosts": envc.strings("allowed_hosts"), "skills_dir": envc.string("skills_dir"),
-        "healthcheck": envc.data.get("healthcheck"), "mcp_servers": envc.data.get("mcp_servers") or [],
-        "verifier_env": verifier.env("env"), "solution_env": cfg.table("solution").env("env"),
-        "agent_user": agent.data.get("user"), "verifier_user": verifier.data.get("user"),
+        "metadata": dict(meta.data),
+        "description": pkg.string("description", ""),
+        "keywords": pkg.strings("keywords"),
+        "gpus": envc.integer("gpus", 0),
+        "os": envc.string("os", "linux"),
+        "network_mode": network_mode,
+        "allowed_hosts": envc.strings("allowed_hosts"),
+        "skills_dir": envc.string("skills_dir"),
+        "healthcheck": envc.data.get("healthcheck"),
+        "mcp_servers": envc.data.get("mcp_servers") or [],
+        "verifier_env": verifier.env("env"),
+        "solution_env": cfg.table("solution").env("env"),
+        "agent_user": agent.data.get("user"),
+        "verifier_user": verifier.data.get("user"),
         "artifacts": cfg.data.get("artifacts") or [],
         "multi_step_reward_strategy": cfg.string("multi_step_reward_strategy"),
         "compose_file": first_existing(context / "docker-compose.yaml", context / "docker-compose.yml"),
     }
     return TbTask(
-        id=path.name, name=pkg.string("name") or path.name, format="tb2", path=path,
-        instruction=instruction, dockerfile=dockerfile, build_context=context, docker_image=docker_image,
-        agent_timeout_sec=agent_timeout, test_timeout_sec=test_timeout,
+        id=path.name,
+        name=pkg.string("name") or path.name,
+        format="tb2",
+        path=path,
+        instruction=instruction,
+        dockerfile=dockerfile,
+        build_context=context,
+        docker_image=docker_image,
+        agent_timeout_sec=agent_timeout,
+        test_timeout_sec=test_timeout,
         build_timeout_sec=envc.number("build_timeout_sec", TB2_BUILD_TIMEOUT_SEC, positive=True),
-        tests_dir=path / "tests", test_script=test_script, solution=solution,
-        cpus=envc.number("cpus", TB2_CPUS, positive=True), memory_mb=memory_mb, storage_mb=storage_mb,
-        allow_internet=allow_internet, workdir=workdir, env=envc.env("env"),
-        difficulty=meta.string("difficulty", "unknown"), category=meta.string("category"),
-        tags=meta.strings("tags"), parser=None, steps=steps, extra=extra,
+        tests_dir=path / "tests",
+        test_script=test_script,
+        solution=solution,
+        cpus=envc.number("cpus", TB2_CPUS, positive=True),
+        memory_mb=memory_mb,
+        storage_mb=storage_mb,
+        allow_internet=allow_internet,
+        workdir=workdir,
+        env=envc.env("env"),
+        difficulty=meta.string("difficulty", "unknown"),
+        category=meta.string("category"),
+        tags=meta.strings("tags"),
+        parser=None,
+        steps=steps,
+        extra=extra,
     )
 
 
@@ -225,16 +280,22 @@ def _tb2_steps(path: Path, cfg: Table, agent_timeout: float | None, test_timeout
         base = path / "steps" / name
         tests = base / "tests"
         verifier = s.table("verifier")
-        steps.append(TbStep(
-            name=name, instruction=_instruction_md(base / "instruction.md"), tests_dir=tests,
-            test_script=require_file(tests / "test.sh", f"tests/test.sh of step {name!r}"),
-            solution=first_existing(base / "solution" / "solve.sh"),
-            workdir_upload=base / "workdir" if (base / "workdir").is_dir() else None,
-            agent_timeout_sec=s.table("agent").number("timeout_sec", agent_timeout, positive=True),
-            test_timeout_sec=verifier.number("timeout_sec", test_timeout, positive=True),
-            min_reward=_min_reward(s), verifier_env=verifier.env("env"),
-            healthcheck=s.data.get("healthcheck"), artifacts=list(s.data.get("artifacts") or []),
-        ))
+        steps.append(
+            TbStep(
+                name=name,
+                instruction=_instruction_md(base / "instruction.md"),
+                tests_dir=tests,
+                test_script=require_file(tests / "test.sh", f"tests/test.sh of step {name!r}"),
+                solution=first_existing(base / "solution" / "solve.sh"),
+                workdir_upload=base / "workdir" if (base / "workdir").is_dir() else None,
+                agent_timeout_sec=s.table("agent").number("timeout_sec", agent_timeout, positive=True),
+                test_timeout_sec=verifier.number("timeout_sec", test_timeout, positive=True),
+                min_reward=_min_reward(s),
+                verifier_env=verifier.env("env"),
+                healthcheck=s.data.get("healthcheck"),
+                artifacts=list(s.data.get("artifacts") or []),
+            )
+        )
     return steps
 
 
@@ -281,8 +342,9 @@ def load_dataset(root: Path | str, *, strict: bool = True) -> list[TbTask] | tup
             paths = ", ".join(str(t.path) for t in same)
             if strict:
                 raise TaskFormatError(root, f"duplicate task id {task_id!r}: {paths}", field="id")
-            errors += [(t.path, TaskFormatError(t.path, f"duplicate task id {task_id!r}: {paths}", field="id"))
-                       for t in same]
+            errors += [
+                (t.path, TaskFormatError(t.path, f"duplicate task id {task_id!r}: {paths}", field="id")) for t in same
+            ]
     tasks = sorted((t for t in tasks if len(by_id[t.id]) == 1), key=lambda t: t.id)
     return tasks if strict else (tasks, sorted(errors, key=lambda e: str(e[0])))
 
@@ -297,5 +359,3 @@ def _task_dirs(folder: Path, depth: int) -> list[Path]:
         if child.is_dir() and not child.name.startswith("."):
             found += _task_dirs(child, depth - 1)
     return found
-
-

@@ -14,7 +14,8 @@ import sys
 def _load_package() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     spec = importlib.util.spec_from_file_location(
-        "_envhub_zygote", os.path.join(here, "__init__.py"), submodule_search_locations=[here])
+        "_envhub_zygote", os.path.join(here, "__init__.py"), submodule_search_locations=[here]
+    )
     package = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = package
     spec.loader.exec_module(package)

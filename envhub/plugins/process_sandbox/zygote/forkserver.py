@@ -64,14 +64,23 @@ from typing import Any
 
 from . import isolation
 from .interpreter import Interpreter, _cache_cell, prepare
-from .shared import (CLONE_NEWNET, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, _libc, _prctl,
-                     describe_status, dumps, remove_tree)
+from .shared import (
+    CLONE_NEWNET,
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+    _libc,
+    _prctl,
+    describe_status,
+    dumps,
+    remove_tree,
+)
 
 REAP_INTERVAL = 0.05
 
 
-
 # --- the zygote ----------------------------------------------------------------------
+
 
 def kill_uid(uid: int, killer_uid: int) -> None:
     """Kill every process running as ``uid``, escaped fork-bomb children included.
@@ -329,7 +338,16 @@ def main(argv: list[str]) -> None:
     # Set once here, so every sandbox starts with it: setuid binaries would escape the uid
     # kill. The zygote itself never executes another program.
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
-    ctl.send(json.dumps({"ready": True, "root": root,
-                         "network_isolated": netns or bool(landlock and landlock["tcp_denied"]),
-                         "landlock": landlock, "unreachable": blocked, "unhidden": unhidden}).encode())
+    ctl.send(
+        json.dumps(
+            {
+                "ready": True,
+                "root": root,
+                "network_isolated": netns or bool(landlock and landlock["tcp_denied"]),
+                "landlock": landlock,
+                "unreachable": blocked,
+                "unhidden": unhidden,
+            }
+        ).encode()
+    )
     Zygote(ctl, killer_uid).serve()

@@ -29,37 +29,63 @@ import types
 from typing import Any
 
 from . import isolation
-from .shared import _libc, _prctl, _recv_frame, dumps, encode_frame, load_file, read_capped, split_frame, PR_SET_PDEATHSIG
-
+from .shared import (
+    PR_SET_PDEATHSIG,
+    _libc,
+    _prctl,
+    _recv_frame,
+    dumps,
+    encode_frame,
+    load_file,
+    read_capped,
+    split_frame,
+)
 
 # Modules that solutions commonly import: loaded once here so every child starts warm.
 # Not decimal, fractions, random, statistics or datetime: rare in solutions, they add ten
 # shared objects' worth of mappings that every fork copies and every exit tears down,
 # which cost each sandbox more than the occasional import of one of them (~1 ms).
 PRELOAD = (
-    "array", "ast", "bisect", "collections", "copy", "enum", "functools", "heapq", "io",
-    "itertools", "json", "math", "operator", "os", "re", "string", "sys", "time",
-    "traceback", "typing",
+    "array",
+    "ast",
+    "bisect",
+    "collections",
+    "copy",
+    "enum",
+    "functools",
+    "heapq",
+    "io",
+    "itertools",
+    "json",
+    "math",
+    "operator",
+    "os",
+    "re",
+    "string",
+    "sys",
+    "time",
+    "traceback",
+    "typing",
 )
 
 VALUE_REPR_LIMIT = 4096
 CELL_PREFIX = "<cell-"
 
 
-
 _READY_FRAME = encode_frame({"ready": True})  # encoded once, not in every child
 
 
-
 # --- one sandbox interpreter (runs in a forked child) --------------------------------
+
 
 class CellTimeout(BaseException):
     """Raised into user code by SIGALRM; a BaseException so ``except Exception`` lets it by."""
 
 
 class Interpreter:
-    def __init__(self, chan: socket.socket, req: dict[str, Any], workdir: str,
-                 output_fds: tuple[int, int], zygote_pid: int) -> None:
+    def __init__(
+        self, chan: socket.socket, req: dict[str, Any], workdir: str, output_fds: tuple[int, int], zygote_pid: int
+    ) -> None:
         self.chan = chan
         self.req = req
         self.workdir = workdir
@@ -115,8 +141,7 @@ class Interpreter:
         os.dup2(self.out_fd, 1)  # sys.stdout and sys.stderr already write to fds 1 and 2
         os.dup2(self.err_fd, 2)
         # The zygote's environment is already the node's sandbox base environment.
-        for key, value in {"HOME": self.workdir, "TMPDIR": self.workdir,
-                           **(req.get("env") or {})}.items():
+        for key, value in {"HOME": self.workdir, "TMPDIR": self.workdir, **(req.get("env") or {})}.items():
             os.environ[key] = value
         sys.path.insert(0, self.workdir)
         # A real __main__ module, so pickle and multiprocessing find cell-defined functions.
@@ -139,8 +164,13 @@ class Interpreter:
         os.ftruncate(self.err_fd, 0)
         self.cells += 1
         filename = f"{CELL_PREFIX}{self.cells}>"
-        result: dict[str, Any] = {"exit_code": 0, "timed_out": False, "exception": None,
-                                  "value": None, "value_repr": None}
+        result: dict[str, Any] = {
+            "exit_code": 0,
+            "timed_out": False,
+            "exception": None,
+            "value": None,
+            "value_repr": None,
+        }
         try:
             cached = _CELL_CACHE.get(code) if self.cells == 1 else None  # compiled as cell 1
             body, last = cached or _compile_cell(code, filename)
@@ -178,8 +208,7 @@ class Interpreter:
         if os.getpid() != self.pid:
             os._exit(0)
         if self.fired:  # also when the code caught CellTimeout and went on
-            result.update(exit_code=None, timed_out=True, exception=None,
-                          value=None, value_repr=None)
+            result.update(exit_code=None, timed_out=True, exception=None, value=None, value_repr=None)
         return self.finish(result)
 
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
@@ -286,15 +315,20 @@ def prepare(preload: list[str]) -> None:
     # Like python -u, unbuffered, so output written before a hard kill is kept; on fds 1
     # and 2, where each child puts its capture memfds.
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-        write_through=True)
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-        write_through=True)
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
     _libc.prctl.restype = ctypes.c_int
     if os.geteuid() != 0:
-        for res in (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, resource.RLIMIT_CORE,
-                    resource.RLIMIT_NPROC):
+        for res in (
+            resource.RLIMIT_AS,
+            resource.RLIMIT_CPU,
+            resource.RLIMIT_FSIZE,
+            resource.RLIMIT_CORE,
+            resource.RLIMIT_NPROC,
+        ):
             _HARD_LIMITS[res] = resource.getrlimit(res)[1]
     sys.argv = [""]
     _dry_run()
@@ -311,9 +345,14 @@ def _dry_run() -> None:
         body, last = _compile_cell("x = [1, 'a']\nx", "<warm-up>")
         exec(body, scratch)
         value = eval(last, scratch)
-        frame = encode_frame({"value": _json_value(value, 1024), "value_repr": _safe_repr(value),
-                              "exception": _format_exception(_raise_in_cell(scratch)),
-                              "output": read_capped(fd, 16)})
+        frame = encode_frame(
+            {
+                "value": _json_value(value, 1024),
+                "value_repr": _safe_repr(value),
+                "exception": _format_exception(_raise_in_cell(scratch)),
+                "output": read_capped(fd, 16),
+            }
+        )
         split_frame(bytearray(frame))
         signal.setitimer(signal.ITIMER_REAL, 0)
         resource.getrlimit(resource.RLIMIT_AS)
@@ -327,4 +366,3 @@ def _raise_in_cell(scratch: dict[str, Any]) -> BaseException:
     except ZeroDivisionError as e:
         return e
     raise AssertionError("unreachable")
-

@@ -19,8 +19,14 @@ from .shared import CLONE_NEWNS, MNT_DETACH, MS_BIND, MS_PRIVATE, MS_REC, PR_SET
 
 def python_dirs() -> list[str]:
     """What a sandboxed interpreter reads: its prefixes, its binary's dir, sys.path."""
-    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-            os.path.dirname(os.path.realpath(sys.executable)), *sys.path}
+    dirs = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        *sys.path,
+    }
     return sorted(d for d in dirs if d and os.path.isdir(d))
 
 
@@ -145,14 +151,15 @@ def hide(paths: list[str], keep: list[str], scratch: str) -> list[str]:
             left += [f"{p}: {e}" for p in files]
     covered: dict[str, set[str]] = {}  # dir -> the children its cover still shows
     for path in dirs:
-        if any(path.startswith(c + "/") and path[len(c) + 1:].split("/")[0] not in shown
-               for c, shown in covered.items()):
+        if any(
+            path.startswith(c + "/") and path[len(c) + 1 :].split("/")[0] not in shown for c, shown in covered.items()
+        ):
             continue  # inside a dir already covered, out of sight
         inside = [k for k in kept if k == path or k.startswith(path + "/")]
         if path in inside or path == "/":
             left.append(f"{path}: sandboxes need it")
             continue
-        children = {k[len(path) + 1:].split("/")[0] for k in inside}
+        children = {k[len(path) + 1 :].split("/")[0] for k in inside}
         try:
             _cover(path, children, "0711" if children else "0700")
             covered[path] = children
@@ -207,4 +214,3 @@ def use_landlock(hidden: list[str], keep: list[str], deny_tcp: bool) -> tuple[di
         return None, f"the Landlock ruleset {why} in a test process"
     landlock, landlock_fd = module, fd
     return info, None
-

@@ -40,7 +40,7 @@ import ctypes
 import errno
 import os
 import stat
-from typing import Iterable
+from collections.abc import Iterable
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # on every architecture
 _CREATE_RULESET_VERSION = 1
@@ -56,8 +56,11 @@ _libc.syscall.restype = ctypes.c_long
 
 
 class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -165,8 +168,16 @@ def ruleset(hidden: list[str], keep: list[str], *, deny_tcp: bool) -> tuple[int,
             try:
                 is_dir = stat.S_ISDIR(os.fstat(target).st_mode)
                 rule = _PathBeneathAttr(allowed_access=every if is_dir else on_file, parent_fd=target)
-                if _libc.syscall(_SYS_ADD_RULE, ctypes.c_int(fd), ctypes.c_int(_RULE_PATH_BENEATH),
-                                 ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
+                if (
+                    _libc.syscall(
+                        _SYS_ADD_RULE,
+                        ctypes.c_int(fd),
+                        ctypes.c_int(_RULE_PATH_BENEATH),
+                        ctypes.byref(rule),
+                        ctypes.c_uint32(0),
+                    )
+                    != 0
+                ):
                     err = ctypes.get_errno()
                     raise OSError(err, f"landlock_add_rule {path}: {os.strerror(err)}")
             finally:

@@ -38,7 +38,6 @@ CTL_MAX_MESSAGE = 128 << 10  # the node's limit; a SOCK_SEQPACKET message fits i
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-
 def _c_encoder(allow_nan: bool) -> Any:
     """The C encoder ``json.dumps`` uses with its default arguments, made once.
 
@@ -51,8 +50,17 @@ def _c_encoder(allow_nan: bool) -> Any:
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:
         return None
-    return make(None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii, None,
-                ": ", ", ", False, False, allow_nan)
+    return make(
+        None,
+        json.JSONEncoder().default,
+        json.encoder.encode_basestring_ascii,
+        None,
+        ": ",
+        ", ",
+        False,
+        False,
+        allow_nan,
+    )
 
 
 _ENCODERS = {True: _c_encoder(True), False: _c_encoder(False)}
@@ -87,8 +95,8 @@ def split_frame(buf: bytearray) -> Any:
         raise ValueError(f"frame of {n} bytes")
     if len(buf) < 4 + n:
         return None
-    body = bytes(buf[4:4 + n])
-    del buf[:4 + n]
+    body = bytes(buf[4 : 4 + n])
+    del buf[: 4 + n]
     return json.loads(body)
 
 
@@ -158,8 +166,6 @@ def _recv_frame(sock: socket.socket) -> Any:
     return json.loads(body)
 
 
-
-
 def remove_tree(path: str) -> None:
     try:
         os.rmdir(path)  # the usual case, and much cheaper than rmtree's walk
@@ -181,9 +187,6 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, onerror=retry_writable)
 
 
-
-
-
 def load_file(path: str, name: str) -> types.ModuleType:
     """Import the ``.py`` file at ``path`` as module ``name``: ``python -I`` puts no script
     dir on ``sys.path``, so the zygote's own helpers and environments' graders come so."""
@@ -194,4 +197,3 @@ def load_file(path: str, name: str) -> types.ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
