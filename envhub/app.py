@@ -28,6 +28,7 @@ from envhub.scheduler import peers
 from envhub.scheduler.fleet import load_fleet
 from envhub.scheduler.service import SchedulerService
 from envhub.settings import Settings
+from envhub.store import identity
 from envhub.store.db import Database, migrate
 from envhub.web import (
     admin,
@@ -172,6 +173,8 @@ def setup_node(app: Any) -> None:
     async def start_node(app: Any) -> None:
         settings: Settings = app.ctx.settings
         registries = app.ctx.registries
+        if not settings.node_id:
+            settings.node_id = await identity.node_id(app.ctx.db)
         runtime = NodeRuntime(settings, app.ctx.db)
         await runtime.start(registries["environment"], registries["sandbox"])
         app.ctx.runtime = runtime

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,9 @@ class Settings:
     data_dir: Path = Path("envhub-data")
     db_path: Path | None = None
     api_keys: list[str] = field(default_factory=list)
-    node_id: str = field(default_factory=socket.gethostname)
+    # None: the node's own id, made at its first start and kept in its database
+    # (store/identity.py), so that nodes sharing a host never share one.
+    node_id: str | None = None
     capacity: int = 32
     queue_size: int = 64
     queue_timeout: float = 30.0
