@@ -395,14 +395,26 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         if cell is not None:
             req["cell"] = cell
         req["purge"] = box.uid is not None and box.uid not in self._uids.purged
-        box.pending = asyncio.ensure_future(self._spawn_exchange(box, req))
-        await asyncio.shield(box.pending)
+        pending = box.pending = asyncio.ensure_future(self._spawn_exchange(box, req))
+        try:
+            await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            # The exchange goes on and the interpreter starts anyway, maybe running the
+            # carried cell: its ready frame would be read as the next call's answer.
+            await asyncio.wait([pending])
+            box.pending = None
+            if not pending.cancelled() and pending.exception() is None:
+                await self._kill_and_collect(box)
+            raise
         box.pending = None
         try:
             async with asyncio.timeout(self.start_timeout):
                 ready = await box.chan.recv()
             if not ready.get("ready"):
                 raise SandboxError(f"the sandbox interpreter failed to start: {ready.get('error')}")
+        except asyncio.CancelledError:
+            await self._kill_and_collect(box)  # as above: it would answer the next call
+            raise
         except (TimeoutError, EOFError, OSError, ValueError, SandboxError) as e:
             await self._kill_and_collect(box)
             if isinstance(e, SandboxError):
