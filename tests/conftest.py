@@ -1,12 +1,21 @@
-"""Shared fixtures: real envhub processes on ephemeral ports, real SQLite files."""
+"""Shared fixtures: real envhub processes on ephemeral ports, real SQLite files.
+
+Everything here keeps a test's outcome independent of the machine and of other envhub
+nodes on it: every node gets a node id of its own (and start() checks that the process
+answering is that node), counts of processes cover only the uids a node itself holds,
+and tests that read the published datasets in ../shared skip, with one summary line,
+where that folder is absent.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +26,30 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MBPP_JSONL = SHARED / "data" / "mbpp" / "mbpp.jsonl"
 TB_DATA = SHARED / "data" / "terminal-bench"
+
+# Tests that read the published datasets (../shared/data) carry this mark; where the
+# folder is absent they are skipped, and the run's summary says so in one line.
+needs_shared = pytest.mark.needs_shared
+SHARED_PROBLEM = None if (MBPP_JSONL.is_file() and TB_DATA.is_dir()) else f"{SHARED / 'data'} is absent"
+
+
+def pytest_collection_modifyitems(config, items):
+    if SHARED_PROBLEM is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs the published datasets: {SHARED_PROBLEM}")
+    for item in items:
+        if item.get_closest_marker("needs_shared"):
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    skipped = [
+        r for r in terminalreporter.stats.get("skipped", []) if "needs the published datasets" in str(r.longrepr)
+    ]
+    if skipped:
+        terminalreporter.write_line(
+            f"envhub: {len(skipped)} tests that read the published datasets were skipped: {SHARED_PROBLEM}"
+        )
 
 
 BASE_IMAGE = "envhub/base:bookworm"  # made by scripts/setup-docker.sh
@@ -54,6 +87,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def refused_url() -> Iterator[str]:
+    """An http URL on 127.0.0.1 where every connection is refused for the whole test: the
+    port is bound but never listened on, so no other process can take it meanwhile."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
 class EnvhubProcess:
     """``python -m envhub serve`` in a subprocess, polled until /health answers."""
 
@@ -66,14 +108,21 @@ class EnvhubProcess:
         api_key: str | None = None,
         python: str = sys.executable,
         prefix: tuple[str, ...] = (),
+        own_node_id: bool = True,
     ) -> None:
         """``prefix`` goes before the command (``setpriv ...`` to run it as another user,
-        say), which must then exec it, so that the pid stays the node's."""
+        say), which must then exec it, so that the pid stays the node's. A node gets a
+        node id of its own (``test-<hex>``) unless the arguments set one or
+        ``own_node_id`` is false (the node then makes its own, as a default node does)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
         self.api_key = api_key
         self.args = ["serve", "--role", role, "--port", str(self.port), "--data-dir", str(data_dir), *args]
+        self.node_id: str | None = None
+        if own_node_id and role == "node" and not any("node_id" in a for a in args) and "--config" not in args:
+            self.node_id = f"test-{uuid.uuid4().hex[:12]}"
+            self.args += ["--set", f"node_id={self.node_id}"]
         if api_key:
             self.args += ["--api-key", api_key]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
@@ -98,9 +147,11 @@ class EnvhubProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"envhub exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                r = httpx.get(self.url + "/health", timeout=1)
+                # The port was free when picked, not reserved: make sure it is this node.
+                if r.status_code == 200 and (self.node_id is None or r.json().get("node_id") == self.node_id):
                     return self
-            except httpx.TransportError:
+            except (httpx.TransportError, ValueError):
                 pass
             time.sleep(0.05)
         self.stop()
@@ -165,6 +216,36 @@ def sandbox_dirs(data_dir: Path) -> list[Path]:
 
     root = Path(default_work_root(data_dir)[0])
     return sorted(root.iterdir()) if root.is_dir() else []
+
+
+_UID_CLAIM = re.compile(r"@envhub-process-sandbox-uid-(\d+)$")
+
+
+def node_sandbox_uids(pid: int) -> set[int]:
+    """The sandbox uids the process ``pid`` (a node) holds: each is claimed host-wide by an
+    abstract Unix socket that stays open from the uid's first use to the sandbox's stop
+    (envhub/plugins/process_sandbox/uids.py), so this names the node's own uids only."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    uids = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes:
+            m = _UID_CLAIM.match(fields[7])
+            if m:
+                uids.add(int(m.group(1)))
+    return uids
+
+
+def processes_of_uids(uids: set[int]) -> list[tuple[int, int]]:
+    """(pid, uid) of every process running under one of ``uids``."""
+    return [(pid, uid) for pid, uid in sandbox_uids_processes(0) if uid in uids]
 
 
 def sandbox_uids_processes(uid_min: int = 200000, uid_max: int = 2**32) -> list[tuple[int, int]]:

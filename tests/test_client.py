@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import REPO, EnvhubProcess, free_port
+from conftest import REPO, EnvhubProcess
 
 from envhub.client import NO_RETRY, AsyncEnvhubClient, EnvhubClient, EnvhubClientError, EnvhubUnavailable, RetryPolicy
 
@@ -206,15 +206,15 @@ async def test_async_client_drives_an_mbpp_episode_through_a_scheduler(scheduler
         assert direct.get(iid)["step_count"] == 2, "the episode ran on the node behind the scheduler"
 
 
-def test_rollout_runs_a_whole_trajectory_and_is_sent_once(light_node, proxy):
+def test_rollout_runs_a_whole_trajectory_and_is_sent_once(light_node, proxy, refused_url):
     with EnvhubClient(proxy.url, retry=FAST) as env:
         # No model answers here: the agent fails, and the episode is still evaluated.
-        out = env.rollout("mbpp", "13", f"http://127.0.0.1:{free_port()}/v1", uid="client-rollout-1", max_steps=2)
+        out = env.rollout("mbpp", "13", f"{refused_url}/v1", uid="client-rollout-1", max_steps=2)
         assert out["run_info"]["uid"] == "client-rollout-1" and out["reward"] == 0.0
         assert out["error"].startswith("agent:")
         proxy.lose("POST", "/rollouts")
         with pytest.raises(EnvhubUnavailable) as e:
-            env.rollout("mbpp", "13", "http://127.0.0.1:9/v1", uid="client-rollout-2")
+            env.rollout("mbpp", "13", f"{refused_url}/v1", uid="client-rollout-2")
     assert e.value.attempts == 1 and len(proxy.bodies("POST", "/rollouts")) == 2
 
 
@@ -426,9 +426,9 @@ def test_a_full_node_answers_429_and_the_client_waits_its_retry_after(start_node
 # -- fallback mode -------------------------------------------------------------------------
 
 
-async def test_fallback_mode_returns_harmless_replies_and_warns(light_node, caplog):
+async def test_fallback_mode_returns_harmless_replies_and_warns(light_node, caplog, refused_url):
     caplog.set_level(logging.WARNING, logger="envhub.client")
-    down = f"http://127.0.0.1:{free_port()}"
+    down = refused_url
     with EnvhubClient(down, retry=FAST, fallback=True) as env:
         episode = env.create("mbpp", "11")
         iid = episode["instance_id"]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import threading
+import socket
 import time
+from pathlib import Path
 
 import pytest
-from conftest import FAULTY_UID_BASE, sandbox_dirs, sandbox_uids_processes
+from conftest import FAULTY_UID_BASE, node_sandbox_uids, processes_of_uids, sandbox_dirs
 
 
 def test_unexpected_exception_is_a_500_envelope_without_traceback(faulty_node):
@@ -57,8 +59,10 @@ def test_failed_create_leaks_no_slot_sandbox_or_live_row(faulty_node):
         assert c.get("/instances/busy").json()["state"] == "failed"
         assert c.get("/instances", params={"state": "creating,active"}).json()["total"] == 0
     assert sandbox_dirs(faulty_node.data_dir) == []
-    if os.geteuid() == 0:
-        assert sandbox_uids_processes(FAULTY_UID_BASE, FAULTY_UID_BASE + 64) == []
+    if os.geteuid() == 0:  # only this node's uids: other nodes on the machine may be busy
+        uids = node_sandbox_uids(faulty_node.proc.pid)
+        assert uids, "the node holds the uids its sandboxes ran under"
+        assert processes_of_uids(uids) == []
 
 
 def test_create_cut_off_by_its_client_can_be_retried_with_the_same_id(faulty_node):
@@ -96,25 +100,31 @@ def test_create_cut_off_while_its_row_is_being_activated_can_be_retried(faulty_n
     its own connection to the node's real database file so that the cut lands there."""
     import sqlite3
 
-    body = {"environment": "faulty", "task_id": "slow-reset", "instance_id": "cut-late", "params": {"reset_s": 0.6}}
+    gate = faulty_node.data_dir.parent / "cut-late.gate"
+    log = faulty_node.data_dir / "trials" / "default" / "cut-late" / "episode.jsonl"
+    body = {"environment": "faulty", "task_id": "slow-reset", "instance_id": "cut-late", "params": {"gate": str(gate)}}
     db = sqlite3.connect(faulty_node.data_dir / "envhub.db", isolation_level=None, check_same_thread=False)
     with faulty_node.client() as c:
-        result: list[object] = []
-        t = threading.Thread(target=lambda: result.append(_post_or_timeout(c, body, timeout=1.5)))
-        t.start()
         try:
             deadline = time.monotonic() + 10
-            while c.get("/instances/cut-late").status_code != 200:  # inserted: reset is sleeping
-                assert time.monotonic() < deadline, "the create never started"
+            with _raw_post(faulty_node.port, "/instances", body) as conn:
+                while c.get("/instances/cut-late").status_code != 200:  # inserted: reset waits at the gate
+                    assert time.monotonic() < deadline, "the create never started"
+                    time.sleep(0.02)
+                db.execute("BEGIN IMMEDIATE")  # the activation after reset waits on this lock
+                gate.touch()
+                while "created" not in _events(log):  # reset is over: the activation is next
+                    assert time.monotonic() < deadline, "the reset never ended"
+                    time.sleep(0.02)
+                local_port = conn.getsockname()[1]
+            # The client is gone; hold the lock until the node has closed its end of that
+            # connection (which is when Sanic cancels the create), then let the write through.
+            while _node_holds_connection_from(faulty_node.proc.pid, local_port):
+                assert time.monotonic() < deadline, "the node never saw its client go"
                 time.sleep(0.02)
-            db.execute("BEGIN IMMEDIATE")  # the activation after reset waits on this lock
-            t.join()
-            assert result == ["timeout"], result
-            time.sleep(0.3)
             db.execute("COMMIT")
         finally:
             db.close()  # rolls back a transaction a failed assertion left open
-            t.join()
         deadline = time.monotonic() + 10
         while (row := c.get("/instances/cut-late").json())["state"] != "failed":
             assert time.monotonic() < deadline, f"the abandoned create never ended: {row}"
@@ -125,20 +135,49 @@ def test_create_cut_off_while_its_row_is_being_activated_can_be_retried(faulty_n
         assert ok.json()["observation"]["content"] == "3\n"
         assert c.get("/health").json()["active"] == 1
         c.post("/instances/cut-late/release")
-    log = faulty_node.data_dir / "trials" / "default" / "cut-late" / "episode.jsonl"
     deadline = time.monotonic() + 5
-    while True:
-        events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
-        if events[-1:] == ["released"] or time.monotonic() > deadline:
-            break
+    while (events := _events(log))[-1:] != ["released"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert events == ["created", "failed", "created", "step", "released"], events
 
 
-def _post_or_timeout(c, body, *, timeout: float) -> object:
-    import httpx
-
+def _events(log: Path) -> list[str]:
+    """The events of an episode's trial log so far (the writer thread may not have begun it)."""
     try:
-        return c.post("/instances", json=body, timeout=timeout).status_code
-    except httpx.ReadTimeout:
-        return "timeout"
+        return [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    except FileNotFoundError:
+        return []
+
+
+@contextlib.contextmanager
+def _raw_post(port: int, path: str, body: dict):
+    """Send a POST on a socket of our own and close it on leaving, without reading the
+    reply: a client that goes away mid-call, whose local port the test knows."""
+    data = json.dumps(body).encode()
+    conn = socket.create_connection(("127.0.0.1", port))
+    try:
+        conn.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        yield conn
+    finally:
+        conn.close()
+
+
+def _node_holds_connection_from(pid: int, port: int) -> bool:
+    """Whether the process ``pid`` still has a TCP socket whose peer is 127.0.0.1:``port``."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == port and fields[9] in inodes:
+            return True
+    return False

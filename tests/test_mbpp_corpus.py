@@ -1,8 +1,9 @@
 """All 974 MBPP problems: each reference solution, submitted through the API, scores 1.0.
 
-The only exceptions are problems whose own reference fails its own tests under the
-default limits; they are listed here and in docs/environments.md with the reason, and the test
-checks that they still fail, and how (so the list cannot go stale).
+The only exceptions are references whose cost is near the default CPU budget of a hidden
+test (listed here and in docs/environments.md): whether they pass under the default depends
+on the machine, so either outcome is accepted there, and a budget well above their cost
+must let them pass.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import MBPP_JSONL
 
-# task_id -> why the reference solution does not pass its own tests.
-REFERENCE_FAILS: dict[str, str] = {
-    "123": "its test amicable_numbers_sum(9999) needs about 5 s of CPU, over the default 3 s per test",
-}
-SLOW_TEST = "assert amicable_numbers_sum(9999)==31626"
+# References whose cost is near the default budget of 3 s of CPU per hidden test: task
+# 123's test takes 2.8-5.4 s depending on the machine and its load, so under the default
+# budget either outcome is right, as long as a failure is only that test timing out. The
+# timeout path itself is tested with a loop that never ends (test_node_api.py).
+NEAR_BUDGET = {"123": "assert amicable_numbers_sum(9999)==31626"}
 
-pytestmark = pytest.mark.skipif(not MBPP_JSONL.exists(), reason="../shared/data/mbpp/mbpp.jsonl is not present")
+pytestmark = pytest.mark.needs_shared
 
 
 def test_every_reference_solution_scores_full_reward(start_node):
@@ -30,19 +31,20 @@ def test_every_reference_solution_scores_full_reward(start_node):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: run_reference(node, p), problems))
     below = {t: d for t, reward, d in results if reward != 1.0}
-    unexpected = {t: d for t, d in below.items() if t not in REFERENCE_FAILS}
+    unexpected = {t: d for t, d in below.items() if t not in NEAR_BUDGET}
     assert not unexpected, json.dumps(unexpected, indent=1)[:4000]
-    assert set(below) == set(REFERENCE_FAILS), "a listed reference failure now passes: update the list"
-    statuses = {t["test"]: t["status"] for t in below["123"]["tests"]}
-    assert statuses.pop(SLOW_TEST) == "timeout" and set(statuses.values()) == {"passed"}
+    for task_id, details in below.items():
+        statuses = {t["test"]: t["status"] for t in details["tests"]}
+        assert statuses.pop(NEAR_BUDGET[task_id]) == "timeout" and set(statuses.values()) == {"passed"}, details
     with node.client() as c:
         assert c.get("/health").json()["active"] == 0
 
 
-def test_a_larger_cpu_budget_lets_the_slow_reference_pass(start_node):
+def test_a_budget_well_above_the_cost_lets_the_near_budget_references_pass(start_node):
     problems = {str(p["task_id"]): p for p in map(json.loads, MBPP_JSONL.read_text().splitlines())}
-    node = start_node("--set", f"environments.mbpp.path={MBPP_JSONL}", "--set", "environments.mbpp.test_cpu_seconds=10")
-    assert run_reference(node, problems["123"])[1] == 1.0
+    node = start_node("--set", f"environments.mbpp.path={MBPP_JSONL}", "--set", "environments.mbpp.test_cpu_seconds=30")
+    for task_id in NEAR_BUDGET:
+        assert run_reference(node, problems[task_id])[1] == 1.0
 
 
 def run_reference(node, problem: dict) -> tuple[str, float, dict]:

@@ -106,7 +106,7 @@ def test_builtins_are_listed_by_the_plugins_command():
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "ENVHUB_LOAD_ENTRYPOINTS": "false"},
+        env={**_clean_environ(), "ENVHUB_LOAD_ENTRYPOINTS": "false"},
     )
     listed = {p["name"]: p for p in json.loads(out.stdout)}
     assert set(DEFAULT_PLUGINS) <= set(listed)
@@ -137,7 +137,7 @@ def arith_site(tmp_path_factory):
 
 
 def test_contrib_plugin_is_found_through_its_entry_point(arith_site):
-    env = {**os.environ, "PYTHONPATH": str(arith_site)}
+    env = {**_clean_environ(), "PYTHONPATH": str(arith_site)}
     out = subprocess.run(
         [sys.executable, "-m", "envhub", "plugins"], capture_output=True, text=True, check=True, env=env
     )
@@ -175,3 +175,9 @@ def test_plugin_guide_example_is_the_contrib_plugin():
     blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
     source = (REPO / "plugins_contrib" / "envhub-arith" / "envhub_arith.py").read_text()
     assert source in blocks, "docs/plugins.md must show envhub_arith.py exactly as it is tested"
+
+
+def _clean_environ() -> dict[str, str]:
+    """This process's environment without ENVHUB_* variables, which would configure the
+    envhub processes the tests start (a developer's ENVHUB_CONFIG, say)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}

@@ -12,12 +12,20 @@ from pathlib import Path
 import docker
 import httpx
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker, sandbox_dirs
 
 BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
+TIMEOUT = 60  # for each HTTP call made here: generous, a loaded machine is slow to answer
+
+
+def unique(prefix: str) -> str:
+    """A node id no other node on the machine has."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
 def tb_node(tmp_path: Path, node_id: str, *args: str) -> EnvhubProcess:
+    """A node with the id ``node_id`` (from its config file); start() checks that the
+    process answering on its port has that id, restarts on the same port included."""
     cfg = tmp_path / f"{node_id}.yaml"
     cfg.write_text(
         yaml.safe_dump(
@@ -28,7 +36,9 @@ def tb_node(tmp_path: Path, node_id: str, *args: str) -> EnvhubProcess:
             }
         )
     )
-    return EnvhubProcess(tmp_path / node_id, "--config", str(cfg), *args)
+    proc = EnvhubProcess(tmp_path / node_id, "--config", str(cfg), *args)
+    proc.node_id = node_id
+    return proc
 
 
 def containers(node_id: str) -> list[dict]:
@@ -51,7 +61,7 @@ def run_command(c: httpx.Client, iid: str, command: str) -> httpx.Response:
 
 @needs_docker
 def test_kill_9_with_32_live_docker_instances_then_all_step_again_with_no_orphans(tmp_path):
-    node_id = f"rec-{uuid.uuid4().hex[:6]}"
+    node_id = unique("rec")
     node = tb_node(tmp_path, node_id, "--capacity", "40").start(timeout=60)
     try:
         with node.client(timeout=300) as c:
@@ -105,7 +115,7 @@ def test_kill_9_with_32_live_docker_instances_then_all_step_again_with_no_orphan
 
 @needs_docker
 def test_sigterm_leaves_docker_instances_for_the_next_start_and_marks_vanished_ones_lost(tmp_path):
-    node_id = f"term-{uuid.uuid4().hex[:6]}"
+    node_id = unique("term")
     node = tb_node(tmp_path, node_id).start(timeout=60)
     with node.client(timeout=300) as c:
         a = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()[
@@ -132,7 +142,7 @@ def test_sigterm_leaves_docker_instances_for_the_next_start_and_marks_vanished_o
 
 @needs_docker
 def test_release_on_shutdown_removes_every_container(tmp_path):
-    node_id = f"rel-{uuid.uuid4().hex[:6]}"
+    node_id = unique("rel")
     node = tb_node(tmp_path, node_id, "--set", "release_on_shutdown=true").start(timeout=60)
     with node.client(timeout=300) as c:
         iid = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"}).json()[
@@ -161,15 +171,20 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
     ).start()
     ids = [f"burst-{i}" for i in range(24)]
     done: dict[str, int] = {}
+    sent = threading.Semaphore(0)  # released once per client as its first create goes out
 
     def create_until_done(iid: str) -> None:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
+        first = True
         while time.monotonic() < deadline:
+            if first:
+                sent.release()
+                first = False
             try:
                 r = httpx.post(
                     sched.url + "/instances",
                     json={"environment": "mbpp", "task_id": "13", "instance_id": iid},
-                    timeout=10,
+                    timeout=TIMEOUT,
                 )
                 if r.status_code in (200, 201):
                     done[iid] = r.status_code
@@ -182,7 +197,9 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
         threads = [threading.Thread(target=create_until_done, args=(i,)) for i in ids]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        # The burst is under way once every client is sending its first create.
+        for _ in ids:
+            assert sent.acquire(timeout=60), "the clients did not start"
         kill9(sched)
         sched.start(timeout=90)  # it comes up while 24 clients are hammering it
         for t in threads:
@@ -192,16 +209,19 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
             # An attempt a node abandoned before it finished leaves a 'failed' row there,
             # which is not an instance; a live one on two nodes would be a duplicate.
             states = [
-                r.json()["state"] for n in nodes if (r := httpx.get(f"{n.url}/instances/{iid}")).status_code == 200
+                r.json()["state"]
+                for n in nodes
+                if (r := httpx.get(f"{n.url}/instances/{iid}", timeout=TIMEOUT)).status_code == 200
             ]
             assert [s for s in states if s != "failed"] == ["active"], f"{iid} on the nodes: {states}"
             r = httpx.post(
                 f"{sched.url}/instances/{iid}/step",
                 json={"action": {"tool": "run_python", "arguments": {"code": "1 + 1"}}},
+                timeout=TIMEOUT,
             )
             assert r.status_code == 200, f"{iid} not routable through the restarted scheduler: {r.text}"
             assert r.json()["observation"]["value_repr"] == "2"
-        assert sum(httpx.get(n.url + "/health").json()["active"] for n in nodes) == 24
+        assert sum(httpx.get(n.url + "/health", timeout=TIMEOUT).json()["active"] for n in nodes) == 24
     finally:
         for p in (sched, *nodes):
             p.stop()
@@ -225,37 +245,48 @@ def test_a_node_dying_mid_step_gives_a_clear_error_and_the_slot_returns(tmp_path
     ).start()
     try:
         iid = httpx.post(
-            sched.url + "/instances", json={"environment": "mbpp", "task_id": "13", "params": {"run_timeout": 30}}
+            sched.url + "/instances",
+            json={"environment": "mbpp", "task_id": "13", "params": {"run_timeout": 30}},
+            timeout=TIMEOUT,
         ).json()["instance_id"]
         result = {}
+        # The step's code leaves this file in its working dir (the sandbox's) before it sleeps.
+        marker = f"step-running-{uuid.uuid4().hex[:8]}"
+        code = f"import time\nopen({marker!r}, 'w').close()\ntime.sleep(20)"
 
         def slow_step() -> None:
             result["r"] = httpx.post(
                 f"{sched.url}/instances/{iid}/step",
                 timeout=60,
-                json={"action": {"tool": "run_python", "arguments": {"code": "import time\ntime.sleep(20)"}}},
+                json={"action": {"tool": "run_python", "arguments": {"code": code}}},
             )
 
         t = threading.Thread(target=slow_step)
         t.start()
-        time.sleep(1)
+        deadline = time.monotonic() + 30
+        while not any((d / marker).exists() for d in sandbox_dirs(node.data_dir)):
+            assert time.monotonic() < deadline, "the step did not start running on the node"
+            time.sleep(0.05)
         kill9(node)
-        t.join(30)
+        t.join(60)
         r = result["r"]
         assert r.status_code == 503 and r.json()["code"] == "upstream_unavailable" and node.url in r.json()["error"]
         node.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while True:
-            status = httpx.get(sched.url + "/status").json()["nodes"][0]
+            status = httpx.get(sched.url + "/status", timeout=TIMEOUT).json()["nodes"][0]
             if status["healthy"] and status["active_slots"] == 0:
                 break
             assert time.monotonic() < deadline, status
             time.sleep(0.1)
         gone = httpx.post(
-            f"{sched.url}/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}
+            f"{sched.url}/instances/{iid}/step",
+            json={"action": {"tool": "run_python", "arguments": {"code": "1"}}},
+            timeout=TIMEOUT,
         )
         assert gone.status_code == 410, "the instance is reported lost, through the scheduler too"
-        assert httpx.post(sched.url + "/instances", json={"environment": "mbpp", "task_id": "13"}).status_code == 201
+        created = httpx.post(sched.url + "/instances", json={"environment": "mbpp", "task_id": "13"}, timeout=TIMEOUT)
+        assert created.status_code == 201
     finally:
         for p in (sched, node):
             p.stop()

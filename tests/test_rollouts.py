@@ -209,7 +209,7 @@ def test_rollouts_through_the_scheduler_rewrite_the_model_url_and_share_one_buil
         client.close()
 
 
-def test_health_counts_a_rollout_once_from_the_moment_it_holds_a_slot(faulty_node):
+def test_health_counts_a_rollout_once_from_the_moment_it_holds_a_slot(faulty_node, refused_url, tmp_path):
     """While a rollout's instance is being created (slot taken, reset running), /health
     already reports it among `rollouts`, which the scheduler subtracts from its own
     count: reported any later, the scheduler saw the slot twice and sent the rest of a
@@ -218,9 +218,9 @@ def test_health_counts_a_rollout_once_from_the_moment_it_holds_a_slot(faulty_nod
     body = {
         "environment": "faulty",
         "task_id": "slow-reset",
-        "params": {"reset_s": 1.5},
+        "params": {"gate": str(tmp_path / "reset.gate")},
         "uid": "counted-once",
-        "model_url": "http://127.0.0.1:9/v1",
+        "model_url": f"{refused_url}/v1",
         "model_api_key": "k",
     }
     done: list[httpx.Response] = []
@@ -233,6 +233,7 @@ def test_health_counts_a_rollout_once_from_the_moment_it_holds_a_slot(faulty_nod
             time.sleep(0.02)
         assert c.get("/instances/counted-once").json()["state"] == "creating"
         assert (health["active"], health["rollouts"]) == (1, 1)
+        (tmp_path / "reset.gate").touch()  # the reset waited at the gate until now
         t.join(60)
         assert done and done[0].status_code in (200, 503), done
         health = c.get("/health").json()

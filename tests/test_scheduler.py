@@ -173,7 +173,7 @@ def test_slot_accounting_counts_each_instance_once_in_any_order_of_reports_and_r
 def test_instances_a_node_reaps_leave_neither_slots_nor_cached_routes_in_the_scheduler(tmp_path):
     """Clients that die leave their instances to the node's idle reaper, which tells the
     scheduler nothing; its next health report must free their slots and their routes."""
-    node = EnvhubProcess(tmp_path / "node", *NODE_ARGS, "--set", "idle_ttl=3", "--set", "reap_interval=0.2").start()
+    node = EnvhubProcess(tmp_path / "node", *NODE_ARGS, "--set", "reap_interval=0.2").start()
     sched = start_scheduler(tmp_path, write_nodes_yaml(tmp_path / "nodes.yaml", [node]))
     try:
         with sched.client() as c:
@@ -181,7 +181,9 @@ def test_instances_a_node_reaps_leave_neither_slots_nor_cached_routes_in_the_sch
             assert c.post(f"/instances/{ids[0]}/release").json()["released"] is True
             status = c.get("/status").json()
             assert status["cached_routes"] == 2 and status["nodes"][0]["active_slots"] == 2
-            deadline = time.monotonic() + 20
+            # Only now may the idle ones expire, however long the creates above took.
+            assert httpx.post(f"{node.url}/config", json={"idle_ttl": 1}).status_code == 200
+            deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 status = c.get("/status").json()
                 if status["cached_routes"] == 0 and status["nodes"][0]["active_slots"] == 0:

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import TB_DATA, needs_shared
 
 from envhub.plugins.terminal_bench.images import context_hash, substitute_base
 from envhub.plugins.terminal_bench.model import TaskFormatError
 from envhub.plugins.terminal_bench.tasks import load_dataset, load_task
-
-TB_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "terminal-bench"
-needs_data = pytest.mark.skipif(not TB_DATA.is_dir(), reason=f"{TB_DATA} is absent")
 
 
 def write(path: Path, text: str, mode: int | None = None) -> Path:
@@ -68,7 +66,7 @@ def make_tb2(
 # The real sample tasks
 
 
-@needs_data
+@needs_shared
 def test_every_sample_task_loads_with_instruction_timeouts_and_files():
     tasks = load_dataset(TB_DATA)
     on_disk = sorted(p.parent.name for p in [*TB_DATA.glob("tb1/*/task.yaml"), *TB_DATA.glob("tb2/*/task.toml")])
@@ -84,7 +82,7 @@ def test_every_sample_task_loads_with_instruction_timeouts_and_files():
         assert t.solution is not None and t.solution.is_file(), t.id
 
 
-@needs_data
+@needs_shared
 def test_sample_task_timeouts_and_resources_match_their_files():
     for t in load_dataset(TB_DATA):
         if t.format == "tb1":
@@ -104,7 +102,7 @@ def test_sample_task_timeouts_and_resources_match_their_files():
                 assert t.test_timeout_sec == cfg["verifier"]["timeout_sec"], t.id
 
 
-@needs_data
+@needs_shared
 def test_tb1_evoeval_values_read_from_task_yaml():
     t = load_task(TB_DATA / "tb1" / "evoeval-0")
     assert (t.agent_timeout_sec, t.test_timeout_sec) == (600.0, 120.0)
@@ -117,7 +115,7 @@ def test_tb1_evoeval_values_read_from_task_yaml():
     assert t.test_script.name == "run-tests.sh" and t.tests_dir == t.path / "tests"
 
 
-@needs_data
+@needs_shared
 def test_tb1_polyglot_reads_cpu_limit_and_environment_from_compose():
     t = load_task(TB_DATA / "tb1" / "polyglot_python_wordy")
     assert (t.agent_timeout_sec, t.test_timeout_sec) == (1800.0, 1800.0)
@@ -128,7 +126,7 @@ def test_tb1_polyglot_reads_cpu_limit_and_environment_from_compose():
     assert t.instruction.startswith("# Instructions\n\nParse and evaluate simple math word problems")
 
 
-@needs_data
+@needs_shared
 def test_tb2_skills_and_seta_values_read_from_task_toml():
     skills = load_task(TB_DATA / "tb2" / "skills")
     assert (skills.agent_timeout_sec, skills.test_timeout_sec, skills.build_timeout_sec) == (600.0, 120.0, 600.0)
@@ -146,7 +144,7 @@ def test_tb2_skills_and_seta_values_read_from_task_toml():
     assert seta.instruction == 'Create a file called hello.txt with "Hello, world!" as the content.\n'
 
 
-@needs_data
+@needs_shared
 def test_tb2_multi_step_keeps_steps_and_flat_fields_describe_the_first():
     t = load_task(TB_DATA / "tb2" / "multi-step")
     assert t.id == "multi-step" and t.name == "harbor/hello-multi-step-full"
@@ -433,7 +431,7 @@ def test_context_hash_is_stable_and_independent_of_location_and_write_bits(tmp_p
             p.chmod(stat.S_IMODE(p.stat().st_mode) | 0o200)
 
 
-@needs_data
+@needs_shared
 def test_context_hash_of_sample_task_equals_hash_of_its_copy(tmp_path):
     shutil.copytree(TB_DATA / "tb2" / "skills", tmp_path / "skills")
     image_map = {"ubuntu": "envhub/base:1"}

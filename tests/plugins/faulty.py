@@ -4,6 +4,7 @@ Loaded into node subprocesses through a generated dist-info (see conftest.faulty
 """
 
 import asyncio
+import os
 
 import envhub
 
@@ -26,7 +27,14 @@ class Faulty(envhub.Environment):
                 raise envhub.Conflict("reset found the task busy")
             raise RuntimeError("reset exploded")
         if episode.task.id == "slow-reset":
-            await asyncio.sleep(float(episode.params.get("reset_s", 1.0)))
+            gate = episode.params.get("gate")
+            if gate:  # wait until the test opens the gate (creates the file), at most a minute
+                for _ in range(6000):
+                    if os.path.exists(gate):
+                        break
+                    await asyncio.sleep(0.01)
+            else:
+                await asyncio.sleep(float(episode.params.get("reset_s", 1.0)))
         return {"system_prompt": "", "instruction": "", "tools": []}
 
     async def step(self, episode, action):
