@@ -77,6 +77,9 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     app: Any = Sanic(name, ctx=AppContext(settings=settings))
     app.config.ACCESS_LOG = settings.access_log
     app.config.KEEP_ALIVE_TIMEOUT = 75  # trainers hold pooled connections between steps
+    # Sanic's 60 s default would answer 503 to, and cancel, any create that waits on a
+    # build and any evaluate whose verifier runs longer (tb2 allows 600 s and more).
+    app.config.RESPONSE_TIMEOUT = settings.response_timeout
     app.config.WEBSOCKET_MAX_SIZE = 16 * 2**20  # OpenEnv's server (uvicorn) default; Sanic's is 1 MiB
     setup_errors(app)
     setup_plugins(app, pm)

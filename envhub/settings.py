@@ -62,7 +62,12 @@ class Settings:
     health_interval: float = 2.0
     health_timeout: float = 2.0
     scheduler_wait: float = 0.0
-    forward_timeout: float = 900.0
+    forward_timeout: float = 3600.0
+    # Seconds one HTTP call may take before the server gives up on it (Sanic's response
+    # timeout). Every operation has a deadline of its own below it (a build's, a
+    # verifier's, a rollout's, forward_timeout); None: 6 h on a node, forward_timeout
+    # and a minute on a scheduler.
+    response_timeout: float | None = None
     retry_attempts: int = 3
     retry_max_wait: float = 2.0
     network_mode: str = "direct"
@@ -85,6 +90,10 @@ class Settings:
                 raise StartupError(f"{name} must not be negative")
         if self.capacity < 1:
             raise StartupError("capacity must be at least 1")
+        if self.response_timeout is None:
+            self.response_timeout = 6 * 3600.0 if self.role == "node" else self.forward_timeout + 60
+        if self.response_timeout <= 0 or self.forward_timeout <= 0:
+            raise StartupError("response_timeout and forward_timeout must be positive")
         if self.retention_hours is not None and self.retention_hours <= 0:
             raise StartupError("retention_hours must be positive (leave it unset to keep every instance)")
 

@@ -380,6 +380,63 @@ async def test_egress_policy_refuses_metadata_and_private_addresses_unless_allow
         await sb.stop()
 
 
+@needs_egress
+async def test_the_default_policy_resolves_names_and_refuses_every_host_address(engine):
+    """Docker's DNS forwards to the host's resolvers, usually in a private range: port 53
+    to them stays open, so names resolve. A host service bound to 0.0.0.0 is refused on
+    every address of the host, private or not (here one in 192.0.2.0/24)."""
+    import socket
+
+    from envhub.plugins.docker_sandbox.egress import host_addresses
+
+    listener = socket.socket()
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    sb = DockerSandbox({})
+    await sb.start()
+    try:
+        handle = await sb.create(spec())
+        resolved = await sb.exec(handle, "getent hosts deb.debian.org >/dev/null && echo resolved", timeout=30)
+        assert resolved.stdout.strip() == "resolved", resolved
+        for address in host_addresses():
+            probe = f"timeout 10 bash -c 'echo > /dev/tcp/{address}/{port}' && echo reached || echo refused"
+            outcome = (await sb.exec(handle, probe, timeout=30)).stdout.strip()
+            assert outcome == "refused", f"the host at {address} reached; the chain:\n{sb._egress.rules()}"
+    finally:
+        listener.close()
+        await sb.stop()
+
+
+@needs_egress
+async def test_nodes_installing_the_policy_at_once_keep_it_whole_and_keep_each_others_allow_rules():
+    """Several nodes start on one host at the same moment: the chain ends up exactly the
+    allow rules plus one copy of the fixed rules, and no node dropped another's rules."""
+    import subprocess
+    import sys
+
+    from envhub.plugins.docker_sandbox.egress import CHAIN, EgressPolicy
+
+    policy = EgressPolicy("172.31.254.0/24")
+    policy.install()
+    ip = f"172.31.254.{uuid.uuid4().int % 200 + 20}"
+    policy.allow(ip, ["10.99.0.0/16"])
+    try:
+        script = (
+            "from envhub.plugins.docker_sandbox.egress import EgressPolicy\n"
+            "for _ in range(3): EgressPolicy('172.31.254.0/24').install()\n"
+        )
+        procs = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(4)]
+        assert await asyncio.to_thread(lambda: [p.wait(120) for p in procs]) == [0] * 4
+        rules = [r for r in policy.rules().splitlines() if r.startswith(f"-A {CHAIN} ")]
+        fixed = [r for r in rules if " -s " not in r]
+        # The last install wins; the host's addresses are read again at each one.
+        assert fixed == EgressPolicy("172.31.254.0/24").fixed_rules(), "\n".join(rules)
+        assert f"-A {CHAIN} -s {ip}/32 -d 10.99.0.0/16 -j RETURN" in rules
+    finally:
+        policy.revoke(ip, ["10.99.0.0/16"])
+
+
 async def test_host_network_is_refused_in_config():
     with pytest.raises(StartupError, match="host"):
         DockerSandbox({"network": "host"})

@@ -320,3 +320,115 @@ def test_every_shared_terminal_bench_task_is_served(tmp_path, start_tb_node):
         assert by_id["evoeval-0"]["format"] == "tb1" and by_id["evoeval-0"]["test_timeout_sec"] == 120.0
         assert by_id["skills"]["format"] == "tb2" and by_id["skills"]["memory_mb"] == 2048
         assert all(t["title"] for t in page["tasks"])
+
+
+# -- evaluations that are cut off, repeated, failed or long ----------------------------------
+
+
+def container_of(instance_id: str) -> str:
+    engine = docker.from_env()
+    try:
+        rows = engine.api.containers(filters={"label": f"envhub.instance={instance_id}"})
+        assert len(rows) == 1, rows
+        return rows[0]["Id"]
+    finally:
+        engine.close()
+
+
+def verifier_runs(instance_id: str) -> int:
+    """How many times the counted-verifier task's tests ran in the instance's container."""
+    engine = docker.from_env()
+    try:
+        out = engine.containers.get(container_of(instance_id)).exec_run(["cat", "/var/tmp/verifier-runs"])
+        return len(out.output.decode().split()) if out.exit_code == 0 else 0
+    finally:
+        engine.close()
+
+
+def test_an_evaluate_cut_off_by_its_client_keeps_grading_and_its_retry_joins_it(c, tb_node):
+    """A client that times out (or a proxy that cuts it off) must not cut the verifier
+    short, and the retry a client makes then must get that run's result, not start one."""
+    import httpx
+
+    iid = create(c, "counted-verifier", params={"oracle": True})["instance_id"]
+    with tb_node.client(timeout=1) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post(f"/instances/{iid}/evaluate")
+    ev = c.post(f"/instances/{iid}/evaluate")
+    assert ev.status_code == 200 and ev.json()["reward"] == 1.0, ev.text
+    assert verifier_runs(iid) == 1
+    again = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+    assert (again.json()["reward"], again.json()["released"]) == (1.0, True), "the same evaluation, then the release"
+
+
+def test_concurrent_evaluates_share_one_grading_run(c, tb_node):
+    iid = create(c, "counted-verifier", params={"oracle": True})["instance_id"]
+    replies: list = []
+
+    def evaluate() -> None:
+        with tb_node.client(timeout=300) as own:
+            replies.append(own.post(f"/instances/{iid}/evaluate"))
+
+    threads = [threading.Thread(target=evaluate) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
+    assert {r.json()["reward"] for r in replies} == {1.0}
+    assert verifier_runs(iid) == 1
+    c.post(f"/instances/{iid}/release")
+
+
+def test_an_evaluation_that_failed_can_be_retried_and_the_episode_takes_no_more_steps(c):
+    """The engine refuses every exec into a paused container: the evaluation fails with a
+    clear error, the instance stays live, and once the container runs again the retry
+    grades it. No step is taken meanwhile: the tests may already be in the container."""
+    iid = create(c, "counted-verifier", params={"oracle": True})["instance_id"]
+    engine = docker.from_env()
+    container = engine.containers.get(container_of(iid))
+    container.pause()
+    try:
+        failed = c.post(f"/instances/{iid}/evaluate")
+        assert failed.status_code >= 500 and failed.json()["code"] == "sandbox_error", failed.text
+        assert "Traceback" not in failed.text
+    finally:
+        container.unpause()
+        engine.close()
+    step = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_command", "arguments": {"command": "ls"}}})
+    assert step.status_code == 409, step.text
+    assert c.get(f"/instances/{iid}").json()["state"] == "active"
+    ev = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+    assert ev.status_code == 200 and ev.json()["reward"] == 1.0, ev.text
+
+
+def test_a_verifier_longer_than_a_minute_is_graded_through_a_scheduler(tmp_path, tb_node):
+    """Sanic answers 503 and cancels the handler 60-90 s into a call unless told otherwise
+    (it checks every 30 s): a verifier that runs 100 s must still be graded, on the node
+    and through a scheduler."""
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"nodes": [{"url": tb_node.url, "slots": 4}]}))
+    scheduler = EnvhubProcess(tmp_path / "sched", "--set", f"nodes_file={nodes}", role="scheduler").start()
+    try:
+        with scheduler.client(timeout=300) as s:
+            r = s.post("/instances", json={"environment": "terminal-bench", "task_id": "long-verifier"})
+            assert r.status_code == 201, r.text
+            ev = s.post(f"/instances/{r.json()['instance_id']}/evaluate", json={"release": True})
+            assert ev.status_code == 200 and ev.json()["reward"] == 1.0, ev.text
+    finally:
+        assert scheduler.stop() == 0
+
+
+@needs_shared
+def test_a_multi_step_task_runs_its_first_step_and_passes_in_oracle_mode(tmp_path, start_tb_node):
+    """The step's own tests/test.sh is staged beside the task's shared tests/ (harbor's
+    layout); only loading was tested before, and every grading failed."""
+    cfg = write_config(
+        tmp_path / "node.yaml", TB_DATA / "tb2", image_map={"debian:bookworm": BASE_IMAGE, "ubuntu:24.04": BASE_IMAGE}
+    )
+    node = start_tb_node(cfg)
+    with node.client(timeout=600) as client:
+        created = create(client, "multi-step", params={"oracle": True})
+        assert created["observation"]["oracle"]["exit_code"] == 0, created["observation"]["oracle"]
+        ev = client.post(f"/instances/{created['instance_id']}/evaluate", json={"release": True}).json()
+        assert ev["reward"] == 1.0, ev

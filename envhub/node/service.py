@@ -57,6 +57,8 @@ class Live:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_active: float = field(default_factory=time.monotonic)
     done: bool = False
+    grading: asyncio.Task | None = None  # the evaluation in progress (or done), shared by its callers
+    graded_recorded: bool = False  # that evaluation is in SQLite
 
 
 def validate_instance_id(value: Any) -> str:
@@ -339,6 +341,7 @@ class NodeService:
                 raise Conflict(f"instance {instance_id!r} is done; evaluate or release it", extra={"state": "done"})
             started = time.monotonic()
             result = await live.env.step(live.episode, action)
+            live.grading = None  # a step may change the grade: the next evaluate runs again
             live.last_active = time.monotonic()
             live.row.step_count += 1
             live.done = live.done or result.done
@@ -383,20 +386,45 @@ class NodeService:
             if row.evaluation is not None and row.state in instances.ENDED_STATES:
                 return {**row.evaluation, "released": False, "state": row.state}
         live = live or await self._live_or_raise(instance_id)
+        # One grading run per instance at a time, in a task of its own: a caller that goes
+        # away (a client timeout, a cut-off proxy) never cuts a verifier short, and its
+        # retry, or a concurrent evaluate, joins the run instead of starting another. A
+        # run that failed leaves the instance as it was, so the next call runs it again;
+        # one that succeeded answers every later call until the episode takes a step.
+        grading = live.grading
+        if grading is None or (grading.done() and (grading.cancelled() or grading.exception() is not None)):
+            live.graded_recorded = False
+            grading = live.grading = asyncio.ensure_future(self._grade(live, record_now=not release))
+        reply, record = await asyncio.shield(grading)
+        async with live.lock:
+            if self._live.get(instance_id) is not live:  # another call ended it meanwhile
+                if not release:
+                    return reply
+                return {**reply, "released": False, "state": (await instances.get(self.db, instance_id)).state}
+            if release:  # one transaction records the evaluation and the end
+                await asyncio.shield(self._end(live, "released", also=[record]))
+                return {**reply, "released": True, "state": "released"}
+            if not live.graded_recorded:
+                await self.db.write(*record)
+                live.graded_recorded = True
+        return reply
+
+    async def _grade(self, live: Live, *, record_now: bool) -> tuple[dict[str, Any], tuple[str, tuple]]:
+        """Run the environment's evaluation; the reply and the statement that records it.
+        With ``record_now`` it is recorded here; else the caller records it with the end."""
         async with live.lock:
             self._ensure_still_live(live)
             evaluation = await live.env.evaluate(live.episode)
             live.last_active = time.monotonic()
-            reply = {"instance_id": instance_id, "reward": evaluation.reward, "details": evaluation.details}
+            reply = {"instance_id": live.row.id, "reward": evaluation.reward, "details": evaluation.details}
             record = instances.evaluation_statement(
-                instance_id, reward=evaluation.reward, evaluation=reply, env_state=live.episode.state
+                live.row.id, reward=evaluation.reward, evaluation=reply, env_state=live.episode.state
             )
             live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
-            if release:  # one transaction records the evaluation and the end
-                await asyncio.shield(self._end(live, "released", also=[record]))
-                return {**reply, "released": True, "state": "released"}
-            await self.db.write(*record)
-            return reply
+            if record_now:
+                await self.db.write(*record)
+                live.graded_recorded = True
+            return reply, record
 
     async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
         """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op."""

@@ -216,6 +216,8 @@ class TerminalBench(Environment):
     async def reset(self, episode: Episode) -> dict[str, Any]:
         tb = self.tb(episode.task)
         episode.state.update(commands=0, evaluated=False)
+        if tb.steps and tb.steps[0].workdir_upload is not None:  # the first step's files, as harbor uploads them
+            await episode.sandbox.copy_dir(episode.handle, tb.steps[0].workdir_upload, tb.workdir or "/")
         if episode.params.get("oracle"):
             episode.state["oracle"] = await self._run_oracle(episode, tb)
         return {
@@ -254,7 +256,7 @@ class TerminalBench(Environment):
         }
 
     async def step(self, episode: Episode, action: Action) -> StepResult:
-        if episode.state.get("evaluated"):
+        if episode.state.get("evaluated") or episode.state.get("tests_copied"):
             raise Conflict(
                 "the episode was evaluated (its tests are now in the container); it takes no more steps",
                 extra={"state": "evaluated"},
@@ -323,10 +325,14 @@ class TerminalBench(Environment):
         mode = episode.params.get("reward_mode", self.reward_mode)
         if mode not in ("all_pass", "pass_ratio"):
             raise InvalidRequest("'params.reward_mode' must be all_pass or pass_ratio", field="params.reward_mode")
-        episode.state["evaluated"] = True
+        # From here on the tests are (or may be) in the container: no more steps. The
+        # evaluation counts only once it is complete, so a failed or cut-off run can be
+        # retried; each run starts from a fresh copy of the tests.
+        episode.state["tests_copied"] = True
         sandbox = episode.sandbox
         files: dict[str, bytes] = {}
         if tb.format == "tb1":
+            await episode.exec("rm -rf /tests", timeout=30)
             await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
             await sandbox.write_file(episode.handle, "/tests/run-tests.sh", tb.test_script.read_bytes())
             result = await episode.exec(
@@ -344,10 +350,17 @@ class TerminalBench(Environment):
                 else None
             )
         else:
-            await episode.exec("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier", timeout=30)
-            await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
+            await episode.exec("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier /tests", timeout=30)
+            # The task's shared tests/ first, then the step's own (a multi-step task runs as
+            # its first step), as harbor stages them.
+            if tb.tests_dir.is_dir():
+                await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
+            if tb.test_script.parent != tb.tests_dir:
+                await sandbox.copy_dir(episode.handle, tb.test_script.parent, "/tests")
+            verifier_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in _verifier_env(tb).items())
             result = await episode.exec(
-                f"{_cd(tb)}bash /tests/{tb.test_script.name} > /logs/verifier/test-stdout.txt 2>&1",
+                f"{_cd(tb)}{verifier_env + ' ' if verifier_env else ''}bash /tests/{tb.test_script.name} "
+                "> /logs/verifier/test-stdout.txt 2>&1",
                 timeout=tb.test_timeout_sec,
             )
             files = await sandbox.fetch_dir(episode.handle, "/logs/verifier")
@@ -380,7 +393,7 @@ class TerminalBench(Environment):
             details["rewards"] = rewards
         if error:
             details["error"] = error
-        episode.state.update(reward=float(reward), evaluation=details)
+        episode.state.update(reward=float(reward), evaluation=details, evaluated=True)
         await asyncio.to_thread(_write_verifier_dir, episode.log_dir, files, details)
         return Evaluation(float(reward), details)
 
@@ -398,6 +411,11 @@ def _public(tb: TbTask) -> dict[str, Any]:
         "memory_mb": tb.memory_mb,
         "allow_internet": tb.allow_internet,
     }
+
+
+def _verifier_env(tb: TbTask) -> dict[str, str]:
+    """The step's verifier environment (``[steps.verifier].env``) for a multi-step task."""
+    return dict(tb.steps[0].verifier_env) if tb.steps else {}
 
 
 def _cd(tb: TbTask) -> str:
