@@ -133,6 +133,11 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
     help="The environment whose task images to build.",
 )
 @click.option("--all", "all_tasks", is_flag=True, help="Build every task of the environment.")
+@click.option(
+    "--base-images",
+    is_flag=True,
+    help="First make the local stand-in base images (terminal-bench: Debian with Python and uv; needs root).",
+)
 @click.option("--config", "config", type=click.Path(dir_okay=False), envvar="ENVHUB_CONFIG", help="YAML config file.")
 @click.option("--data-dir", type=click.Path(file_okay=False), envvar="ENVHUB_DATA_DIR", help="Data folder.")
 @click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE", help="Set any option.")
@@ -140,6 +145,7 @@ def build(
     tasks: tuple[str, ...],
     environment: str,
     all_tasks: bool,
+    base_images: bool,
     config: str | None,
     data_dir: str | None,
     sets: tuple[str, ...],
@@ -149,12 +155,13 @@ def build(
 
     from envhub.node.prebuild import prebuild
 
-    if not tasks and not all_tasks:
-        raise click.UsageError("name one or more TASKS, or --all")
+    if not tasks and not all_tasks and not base_images:
+        raise click.UsageError("name one or more TASKS, or --all, or --base-images")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    wanted = list(tasks) if tasks else (None if all_tasks else [])
     try:
         settings = _settings(config, sets, data_dir=data_dir)
-        outcome = asyncio.run(prebuild(settings, environment, list(tasks) or None, echo=click.echo))
+        outcome = asyncio.run(prebuild(settings, environment, wanted, base_images=base_images, echo=click.echo))
     except EnvhubError as e:
         raise click.ClickException(e.message) from None
     failed = {t: err for t, err in outcome.items() if err}

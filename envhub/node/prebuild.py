@@ -20,10 +20,17 @@ from envhub.store.db import Database, migrate
 
 
 async def prebuild(
-    settings: Settings, environment: str, task_ids: list[str] | None, *, echo: Callable[[str], None] = print
+    settings: Settings,
+    environment: str,
+    task_ids: list[str] | None,
+    *,
+    base_images: bool = False,
+    echo: Callable[[str], None] = print,
 ) -> dict[str, str | None]:
     """Build the images of ``task_ids`` (all tasks when ``None``) of ``environment``,
-    in parallel up to ``build_parallel``; returns ``{task_id: error or None}``."""
+    in parallel up to ``build_parallel``; returns ``{task_id: error or None}``. With
+    ``base_images``, first make the environment's stand-in base images (an environment
+    offers them with a ``build_base_images(echo)`` method: terminal-bench does)."""
     pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
     db = await Database.open(settings.db_path)
     runtime = NodeRuntime(settings, db)
@@ -36,6 +43,12 @@ async def prebuild(
         if env is None:
             why = runtime.skipped.get(environment, "it is not registered or not enabled")
             raise NotFound(f"environment {environment!r} is not available: {why}")
+        if base_images:
+            if not hasattr(env, "build_base_images"):
+                raise NotFound(f"environment {environment!r} has no base images to build")
+            await env.build_base_images(echo)
+        if task_ids == []:
+            return {}
         tasks = env.tasks() if task_ids is None else [env.task(t) for t in task_ids]
         outcome: dict[str, str | None] = {}
         with click.progressbar(

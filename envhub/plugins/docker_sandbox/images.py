@@ -116,7 +116,36 @@ class DockerImages:
                 logf.write(f"\nenvhub: build failed: {error}\n")
         if error is not None:
             tail = "\n".join(lines[-30:])
+            hint = _network_hint(error, lines)
+            if hint:
+                error = f"{error} ({hint})"
             raise BuildFailed(
                 f"image {image} failed to build: {error}\n--- last lines of the build log ---\n{tail}",
                 extra={"log_tail": tail},
             )
+
+
+# What a build's log shows when a step needed a network resource the build cannot reach.
+_NETWORK_MARKERS = (
+    "Temporary failure resolving",
+    "Temporary failure in name resolution",
+    "Could not resolve host",
+    "Name or service not known",
+    "Failed to establish a new connection",
+    "Network is unreachable",
+    "Connection timed out",
+    "Connection refused",
+    "Could not connect to",
+)
+
+
+def _network_hint(error: str, lines: list[str]) -> str | None:
+    """Why a build failed, when the log says it is the network: the build needed something
+    this engine's builds cannot reach (a registry, a PPA, a download site)."""
+    if "add-apt-repository" in error and "ppa:" in error:
+        return "it adds a Launchpad PPA, which this node's builds cannot reach: the task needs the internet"
+    for line in reversed(lines[-200:]):
+        for marker in _NETWORK_MARKERS:
+            if marker in line:
+                return f"a step needed the network and could not reach it: {line.strip()[:300]}"
+    return None

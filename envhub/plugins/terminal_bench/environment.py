@@ -28,15 +28,15 @@ import json
 import logging
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
+from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.terminal_bench import grading
+from envhub.plugins.terminal_bench import grading, offline
 from envhub.plugins.terminal_bench.images import context_hash, substitute_base
 from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
@@ -107,7 +107,14 @@ class TerminalBench(Environment):
     node's top-level ``image_map``), ``output_limit`` (characters of command output shown
     to the model, 16000), ``network`` (``none``: no network for any episode),
     ``egress_allow`` (addresses or networks episodes may reach despite the egress
-    policy, e.g. an internal package mirror)."""
+    policy, e.g. an internal package mirror), ``verifier_tools`` (false; true puts uv,
+    uvx and a uv cache warmed with what the task's test scripts pin into each task
+    image, for verifiers without internet: see offline.py), ``debian_mirror`` (for
+    ``envhub build --base-images``).
+
+    ``image_map``: the node's, then this section's, over :data:`offline.DEFAULT_IMAGE_MAP`
+    for whichever stand-in base images exist on the engine (``envhub build
+    --base-images`` makes them)."""
 
     name = "terminal-bench"
     description = "Terminal-Bench tasks (tb1 and tb2 formats), one Docker container per episode"
@@ -140,6 +147,21 @@ class TerminalBench(Environment):
                 )
         self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
         self._images: dict[str, str] = {}
+        self.verifier_tools = bool(self.config.get("verifier_tools", False))
+        self._stand_ins: dict[str, str] = {}  # the default image_map entries whose image exists
+
+    async def start(self, context: EnvContext) -> None:
+        await super().start(context)
+        await self.find_stand_ins()
+
+    async def find_stand_ins(self) -> None:
+        """Use the stand-in base images that exist on the engine (a registry base the
+        configured image_map does not map goes to them)."""
+        sandbox = self.context.sandboxes.get(self.sandbox) if self.context else None
+        if sandbox is None or not hasattr(sandbox, "image_exists"):
+            return
+        present = {image for image in set(offline.DEFAULT_IMAGE_MAP.values()) if await sandbox.image_exists(image)}
+        self._stand_ins = {k: v for k, v in offline.DEFAULT_IMAGE_MAP.items() if v in present}
 
     def tasks(self, split: str | None = None) -> list[Task]:
         return [t for t in self._order if split is None or t.split == split]
@@ -157,10 +179,12 @@ class TerminalBench(Environment):
 
     def _image_map(self) -> dict[str, str]:
         settings = self.context.settings if self.context else None
-        return {**(getattr(settings, "image_map", None) or {}), **(self.config.get("image_map") or {})}
+        configured = {**(getattr(settings, "image_map", None) or {}), **(self.config.get("image_map") or {})}
+        return {**self._stand_ins, **configured}
 
-    def build_request(self, task: Task) -> BuildRequest | None:
-        """What the build gate needs for ``task``; ``None`` for a prebuilt image."""
+    def build_request(self, task: Task, tools: tuple[bytes, bytes] | None = None) -> BuildRequest | None:
+        """What the build gate needs for ``task``; ``None`` for a prebuilt image. With
+        ``tools`` (uv's and uvx's binaries), the verifier tools go into the image."""
         tb = self.tb(task)
         image_map = self._image_map()
         if tb.dockerfile is None:
@@ -168,6 +192,11 @@ class TerminalBench(Environment):
         dockerfile = substitute_base(tb.dockerfile.read_text(), image_map)
         extra: dict[str, bytes] = {}
         digest = context_hash(tb, image_map)
+        if tools is not None:
+            pins = offline.pinned_packages(offline.read_scripts(_verifier_scripts(tb)))
+            dockerfile = dockerfile.rstrip("\n") + "\n" + "\n".join(offline.tools_layer(pins, install_uv=True)) + "\n"
+            extra["envhub-uv"], extra["envhub-uvx"] = tools
+            digest = _sha256(digest.encode() + dockerfile.encode() + _sha256(tools[0]).encode())
         ca_bundle = getattr(self.context.settings, "ca_bundle", None) if self.context else None
         if ca_bundle:
             extra["envhub-ca.crt"] = Path(ca_bundle).read_bytes()
@@ -186,7 +215,10 @@ class TerminalBench(Environment):
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         tb = self.tb(task)
-        req = self.build_request(task)
+        tools = None
+        if self.verifier_tools and tb.dockerfile is not None:
+            tools = await asyncio.to_thread(offline.uv_binaries, self._tools_dir())
+        req = self.build_request(task, tools)
         if req is None:
             image = self._image_map().get(tb.docker_image, tb.docker_image)
             sandbox = self.context.sandboxes[self.sandbox]
@@ -200,6 +232,26 @@ class TerminalBench(Environment):
         if self.context is None or self.context.builds is None:
             raise SandboxError("terminal-bench needs the docker sandbox's build gate")
         self._images[task.id] = await self.context.builds.ensure(req)
+
+    def _tools_dir(self) -> Path:
+        return Path(self.context.data_dir if self.context else ".") / "tools"
+
+    async def build_base_images(self, echo: Callable[[str], None] = print) -> list[str]:
+        """``envhub build --base-images``: make the stand-in base images missing from the
+        engine (see offline.py), then use them; returns the names of those it made."""
+        if self.context is None or self.sandbox not in self.context.sandboxes:
+            raise SandboxError("building base images needs the docker sandbox")
+        settings = self.context.settings
+        made = await offline.build_base_images(
+            self.context.sandboxes[self.sandbox],
+            self._tools_dir(),
+            Path(self.context.data_dir) / "builds",
+            ca_bundle=getattr(settings, "ca_bundle", None),
+            mirror=str(self.config.get("debian_mirror") or offline.DEBIAN_MIRROR),
+            echo=echo,
+        )
+        await self.find_stand_ins()
+        return made
 
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
         tb = self.tb(task)
@@ -411,6 +463,14 @@ def _public(tb: TbTask) -> dict[str, Any]:
         "memory_mb": tb.memory_mb,
         "allow_internet": tb.allow_internet,
     }
+
+
+def _verifier_scripts(tb: TbTask) -> list[Path]:
+    """Every file a verifier may run: the test script and the tests dirs (the task's and
+    every step's)."""
+    dirs = [tb.tests_dir, *(s.tests_dir for s in tb.steps)]
+    files = [tb.test_script, *(s.test_script for s in tb.steps)]
+    return files + [f for d in dirs if d.is_dir() for f in sorted(d.rglob("*")) if f.is_file()]
 
 
 def _verifier_env(tb: TbTask) -> dict[str, str]:
