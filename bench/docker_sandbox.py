@@ -1,8 +1,10 @@
 """Docker sandbox latency through a real node over HTTP.
 
-Measures: create with a cold image (the task's image is built first) and with the image
-cached; the exec round trip (a ``run_command`` step running ``true``); 16 concurrent
-creates. Prints p50/p90 and writes JSON.
+Measures: create with a cold image (the task's image is built first), with the image
+cached and no warm pool, and from a warm pool (``POST /builds`` with a pool size, then
+creates that take the pool's containers); the exec round trip (a ``run_command`` step
+running ``true``); 16 concurrent creates of one cached task, without a pool and from a
+pool of 16. Prints p50/p90 and writes JSON.
 
     python bench/docker_sandbox.py [--base envhub/base:bookworm] [--samples 20]
 
@@ -29,7 +31,7 @@ import yaml
 from launch import start
 
 REPO = Path(__file__).resolve().parents[1]
-TASK = REPO / "envhub" / "data" / "terminal-bench" / "hello-envhub"
+TASK = REPO / "envhub" / "plugins" / "terminal_bench" / "data" / "hello-envhub"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -71,7 +73,8 @@ def main() -> None:
                 "node_id": node_id,
                 "capacity": 64,
                 "image_map": {"debian:bookworm": args.base},
-                "environments": {"terminal-bench": {"datasets": [str(tasks)]}},
+                # No pool unless asked for (POST /builds): the no-pool figures stay that.
+                "environments": {"terminal-bench": {"datasets": [str(tasks)], "warm_pool": 0}},
             }
         )
     )
@@ -117,11 +120,39 @@ def main() -> None:
             burst_wall = time.perf_counter() - t0
         for _, iid in burst:
             release(iid)
+
+        def warm(size: int) -> None:
+            r = c.post("/builds", json={"environment": "terminal-bench", "task_id": "cached", "pool": size})
+            r.raise_for_status()
+            deadline = time.monotonic() + 300
+            while sum(p["idle"] for p in c.get("/health").json()["pools"]) < size:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the warm pool never filled")
+                time.sleep(0.1)
+
+        pooled = []
+        for _ in range(args.samples):
+            warm(1)
+            dt, iid = create("cached")
+            pooled.append(dt)
+            release(iid)
+        warm(16)
+        with ThreadPoolExecutor(16) as pool:
+            t0 = time.perf_counter()
+            pooled_burst = list(pool.map(lambda _: create("cached"), range(16)))
+            pooled_burst_wall = time.perf_counter() - t0
+        for _, iid in pooled_burst:
+            release(iid)
         result = {
             "create_cold_image": summary(cold),
             "create_cached_image": summary(cached),
             "exec_round_trip": summary(execs),
             "concurrent_16_creates": {"wall_s": round(burst_wall, 2), **summary([d for d, _ in burst])},
+            "create_from_warm_pool": summary(pooled),
+            "concurrent_16_creates_from_warm_pool": {
+                "wall_s": round(pooled_burst_wall, 2),
+                **summary([d for d, _ in pooled_burst]),
+            },
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         }
     finally:
@@ -135,12 +166,20 @@ def main() -> None:
         f"p90 {result['create_cached_image']['p90_ms']} ms"
     )
     print(
+        f"create, warm pool:    p50 {result['create_from_warm_pool']['p50_ms']} ms  "
+        f"p90 {result['create_from_warm_pool']['p90_ms']} ms"
+    )
+    print(
         f"exec round trip:      p50 {result['exec_round_trip']['p50_ms']} ms  "
         f"p90 {result['exec_round_trip']['p90_ms']} ms"
     )
     print(
         f"16 concurrent creates: {result['concurrent_16_creates']['wall_s']} s wall, "
         f"p50 {result['concurrent_16_creates']['p50_ms']} ms each"
+    )
+    print(
+        f"16 concurrent creates from a pool of 16: {result['concurrent_16_creates_from_warm_pool']['wall_s']} s wall, "
+        f"p50 {result['concurrent_16_creates_from_warm_pool']['p50_ms']} ms each"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

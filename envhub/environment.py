@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from envhub.errors import InvalidRequest
+from envhub.errors import InvalidRequest, StartupError
 
 if TYPE_CHECKING:
     from envhub.node.builds import BuildGate
@@ -208,6 +208,17 @@ class Environment:
     async def start(self, context: EnvContext) -> None:
         """Called once at node start, after :meth:`load` and after the sandboxes started."""
         self.context = context
+
+    #: Warm sandboxes the node keeps per task after its first create, unless the config's
+    #: ``warm_pool`` says otherwise (see envhub/node/pool.py).
+    default_warm_pool: ClassVar[int] = 0
+
+    def warm_pool_size(self) -> int:
+        """How many started, idle sandboxes of a task the node keeps once it is in use."""
+        value = self.config.get("warm_pool", self.default_warm_pool)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise StartupError(f"{self.name}: warm_pool must be a whole number, not {value!r}")
+        return value
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         """Make ``task`` ready to run (build its image) before the episode takes a slot.

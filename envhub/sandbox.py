@@ -186,6 +186,11 @@ class Sandbox:
         again. After ``detach``, :meth:`stop` must leave it running."""
         await self.destroy(handle)
 
+    async def list_pooled(self, node_id: str) -> list[tuple[str, dict[str, str]]]:
+        """At start: the idle warm-pool sandboxes (label ``envhub.pool=1``) a previous
+        process of ``node_id`` left running, as ``(handle, labels)``."""
+        return []
+
     async def remove_unknown(self, node_id: str, keep: set[str]) -> int:
         """At start: remove every sandbox labelled for ``node_id`` whose handle is not in
         ``keep`` (left by a process that died); returns how many."""

@@ -145,6 +145,7 @@ class EnvhubProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"envhub exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 r = httpx.get(self.url + "/health", timeout=1)

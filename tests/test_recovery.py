@@ -32,7 +32,8 @@ def tb_node(tmp_path: Path, node_id: str, *args: str) -> EnvhubProcess:
             {
                 "node_id": node_id,
                 "image_map": {"debian:bookworm": BASE_IMAGE},
-                "environments": {"terminal-bench": {"datasets": [str(BUNDLED)]}},
+                # Episodes only: warm pools and their restart are tested in test_warm_pool.py.
+                "environments": {"terminal-bench": {"datasets": [str(BUNDLED)], "warm_pool": 0}},
             }
         )
     )

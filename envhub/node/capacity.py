@@ -63,6 +63,13 @@ class Slots:
                 raise self._full(f"waited {self.queue_timeout:g} s for a free slot") from None
             raise
 
+    def try_acquire(self) -> bool:
+        """Take a slot only if one is free now and nobody waits for it."""
+        if self.used < self.capacity and not self._waiters:
+            self.used += 1
+            return True
+        return False
+
     def release(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()

@@ -50,6 +50,7 @@ class NodeRuntime:
                 continue
             env = cls(config)
             env.load()
+            env.warm_pool_size()  # a bad warm_pool fails the start, not every create
             envs[name] = env
         try:
             for sandbox_name in sorted({env.sandbox for env in envs.values()}):

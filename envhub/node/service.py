@@ -5,7 +5,8 @@ it directly. Invariants:
 
 - Every live instance holds exactly one slot, from before its sandbox starts until
   its sandbox is destroyed; ``slots.used == len(self._live) + creates in flight``
-  (+ OpenEnv sessions holding a slot before their instance exists).
+  (+ OpenEnv sessions holding a slot before their instance exists, + warm sandboxes
+  in pools: a create that takes one takes its slot, see envhub/node/pool.py).
 - The ids holding a slot are ``slot_ids``, and every change to that set advances
   ``slot_seq``. /health reports both and a create's reply carries the seq it was
   answered at (``X-Envhub-Slots``), so a scheduler can tell whether a health report
@@ -32,6 +33,7 @@ from typing import Any
 from envhub.environment import Action, Environment, Episode
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
 from envhub.node.capacity import Slots
+from envhub.node.pool import WarmPool, spec_key
 from envhub.node.trial_log import TrialLog, TrialWriter
 from envhub.sandbox import Sandbox, SandboxSpec
 from envhub.settings import Settings
@@ -92,6 +94,9 @@ class NodeService:
         self.slot_ids: set[str] = set()
         self.slot_seq = 0
         self.slot_boot = secrets.token_hex(4)  # a restarted node counts its seq from 0 again
+        self.pool = WarmPool(
+            self.slots, ttl=settings.affinity_window, node_id=str(settings.node_id), on_change=self._slots_moved
+        )
 
     # -- lookups ---------------------------------------------------------------------
 
@@ -122,12 +127,36 @@ class NodeService:
             extra={"state": row.state, "instance_id": instance_id},
         )
 
-    async def prebuild(self, environment: Any, task_id: Any) -> None:
-        """Make a task ready (build its image) without starting an episode."""
+    async def prebuild(self, environment: Any, task_id: Any, *, pool: Any = None) -> dict[str, Any]:
+        """Make a task ready (build its image) without starting an episode; with ``pool``,
+        also keep that many of its sandboxes warm (see pool.py)."""
         env = self.environment(environment)
         if not isinstance(task_id, str):
             raise InvalidRequest("'task_id' must be a string", field="task_id")
-        await env.prepare(env.task(task_id), {})
+        if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or not 0 <= pool <= 1024):
+            raise InvalidRequest("'pool' must be a whole number from 0 to 1024", field="pool")
+        task = env.task(task_id)
+        await env.prepare(task, {})
+        if pool:
+            sandbox = self.sandboxes[env.sandbox]
+            self.pool.want(env.name, task.id, sandbox, self._spec(env, task, {}, f"pool-{task.id}"), pool)
+        return {"pool": pool or 0}
+
+    def _spec(self, env: Environment, task: Any, params: dict[str, Any], instance_id: str) -> SandboxSpec:
+        return env.sandbox_spec(
+            task,
+            params,
+            SandboxSpec(
+                instance_id=instance_id,
+                environment=env.name,
+                task_id=task.id,
+                labels={
+                    "envhub.node": str(self.settings.node_id),
+                    "envhub.instance": instance_id,
+                    "envhub.task": f"{env.name}/{task.id}",
+                },
+            ),
+        )
 
     def health(self) -> dict[str, Any]:
         return {
@@ -135,8 +164,12 @@ class NodeService:
             "role": "node",
             "node_id": self.settings.node_id,
             "capacity": self.slots.capacity,
-            "active": self.slots.used,
-            "free": self.slots.free,
+            # Warm sandboxes hold slots (the node never runs more than its capacity), but a
+            # create of any task may take one back: they are neither active nor taken.
+            "active": self.slots.used - self.pool.size,
+            "free": self.slots.free + self.pool.size,
+            "pooled": self.pool.size,
+            "pools": self.pool.describe(),
             "queued": self.slots.queued,
             "rollouts": len(self._rollout_slots),
             "slot_ids": list(self.slot_ids),
@@ -148,6 +181,9 @@ class NodeService:
     def slot_mark(self) -> str:
         """``<boot>.<seq>``: where this node's slot events stand now."""
         return f"{self.slot_boot}.{self.slot_seq}"
+
+    def _slots_moved(self) -> None:
+        self.slot_seq += 1
 
     def _hold(self, instance_id: str) -> None:
         self.slot_ids.add(instance_id)
@@ -229,11 +265,17 @@ class NodeService:
     ) -> tuple[dict[str, Any], bool]:
         sandbox = self.sandboxes[env.sandbox]
         await env.prepare(task, params)  # image builds happen before a slot is taken
-        await self.slots.acquire()
+        spec = self._spec(env, task, params, instance_id)
+        key = spec_key(spec, sandbox.name)
+        pooled = self.pool.take(env.name, task.id, key)  # a warm sandbox comes with its slot
+        if pooled is None:
+            if self.slots.free == 0:  # a slot a warm pool of another task holds is ours first
+                await self.pool.evict_one(keep=(env.name, task.id))
+            await self.slots.acquire()
         self._hold(instance_id)
         if rollout:
             self._rollout_slots.add(instance_id)
-        handle: str | None = None
+        handle: str | None = pooled  # a taken warm sandbox is this create's to destroy if it fails
         logged: TrialLog | None = None  # the log, once "created" is in it
         row: instances.InstanceRow | None = None
         try:
@@ -247,21 +289,7 @@ class NodeService:
                 sandbox=sandbox.name,
                 params=params,
             )
-            spec = env.sandbox_spec(
-                task,
-                params,
-                SandboxSpec(
-                    instance_id=instance_id,
-                    environment=env.name,
-                    task_id=task.id,
-                    labels={
-                        "envhub.node": self.settings.node_id,
-                        "envhub.instance": instance_id,
-                        "envhub.task": f"{env.name}/{task.id}",
-                    },
-                ),
-            )
-            handle = await sandbox.create(spec)
+            handle = pooled or await sandbox.create(spec)
             trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, trial, instance_id)
             episode = Episode(
                 instance_id=instance_id,
@@ -292,6 +320,9 @@ class NodeService:
             )
             row.state, row.sandbox_handle, row.observation = "active", handle, observation
             self._live[instance_id] = Live(row=row, env=env, episode=episode, log=trial_log)
+            size = env.warm_pool_size()
+            if size:  # a group's first create: keep the next ones warm
+                self.pool.want(env.name, task.id, sandbox, spec, size)
         except BaseException as e:
             # Nothing of a failed create may outlive it: sandbox, slot and row are settled
             # even when the client went away and this task is being cancelled.
@@ -549,6 +580,7 @@ class NodeService:
             await asyncio.sleep(self.settings.reap_interval)
             try:
                 await self.reap_idle()
+                await self.pool.drain_idle()
                 await self.prune_ended()
             except Exception:
                 log.exception("idle reaper")
@@ -589,6 +621,18 @@ class NodeService:
             self.slots.used += 1  # may pass capacity for a while: adopted work is not refused
             self._hold(row.id)
             adopted[row.sandbox].add(row.sandbox_handle)
+        for name, sandbox in self.sandboxes.items():
+            for handle, labels in await sandbox.list_pooled(str(self.settings.node_id)):
+                environment, _, task_id = labels.get("envhub.task", "").partition("/")
+                env = self.environments.get(environment)
+                if handle in adopted[name] or env is None or not labels.get("envhub.pool_key"):
+                    continue
+                try:
+                    env.task(task_id)
+                except NotFound:
+                    continue
+                self.pool.adopt(environment, task_id, labels["envhub.pool_key"], sandbox, handle)
+                adopted[name].add(handle)
         removed = 0
         for name, sandbox in self.sandboxes.items():
             removed += await sandbox.remove_unknown(self.settings.node_id, adopted[name])
@@ -609,20 +653,7 @@ class NodeService:
             task = env.task(row.task_id)
         except NotFound:
             return None
-        spec = env.sandbox_spec(
-            task,
-            row.params,
-            SandboxSpec(
-                instance_id=row.id,
-                environment=env.name,
-                task_id=task.id,
-                labels={
-                    "envhub.node": self.settings.node_id,
-                    "envhub.instance": row.id,
-                    "envhub.task": f"{env.name}/{task.id}",
-                },
-            ),
-        )
+        spec = self._spec(env, task, row.params, row.id)
         try:
             if not await sandbox.adopt(row.sandbox_handle, spec):
                 return None
@@ -652,6 +683,9 @@ class NodeService:
         ``release_on_shutdown``); flush the trial logs."""
         self._accepting = False
         release_all = self.settings.release_on_shutdown if release_all is None else release_all
+        # Idle warm sandboxes are cheap to start again: a stop removes them. Those a crash
+        # leaves are taken back into the pools at the next start (reconcile).
+        await self.pool.shutdown(keep=False)
         for live in list(self._live.values()):
             sandbox = live.episode.sandbox
             try:

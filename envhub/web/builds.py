@@ -1,4 +1,4 @@
-"""Image builds: GET /builds, GET /builds/<id> (with the log's tail), POST /builds {environment, task_id}."""
+"""Image builds: GET /builds, GET /builds/<id> (with the log's tail), POST /builds {environment, task_id, pool?}."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ async def get_build(request: Request, build_id: int):
 async def prebuild(request: Request):
     body = json_body(request)
     node = request.app.ctx.node
-    await node.prebuild(body.get("environment"), body.get("task_id"))
+    pooled = await node.prebuild(body.get("environment"), body.get("task_id"), pool=body.get("pool"))
     rows, _ = await store.list_(request.app.ctx.db, environment=body["environment"], task_id=body["task_id"], limit=1)
     return json(
         {
@@ -50,5 +50,6 @@ async def prebuild(request: Request):
             "task_id": body["task_id"],
             "ready": True,
             "build": rows[0].to_public() if rows else None,
+            **pooled,
         }
     )

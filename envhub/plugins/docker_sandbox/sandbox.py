@@ -436,7 +436,12 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
         except ENGINE_ERRORS as e:
             raise SandboxError(f"cannot inspect container {cid[:12]}: {explain(e)}") from e
         labels = (info.get("Config") or {}).get("Labels") or {}
-        if labels.get("envhub.instance") != spec.instance_id or labels.get("envhub.managed") != "1":
+        # A container a warm pool started keeps its pool id as envhub.instance: it is ours
+        # when it carries our node id (its handle came from our own database).
+        mine = labels.get("envhub.instance") == spec.instance_id or (
+            labels.get("envhub.pool") == "1" and labels.get("envhub.node") == spec.labels.get("envhub.node")
+        )
+        if not mine or labels.get("envhub.managed") != "1":
             return False  # not the container this instance had: never touch it
         if not (info.get("State") or {}).get("Running"):
             self._destroy_quietly(cid)
@@ -450,6 +455,12 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
         if agent:
             agent.close()
         self._workdirs.pop(handle, None)
+
+    async def list_pooled(self, node_id: str) -> list[tuple[str, dict[str, str]]]:
+        rows = await self.list_managed(node_id)
+        return [
+            (r["id"], r["labels"]) for r in rows if r["labels"].get("envhub.pool") == "1" and r["status"] == "running"
+        ]
 
     async def remove_unknown(self, node_id: str, keep: set[str]) -> int:
         rows = [r for r in await self.list_managed(node_id) if r["id"] not in keep]

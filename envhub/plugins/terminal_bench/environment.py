@@ -107,7 +107,8 @@ class TerminalBench(Environment):
     node's top-level ``image_map``), ``output_limit`` (characters of command output shown
     to the model, 16000), ``network`` (``none``: no network for any episode),
     ``egress_allow`` (addresses or networks episodes may reach despite the egress
-    policy, e.g. an internal package mirror), ``verifier_tools`` (false; true puts uv,
+    policy, e.g. an internal package mirror), ``warm_pool`` (4: containers kept started
+    per task once it is in use, see envhub/node/pool.py), ``verifier_tools`` (false; true puts uv,
     uvx and a uv cache warmed with what the task's test scripts pin into each task
     image, for verifiers without internet: see offline.py), ``debian_mirror`` (for
     ``envhub build --base-images``).
@@ -119,6 +120,7 @@ class TerminalBench(Environment):
     name = "terminal-bench"
     description = "Terminal-Bench tasks (tb1 and tb2 formats), one Docker container per episode"
     sandbox = "docker"
+    default_warm_pool = 4  # a GRPO group of one task lands on one node: its next creates find a container ready
 
     def load(self) -> None:
         roots = self.config.get("datasets") or [str(BUNDLED)]
