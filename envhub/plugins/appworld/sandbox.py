@@ -89,7 +89,7 @@ class _Worker:
     pid: int = 0
     scratch: str = ""
     status: socket.socket | None = None  # EOF when the worker dies
-    http: httpx.AsyncClient | None = None
+    transport: httpx.AsyncHTTPTransport | None = None  # to its socket
     handle: str | None = None
     task_id: str | None = None
     outputs: str | None = None
@@ -442,9 +442,7 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
             reply = json.loads(line) if line else {"error": "it died while starting"}
             if not reply.get("ready"):
                 raise SandboxError(f"an AppWorld worker did not start: {reply.get('error')}")
-            worker.http = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=msg["sock"]), base_url="http://appworld", timeout=30.0
-            )
+            worker.transport = httpx.AsyncHTTPTransport(uds=msg["sock"])
             asyncio.get_running_loop().add_reader(worker.status.fileno(), self._on_status, worker)
         except BaseException:
             await asyncio.shield(self._discard(worker))
@@ -481,9 +479,9 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
                     pass
                 worker.status.close()
                 worker.status = None
-            if worker.http is not None:
-                await worker.http.aclose()
-                worker.http = None
+            if worker.transport is not None:
+                await worker.transport.aclose()
+                worker.transport = None
             if worker.claim is not None:
                 self._uids.release(worker.uid, worker.claim)
                 worker.claim = None
@@ -587,9 +585,9 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
 
     async def _call(self, worker: _Worker, route: str, body: dict[str, Any], timeout: float) -> Any:
         if worker.dead is not None:
-            raise Gone(await self._lost(worker, worker.dead))
+            raise Gone(await self._lost(worker, worker.dead))  # it died while idle
         try:
-            response = await worker.http.post(route, json=body, timeout=timeout)
+            response = await _post(worker.transport, route, body, timeout)
         except httpx.TimeoutException:
             raise Gone(
                 await self._lost(
@@ -606,12 +604,12 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
         return response.json()["output"]
 
     async def _lost(self, worker: _Worker, why: str) -> str:
-        """Kill ``worker`` (outputs stay until destroy) and say why its episode is lost."""
-        status = await self._kill(worker)
-        if status:
-            why = f"{why} ({status})"
-        worker.dead = why
-        return f"{why}; the episode's state is gone"
+        """Kill ``worker`` (outputs stay until destroy) and say why its episode is lost:
+        how it died when it died on its own, else ``why``."""
+        if worker.dead is None or not worker.killed:
+            status = await self._kill(worker)
+            worker.dead = f"the AppWorld worker died ({status})" if status else why
+        return f"{worker.dead}; the episode's state is gone"
 
     async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
         started = time.monotonic()
@@ -693,6 +691,22 @@ def _remove(path: str) -> None:
             pass
 
     shutil.rmtree(path, onerror=writable)
+
+
+async def _post(
+    transport: httpx.AsyncHTTPTransport, route: str, body: dict[str, Any], timeout: float
+) -> httpx.Response:
+    """POST JSON straight through the transport: an ``httpx.AsyncClient`` would log every
+    request at INFO, two lines per step of every episode."""
+    request = httpx.Request(
+        "POST", f"http://appworld{route}", json=body, extensions={"timeout": httpx.Timeout(timeout).as_dict()}
+    )
+    response = await transport.handle_async_request(request)
+    try:
+        await response.aread()
+    finally:
+        await response.aclose()
+    return response
 
 
 async def _read_line(sock: socket.socket) -> bytes:
