@@ -83,11 +83,10 @@ def _confine(req: dict[str, Any], zygote_pid: int, landlock_fd: int) -> None:
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
-    elif landlock_fd >= 0:  # needs no_new_privs, which every child inherits from the zygote
+    if landlock_fd >= 0:  # also as root without the namespaces; needs no_new_privs (from the zygote)
         from _envhub_zygote import landlock
 
         landlock.restrict_self(landlock_fd)
-    if landlock_fd >= 0:
         os.close(landlock_fd)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
     if os.getppid() != zygote_pid:
