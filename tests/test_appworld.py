@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +27,10 @@ import pytest
 import yaml
 from appworld_data import PYTHON, SIBLINGS, synthetic_root
 from conftest import REPO, EnvhubProcess
+from test_landlock import NOBODY, SCENARIOS, _python_for
 
 from envhub.plugins.appworld.sandbox import default_run_dir
+from envhub.plugins.process_sandbox.zygote import landlock
 
 PROBLEM = None if PYTHON.is_file() else f"no AppWorld venv at {PYTHON} (scripts/test makes it)"
 needs_appworld = pytest.mark.skipif(PROBLEM is not None and not os.environ.get("CI"), reason=PROBLEM or "")
@@ -506,6 +510,57 @@ def test_a_restart_loses_live_episodes_and_leaves_no_worker_and_no_outputs(tmp_p
     finally:
         assert again.stop() == 0, again.log()
     assert not Path(default_run_dir(data)).exists()
+
+
+def _runs_as_nobody(python: Path) -> bool:
+    """Whether ``nobody`` can run the AppWorld venv (not when it was made from a Python
+    under /root, as pyenv's; scripts/test makes it from /usr/bin/python3 when it can)."""
+    if shutil.which("setpriv") is None or not python.is_file():
+        return False
+    done = subprocess.run([*SCENARIOS["nobody"], str(python), "-c", "import appworld"], capture_output=True)
+    return done.returncode == 0
+
+
+@needs_appworld
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody and dropping a capability need root")
+@pytest.mark.skipif(landlock.abi_version() < 4, reason="needs Landlock ABI 4+ (Linux 6.7+) for the TCP part")
+@pytest.mark.parametrize("scenario", ["nobody", "root without CAP_SYS_ADMIN"])
+def test_landlock_keeps_workers_off_the_ground_truth_where_namespaces_cannot(scenario, root):
+    """Without root (or without CAP_SYS_ADMIN) workers and graders restrict themselves
+    with Landlock: no ground truth, no node records, no TCP; grading still works."""
+    if not _runs_as_nobody(PYTHON):
+        pytest.skip(f"nobody cannot run {PYTHON} (made from a Python under /root?)")
+    found = _python_for(SCENARIOS["nobody"])
+    if found is None:
+        pytest.skip(f"no Python of this version can run envhub from {REPO} as nobody")
+    python, env = found
+    open_dir = Path(tempfile.mkdtemp(prefix="envhub-aw-landlock-"))
+    open_dir.chmod(0o755)
+    data = open_dir / "data"
+    data.mkdir()
+    if scenario == "nobody":
+        os.chown(data, NOBODY, NOBODY)
+    node = EnvhubProcess(data, *appworld_args(root), python=python, prefix=tuple(SCENARIOS[scenario]), env=env)
+    try:
+        node.start()
+        with node.client(timeout=120) as c:
+            iid = create(c, "synth002_1")
+            truth = root / "data" / "tasks" / "synth002_1" / "ground_truth"
+            for code in [
+                "from appworld.ground_truth import GroundTruth\nprint(GroundTruth.load('synth002_1').answer)",
+                f"import pathlib\nprint(pathlib.Path('{truth}/evaluation.py').read_text())",
+                f"import pathlib\nprint([p.name for p in pathlib.Path('{data}').iterdir()])",
+                f"s = __import__('soc' + 'ket').create_connection(('127.0.0.1', {node.port}), timeout=5)",
+            ]:
+                out = run(c, iid, code)["observation"]["output"]
+                assert out.startswith("Execution failed") and "Error" in out, (code, out)
+                assert "def evaluate" not in out and "envhub.db" not in out
+            assert solve(c, iid, note("Groceries"))["reward"] == 1.0
+        assert "ground truth of 7 tasks hidden by landlock" in node.log()
+    finally:
+        if node.proc is not None:
+            assert node.stop() == 0, node.log()
+        shutil.rmtree(open_dir, ignore_errors=True)
 
 
 def test_a_node_without_an_appworld_venv_leaves_appworld_out(start_node):
