@@ -284,8 +284,7 @@ def _isolate(conf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int], list
         if problems:
             report["unhidden"] = [*report["unhidden"], *(f"Landlock cannot restrict {p}" for p in problems)]
         elif not mounts:
-            report["unhidden"] = []
-        mounts = False
+            report["unhidden"] = []  # Landlock hides what the mounts could not
     report["network_isolated"] = netns or bool(report["landlock"] and report["landlock"]["tcp_denied"])
     report["ground_truth_hidden_by"] = "mounts" if mounts else ("landlock" if "worker" in landlock_fds else None)
     return report, landlock_fds, ground_truths if mounts else []
