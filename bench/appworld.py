@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -97,6 +98,17 @@ def zygote_tree(node_pid: int) -> list[int]:
         if b"appworld/worker/__main__.py" in cmd:
             return [pid, *descendants(pid)]
     return []
+
+
+def appworld_python(python: str) -> str:
+    """The interpreter AppWorld's workers run on: its version and where it really is."""
+    done = subprocess.run(
+        [python, "-c", "import platform, sys; print(platform.python_version(), sys._base_executable)"],
+        capture_output=True,
+        text=True,
+    )
+    version, _, base = done.stdout.strip().partition(" ")
+    return f"Python {version} ({os.path.realpath(base)})"
 
 
 def main() -> None:
@@ -243,7 +255,12 @@ def main() -> None:
             },
             "task": args.task,
             "data": "synthetic" if synthetic else str(root),
-            "machine": {"cpus": os.cpu_count(), "python": interpreter(), "root": os.geteuid() == 0},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": interpreter(),
+                "appworld_python": appworld_python(args.python),
+                "root": os.geteuid() == 0,
+            },
         }
     finally:
         c.close()
@@ -251,7 +268,7 @@ def main() -> None:
         proc.wait(60)
     shutil.rmtree(tmp, ignore_errors=True)
     m = result["memory"]
-    print(describe(result["machine"]["python"]))
+    print(f"node: {describe(result['machine']['python'])}; AppWorld: {result['machine']['appworld_python']}")
     print(f"first create (zygote preload): {result['first_create_s']} s")
     for name in ("create", "step_simple_api_call", "evaluate", "complete_task_step"):
         if result[name]:
