@@ -190,13 +190,14 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
         self.tasks = await asyncio.to_thread(load_tasks, self.paths.root)
         if len(os.path.join(self.run_dir, "w0000-00000000", "w.sock")) > 100:
             raise StartupError(f"appworld: run_dir {self.run_dir} is too long for a Unix socket path under it")
-        await asyncio.to_thread(self._prepare_run_dir)
         if self.root:
             try:
                 self._killer = self._uids.allocate()
                 self._graders = self._uids.allocate()
             except SandboxError as e:
+                self._uids.close()
                 raise StartupError(f"appworld: no uid left: {e.message}") from e
+        await asyncio.to_thread(self._prepare_run_dir)
         self._pool_changed = asyncio.Condition()
         self._started = True
         await self._ctl_lock.acquire()  # held until the zygote answers: control calls wait for it
@@ -214,7 +215,8 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
                 out, err = await proc.communicate()
             found = json.loads(out)
         except (OSError, ValueError, TimeoutError) as e:
-            raise StartupError(f"appworld: {python} does not run: {e}") from None
+            tail = err.decode(errors="replace")[-1000:] if isinstance(e, ValueError) else ""
+            raise StartupError(f"appworld: {python} does not run: {e!r} {tail}".rstrip()) from None
         if not found.get("dir"):
             raise StartupError(f"appworld: {python} has no appworld package (run `envhub appworld setup`)")
         if not found.get("apps"):
@@ -262,8 +264,9 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
             "isolate_network": self.isolate_network,
             "killer_uid": self._killer[0] if self._killer else None,
         }
-        if self._log_file is None:
-            self._log_file = open(os.path.join(self.run_dir, "zygote.log"), "ab")  # noqa: SIM115
+        if self._log_file is None:  # only for the node: workers can open a file by name in run_dir
+            fd = os.open(os.path.join(self.run_dir, "zygote.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._log_file = os.fdopen(fd, "ab")
         started = time.monotonic()
         try:
             self._proc = subprocess.Popen(
@@ -312,7 +315,7 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
             log.warning("appworld: model code can read %s", "; ".join(hello["unhidden"]))
 
     def protections(self) -> str:
-        """What confines a worker, in words (logged at start, printed by the bench)."""
+        """What confines a worker, in words (logged when the zygote is ready)."""
         h = self.hello
         parts = [f"workers as their own uids from {self.uid_base}" if self.root else "workers as the node's user"]
         parts.append("no network" if h.get("network_isolated") else "NETWORK REACHABLE")
@@ -568,7 +571,10 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
             **options,
         }
         async with worker.lock:
-            reply = await self._call(worker, "/initialize", body, self.init_timeout)
+            try:
+                reply = await self._call(worker, "/initialize", body, self.init_timeout)
+            except Gone as e:  # no episode yet: the create fails
+                raise SandboxError(f"the world of {task_id} did not open: {e.message}") from None
             worker.task_id = task_id
         return reply
 
@@ -612,6 +618,8 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
         return f"{worker.dead}; the episode's state is gone"
 
     async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        """:meth:`execute` for callers of the generic contract: AppWorld's own per-call
+        timeout (``execute_timeout``, set when the world opened) applies, not ``timeout``."""
         started = time.monotonic()
         output, _ = await self.execute(handle, code)
         return ExecResult(stdout=output, duration_s=time.monotonic() - started)
