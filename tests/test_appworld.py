@@ -229,14 +229,17 @@ def test_model_code_cannot_read_the_ground_truth_and_the_grader_still_can(c, aw,
         f"import builtins\nprint(getattr(builtins, 'op' + 'en')('{truth}/evaluation.py').read())",
         f"import builtins\nprint(getattr(builtins, 'op' + 'en')('{view}/private_data.json').read())",
         f"import pathlib\nprint(pathlib.Path('{truth}/test_data.json').read_text())",
-        f"import pathlib\nprint([p.name for p in pathlib.Path('{truth}').iterdir()])",
+        f"print(__import__('pos' + 'ix').listdir('{truth}'))",  # under the os module AppWorld's guard patches
         f"import builtins\nprint(getattr(builtins, 'op' + 'en')('/proc/1/root{truth}/answer.json').read())",
         # the node's own records hold every grading
-        f"import pathlib\nprint([p.name for p in pathlib.Path('{aw.data_dir}').iterdir()])",
+        f"import builtins\nprint(getattr(builtins, 'op' + 'en')('{aw.data_dir}/envhub.db', 'rb').read())",
     ]
     for code in attempts:
         out = run(c, iid, code)["observation"]["output"]
-        assert out.startswith("Execution failed") and "Error" in out, (code, out)
+        assert out.startswith("Execution failed") and ("PermissionError" in out or "FileNotFoundError" in out), (
+            code,
+            out,
+        )
         assert "def evaluate" not in out and "milk, eggs" not in out and "requirement" not in out
     assert solve(c, iid, note("Groceries"))["reward"] == 1.0
     c.post(f"/instances/{iid}/release")
@@ -549,18 +552,46 @@ def test_landlock_keeps_workers_off_the_ground_truth_where_namespaces_cannot(sce
             for code in [
                 "from appworld.ground_truth import GroundTruth\nprint(GroundTruth.load('synth002_1').answer)",
                 f"import pathlib\nprint(pathlib.Path('{truth}/evaluation.py').read_text())",
-                f"import pathlib\nprint([p.name for p in pathlib.Path('{data}').iterdir()])",
+                f"import builtins\nprint(getattr(builtins, 'op' + 'en')('{data}/envhub.db', 'rb').read())",
                 f"s = __import__('soc' + 'ket').create_connection(('127.0.0.1', {node.port}), timeout=5)",
             ]:
                 out = run(c, iid, code)["observation"]["output"]
-                assert out.startswith("Execution failed") and "Error" in out, (code, out)
-                assert "def evaluate" not in out and "envhub.db" not in out
+                assert out.startswith("Execution failed") and "PermissionError" in out, (code, out)
+                assert "def evaluate" not in out and "SQLite format" not in out
             assert solve(c, iid, note("Groceries"))["reward"] == 1.0
         assert "ground truth of 7 tasks hidden by landlock" in node.log()
     finally:
         if node.proc is not None:
             assert node.stop() == 0, node.log()
         shutil.rmtree(open_dir, ignore_errors=True)
+
+
+@needs_appworld
+def test_a_node_finds_appworld_in_its_data_dir_by_default(start_node, tmp_path, root):
+    """What `envhub appworld setup` and the README's data steps make: <data_dir>/appworld
+    holding venv/ and data/. Model code still cannot read the node's own records there."""
+    data = tmp_path / "node"
+    (data / "appworld").mkdir(parents=True)
+    (data / "appworld" / "venv").symlink_to(PYTHON.parent.parent)
+    shutil.copytree(root / "data", data / "appworld" / "data")
+    node = EnvhubProcess(data, "--set", "environments.terminal-bench.enabled=false")
+    try:
+        node.start()
+        with node.client(timeout=120) as c:
+            iid = create(c, "synth001_1")
+            truth = data / "appworld" / "data" / "tasks" / "synth001_1" / "ground_truth" / "answer.json"
+            for path in (data / "envhub.db", truth):
+                code = f"import builtins\nprint(getattr(builtins, 'op' + 'en')('{path}', 'rb').read())"
+                out = run(c, iid, code)["observation"]["output"]
+                assert "PermissionError" in out or "FileNotFoundError" in out, (path, out)
+            steps = [
+                login("simple_note"),
+                "n = apis.simple_note.search_notes(access_token=simple_note_token, pinned=True)",
+                "apis.supervisor.complete_task(answer=n[0]['title'])",
+            ]
+            assert solve(c, iid, steps)["reward"] == 1.0
+    finally:
+        assert node.stop() == 0, node.log()
 
 
 def test_a_node_without_an_appworld_venv_leaves_appworld_out(start_node):
