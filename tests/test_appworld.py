@@ -680,6 +680,10 @@ def test_check_says_exactly_what_a_data_dir_lacks(tmp_path):
         "data/base_dbs/venmo.db is missing",
     ]
     assert "4 problem(s)" in done.stderr
+    (data / "base_dbs" / "venmo.db").write_bytes(b"")
+    (data / "base_dbs" / "venmo.db").chmod(0o600)
+    done = envhub_cli("appworld", "check", "--root", str(tmp_path))
+    assert f"1 path(s) in {data} are closed to other users, e.g. {data}/base_dbs/venmo.db" in done.stdout
     nothing = envhub_cli("appworld", "check", "--root", str(tmp_path / "empty"))
     assert nothing.returncode == 1 and "appworld download data" in nothing.stdout
 

@@ -164,7 +164,27 @@ def check(root: Path) -> list[str]:
         for app in APPS
         if not (data / "api_docs" / "standard" / f"{app}.json").is_file()
     ]
+    closed = unreadable(data)
+    if closed:
+        problems.append(
+            f"{len(closed)} path(s) in {data} are closed to other users, e.g. {closed[0]} (as root, AppWorld's "
+            f"workers and graders run as uids of their own): chmod -R o+rX {data}"
+        )
     return problems
+
+
+def unreadable(data: Path) -> list[str]:
+    """Paths under ``data`` that other users cannot read (files) or enter (dirs)."""
+    closed = []
+    for folder, dirs, files in os.walk(data):
+        for name, need in [*((d, 0o005) for d in dirs), *((f, 0o004) for f in files)]:
+            path = os.path.join(folder, name)
+            try:
+                if os.stat(path).st_mode & need != need:
+                    closed.append(path)
+            except OSError:
+                continue
+    return closed
 
 
 def ground_truth_dirs(data: Path) -> list[str]:

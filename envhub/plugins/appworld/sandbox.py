@@ -65,7 +65,7 @@ from typing import Any
 import httpx
 
 from envhub.errors import Gone, InvalidRequest, SandboxError, StartupError
-from envhub.plugins.appworld.data import APPWORLD_VERSION, VENV_PROBE, Paths, TaskSpec, load_tasks
+from envhub.plugins.appworld.data import APPWORLD_VERSION, VENV_PROBE, Paths, TaskSpec, load_tasks, unreadable
 from envhub.plugins.process_sandbox import zygote as process_zygote
 from envhub.plugins.process_sandbox.channel import ZygoteControl
 from envhub.plugins.process_sandbox.sandbox import _node_records
@@ -198,6 +198,16 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
                 self._uids.close()
                 raise StartupError(f"appworld: no uid left: {e.message}") from e
         await asyncio.to_thread(self._prepare_run_dir)
+        if self.root:
+            closed = await asyncio.to_thread(unreadable, self.paths.data)
+            if closed:
+                log.warning(
+                    "appworld: workers and graders run as other uids and cannot read %d path(s) in %s, e.g. %s "
+                    "(chmod -R o+rX it)",
+                    len(closed),
+                    self.paths.data,
+                    closed[0],
+                )
         self._pool_changed = asyncio.Condition()
         self._started = True
         await self._ctl_lock.acquire()  # held until the zygote answers: control calls wait for it
