@@ -246,6 +246,33 @@ def test_model_code_cannot_read_the_ground_truth_and_the_grader_still_can(c, aw,
 
 
 @needs_appworld
+def test_outputs_forged_on_disk_are_not_what_is_graded(c, aw):
+    """The worker may write its outputs (below AppWorld's guard), but AppWorld saves the
+    world's state over them after every call, the completing one included."""
+    iid = create(c, "synth002_1")
+    changes = outputs_dir(aw, iid) / "tasks" / "synth002_1" / "dbs" / "simple_note.jsonl"
+    row = [1, "Groceries", "milk, eggs", "[]", "2023-05-18 12:00:00", "2023-05-18 12:00:00", 0]
+    forged = json.dumps(
+        [
+            "INSERT INTO notes (user_id, title, content, tags, created_at, updated_at, pinned) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            row,
+            False,
+        ]
+    )
+    code = (
+        "px = __import__('pos' + 'ix')\n"
+        f"fd = px.open('{changes}', px.O_WRONLY | px.O_APPEND)\n"
+        f"px.write(fd, {(forged + chr(10)).encode()!r})\n"
+        "px.close(fd)"
+    )
+    assert run(c, iid, code)["observation"]["output"] == "Execution successful."
+    done = run(c, iid, "apis.supervisor.complete_task()")
+    assert done["done"] is True and done["reward"] == pytest.approx(1 / 3)
+    c.post(f"/instances/{iid}/release")
+
+
+@needs_appworld
 def test_episodes_of_one_task_at_once_see_only_their_own_world(c, aw):
     iids = [create(c, "synth002_1") for _ in range(4)]
     run(c, iids[0], login("simple_note"))
