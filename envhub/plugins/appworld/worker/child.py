@@ -121,8 +121,18 @@ def serve_worker(
     from appworld.serve.environment import app
 
     # uvloop: while a world is open the process's clock is frozen, which stalls the
-    # default asyncio loop's timers but not uvloop's.
-    config = uvicorn.Config(app, loop="uvloop", http="h11", lifespan="off", log_level="error", access_log=False)
+    # default asyncio loop's timers but not uvloop's. The node keeps its connection: a
+    # server closing an idle one could race the node's next request, which would then
+    # fail as if the worker had died.
+    config = uvicorn.Config(
+        app,
+        loop="uvloop",
+        http="h11",
+        lifespan="off",
+        log_level="error",
+        access_log=False,
+        timeout_keep_alive=7 * 24 * 3600,
+    )
     uvicorn.Server(config).run(sockets=[listener])
     os._exit(0)
 
