@@ -498,7 +498,8 @@ def test_served_through_a_scheduler(aw, tmp_path):
 
 @needs_appworld
 def test_openenv_session(aw):
-    pytest.importorskip("openenv", reason="OpenEnv's client (openenv-core, installed by scripts/test)")
+    if not os.environ.get("CI"):  # in CI its absence fails, as in test_openenv.py
+        pytest.importorskip("openenv", reason="OpenEnv's client (openenv-core, installed by scripts/test)")
     from openenv.core import GenericEnvClient
 
     with GenericEnvClient(base_url=f"{aw.url}/openenv/appworld", message_timeout_s=120).sync() as env:
