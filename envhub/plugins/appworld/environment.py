@@ -93,7 +93,7 @@ class AppWorld(Environment):
             template=episode.params.get("prompt") is not False,
         )
         instruction = world["instruction"]
-        episode.state.update(task_completed=False, executions=0)
+        episode.state["task_completed"] = False
         return {
             "system_prompt": system,
             "instruction": instruction,
@@ -108,7 +108,6 @@ class AppWorld(Environment):
             raise InvalidRequest(f"appworld has no tool {action.tool!r} (tools: appworld)", field="action.tool")
         code = action.require_str("code")
         output, completed = await episode.sandbox.execute(episode.handle, code)  # type: ignore[attr-defined]
-        episode.state["executions"] = episode.state.get("executions", 0) + 1
         content = output if episode.params.get("simple") is True else f"Output:\n```\n{output}```\n\n"
         observation = {"content": content, "output": output, "task_completed": completed}
         if not completed:
