@@ -16,6 +16,9 @@ with an ``id`` its reply echoes:
 - ``kill`` ``{pid, uid, scratch}``: kill a child and everything of its uid, remove its
   scratch dir; the reply's ``status`` says how it ended if it died on its own.
 
+The loop, the reaping of children, ``kill`` and the shutdown are the process sandbox's
+fork server's (``Zygote`` below subclasses it); what differs is what is forked.
+
 Invariants:
 
 - Single-threaded, and everything children share is done once before the first fork:
@@ -45,7 +48,6 @@ import glob
 import importlib
 import json
 import os
-import select
 import signal
 import socket
 import sys
@@ -54,6 +56,7 @@ import traceback
 from typing import Any
 
 from _envhub_zygote import isolation
+from _envhub_zygote.forkserver import Zygote as ForkServer
 from _envhub_zygote.forkserver import kill_uid
 from _envhub_zygote.shared import (
     CLONE_NEWNET,
@@ -62,14 +65,12 @@ from _envhub_zygote.shared import (
     PR_SET_PDEATHSIG,
     _libc,
     _prctl,
-    describe_status,
     dumps,
     remove_tree,
 )
 
 from . import child
 
-REAP_INTERVAL = 0.05
 # Loaded once here so that no child imports anything on its way to serving or grading.
 PRELOAD = (
     "appworld",
@@ -112,41 +113,28 @@ def preload() -> float:
     return time.monotonic() - started
 
 
-class Zygote:
+class Zygote(ForkServer):
+    """The process sandbox's fork server (its loop, reaping, kill and shutdown), forking
+    workers and graders instead of interpreters. ``live`` maps pid -> (uid, scratch dir,
+    False): no child is one of the fork server's one-shot interpreters."""
+
     def __init__(self, ctl: socket.socket, conf: dict[str, Any], landlock_fds: dict[str, int], covers: list[str]):
-        self.ctl = ctl
+        super().__init__(ctl, conf.get("killer_uid"))
         self.conf = conf
-        self.killer_uid = conf.get("killer_uid")
         self.landlock_fds = landlock_fds
         self.covers = covers  # ground-truth dirs a worker covers in its own mount namespace (root)
-        self.pid = os.getpid()
-        self.live: dict[int, tuple[int | None, str | None]] = {}  # pid -> (uid, scratch)
-        self.exited: dict[int, int] = {}  # tracked pids that died on their own -> status
         self.serial = 0
 
-    def serve(self) -> None:
-        while True:
-            if select.select([self.ctl], [], [], REAP_INTERVAL)[0]:
-                data = self.ctl.recv(1 << 20)
-                if not data:
-                    break
-                self.handle(json.loads(data))
-            self.reap()
-        self.shutdown()
-
     def handle(self, req: dict[str, Any]) -> None:
-        try:
-            if req["op"] in ("worker", "grader"):
+        if req.get("op") in ("worker", "grader"):
+            try:
                 self.fork(req)  # replies itself: the reply carries an fd
-                return
-            if req["op"] == "kill":
-                reply: dict[str, Any] = {"status": self.kill(req)}
-            else:
-                reply = {"error": f"unknown op {req['op']!r}"}
-        except Exception as e:  # the node turns it into SandboxError; the zygote stays up
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        reply["id"] = req.get("id")
-        self.ctl.send(dumps(reply).encode())
+            except Exception as e:  # the node turns it into SandboxError; the zygote stays up
+                self.ctl.send(dumps({"id": req.get("id"), "error": f"{type(e).__name__}: {e}"}).encode())
+        elif req.get("op") == "kill":
+            super().handle(req)
+        else:
+            self.ctl.send(dumps({"id": req.get("id"), "error": f"unknown op {req.get('op')!r}"}).encode())
 
     def fork(self, req: dict[str, Any]) -> None:
         kind, uid = req["op"], req.get("uid")
@@ -163,14 +151,13 @@ class Zygote:
                     os.chown(scratch, uid, req.get("gid", uid))
             ours, theirs = socket.socketpair()
             pid = os.fork()
-        except Exception as e:
+        except BaseException:
             for s in (ours, theirs):
                 if s is not None:
                     s.close()
             if scratch:
                 remove_tree(scratch)
-            self.ctl.send(dumps({"id": req.get("id"), "error": f"{type(e).__name__}: {e}"}).encode())
-            return
+            raise
         if pid == 0:
             try:
                 os.close(self.ctl.detach())
@@ -187,7 +174,7 @@ class Zygote:
                 traceback.print_exc()
             finally:
                 os._exit(70)
-        self.live[pid] = (uid, scratch)
+        self.live[pid] = (uid, scratch, False)
         reply = {"id": req.get("id"), "pid": pid}
         if scratch:
             reply.update(scratch=scratch, sock=os.path.join(scratch, child.SOCKET))
@@ -197,59 +184,39 @@ class Zygote:
             ours.close()
             theirs.close()
 
-    def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            info = self.live.get(pid)
-            if info is None:
-                continue  # an orphan of model code, reparented to us as subreaper
-            self.exited[pid] = status
-            if info[0] is None:
-                try:  # without a uid the process group is the child; kill it while the id is ours
-                    os.killpg(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-
     def kill(self, req: dict[str, Any]) -> str | None:
-        pid, uid = req.get("pid"), req.get("uid")
-        info = self.live.pop(pid, None)
-        own_death = self.exited.pop(pid, None) if info is not None else None
-        if info is not None and own_death is None:
+        """The fork server's kill, with the child's scratch dir, as this zygote knows it.
+
+        A worker has threads. Killed from outside, its main thread turns zombie at once,
+        while waitpid() reports it only once its other threads are gone too; the fork
+        server's kill would take it for alive and say nothing of how it died. A zombie
+        main thread did die on its own: its last threads are killed and it is waited for
+        here, so that its status is what the node reports."""
+        pid = req.get("pid")
+        info = self.live.get(pid)
+        if info is not None and pid not in self.exited and _main_thread_exited(pid):
+            uid = info[0]
+            if uid is not None:
+                kill_uid(uid, self.killer_uid)
+            else:
+                for send in (os.killpg, os.kill):
+                    try:
+                        send(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
             try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    own_death = status
+                self.exited[pid] = os.waitpid(pid, 0)[1]
             except ChildProcessError:
                 pass
-        if uid is not None:
-            kill_uid(uid, self.killer_uid)
-        if info is not None and own_death is None:
-            for send in (os.killpg, os.kill):  # still our unreaped child: the ids are its own
-                try:
-                    send(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-        scratch = info[1] if info is not None else None
-        if scratch:
-            remove_tree(scratch)
-        return describe_status(own_death) if own_death is not None else None
+        return super().kill({**req, "workdir": info[1] if info is not None else None, "remove": True})
 
-    def shutdown(self) -> None:
-        for pid, (uid, _) in list(self.live.items()):
-            self.kill({"pid": pid, "uid": uid})
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                time.sleep(0.01)
+
+def _main_thread_exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def _isolate(conf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int], list[str]]:
