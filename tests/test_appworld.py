@@ -27,8 +27,10 @@ import pytest
 import yaml
 from appworld_data import PYTHON, SIBLINGS, synthetic_root
 from conftest import REPO, EnvhubProcess
+from test_agentevolver import req
 from test_landlock import NOBODY, SCENARIOS, _python_for
 
+from envhub.plugins.appworld.data import APPS, BASE_DBS
 from envhub.plugins.appworld.sandbox import default_run_dir
 from envhub.plugins.process_sandbox.zygote import landlock
 
@@ -372,15 +374,9 @@ def test_bad_calls_are_4xx(c):
 # --- drop-in for AgentEvolver, OpenEnv and a scheduler ---------------------------------
 
 
-def ae(env_type="appworld", task_id=None, instance_id=None, messages=None, params=None) -> dict:
+def ae(env_type="appworld", **fields) -> dict:
     """AgentEvolver's ServiceRequest exactly as its EnvClient sends it."""
-    return {
-        "env_type": env_type,
-        "task_id": task_id,
-        "instance_id": instance_id,
-        "messages": messages or {},
-        "params": params or {},
-    }
+    return req(env_type, **fields)
 
 
 def tool_call(code: str, name: str = "appworld", call_id: str = "") -> dict:
@@ -665,24 +661,11 @@ def write_data(root: Path) -> None:
         json.dumps({"instruction": "Do it.", "supervisor": supervisor, "db_version": "0.1.0"})
     )
     (data / "base_dbs").mkdir()
-    for app in (
-        "admin",
-        "api_docs",
-        "supervisor",
-        "amazon",
-        "phone",
-        "file_system",
-        "spotify",
-        "venmo",
-        "gmail",
-        "splitwise",
-        "simple_note",
-        "todoist",
-    ):
+    for app in BASE_DBS:
         (data / "base_dbs" / f"{app}.db").write_bytes(b"")
-        if app != "admin":
-            (data / "api_docs" / "standard").mkdir(parents=True, exist_ok=True)
-            (data / "api_docs" / "standard" / f"{app}.json").write_text("{}")
+    (data / "api_docs" / "standard").mkdir(parents=True)
+    for app in APPS:
+        (data / "api_docs" / "standard" / f"{app}.json").write_text("{}")
 
 
 def envhub_cli(*args: str) -> subprocess.CompletedProcess:
