@@ -97,7 +97,9 @@ class Sandbox:
       nothing behind.
     - :meth:`exec` never raises because the code failed, timed out or crashed the
       interpreter: that is reported in the :class:`ExecResult`. It raises
-      :class:`envhub.SandboxError` only when the sandbox itself is unusable.
+      :class:`envhub.SandboxError` only when the sandbox itself is unusable, and
+      :class:`envhub.Gone` when the sandbox died with state no fresh one can have (an
+      AppWorld world): the node then ends the instance as ``lost`` and frees its slot.
     - :meth:`destroy` is idempotent, accepts handles it no longer knows, and leaves no
       process, container, file or uid behind.
 

@@ -127,3 +127,35 @@ def test_errors_have_agentevolvers_shapes(url):
     assert r.status_code == 400 and "nope" in r.json()["detail"]
     r = httpx.post(url + "/create", content=b"{broken", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "detail" in r.json()
+
+
+def test_a_tool_the_environment_lacks_is_answered_as_agentevolver_does(url):
+    iid = uuid.uuid4().hex
+    assert httpx.post(url + "/create", json=req(task_id="13", instance_id=iid)).json()["success"] is True
+    wrong = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"index": 0, "id": "t1", "name": "python", "arguments": json.dumps({"code": "1"}), "type": "function"}
+        ],
+    }
+    step = httpx.post(url + "/step", json=req(instance_id=iid, messages=wrong)).json()
+    assert step == {
+        "success": True,
+        "data": {
+            "state": [
+                {
+                    "role": "user",
+                    "content": "tools not found in the existing tool list, please check the tool name of python",
+                    "tool_calls": [],
+                    "tool_call_id": "t1",
+                }
+            ],
+            "reward": 0.0,
+            "is_terminated": False,
+            "info": {},
+        },
+    }
+    ran = httpx.post(url + "/step", json=req(instance_id=iid, messages=action("print(6 * 7)"))).json()
+    assert ran["data"]["state"][0]["content"] == "42"
+    assert httpx.post(url + "/release", json=req(instance_id=iid)).json()["success"] is True

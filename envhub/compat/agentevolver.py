@@ -7,10 +7,18 @@ anything else that fails is ``500 {"detail": "<message>"}``, without a traceback
 ``/release`` of an unknown id is ``200 {"success": false, "data": null}``.
 
 Actions: the assistant message's tool calls (``{"name", "arguments": "<json>"}``, or
-OpenAI's nested ``function``) become envhub steps, one per call; a message without tool
-calls runs its first fenced code block with the environment's code tool (``run_python``
-for MBPP, ``run_command`` for terminal-bench). Every step's observation comes back as a
-``StateMessage`` ``{"role": "user", "content", "tool_calls": [], "tool_call_id"?}``.
+OpenAI's nested ``function``) become envhub steps, one per call; a call of a tool the
+environment does not have is answered with a message saying so, as AgentEvolver's own
+environments do, and runs nothing. A message without tool calls runs its first fenced
+code block with the environment's code tool (``run_python`` for MBPP, ``run_command``
+for terminal-bench, ``appworld`` for AppWorld); with none, an instance created with
+``params.simple`` (AppWorld's raw-code mode) runs the whole content. Every step's
+observation comes back as a ``StateMessage`` ``{"role": "user", "content",
+"tool_calls": [], "tool_call_id"?}``.
+
+``/evaluate`` returns the evaluation's reward; its ``params.sparse`` (a boolean) picks
+the ``sparse`` or ``dense`` reward instead when the evaluation offers them by name in
+``details.rewards`` (AppWorld does).
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ from envhub.compat.backends import Backend
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
 
 # The tool that runs a bare code block, per environment; others: the first tool that takes "code".
-CODE_TOOLS = {"mbpp": ("run_python", "code"), "terminal-bench": ("run_command", "command")}
+CODE_TOOLS = {
+    "mbpp": ("run_python", "code"),
+    "terminal-bench": ("run_command", "command"),
+    "appworld": ("appworld", "code"),
+}
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|$)", re.S)
 
 
@@ -97,15 +109,22 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise AEError(400, "messages must be the assistant's message object")
     instance = await call(backend.get, instance_id)
-    actions = _actions(message, instance["environment"], (instance.get("observation") or {}).get("tools") or [])
+    tools = (instance.get("observation") or {}).get("tools") or []
+    raw = (instance.get("params") or {}).get("simple") is True
+    actions = _actions(message, instance["environment"], tools, raw=raw)
+    known = {(t.get("function") or {}).get("name") for t in tools}
     state, reward, done, info = [], 0.0, False, {}
     for call_id, tool, arguments in actions:
-        result = await call(backend.step, instance_id, {"action": {"tool": tool, "arguments": arguments}})
-        msg = {"role": "user", "content": str(result["observation"].get("content", "")), "tool_calls": []}
+        if tools and tool not in known:
+            content = f"tools not found in the existing tool list, please check the tool name of {tool}"
+        else:
+            result = await call(backend.step, instance_id, {"action": {"tool": tool, "arguments": arguments}})
+            content = str(result["observation"].get("content", ""))
+            reward, done, info = float(result.get("reward") or 0.0), bool(result.get("done")), result.get("info") or {}
+        msg = {"role": "user", "content": content, "tool_calls": []}
         if call_id:
             msg["tool_call_id"] = call_id
         state.append(msg)
-        reward, done, info = float(result.get("reward") or 0.0), bool(result.get("done")), result.get("info") or {}
         if done:
             break
     if not actions:
@@ -119,7 +138,9 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "reward": reward, "is_terminated": done, "info": info}
 
 
-def _actions(message: dict[str, Any], environment: str, tools: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
+def _actions(
+    message: dict[str, Any], environment: str, tools: list[dict[str, Any]], *, raw: bool = False
+) -> list[tuple[str, str, Any]]:
     out = []
     for tc in message.get("tool_calls") or []:
         if not isinstance(tc, dict):
@@ -134,11 +155,14 @@ def _actions(message: dict[str, Any], environment: str, tools: list[dict[str, An
     if out:
         return out
     content = message.get("content") or ""
-    match = _FENCE.search(content) if isinstance(content, str) else None
-    if match:
+    if not isinstance(content, str):
+        return []
+    match = _FENCE.search(content)
+    code = match.group(2) if match else content if raw and content.strip() else None
+    if code is not None:
         tool, key = CODE_TOOLS.get(environment) or _code_tool(tools)
         if tool:
-            return [("", tool, {key: match.group(2)})]
+            return [("", tool, {key: code})]
     return []
 
 
@@ -152,7 +176,14 @@ def _code_tool(tools: list[dict[str, Any]]) -> tuple[str | None, str]:
 
 async def evaluate(backend: Backend, body: dict[str, Any]) -> float:
     instance_id = required(body, "instance_id")
-    return float((await call(backend.evaluate, instance_id))["reward"])
+    graded = await call(backend.evaluate, instance_id)
+    sparse = (body.get("params") or {}).get("sparse")
+    rewards = (graded.get("details") or {}).get("rewards")
+    if isinstance(sparse, bool) and isinstance(rewards, dict):
+        mode = "sparse" if sparse else "dense"
+        if isinstance(rewards.get(mode), (int, float)):
+            return float(rewards[mode])
+    return float(graded["reward"])
 
 
 async def get_info(backend: Backend, body: dict[str, Any]) -> str:

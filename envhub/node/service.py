@@ -13,6 +13,9 @@ it directly. Invariants:
   already counts a create it has seen answered (see envhub/scheduler/service.py).
 - Every sandbox that :meth:`NodeService.create` started is destroyed on release, on
   idle expiry, on shutdown, or at once when the create fails or is cancelled.
+- A step or evaluate whose environment raises ``Gone`` (the sandbox died, and the
+  episode's state with it) ends the instance as ``lost`` and frees its slot before the
+  410 goes out; later calls get 410 too.
 - Calls on one instance are serialised by its lock; calls on different instances run
   concurrently.
 - A create with a client-chosen id is idempotent: a retry returns the first result
@@ -26,9 +29,9 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from envhub.environment import Action, Environment, Episode
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
@@ -42,6 +45,7 @@ from envhub.store.db import Database, delete_in_batches
 from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.node")
+T = TypeVar("T")
 
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
 _PRUNE_BATCH = 500  # retention (prune_ended): rows per transaction
@@ -371,7 +375,7 @@ class NodeService:
             if live.done:
                 raise Conflict(f"instance {instance_id!r} is done; evaluate or release it", extra={"state": "done"})
             started = time.monotonic()
-            result = await live.env.step(live.episode, action)
+            result = await self._unless_lost(live, live.env.step(live.episode, action))
             live.grading = None  # a step may change the grade: the next evaluate runs again
             live.last_active = time.monotonic()
             live.row.step_count += 1
@@ -445,7 +449,7 @@ class NodeService:
         With ``record_now`` it is recorded here; else the caller records it with the end."""
         async with live.lock:
             self._ensure_still_live(live)
-            evaluation = await live.env.evaluate(live.episode)
+            evaluation = await self._unless_lost(live, live.env.evaluate(live.episode))
             live.last_active = time.monotonic()
             reply = {"instance_id": live.row.id, "reward": evaluation.reward, "details": evaluation.details}
             record = instances.evaluation_statement(
@@ -471,6 +475,17 @@ class NodeService:
                 return {"instance_id": instance_id, "released": False, "state": row.state}
             await asyncio.shield(self._end(live, reason))
         return {"instance_id": instance_id, "released": True, "state": reason}
+
+    async def _unless_lost(self, live: Live, call: Awaitable[T]) -> T:
+        """Await an environment's call; when it raises ``Gone`` (its sandbox died and the
+        episode's state with it), end the instance as ``lost`` and free its slot first."""
+        try:
+            return await call
+        except Gone as e:
+            await asyncio.shield(self._end(live, "lost", error=e.message))
+            raise Gone(
+                f"instance {live.row.id!r} is lost: {e.message}", extra={"state": "lost", "instance_id": live.row.id}
+            ) from None
 
     async def _end(self, live: Live, state: str, error: str | None = None, *, also: list[tuple[str, Any]] = ()) -> None:
         """Destroy the sandbox, free the slot and record the end (with ``also``, statements

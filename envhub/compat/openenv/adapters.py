@@ -1,7 +1,8 @@
 """Adapters: each maps one envhub environment onto an upstream OpenEnv environment's models.
 
 ``mbpp`` speaks ``coding_env``'s (``CodeAction`` / ``CodeObservation`` / ``CodeState``),
-``terminal-bench`` speaks ``tbench2_env``'s. Observations hold only the fields the
+``terminal-bench`` speaks ``tbench2_env``'s. ``appworld`` has no upstream OpenEnv
+environment: its models are envhub's own, as small as the others'. Observations hold only the fields the
 upstream model declares, so typed clients that parse with ``extra="forbid"`` accept them.
 """
 
@@ -296,4 +297,45 @@ class Tbench2Adapter(Adapter):
         return TOOLS
 
 
-ADAPTERS: dict[str, type[Adapter]] = {a.name: a for a in (CodingAdapter, Tbench2Adapter)}
+class AppWorldAdapter(Adapter):
+    """``appworld``: ``{"code"}`` runs in the episode's world (the ``appworld`` tool); the
+    observation's ``output`` is AppWorld's output text and ``task_completed`` tells that
+    ``apis.supervisor.complete_task`` was called, which ends the episode with its reward.
+    The reset observation carries the system prompt in ``output`` and the task in
+    ``instruction``."""
+
+    name = "appworld"
+    titles = ("AppWorldAction", "AppWorldObservation", "AppWorldState")
+    action = {"code": Field("str")}
+    observation = {
+        "output": Field("str", ""),
+        "instruction": Field("str", ""),
+        "task_completed": Field("bool", False),
+    }
+    state = {
+        "episode_id": Field("str", None, nullable=True),
+        "step_count": Field("int", 0, ge=0),
+        "task_id": Field("str", ""),
+    }
+    not_ready = "AppWorld environment not initialized. Call reset() first."
+
+    def reset(self, session: Session, task: Task, created: dict[str, Any]) -> Wire:
+        session.extra = {"task_id": task.id}
+        obs = created["observation"]
+        return _wire({"output": obs["system_prompt"], "instruction": obs["instruction"], "task_completed": False}, 0.0)
+
+    async def step(self, session: Session, action: dict[str, Any]) -> Wire:
+        reply = await session.node.step(
+            session.instance_id, {"tool": "appworld", "arguments": {"code": action["code"]}}
+        )
+        ran, done = reply["observation"], bool(reply["done"])
+        obs = {"output": ran["output"], "instruction": session.instruction, "task_completed": ran["task_completed"]}
+        return _wire(obs, reply["reward"] if done else None, done)
+
+    def tools(self) -> list[dict[str, Any]]:
+        from envhub.plugins.appworld.prompts import TOOLS
+
+        return TOOLS
+
+
+ADAPTERS: dict[str, type[Adapter]] = {a.name: a for a in (CodingAdapter, Tbench2Adapter, AppWorldAdapter)}
