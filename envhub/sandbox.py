@@ -171,6 +171,14 @@ class Sandbox:
         """Stop the sandbox and free everything it holds. Idempotent."""
         raise NotImplementedError
 
+    def exposes(self, paths: list[str]) -> list[str]:
+        """Those of ``paths`` (on the node's host) that episode code could read, although
+        they must be hidden from it: a node refuses a ``POST /config`` that would switch
+        an environment to a dataset there (what is hidden is fixed when the sandbox
+        starts). The default, for sandboxes that do not share the host's files (a
+        container): none."""
+        return []
+
     # -- surviving a restart of the node (optional; the defaults mean "cannot") ----------
 
     #: True when sandboxes outlive their node process and can be adopted again.
@@ -223,6 +231,10 @@ class BuildRequest:
     dockerfile: str
     timeout: float = 600.0
     extra_files: dict[str, bytes] = field(default_factory=dict)
+    # Paths relative to ``context_dir`` that are never sent to the engine: a task's tests
+    # and reference solution, when they lie in its build context, must not end up in the
+    # image the agent runs in (a Dockerfile's ``COPY . /app`` would put them there).
+    exclude: tuple[str, ...] = ()
 
 
 class ImageBuilder(Protocol):
@@ -239,6 +251,7 @@ class ImageBuilder(Protocol):
         log_path: Path,
         timeout: float,
         extra_files: dict[str, bytes],
+        exclude: tuple[str, ...] = (),
     ) -> None:
         """Build ``image`` from ``context_dir`` with ``dockerfile`` as its Dockerfile text;
         raise ``BuildFailed`` (message: what went wrong and the log's tail) on failure."""

@@ -647,11 +647,8 @@ def test_a_terminal_bench_episode_with_the_stock_client_solves_and_scores_one(tb
         graded = env.step({"action_type": "evaluate"})
         obs = Tbench2Observation(**graded.observation)
         assert graded.reward == 1.0 and graded.done is True and obs.success is True
-        assert obs.info["tests_passed"] is True and obs.info["tests"] == {
-            "test_hello_file": "passed",
-            "test_greet_executable": "passed",
-            "test_greet_output": "passed",
-        }
+        assert obs.info["tests_passed"] is True and (obs.info["passed"], obs.info["total"]) == (3, 3)
+        assert "test_" not in json.dumps(graded.observation), "the tests' names are not the model's to read"
         assert active(node) == 1
         if via == "node":
             late = Tbench2Observation(**env.step({"command": "ls"}).observation)  # a failed step is an observation

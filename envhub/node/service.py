@@ -549,6 +549,17 @@ class NodeService:
                 fresh.load()
             except EnvhubError as e:
                 raise InvalidRequest(f"environments.{name}: {e.message}", field=f"environments.{name}") from None
+            # What a sandbox hides is fixed when it starts; a dataset moved to where its
+            # episodes can read it would hand them the hidden tests.
+            sandbox = self.sandboxes.get(fresh.sandbox)
+            exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
+            if exposed:
+                raise InvalidRequest(
+                    f"environments.{name}: episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows "
+                    "it and hides only what it was started with); keep datasets outside the Python install and "
+                    "the system's dirs, or restart the node with it",
+                    field=f"environments.{name}",
+                )
             if env.context is not None:
                 await fresh.start(env.context)
             reloaded[name] = fresh

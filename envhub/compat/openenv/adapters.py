@@ -113,10 +113,12 @@ class CodingAdapter(Adapter):
             graded = await node.evaluate(iid)
             details = graded["details"]
             ok = graded["reward"] == 1.0
+            # The model reads this: counts only. An error of the graded run is what the
+            # submission made of its inputs, which come from the hidden tests.
             obs = {
                 "stdout": f"Solution submitted: {details.get('passed', 0)}/{details.get('total', 0)} hidden "
                 "tests passed.\n",
-                "stderr": details.get("error", ""),
+                "stderr": "",
                 "exit_code": 0 if ok else 1,
             }
             session.extra["last_exit_code"] = obs["exit_code"]
@@ -266,16 +268,18 @@ class Tbench2Adapter(Adapter):
         if kind == "evaluate":
             graded = await node.evaluate(iid)
             details = graded["details"]
+            # The model reads this: counts only. The verifier's output and the tests' names
+            # tell it what the hidden tests check; they stay in the trainer's own evaluate
+            # details and the trial log.
             return (
                 graded["reward"],
                 True,
                 {
-                    "output": details.get("output_tail", ""),
+                    "output": f"{details.get('passed', 0)}/{details.get('total', 0)} tests passed.",
                     "success": "error" not in details,
-                    "error": details.get("error", ""),
+                    "error": "the verifier gave no verdict" if "error" in details else "",
                     "info": {
                         "tests_passed": graded["reward"] == 1.0,
-                        "tests": details.get("tests", {}),
                         "passed": details.get("passed"),
                         "total": details.get("total"),
                         "harness": details.get("format"),

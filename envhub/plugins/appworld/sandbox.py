@@ -67,9 +67,10 @@ import httpx
 from envhub.errors import Gone, InvalidRequest, SandboxError, StartupError
 from envhub.plugins.appworld.data import APPWORLD_VERSION, VENV_PROBE, Paths, TaskSpec, load_tasks, unreadable
 from envhub.plugins.process_sandbox import zygote as process_zygote
+from envhub.plugins.process_sandbox.cgroups import Cgroups
 from envhub.plugins.process_sandbox.channel import ZygoteControl
 from envhub.plugins.process_sandbox.sandbox import _node_records
-from envhub.plugins.process_sandbox.uids import UidPool
+from envhub.plugins.process_sandbox.uids import UidPool, sweep
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 
 log = logging.getLogger("envhub.plugins.appworld")
@@ -167,6 +168,8 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
         self._uids = UidPool(self.uid_base, self.max_workers)
         self._killer: tuple[int, socket.socket] | None = None  # see process_sandbox/zygote/forkserver.kill_uid
         self._graders: tuple[int, socket.socket] | None = None  # its uid is the group of outputs dirs
+        self.use_cgroups = bool(section.get("cgroups", True))
+        self._cgroups = Cgroups(hashlib.sha256(self.run_dir.encode()).hexdigest()[:16], label="appworld")
         self._ctl: socket.socket | None = None
         self._proc: subprocess.Popen | None = None
         self._ctl_lock = asyncio.Lock()
@@ -198,6 +201,8 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
                 self._uids.close()
                 raise StartupError(f"appworld: no uid left: {e.message}") from e
         await asyncio.to_thread(self._prepare_run_dir)
+        if self.root and self.use_cgroups:
+            log.info("appworld: %s", self._cgroups.start())
         if self.root:
             closed = await asyncio.to_thread(unreadable, self.paths.data)
             if closed:
@@ -258,6 +263,15 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
             log.error("%s", e.message)
         finally:
             self._ctl_lock.release()
+        if self.root and self._ctl is not None:
+            # What a node kill -9-ed left under these uids (see process_sandbox/uids.py).
+            try:
+                swept = await sweep(self._uids, lambda uid: self._ctl_call({"op": "kill", "pid": None, "uid": uid}))
+            except SandboxError as e:
+                log.error("appworld: could not kill what an earlier node left under its uids: %s", e.message)
+            else:
+                if swept:
+                    log.warning("appworld: killed what an earlier node left under uids %s", ", ".join(map(str, swept)))
         await self._pool_notify()
 
     async def _launch(self) -> None:
@@ -273,6 +287,7 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
             "hide": self.hide,
             "isolate_network": self.isolate_network,
             "killer_uid": self._killer[0] if self._killer else None,
+            "cgroups": [str(parent) for _, parent in self._cgroups.parents],
         }
         if self._log_file is None:  # only for the node: workers can open a file by name in run_dir
             fd = os.open(os.path.join(self.run_dir, "zygote.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -361,6 +376,7 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._close_zygote()
+        self._cgroups.stop()
         for claim in (self._killer, self._graders):
             if claim is not None:
                 self._uids.release(*claim)
@@ -445,7 +461,14 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
         worker = _Worker(uid=uid, claim=claim)
         try:
             msg, fds = await self._ctl_call(
-                {"op": "worker", "uid": uid, "gid": uid, "purge": self._purge(uid), "limits": self._limits()}
+                {
+                    "op": "worker",
+                    "uid": uid,
+                    "gid": uid,
+                    "purge": self._purge(uid),
+                    "limits": self._limits(),
+                    "cgroup": self._cgroup(uid),
+                }
             )
             worker.pid, worker.scratch = msg["pid"], msg["scratch"]
             worker.status = socket.socket(fileno=fds[0])
@@ -530,6 +553,16 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
         if self.max_processes is not None:
             return int(self.max_processes)
         return 64 if self.root else None
+
+    def _cgroup(self, uid: int | None) -> str | None:
+        """The cgroup a worker or grader of ``uid`` joins: its memory (and its files') and
+        tasks together, see process_sandbox/cgroups.py."""
+        if uid is None:
+            return None
+        try:
+            return self._cgroups.for_uid(uid, self.memory_mb << 20, self._nproc() or 64)
+        except OSError as e:
+            raise SandboxError(f"appworld: {e}") from e
 
     def _limits(self) -> dict[str, Any]:
         return {
@@ -648,6 +681,7 @@ class AppWorldSandbox(ZygoteControl, Sandbox):
                     "gid": self._graders[0] if self._graders else uid,
                     "purge": self._purge(uid),
                     "limits": self._limits(),
+                    "cgroup": self._cgroup(uid),
                     "task_id": worker.task_id,
                     "experiment_name": handle,
                 }

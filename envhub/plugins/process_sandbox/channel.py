@@ -128,6 +128,7 @@ class ZygoteControl:
                             "hide": self.hide,
                             "work_root": self.work_root,
                             "killer_uid": self._killer[0] if self._killer else None,
+                            "cgroups": [str(parent) for _, parent in self._cgroups.parents],
                         }
                     ),
                 ],
@@ -161,8 +162,16 @@ class ZygoteControl:
                 "and the zygote could not open them up in a mount namespace; grant o+x or "
                 "move sandboxes.process.work_root / python elsewhere"
             )
+        self._visible = hello.get("visible")  # see ProcessSandbox.exposes
         if hello.get("unhidden"):
             log.warning("process sandbox: episode code can read %s", "; ".join(hello["unhidden"]))
+        if hello.get("view"):
+            log.info(
+                "process sandbox: episode code sees only Python, the system's libraries and its own "
+                "dir; /tmp, /var/tmp and /dev/shm are its own"
+            )
+        elif hello.get("view_error"):
+            log.warning("process sandbox: no allow-list view of the filesystem (%s)", hello["view_error"])
         landlock = hello.get("landlock")
         if landlock:
             log.info(
@@ -195,6 +204,15 @@ class ZygoteControl:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        # A view's mount point beside the work root, made where no empty host dir was there
+        # to mount over (see zygote/view.py scratch_dir): gone with its zygote. (The
+        # AppWorld zygote makes no view, and has no work root.)
+        work_root = getattr(self, "work_root", None)
+        if work_root is not None:
+            try:
+                os.rmdir(os.path.join(os.path.dirname(work_root), f".envhub-view-{proc.pid}"))
+            except OSError:
+                pass
 
     def _on_ctl_readable(self) -> None:
         try:

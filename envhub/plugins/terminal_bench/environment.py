@@ -37,7 +37,7 @@ import yaml
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.terminal_bench import grading, offline
-from envhub.plugins.terminal_bench.images import context_hash, substitute_base
+from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base
 from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
 from envhub.sandbox import BuildRequest, Limits, SandboxSpec
@@ -213,6 +213,7 @@ class TerminalBench(Environment):
             dockerfile=dockerfile,
             timeout=tb.build_timeout_sec,
             extra_files=extra,
+            exclude=grading_files_in_context(tb),
         )
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:

@@ -26,6 +26,7 @@ import socket
 import traceback
 from typing import Any
 
+from _envhub_zygote import isolation
 from _envhub_zygote.isolation import _mount
 from _envhub_zygote.shared import CLONE_NEWNS, MNT_DETACH, MS_BIND, PR_SET_PDEATHSIG, _libc, _prctl
 
@@ -68,6 +69,7 @@ def _cover(dirs: list[str], scratch: str) -> None:
 
 
 def _confine(req: dict[str, Any], zygote_pid: int, landlock_fd: int) -> None:
+    isolation.join_cgroup(req.get("cgroup"))  # as root, and first: it closes fds that lead out
     os.setsid()
     os.umask(0o022)
     limits = req["limits"]

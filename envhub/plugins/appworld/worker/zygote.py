@@ -265,6 +265,7 @@ def main(conf: dict[str, Any]) -> None:
     os.chdir(conf["run_dir"])
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of model code come to us and get reaped
     try:
+        isolation.open_cgroups(conf.get("cgroups") or [])  # before the mounts cover /sys
         report, landlock_fds, covers = _isolate(conf)
         report["preload_s"] = round(preload(), 3)
     except BaseException as e:

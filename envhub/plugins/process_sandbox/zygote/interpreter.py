@@ -28,8 +28,9 @@ import traceback
 import types
 from typing import Any
 
-from . import isolation
+from . import isolation, view
 from .shared import (
+    PR_SET_DUMPABLE,
     PR_SET_PDEATHSIG,
     _libc,
     _prctl,
@@ -119,6 +120,7 @@ class Interpreter:
 
     def setup(self) -> None:
         req, uid = self.req, self.req.get("uid")
+        isolation.join_cgroup(req.get("cgroup"))  # first: the fds it closes lead out of the view
         os.setsid()
         os.chdir(self.workdir)
         limits = req["limits"]
@@ -129,6 +131,8 @@ class Interpreter:
         if limits.get("nproc") is not None:
             _set_limit(resource.RLIMIT_NPROC, limits["nproc"], limits["nproc"])
         if uid is not None:
+            if view.active:  # its own /tmp, /var/tmp and /dev/shm, gone with its work dir
+                view.private_tmp(self.workdir, uid, req["work_root"])
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
@@ -136,6 +140,10 @@ class Interpreter:
             isolation.landlock.restrict_self(isolation.landlock_fd)
             os.close(isolation.landlock_fd)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+        if uid is not None:
+            # setuid made it undumpable, and /proc (hidepid=2) then hides it and the children
+            # it forks from its own uid until they exec; its uid is its own, so nothing is lost.
+            _prctl(PR_SET_DUMPABLE, 1)
         if os.getppid() != self.zygote_pid:
             raise RuntimeError("the zygote died while the sandbox started")
         os.dup2(self.out_fd, 1)  # sys.stdout and sys.stderr already write to fds 1 and 2
