@@ -25,7 +25,7 @@ from envhub.node.runtime import NodeRuntime
 from envhub.node.service import NodeService
 from envhub.plugins import Registry, collect, get_plugin_manager
 from envhub.scheduler import peers
-from envhub.scheduler.fleet import load_fleet
+from envhub.scheduler.fleet import FleetFile, load_fleet
 from envhub.scheduler.service import SchedulerService
 from envhub.settings import Settings
 from envhub.store import identity
@@ -117,6 +117,7 @@ def setup_scheduler(app: Any) -> None:
     @app.before_server_start(priority=500)
     async def start_scheduler(app: Any) -> None:
         settings: Settings = app.ctx.settings
+        source = FleetFile(settings)  # stat before reading, so a change made meanwhile is seen next round
         fleet = load_fleet(settings)
         mode = settings.network_mode
         config = dict(settings.network.get(mode) or {})
@@ -126,7 +127,7 @@ def setup_scheduler(app: Any) -> None:
             config["url_rewrite"] = {**fleet.url_rewrite, **(config.get("url_rewrite") or {})}
         app.ctx.network = app.ctx.registries["network_mode"].get(mode)(config)
         await app.ctx.network.start()
-        app.ctx.scheduler = SchedulerService(settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network)
+        app.ctx.scheduler = SchedulerService(settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network, source)
         await app.ctx.scheduler.start()
         app.ctx.backend = SchedulerBackend(app.ctx.scheduler)
 
