@@ -30,6 +30,7 @@ from envhub.scheduler.service import SchedulerService
 from envhub.settings import Settings
 from envhub.store import identity
 from envhub.store.db import Database, migrate
+from envhub.systemd import setup_systemd
 from envhub.util.files import private_dir
 from envhub.web import (
     admin,
@@ -88,6 +89,7 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     setup_auth(app)
     setup_http(app)
     ROLES[settings.role](app)
+    setup_systemd(app)  # after the role: its READY=1 listener must run last
     for bp in blueprints_for(settings.role):
         app.blueprint(bp)
     return app

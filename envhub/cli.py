@@ -296,6 +296,49 @@ def ray_down(address: str, name: str, as_json: bool) -> None:
     click.echo(json.dumps(outcome) if as_json else f"fleet {name!r} is down ({outcome['seconds']} s)")
 
 
+@cli.group("systemd")
+def systemd_group() -> None:
+    """systemd units for a node or a scheduler (Type=notify, watchdog, restart on failure)."""
+
+
+@systemd_group.command("install")
+@click.option(
+    "--role", type=click.Choice(["node", "scheduler"]), default="node", show_default=True, help="The unit's role."
+)
+@click.option("--config", type=click.Path(dir_okay=False), help="The config file the service reads (made absolute).")
+@click.option("--user", help="Run as this user (default: root, which process sandboxes need to isolate episodes).")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Data dir (default /var/lib/envhub/envhub-data).")
+@click.option(
+    "--env-file", help="Optional file of ENVHUB_* variables, e.g. ENVHUB_API_KEY (default /etc/envhub/ROLE.env)."
+)
+@click.option(
+    "--dir",
+    "unit_dir",
+    default="/etc/systemd/system",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where to write the unit file.",
+)
+@click.option("--name", help="Unit name without .service (default envhub-ROLE).")
+@click.option("--watchdog-sec", type=int, default=30, show_default=True, help="WatchdogSec (0: no watchdog).")
+@click.option("--stop-timeout", type=int, default=120, show_default=True, help="TimeoutStopSec: time SIGTERM gets.")
+@click.option("--dry-run", is_flag=True, help="Print the unit instead of writing it.")
+def systemd_install(role: str, unit_dir: str, name: str | None, dry_run: bool, **options: Any) -> None:
+    """Write the unit file, then say how to start it (systemctl is not run)."""
+    from envhub import systemd
+
+    options = {k: v for k, v in options.items() if v is not None}
+    if dry_run:
+        click.echo(systemd.unit_text(role, **options), nl=False)
+        return
+    try:
+        path = systemd.install(unit_dir, role, name=name, **options)
+    except OSError as e:
+        raise click.ClickException(f"cannot write the unit into {unit_dir}: {e}") from None
+    click.echo(str(path))
+    click.echo(f"then: systemctl daemon-reload && systemctl enable --now {path.stem}", err=True)
+
+
 def main() -> None:
     from envhub.plugins import get_plugin_manager
 
