@@ -182,6 +182,22 @@ def test_up_places_one_node_per_matching_raylet_behind_a_keyed_scheduler_and_dow
         again = envhub_ray.up(cluster.address, name="api", data_root=str(root))
         assert again.already_up and again.url == fleet.url and again.api_key == fleet.api_key
         assert envhub_ray.status(cluster.address, name="api").url == fleet.url
+        # The controller (and with it the scheduler) dies and Ray restarts it: same URL,
+        # the same nodes, and the scheduler's routes survive in its database.
+        h = {"X-API-Key": fleet.api_key}
+        iid = httpx.post(
+            fleet.url + "/instances", json={"environment": "mbpp", "task_id": "13"}, headers=h, timeout=60
+        ).json()["instance_id"]
+        controller = ray.get_actor(controller_name("api"), namespace=NAMESPACE)
+        before = ray.get(controller.info.remote())["scheduler_pid"]
+        ray.kill(controller, no_restart=False)
+        wait_for(lambda: _scheduler_pid(controller) not in (None, before), 120, "the controller's restart")
+        back = envhub_ray.status(cluster.address, name="api")
+        assert back.url == fleet.url and {n["url"] for n in back.nodes} == {n["url"] for n in fleet.nodes}
+        wait_for(lambda: _health(fleet.url).get("healthy_nodes") == 3, 60, "the restarted scheduler")
+        step = {"action": {"tool": "run_python", "arguments": {"code": "6 * 7"}}}
+        r = httpx.post(f"{fleet.url}/instances/{iid}/step", json=step, headers=h, timeout=60)
+        assert r.status_code == 200 and r.json()["observation"]["value_repr"] == "42", r.text
         secret = json.loads((root / "api" / "fleet.json").read_text())
         assert secret == {"url": fleet.url, "api_key": fleet.api_key}
         assert (root / "api" / "fleet.json").stat().st_mode & 0o777 == 0o600
@@ -193,6 +209,20 @@ def test_up_places_one_node_per_matching_raylet_behind_a_keyed_scheduler_and_dow
     assert fleet_actors("api") == []
     with pytest.raises(NotFound):
         envhub_ray.down(cluster.address, name="api")
+
+
+def _scheduler_pid(controller) -> int | None:
+    try:
+        return ray.get(controller.info.remote(), timeout=30)["scheduler_pid"]
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # restarting
+        return None
+
+
+def _health(url: str) -> dict:
+    try:
+        return httpx.get(url + "/health", timeout=2).json()
+    except (httpx.TransportError, ValueError):
+        return {}
 
 
 def run_mbpp(url: str, key: str, trial: str) -> float:
