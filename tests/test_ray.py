@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -198,6 +199,19 @@ def test_up_places_one_node_per_matching_raylet_behind_a_keyed_scheduler_and_dow
         step = {"action": {"tool": "run_python", "arguments": {"code": "6 * 7"}}}
         r = httpx.post(f"{fleet.url}/instances/{iid}/step", json=step, headers=h, timeout=60)
         assert r.status_code == 200 and r.json()["observation"]["value_repr"] == "42", r.text
+        # A node actor's worker killed outright (as by the OOM killer): Ray restarts the
+        # actor, and the node, told by its parent-death signal (SIGTERM), stopped cleanly.
+        node = fleet.nodes[0]
+        actor = ray.get_actor(node_actor_name("api", node["ray_node_id"]), namespace=NAMESPACE)
+        os.kill(node["actor_pid"], signal.SIGKILL)
+        again_info = wait_for(
+            lambda: _info(actor) if _info(actor).get("actor_pid") != node["actor_pid"] else None,
+            120,
+            "the node actor's restart",
+        )
+        assert again_info["url"] == node["url"] and again_info["pid"] != node["pid"] and again_info["serving"]
+        log = (Path(node["data_dir"]) / "node.log").read_text()
+        assert "node stopping: releasing or detaching live instances" in log, log[-3000:]
         secret = json.loads((root / "api" / "fleet.json").read_text())
         assert secret == {"url": fleet.url, "api_key": fleet.api_key}
         assert (root / "api" / "fleet.json").stat().st_mode & 0o777 == 0o600
@@ -216,6 +230,13 @@ def _scheduler_pid(controller) -> int | None:
         return ray.get(controller.info.remote(), timeout=30)["scheduler_pid"]
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # restarting
         return None
+
+
+def _info(actor) -> dict:
+    try:
+        return ray.get(actor.info.remote(), timeout=30)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # restarting
+        return {}
 
 
 def _health(url: str) -> dict:
@@ -250,10 +271,9 @@ def test_acceptance_3_raylets_64_mbpp_8_terminal_bench_a_killed_actor_a_removed_
     mid-episode and one raylet removed. The restarted node loses none of its Docker
     episodes; the removed node's episodes answer 410 at once; every other episode
     finishes; a raylet added afterwards gets creates; ``envhub ray down`` leaves no
-    process, container or actor. The killed node's MBPP episodes end as after a crash
-    and restart today (410, ``lost``): ``ray.kill`` ends the actor's worker through its
-    exit path, where Ray kills the worker's child processes, the node among them, with
-    SIGKILL. Task affinity is off (``affinity_window=0``) so that episodes spread over
+    process, container or actor. The killed node's MBPP episodes end as at any SIGTERM
+    today (409, released "node shut down"): process sandboxes do not survive a node.
+    Task affinity is off (``affinity_window=0``) so that episodes spread over
     the three nodes, and creates wait for a slot (``scheduler_wait``)."""
     root = tmp_path / "fleet"
     config = tmp_path / "node.yaml"
@@ -360,7 +380,8 @@ def test_acceptance_3_raylets_64_mbpp_8_terminal_bench_a_killed_actor_a_removed_
                 sub = {"action": {"tool": "submit_solution", "arguments": {"code": MBPP_13}}}
                 r = c.post(f"/instances/{iid}/step", json=sub)
                 if where[iid] == killed["url"]:
-                    assert r.status_code == 410 and r.json()["state"] == "lost", r.text
+                    assert r.status_code == 409 and r.json()["state"] == "released", r.text
+                    assert "node shut down" in r.json()["error"]
                     continue
                 assert r.status_code == 200, r.text
                 assert c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()["reward"] == 1.0

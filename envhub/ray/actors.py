@@ -92,7 +92,7 @@ class NodeActor:
             "ray_node_id": self.ray_node_id,
             "url": self.proc.url,
             "capacity": self.capacity,
-            "pid": self.proc.proc.pid if self.proc.proc else None,
+            "pid": self.proc.pid,
             "actor_pid": os.getpid(),
             "node_id": health.get("node_id"),
             "data_dir": str(self.proc.data_dir),
@@ -114,7 +114,13 @@ def sweep(spec: dict[str, Any]) -> dict[str, int]:
         except (OSError, ValueError):
             pid = 0
         if pid and pid_alive(pid) and serves_dir(pid, data_dir.resolve()):
-            stop_pid(pid, spec["stop_timeout"])
+            # Maybe stopping already (its actor died): a grace period before our SIGTERM,
+            # since a second SIGTERM would cut its graceful stop short.
+            deadline = time.monotonic() + min(10.0, spec["stop_timeout"])
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if pid_alive(pid):
+                stop_pid(pid, spec["stop_timeout"])
             stopped += 1
         node_id = _node_id(data_dir / "envhub.db")
         if node_id:
@@ -291,7 +297,7 @@ class Controller:
             "api_key": self.spec["api_key"],
             "selector": str(self.selector),
             "started_in": round(self.started_in, 3),
-            "scheduler_pid": self.scheduler.proc.pid if self.scheduler.proc else None,
+            "scheduler_pid": self.scheduler.pid,
             "nodes": nodes,
         }
 

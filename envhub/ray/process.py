@@ -1,18 +1,19 @@
 """One ``envhub serve`` subprocess kept by a Ray actor, with no Ray in it.
 
 Invariants:
-- The process never outlives the actor that started it. When the actor's worker exits
-  through its own exit path (``ray.kill``, an actor that ends), Ray kills the worker's
-  child processes (``RAY_kill_child_processes_on_worker_exit``, on by default), with
-  SIGKILL: the node dies as in a crash. When the worker itself is killed or its raylet
-  dies, Ray does not, so the process is spawned with ``PR_SET_PDEATHSIG`` = SIGTERM and
-  then shuts down as after any SIGTERM. Either way a node's Docker episodes survive for
-  the restarted node to adopt, and its process-sandbox episodes are lost, as after any
-  restart. (The death signal follows the *thread* that forked, so a dedicated thread
-  that lives exactly as long as the process spawns it.)
+- The process never outlives the actor that started it, and stops as after one SIGTERM
+  when the actor dies: the actor runs it under ``envhub.ray.guard``, spawned with
+  ``PR_SET_PDEATHSIG`` = SIGTERM by a thread that lives exactly as long as it (the death
+  signal follows the *thread* that forked). The guard passes on exactly one SIGTERM,
+  whether the worker died (one death signal per exiting thread), was killed, or Ray
+  killed the guard itself (``RAY_kill_child_processes_on_worker_exit``: the node then
+  gets its SIGTERM from its own parent-death signal). So a node whose actor dies
+  detaches its Docker episodes for the restarted node to adopt, and releases its
+  process-sandbox episodes, as at any SIGTERM.
 - One process per data dir. Its pid is in ``<data_dir>/serve.pid``; a restarted actor
   first waits for the previous process of its data dir to finish its shutdown (SIGKILL
-  after ``stop_timeout``), so the new one never shares the SQLite file or the port.
+  after ``stop_timeout``), so the new one never shares the SQLite file or the port. It
+  sends no SIGTERM of its own: a second SIGTERM cuts a graceful stop short.
 - The port is kept in ``<data_dir>/serve.port`` and reused, so a restarted node has the
   same URL and the scheduler's routes to it stay valid. Only when that port is taken by
   someone else is a new one picked (its instances then answer 410 through the scheduler).
@@ -22,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -36,12 +36,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+from envhub.ray.guard import die_with_parent
 
 
 def free_port(host: str) -> int:
@@ -82,12 +77,10 @@ def serves_dir(pid: int, data_dir: Path) -> bool:
     return b"serve" in args and str(data_dir).encode() in args
 
 
-def stop_pid(pid: int, timeout: float) -> None:
-    """SIGTERM, then SIGKILL after ``timeout`` seconds; returns once it has exited."""
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+def wait_or_kill(pid: int, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for ``pid`` to exit, then SIGKILL it; returns once it
+    has exited. No SIGTERM: a second one would cut short the graceful stop the first one
+    began (Sanic stops its loop at once), and the node would neither detach nor release."""
     deadline = time.monotonic() + timeout
     while pid_alive(pid):
         if time.monotonic() > deadline:
@@ -97,6 +90,15 @@ def stop_pid(pid: int, timeout: float) -> None:
                 return
             deadline = float("inf")
         time.sleep(0.05)
+
+
+def stop_pid(pid: int, timeout: float) -> None:
+    """SIGTERM (once), then SIGKILL after ``timeout`` seconds; returns once it has exited."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    wait_or_kill(pid, timeout)
 
 
 class ServeProcess:
@@ -145,7 +147,6 @@ class ServeProcess:
         if self._error is not None:
             raise self._error
         assert self.proc is not None
-        self.pid_file.write_text(str(self.proc.pid))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -162,7 +163,9 @@ class ServeProcess:
         except (OSError, ValueError):
             return
         if pid_alive(pid) and serves_dir(pid, self.data_dir):
-            stop_pid(pid, self.stop_timeout)  # normally it is shutting down already (its actor died)
+            # It is stopping already: its actor died, and with it came SIGTERM (the
+            # parent-death signal) or SIGKILL (Ray). Let it finish.
+            wait_or_kill(pid, self.stop_timeout)
 
     def _choose_port(self) -> int:
         if self.wanted_port:
@@ -177,6 +180,11 @@ class ServeProcess:
 
     def _run(self) -> None:
         command = [
+            sys.executable,
+            "-m",
+            "envhub.ray.guard",
+            str(self.pid_file),
+            "--",
             sys.executable,
             "-m",
             "envhub",
@@ -202,7 +210,7 @@ class ServeProcess:
                     stdin=subprocess.DEVNULL,
                     env=env,
                     cwd=self.data_dir,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
         except BaseException as e:  # handed to start()
             self._error = e
@@ -219,6 +227,14 @@ class ServeProcess:
         except (OSError, ValueError, urllib.error.URLError):
             return None
 
+    @property
+    def pid(self) -> int | None:
+        """The ``envhub serve`` process's pid (the guard's child), once it has written it."""
+        try:
+            return int(self.pid_file.read_text())
+        except (OSError, ValueError):
+            return None
+
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -226,8 +242,11 @@ class ServeProcess:
         """SIGTERM and wait (SIGKILL after ``stop_timeout``); the exit code."""
         if self.proc is None:
             return None
-        stop_pid(self.proc.pid, self.stop_timeout)
+        node = self.pid
+        stop_pid(self.proc.pid, self.stop_timeout)  # the guard: it passes one SIGTERM on
         code = self.proc.wait()
+        if node is not None and pid_alive(node) and serves_dir(node, self.data_dir):
+            wait_or_kill(node, self.stop_timeout)  # the guard was killed: the node got its SIGTERM
         try:
             self.pid_file.unlink()
         except OSError:
