@@ -239,7 +239,7 @@ class Controller:
                     ray.kill(member.handle, no_restart=True)
                 except Exception:  # dead already
                     pass
-            for member in self.members.values():
+            for member in list(self.members.values()):
                 self._ask(member)
             self._write_nodes_file()
 
@@ -260,11 +260,18 @@ class Controller:
         ready, _ = ray.wait([member.asking], timeout=0)
         if not ready:
             return
+        member.asking = None
         try:
             member.info = ray.get(ready[0])
-        except Exception:  # restarting or failed: keep what we knew, ask again
+        except ray.exceptions.ActorDiedError as e:
+            # For good (its constructor failed, say): forget it, so that the next poll
+            # places a new one on that Ray node, if it is still alive.
+            log.warning("envhub node actor on %s died: %s", member.info, e)
+            for ray_node_id, m in list(self.members.items()):
+                if m is member:
+                    del self.members[ray_node_id]
+        except Exception:  # restarting: keep what we knew, ask again
             pass
-        member.asking = None
 
     def _write_nodes_file(self) -> None:
         listed = sorted(
