@@ -50,14 +50,14 @@ MBPP_13 = json.loads(
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A head with no CPUs, three raylets with the ``envhub_node`` resource (4 CPUs each)
-    and one without it; the test process is connected as a driver."""
+    and one without it but with a label; the test process is connected as a driver."""
     saved = {"PYTHONPATH": os.environ.get("PYTHONPATH")}
     # Ray's workers import envhub: from the repository, as the tests do.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), saved["PYTHONPATH"]) if p)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     try:
         envhub_raylets = [c.add_node(num_cpus=4, resources={"envhub_node": 1}) for _ in range(3)]
-        other = c.add_node(num_cpus=1)
+        other = c.add_node(num_cpus=1, labels={"envhub-pool": "small"})
         c.wait_for_nodes()
         ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
         c.envhub_raylets = envhub_raylets
@@ -223,6 +223,24 @@ def test_up_places_one_node_per_matching_raylet_behind_a_keyed_scheduler_and_dow
     assert fleet_actors("api") == []
     with pytest.raises(NotFound):
         envhub_ray.down(cluster.address, name="api")
+
+
+def test_a_label_selector_places_nodes_on_the_labelled_raylet_only(cluster, tmp_path):
+    root = tmp_path / "fleet"
+    fleet = envhub_ray.up(
+        cluster.address,
+        name="lbl",
+        selector="label:envhub-pool=small",
+        data_root=str(root),
+        node_sets=["environments.terminal-bench.enabled=false"],
+    )
+    try:
+        assert [n["ray_node_id"] for n in fleet.nodes] == [cluster.other_raylet.node_id]
+        assert fleet.nodes[0]["capacity"] == 1, "its one CPU"
+        assert httpx.get(fleet.url + "/health").json()["healthy_nodes"] == 1
+    finally:
+        envhub_ray.down(cluster.address, name="lbl")
+    assert serve_processes(root) == [] and fleet_actors("lbl") == []
 
 
 def _scheduler_pid(controller) -> int | None:
