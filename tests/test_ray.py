@@ -172,6 +172,8 @@ def test_up_places_one_node_per_matching_raylet_behind_a_keyed_scheduler_and_dow
         assert {n["capacity"] for n in fleet.nodes} == {4}, "slots follow the raylet's 4 CPUs"
         assert all(n["url"].startswith("http://127.0.0.1:") for n in fleet.nodes), "bound to the Ray node's IP"
         assert len({n["node_id"] for n in fleet.nodes}) == 3
+        if os.geteuid() == 0:  # Ray's workers run at nice 15; a node must not inherit it
+            assert {os.getpriority(os.PRIO_PROCESS, n["pid"]) for n in fleet.nodes} == {0}
 
         health = httpx.get(fleet.url + "/health").json()
         assert health["healthy_nodes"] == 3 and health["total_slots"] == 12, health

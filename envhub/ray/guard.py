@@ -9,13 +9,15 @@ actor spawns this guard, and the guard spawns the node in a session of its own, 
 guard's death as its parent-death signal (SIGTERM). The guard forwards the first SIGTERM,
 SIGINT or SIGHUP it gets as one SIGTERM and ignores the rest; if the guard itself is
 killed (Ray kills a dead worker's children with SIGKILL), the node gets its one SIGTERM
-from the parent-death signal. The guard writes the node's pid to PIDFILE and exits with
-the node's exit code. Standard library only.
+from the parent-death signal. The guard writes the node's pid to PIDFILE, exits with the
+node's exit code, and (as root) gives the node back the niceness 0 that Ray's workers
+(nice 15) do not have. Standard library only.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -47,6 +49,13 @@ def main(argv: list[str]) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward_once)
+    try:
+        # Ray runs its workers at nice 15 (worker_niceness) and the node would inherit it,
+        # its sandboxes with it: envhub serves, it is not a Ray task. Lowering the
+        # niceness needs root (CAP_SYS_NICE); without it the node keeps Ray's.
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass
     child = subprocess.Popen(command, preexec_fn=die_with_parent, start_new_session=True)
     pid_file.write_text(str(child.pid))
     if pending:
