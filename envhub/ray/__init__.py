@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from envhub.errors import InvalidRequest, NotFound, StartupError
+from envhub.errors import InvalidRequest, NotFound, StartupError, UpstreamUnavailable
 from envhub.ray.selection import Selector
 
 DEFAULT_DATA_ROOT = "/tmp/envhub-ray"
@@ -63,8 +63,19 @@ def _connect(address: str | None) -> tuple[Any, bool]:
         raise StartupError("Ray is not installed: pip install 'envhub[ray]'") from None
     if ray.is_initialized():
         return ray, False
-    ray.init(address=address or "auto", logging_level="WARNING", log_to_driver=False)
+    try:
+        ray.init(address=address or "auto", logging_level="WARNING", log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise StartupError(f"cannot connect to the Ray cluster at {address or 'auto'}: {e}") from None
     return ray, True
+
+
+def _ask(ray: Any, call: Any, timeout: float, what: str) -> Any:
+    """``ray.get`` of an actor call; a timeout or a dead actor is ``UpstreamUnavailable``."""
+    try:
+        return ray.get(call, timeout=timeout)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as e:
+        raise UpstreamUnavailable(f"{what}: {type(e).__name__}: {e}") from None
 
 
 def _controller(ray: Any, name: str) -> Any | None:
@@ -74,6 +85,16 @@ def _controller(ray: Any, name: str) -> Any | None:
         return ray.get_actor(controller_name(name), namespace=NAMESPACE)
     except ValueError:
         return None
+
+
+def _kill_node_actors(ray: Any, name: str) -> None:
+    from envhub.ray.actors import NAMESPACE, node_actor_name
+
+    for node in ray.nodes():
+        try:
+            ray.kill(ray.get_actor(node_actor_name(name, node["NodeID"]), namespace=NAMESPACE), no_restart=True)
+        except ValueError:  # none there
+            pass
 
 
 def up(
@@ -115,7 +136,8 @@ def up(
 
         existing = _controller(ray, name)
         if existing is not None:
-            return Fleet.from_info(ray.get(existing.info.remote(), timeout=start_timeout), already_up=True)
+            info = _ask(ray, existing.info.remote(), start_timeout, f"the fleet {name!r} does not answer")
+            return Fleet.from_info(info, already_up=True)
         if not any(parsed.matches(n) for n in ray.nodes()):
             raise StartupError(f"no alive Ray node matches the selector {parsed}")
         spec = {
@@ -145,9 +167,10 @@ def up(
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         ).remote(spec)
         try:
-            info = ray.get(controller.info.remote(), timeout=start_timeout + 30)
-        except Exception:
+            info = _ask(ray, controller.info.remote(), start_timeout + 30, f"the fleet {name!r} did not start")
+        except BaseException:
             ray.kill(controller, no_restart=True)
+            _kill_node_actors(ray, name)  # their nodes get SIGTERM as the actors go
             raise
         return Fleet.from_info(info)
     finally:
@@ -162,7 +185,8 @@ def status(address: str | None = "auto", *, name: str = "envhub", timeout: float
         controller = _controller(ray, name)
         if controller is None:
             raise NotFound(f"no envhub fleet {name!r} runs on this Ray cluster")
-        return Fleet.from_info(ray.get(controller.info.remote(), timeout=timeout), already_up=True)
+        info = _ask(ray, controller.info.remote(), timeout, f"the fleet {name!r} does not answer")
+        return Fleet.from_info(info, already_up=True)
     finally:
         if connected:
             ray.shutdown()
@@ -173,22 +197,15 @@ def down(address: str | None = "auto", *, name: str = "envhub", timeout: float =
     containers, kill its actors. Returns what was done; ``NotFound`` when none runs."""
     ray, connected = _connect(address)
     try:
-        from envhub.ray.actors import NAMESPACE, node_actor_name
-
         controller = _controller(ray, name)
         if controller is None:
             raise NotFound(f"no envhub fleet {name!r} runs on this Ray cluster")
         started = time.monotonic()
         try:
-            outcome: dict[str, Any] = ray.get(controller.stop.remote(), timeout=timeout)
+            outcome: dict[str, Any] = _ask(ray, controller.stop.remote(), timeout, f"the fleet {name!r} did not stop")
         finally:
             ray.kill(controller, no_restart=True)
-        # A node actor the controller no longer knew of (its Ray node went and came back).
-        for node in ray.nodes():
-            try:
-                ray.kill(ray.get_actor(node_actor_name(name, node["NodeID"]), namespace=NAMESPACE), no_restart=True)
-            except ValueError:
-                pass
+            _kill_node_actors(ray, name)  # any the controller no longer knew of, or all if it failed
         outcome["seconds"] = round(time.monotonic() - started, 3)
         return outcome
     finally:
