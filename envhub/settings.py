@@ -73,6 +73,15 @@ class Settings:
     network_mode: str = "direct"
     network: dict[str, dict[str, Any]] = field(default_factory=dict)
     access_log: bool = False
+    # Prometheus metrics (docs/metrics.md): record them and serve GET /metrics. Off, the
+    # node records nothing and /metrics is a 404 (the bench's with/without comparison).
+    metrics: bool = True
+    # Keys accepted on GET /metrics and nowhere else, so a Prometheus server holds no key
+    # that can run code; api_keys are accepted there too.
+    metrics_keys: list[str] = field(default_factory=list)
+    # A second port serving only GET /metrics, with no key, on metrics_host.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     release_on_shutdown: bool = False
     # Not a setting: the YAML file load() read, if any. The process sandbox hides it
     # from episode code, since it may hold API keys.
@@ -88,6 +97,8 @@ class Settings:
         for name in ("capacity", "port"):
             if getattr(self, name) < 0:
                 raise StartupError(f"{name} must not be negative")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise StartupError("metrics_port must be a port number (0-65535)")
         if self.capacity < 1:
             raise StartupError("capacity must be at least 1")
         if self.response_timeout is None:
@@ -165,7 +176,9 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
         path = [p.lower() for p in key[len(_PREFIX) :].split("__")]
         if path == ["api_key"]:
             _deep_merge(out, {"api_keys": [raw]})
-        elif path == ["api_keys"] or path == ["disabled_plugins"]:
+        elif path == ["metrics_key"]:
+            _deep_merge(out, {"metrics_keys": [raw]})
+        elif path in (["api_keys"], ["disabled_plugins"], ["metrics_keys"]):
             _deep_merge(out, {path[0]: [s.strip() for s in raw.split(",") if s.strip()]})
         elif path[0] in _FIELD_NAMES:
             _deep_merge(out, _nest(path, _scalar(raw)))
@@ -205,6 +218,8 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
         if kind == "str | None":
             return str(value)
         if kind == "int":
+            return int(value)
+        if kind == "int | None":
             return int(value)
         if kind in ("float", "float | None"):
             return float(value)

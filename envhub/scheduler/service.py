@@ -20,6 +20,8 @@ Invariants:
   node) is right again at the next ``health_interval``.
 - A node that fails a health check is down: it gets no creates, and calls for its
   instances get 503 at once; it is up again at its next good check.
+- Every call to a node is counted in ``metrics`` with its latency, every placement with
+  its use of affinity, and every 503 with its cause (envhub/metrics/scheduler.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Any
 import aiohttp
 
 from envhub.errors import EnvhubError, InvalidRequest, Unavailable, UpstreamUnavailable
+from envhub.metrics import scheduler as causes
+from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
 from envhub.node.service import validate_instance_id
 from envhub.scheduler import peers
@@ -59,9 +63,17 @@ _PRUNE_PER_ROUND = 5_000  # and per health round
 
 class SchedulerService:
     def __init__(
-        self, settings: Settings, db: Database, http: aiohttp.ClientSession, fleet: Fleet, network: NetworkMode
+        self,
+        settings: Settings,
+        db: Database,
+        http: aiohttp.ClientSession,
+        fleet: Fleet,
+        network: NetworkMode,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics or NoSchedulerMetrics()
+        self.metrics.watch_nodes(fleet.nodes)
         self.db = db
         self.http = http
         self.nodes = fleet.nodes
@@ -184,8 +196,9 @@ class SchedulerService:
         deadline = time.monotonic() + self.settings.scheduler_wait
         while True:
             async with self._lock:
-                node = self._choose(task_key)
+                node, affinity = self._choose(task_key)
                 if node is not None:
+                    self.metrics.affinity(affinity)
                     if instance_id is None:
                         node.pending += 1
                     else:
@@ -197,6 +210,7 @@ class SchedulerService:
             if left <= 0:
                 healthy = [n for n in self.nodes if n.healthy]
                 why = "all nodes are at capacity" if healthy else "no node is healthy"
+                self.metrics.unavailable(causes.NO_FREE_SLOT if healthy else causes.NO_HEALTHY_NODE)
                 raise AllNodesBusy(
                     f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
                     f"slots in use on {len(healthy)} healthy node(s))",
@@ -208,17 +222,21 @@ class SchedulerService:
             except TimeoutError:
                 pass
 
-    def _choose(self, task_key: str) -> Node | None:
+    def _choose(self, task_key: str) -> tuple[Node | None, str]:
+        """The node for a create of ``task_key``, and how affinity served it: ``hit``
+        (its last node), ``miss`` (that node is down or full) or ``none``."""
         seen = self._affinity.get(task_key)
+        affinity = "none"
         if seen is not None and time.time() - seen[1] <= self.settings.affinity_window:
             node = self.by_url.get(seen[0])
             if node is not None and node.healthy and node.free > 0:
-                return node
+                return node, "hit"
+            affinity = "miss"
         best: Node | None = None
         for node in self.nodes:
             if node.healthy and node.free > 0 and (best is None or node.free_ratio > best.free_ratio):
                 best = node
-        return best
+        return best, affinity
 
     # -- client calls --------------------------------------------------------------------
 
@@ -342,8 +360,10 @@ class SchedulerService:
                 self._route_cache[instance_id] = node_url
         node = self.by_url.get(node_url)
         if node is None:
+            self.metrics.unavailable(causes.NODE_UNKNOWN)
             raise Unavailable(f"instance {instance_id!r} is on node {node_url}, which is no longer configured")
         if not node.healthy:
+            self.metrics.unavailable(causes.NODE_DOWN)
             raise UpstreamUnavailable(
                 f"instance {instance_id!r} is on node {node.url}, which is down",
                 extra={"node": node.url, "instance_id": instance_id},
@@ -439,11 +459,32 @@ class SchedulerService:
 
     async def call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
         """One call to ``node`` (``peers.call``); a transport failure marks it down."""
+        started = time.perf_counter()
         try:
-            return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
+            reply = await peers.call(
+                self.http,
+                node.url,
+                method,
+                path,
+                api_key=node.api_key,
+                retry=self.retry,
+                on_retry=self._retry_counter(node),
+                **kw,
+            )
         except UpstreamUnavailable:
+            self.metrics.unavailable(causes.NODE_UNREACHABLE)
             self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
             raise
+        finally:
+            self.metrics.routed(node.name, call_kind(method, path), time.perf_counter() - started)
+        if reply.status == 503:
+            self.metrics.unavailable(causes.NODE_UNAVAILABLE)
+        return reply
+
+    def _retry_counter(self, node: Node) -> Any:
+        if not self.metrics.enabled:
+            return None
+        return lambda: self.metrics.retry(node.name)
 
     # -- status --------------------------------------------------------------------------
 
@@ -483,3 +524,18 @@ class SchedulerService:
                 }
             )
         return {"nodes": out, "cached_routes": len(self._route_cache)}
+
+    def overview(self) -> dict[str, Any]:
+        """What the dashboard shows: the totals, and each node's status with what its last
+        health report said of itself (its id, queue, warm pools, environments)."""
+        nodes = self.status()["nodes"]
+        for row, node in zip(nodes, self.nodes, strict=True):
+            info = node.info or {}
+            row["node_id"] = info.get("node_id")
+            row["queued"] = info.get("queued")
+            row["pooled"] = info.get("pooled")
+            row["rollouts"] = info.get("rollouts")
+            row["environments"] = info.get("environments") or []
+            row["accepting"] = info.get("accepting")
+            row.pop("task_affinity", None)
+        return {"role": "scheduler", "time": time.time(), "health": self.health(), "nodes": nodes}

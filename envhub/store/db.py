@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import importlib.resources
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class Database:
         self._lock = asyncio.Lock()
         self._queued: list[tuple[list[tuple[str, Params]], asyncio.Future]] = []
         self._committer: asyncio.Task | None = None  # drains _queued; None when idle
+        self.on_commit: Callable[[float], None] | None = None  # seconds of each write transaction
 
     @classmethod
     async def open(cls, path: Path) -> Database:
@@ -137,7 +139,10 @@ class Database:
                     continue
                 try:
                     async with self._lock:
+                        started = time.perf_counter()
                         outcomes = await self._in_thread(_write_batch, [s for s, _ in batch])
+                        if self.on_commit is not None:
+                            self.on_commit(time.perf_counter() - started)
                 except Exception as e:  # the connection is unusable (closed): every write failed
                     outcomes = [e] * len(batch)
                 for (_, done), outcome in zip(batch, outcomes, strict=True):

@@ -1,7 +1,8 @@
 """The scheduler's own routes: health, per-node status, URL rewrites, fan-out.
 
-GET /health, GET /status, GET and POST /url_rewrite (SETA's shapes), POST /config and
-POST /cleanup (sent to every node; per-node results).
+GET /health, GET /status, GET /dashboard (what its dashboard page shows), GET and POST
+/url_rewrite (SETA's shapes), POST /config and POST /cleanup (sent to every node;
+per-node results).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ async def health(request: Request):
 @bp.get("/status")
 async def status(request: Request):
     return json(request.app.ctx.scheduler.status())
+
+
+@bp.get("/dashboard")
+async def dashboard(request: Request):
+    return json(request.app.ctx.scheduler.overview())
 
 
 def _rewriter(request: Request):
