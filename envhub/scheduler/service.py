@@ -110,7 +110,7 @@ class SchedulerService:
             if node is None or not node.healthy:
                 continue
             try:
-                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True)
+                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True, answers_client=False)
                 state = reply.json().get("state") if reply.status == 200 else None
             except (UpstreamUnavailable, ValueError, AttributeError):
                 continue
@@ -337,7 +337,14 @@ class SchedulerService:
         node.pending -= 1  # counted as a rollout instead, for as long as it runs
         node.rollouts += 1
         try:
-            reply = await self.call(node, "POST", path, json=body, timeout=self.settings.forward_timeout)
+            reply = await self.call(
+                node,
+                "POST",
+                path,
+                json=body,
+                timeout=self.settings.forward_timeout,
+                answers_client=not failure_as_reply,
+            )
             return reply.status, reply.body
         except UpstreamUnavailable as e:
             if not failure_as_reply:
@@ -446,7 +453,9 @@ class SchedulerService:
     async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
         async def one(node: Node) -> dict[str, Any]:
             try:
-                reply = await self.call(node, method, path, json=body, idempotent=True, timeout=120)
+                reply = await self.call(
+                    node, method, path, json=body, idempotent=True, timeout=120, answers_client=False
+                )
                 try:
                     result = reply.json()
                 except ValueError:
@@ -457,8 +466,13 @@ class SchedulerService:
 
         return list(await asyncio.gather(*(one(n) for n in self.nodes)))
 
-    async def call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
-        """One call to ``node`` (``peers.call``); a transport failure marks it down."""
+    async def call(
+        self, node: Node, method: str, path: str, *, answers_client: bool = True, **kw: Any
+    ) -> peers.PeerReply:
+        """One call to ``node`` (``peers.call``); a transport failure marks it down.
+        ``answers_client``: a failure here becomes this scheduler's own 503 (counted by
+        cause); false where the caller folds failures into a reply of its own (fan-outs,
+        the trial viewer's merges, the start-up check of unfinished creates)."""
         started = time.perf_counter()
         try:
             reply = await peers.call(
@@ -472,12 +486,13 @@ class SchedulerService:
                 **kw,
             )
         except UpstreamUnavailable:
-            self.metrics.unavailable(causes.NODE_UNREACHABLE)
+            if answers_client:
+                self.metrics.unavailable(causes.NODE_UNREACHABLE)
             self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
             raise
         finally:
             self.metrics.routed(node.name, call_kind(method, path), time.perf_counter() - started)
-        if reply.status == 503:
+        if reply.status == 503 and answers_client:
             self.metrics.unavailable(causes.NODE_UNAVAILABLE)
         return reply
 

@@ -31,7 +31,7 @@ async def _ask(
 
     async def one(node: Node) -> Any:
         try:
-            reply = await scheduler.call(node, "GET", path, params=params, idempotent=True)
+            reply = await scheduler.call(node, "GET", path, params=params, idempotent=True, answers_client=False)
             return reply.json() if reply.status == 200 else None
         except (UpstreamUnavailable, ValueError):
             return None
@@ -127,7 +127,7 @@ async def episode(scheduler: SchedulerService, trial: str, instance_id: str) -> 
         candidates.sort(key=lambda n: n.url != route.node_url)  # its own node first
     for node in candidates:
         try:
-            reply = await scheduler.call(node, "GET", path, idempotent=True)
+            reply = await scheduler.call(node, "GET", path, idempotent=True, answers_client=False)
         except UpstreamUnavailable:
             continue
         if reply.status == 200:
