@@ -203,6 +203,8 @@ class _NodeState:
         self.builds: Any = None
 
     def collect(self) -> Iterable[Metric]:
+        running = self.builds.running if self.builds is not None else 0
+        yield GaugeMetricFamily("envhub_builds_running", "Image builds running now", value=running)
         node = self.node
         if node is None:
             return
@@ -249,5 +251,3 @@ class _NodeState:
         yield GaugeMetricFamily(
             "envhub_trial_log_queue", "Trial-log writes queued for the writer thread", value=node.trial_writer.queued
         )
-        running = self.builds.running if self.builds is not None else 0
-        yield GaugeMetricFamily("envhub_builds_running", "Image builds running now", value=running)

@@ -1,0 +1,354 @@
+"""GET /metrics on real nodes and a real scheduler, read with prometheus_client's own text
+parser after driving episodes: each counter and histogram moves by exactly what was done,
+labels never carry an id, the key rules hold, and metrics: false turns it all off."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import EnvhubProcess, free_port
+from prometheus_client.parser import text_string_to_metric_families
+
+from envhub.errors import BuildFailed
+from envhub.metrics.node import NodeMetrics
+from envhub.node.builds import BuildGate
+from envhub.sandbox import BuildRequest
+from envhub.store.db import Database, migrate
+
+NODE_ARGS = ("--capacity", "4", "--set", "environments.terminal-bench.enabled=false")
+
+
+class Scrape:
+    """One scrape: every sample by (name, labels), and the families it declared."""
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[tuple[str, frozenset], float] = {}
+        self.families: set[str] = set()
+        for family in text_string_to_metric_families(text):
+            self.families.add(family.name)
+            for s in family.samples:
+                self.samples[s.name, frozenset(s.labels.items())] = s.value
+
+    def get(self, name: str, **labels: str) -> float:
+        return self.samples.get((name, frozenset(labels.items())), 0.0)
+
+    def label_values(self) -> set[str]:
+        return {v for _, labels in self.samples for _, v in labels}
+
+
+def scrape(client: httpx.Client) -> Scrape:
+    r = client.get("/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    return Scrape(r.text)
+
+
+def episode(c: httpx.Client, iid: str, code: str, *, task: str = "13", trial: str = "metrics-trial") -> float:
+    r = c.post("/instances", json={"environment": "mbpp", "task_id": task, "instance_id": iid, "trial": trial})
+    assert r.status_code == 201, r.text
+    r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": code}}})
+    assert r.status_code == 200, r.text
+    r = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+    assert r.status_code == 200, r.text
+    return r.json()["reward"]
+
+
+FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+
+
+@pytest.fixture(scope="module")
+def metered(tmp_path_factory):
+    proc = EnvhubProcess(
+        tmp_path_factory.mktemp("metered") / "data", *NODE_ARGS, "--set", "sandboxes.process.memory_mb=256"
+    ).start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_episodes_move_the_call_counters_latency_histograms_and_rewards(metered):
+    with metered.client() as c:
+        before = scrape(c)
+        rewards = [episode(c, f"m-ok-{i}", FIB) for i in range(3)] + [
+            episode(c, "m-bad", "def fib(n):\n    return 0\n")
+        ]
+        after = scrape(c)
+    assert rewards == [1.0, 1.0, 1.0, pytest.approx(0.2)]
+
+    def moved(name: str, **labels: str) -> float:
+        return after.get(name, **labels) - before.get(name, **labels)
+
+    for call in ("create", "step", "evaluate", "release"):
+        assert moved(f"envhub_{call}s_total", environment="mbpp", outcome="ok") == 4, call
+    for call in ("create", "step", "evaluate"):
+        assert moved(f"envhub_{call}_seconds_count", environment="mbpp") == 4, call
+        assert moved(f"envhub_{call}_seconds_sum", environment="mbpp") > 0
+        assert moved(f"envhub_{call}_seconds_bucket", environment="mbpp", le="+Inf") == 4
+    assert moved("envhub_reward_count", environment="mbpp") == 4
+    assert moved("envhub_reward_sum", environment="mbpp") == pytest.approx(3.2)
+    assert moved("envhub_reward_bucket", environment="mbpp", le="0.2") == 1  # 0.1 + 0.4 * 1/4 tests
+    assert moved("envhub_reward_bucket", environment="mbpp", le="0.9") == 1
+    assert moved("envhub_reward_bucket", environment="mbpp", le="1.0") == 4
+    assert moved("envhub_instances_ended_total", environment="mbpp", state="released") == 4
+    assert moved("envhub_sqlite_write_seconds_count") >= 4 * 3  # insert, activate, step, end at least
+    assert after.get("envhub_slots_capacity") == 4
+    assert after.get("envhub_slots_active") == 0
+    assert after.get("envhub_accepting") == 1
+
+
+def test_failed_calls_are_counted_by_their_error_code(metered):
+    with metered.client() as c:
+        before = scrape(c)
+        assert c.post("/instances", json={"environment": "nope", "task_id": "1"}).status_code == 404
+        assert c.post("/instances", json={"environment": "mbpp", "task_id": "no-such-task"}).status_code == 404
+        assert c.post("/instances/no-such-instance/step", json={"action": {"tool": "x"}}).status_code == 404
+        r = c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "m-twice"})
+        assert r.status_code == 201
+        assert (
+            c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "m-twice"}).status_code
+            == 200
+        )
+        bad = c.post("/instances/m-twice/step", json={"action": {"tool": "no_such_tool", "arguments": {}}})
+        assert bad.status_code == 400
+        assert c.post("/instances/m-twice/release").json()["released"] is True
+        assert c.post("/instances/m-twice/release").json()["released"] is False
+        after = scrape(c)
+
+    def moved(name: str, **labels: str) -> float:
+        return after.get(name, **labels) - before.get(name, **labels)
+
+    assert moved("envhub_creates_total", environment="unknown", outcome="not_found") == 1
+    assert moved("envhub_creates_total", environment="mbpp", outcome="not_found") == 1
+    assert moved("envhub_creates_total", environment="mbpp", outcome="ok") == 1
+    assert moved("envhub_creates_total", environment="mbpp", outcome="replay") == 1
+    assert moved("envhub_steps_total", environment="unknown", outcome="not_found") == 1
+    assert moved("envhub_steps_total", environment="mbpp", outcome="invalid_request") == 1
+    assert moved("envhub_releases_total", environment="mbpp", outcome="ok") == 1
+    assert moved("envhub_releases_total", environment="unknown", outcome="noop") == 1
+    # Client-chosen names never become label values.
+    assert not {"nope", "no-such-task", "no-such-instance", "m-twice", "13", "metrics-trial"} & after.label_values()
+
+
+def test_sandbox_timeouts_kills_and_out_of_memory_are_counted(metered):
+    with metered.client() as c:
+        before = scrape(c)
+        r = c.post("/instances", json={"environment": "mbpp", "task_id": "13", "params": {"run_timeout": 0.5}})
+        iid = r.json()["instance_id"]
+
+        def run(code: str) -> dict:
+            r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": code}}})
+            assert r.status_code == 200, r.text
+            return r.json()["observation"]
+
+        assert run("while True: pass")["timed_out"] is True
+        assert "MemoryError" in run("x = bytearray(1 << 30)")["exception"]
+        assert run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")["exit_code"] is None
+        assert run("1 + 1")["exit_code"] == 0  # a good call is no failure
+        c.post(f"/instances/{iid}/release")
+        after = scrape(c)
+    for kind in ("timeout", "oom", "killed"):
+        moved = after.get("envhub_sandbox_failures_total", sandbox="process", kind=kind) - before.get(
+            "envhub_sandbox_failures_total", sandbox="process", kind=kind
+        )
+        assert moved == 1, kind
+
+
+def test_trial_log_writes_are_timed(metered):
+    with metered.client() as c:
+        before = scrape(c)
+        episode(c, "m-log", FIB)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the writer thread flushes within ~20 ms
+            after = scrape(c)
+            if after.get("envhub_trial_log_write_seconds_count") > before.get("envhub_trial_log_write_seconds_count"):
+                break
+            time.sleep(0.05)
+    assert after.get("envhub_trial_log_write_seconds_count") > before.get("envhub_trial_log_write_seconds_count")
+    assert "envhub_trial_log_queue" in after.families
+    assert after.get("envhub_trial_log_write_errors_total") == 0
+
+
+def test_the_reaper_counts_what_it_expires(start_node):
+    node = start_node(*NODE_ARGS, "--set", "idle_ttl=0.3", "--set", "reap_interval=0.1")
+    with node.client() as c:
+        c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "idle-1"})
+        live = scrape(c)
+        assert live.get("envhub_instances_live", environment="mbpp", state="active") == 1
+        assert live.get("envhub_slots_active") == 1
+        deadline = time.monotonic() + 10
+        while c.get("/instances/idle-1").json()["state"] != "expired" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = scrape(c)
+    assert after.get("envhub_reaper_expirations_total", environment="mbpp") == 1
+    assert after.get("envhub_instances_ended_total", environment="mbpp", state="expired") == 1
+    assert after.get("envhub_instances_live", environment="mbpp", state="active") == 0
+
+
+def test_metrics_need_a_key_and_a_metrics_key_opens_them_alone(start_node):
+    node = start_node(*NODE_ARGS, "--set", "metrics_keys=[prom-key]", api_key="api-key")
+    assert httpx.get(node.url + "/metrics").status_code == 401
+    assert httpx.get(node.url + "/metrics", headers={"X-API-Key": "wrong"}).status_code == 403
+    assert httpx.get(node.url + "/metrics", headers={"X-API-Key": "api-key"}).status_code == 200
+    r = httpx.get(node.url + "/metrics", headers={"Authorization": "Bearer prom-key"})
+    assert r.status_code == 200 and "envhub_slots_capacity" in r.text
+    refused = httpx.get(node.url + "/instances", headers={"X-API-Key": "prom-key"})
+    assert refused.status_code == 403 and refused.json()["code"] == "forbidden"
+    assert httpx.get(node.url + "/dashboard").status_code == 401
+    assert httpx.get(node.url + "/health").status_code == 200
+
+
+def test_a_metrics_key_alone_closes_only_the_metrics(start_node):
+    node = start_node(*NODE_ARGS, env={"ENVHUB_METRICS_KEY": "prom-key"})
+    assert httpx.get(node.url + "/metrics").status_code == 401
+    assert httpx.get(node.url + "/metrics", headers={"X-API-Key": "prom-key"}).status_code == 200
+    assert httpx.get(node.url + "/instances").status_code == 200
+
+
+def test_a_metrics_port_serves_the_metrics_alone_without_a_key(start_node):
+    port = free_port()
+    node = start_node(*NODE_ARGS, "--set", f"metrics_port={port}", api_key="api-key")
+    with node.client() as c:
+        episode(c, "m-port", FIB)
+    r = httpx.get(f"http://127.0.0.1:{port}/metrics")
+    assert r.status_code == 200
+    assert Scrape(r.text).get("envhub_creates_total", environment="mbpp", outcome="ok") == 1
+    assert httpx.get(f"http://127.0.0.1:{port}/instances").status_code == 404
+    assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 404
+    assert httpx.get(node.url + "/metrics").status_code == 401  # the API's port still wants a key
+
+
+def test_a_metrics_port_that_is_taken_stops_the_start(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="cannot serve metrics"):
+            EnvhubProcess(tmp_path / "data", *NODE_ARGS, "--set", f"metrics_port={port}").start()
+
+
+def test_metrics_off_records_nothing_and_answers_404(start_node):
+    node = start_node(*NODE_ARGS, "--set", "metrics=false")
+    with node.client() as c:
+        assert episode(c, "m-off", FIB) == 1.0
+        r = c.get("/metrics")
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+
+
+def test_the_scheduler_counts_routed_calls_affinity_retries_and_503s_by_cause(tmp_path):
+    nodes = [EnvhubProcess(tmp_path / f"node{i}", "--capacity", "1", *NODE_ARGS[2:]).start() for i in range(2)]
+    names = ["alpha", "beta"]
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(
+        yaml.safe_dump(
+            {"nodes": [{"url": n.url, "slots": 1, "name": name} for n, name in zip(nodes, names, strict=True)]}
+        )
+    )
+    sched = EnvhubProcess(
+        tmp_path / "sched",
+        "--set",
+        f"nodes_file={nodes_yaml}",
+        "--set",
+        "health_interval=600",  # the stopped node is found by a call, never by a health check
+        "--set",
+        "retry_max_wait=0",
+        role="scheduler",
+    ).start()
+    try:
+        with sched.client() as c:
+            first = c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "s-1"})
+            assert first.status_code == 201
+            step = {"action": {"tool": "submit_solution", "arguments": {"code": FIB}}}
+            assert c.post("/instances/s-1/step", json=step).status_code == 200
+            assert c.post("/instances/s-1/evaluate").status_code == 200
+            # Same task: its node is full, so affinity misses and the other node takes it.
+            second = c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "s-2"})
+            assert second.status_code == 201
+            full = c.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+            assert full.status_code == 503
+            holder = next(i for i, n in enumerate(nodes) if httpx.get(f"{n.url}/instances/s-2").status_code == 200)
+            nodes[holder].stop()
+            gone = c.get("/instances/s-2")  # idempotent: retried, then 503
+            assert gone.status_code == 503
+            assert c.get("/instances/s-2").status_code == 503  # now known to be down: at once
+            # The trial viewer's merge leaves the node out and answers 200: no 503 of ours.
+            assert c.get("/trials").status_code == 200
+            s = scrape(c)
+    finally:
+        assert sched.stop() == 0, sched.log()
+        for n in nodes:
+            n.stop()
+    first_node = next(name for name, n in zip(names, nodes, strict=True) if n is not nodes[holder])
+    assert s.get("envhub_scheduler_routed_total", node=first_node, call="create") == 1
+    assert s.get("envhub_scheduler_routed_total", node=first_node, call="step") == 1
+    assert s.get("envhub_scheduler_routed_total", node=first_node, call="evaluate") == 1
+    assert s.get("envhub_scheduler_routed_total", node=names[holder], call="create") == 1
+    assert s.get("envhub_scheduler_forward_seconds_count", call="create") == 2
+    assert s.get("envhub_scheduler_affinity_total", result="none") == 1
+    assert s.get("envhub_scheduler_affinity_total", result="miss") == 1
+    assert s.get("envhub_scheduler_unavailable_total", cause="no_free_slot") == 1
+    assert s.get("envhub_scheduler_unavailable_total", cause="node_unreachable") == 1
+    assert s.get("envhub_scheduler_unavailable_total", cause="node_down") == 1
+    assert s.get("envhub_scheduler_retries_total", node=names[holder]) == 2  # 3 attempts
+    assert s.get("envhub_scheduler_node_capacity", node=first_node) == 1
+    assert s.get("envhub_scheduler_node_used", node=first_node) == 1
+    assert s.get("envhub_scheduler_node_free_ratio", node=first_node) == 0
+    assert s.get("envhub_scheduler_node_up", node=first_node) == 1
+    assert s.get("envhub_scheduler_node_up", node=names[holder]) == 0
+    assert not {"s-1", "s-2", "13"} & s.label_values()
+
+
+def test_the_build_gate_counts_builds_by_outcome_and_times_them(tmp_path: Path):
+    class Builder:
+        """An image builder (the docker sandbox's side of the gate) that builds nothing."""
+
+        def __init__(self) -> None:
+            self.release = asyncio.Event()
+            self.images: set[str] = set()
+
+        async def image_exists(self, image: str) -> bool:
+            return image in self.images
+
+        async def build_image(self, *, image: str, log_path: Path, **_: object) -> None:
+            await self.release.wait()
+            if "bad" in image:
+                raise BuildFailed("the Dockerfile is broken")
+            self.images.add(image)
+
+    async def scenario() -> Scrape:
+        db = await Database.open(tmp_path / "envhub.db")
+        try:
+            await migrate(db)
+            metrics = NodeMetrics()
+            builder = Builder()
+            gate = BuildGate(db, builder, tmp_path / "builds", metrics=metrics)
+            metrics.watch_builds(gate)
+
+            def request(image: str) -> BuildRequest:
+                return BuildRequest("tb", "t1", "hash", image, tmp_path, "FROM scratch")
+
+            good = asyncio.ensure_future(gate.ensure(request("good:1")))
+            bad = asyncio.ensure_future(gate.ensure(request("bad:1")))
+            await asyncio.sleep(0.05)
+            from envhub.metrics import exposition
+
+            during = Scrape(exposition(metrics.registry).decode())
+            assert during.get("envhub_builds_running") == 2
+            builder.release.set()
+            await good
+            with pytest.raises(BuildFailed):
+                await bad
+            return Scrape(exposition(metrics.registry).decode())
+        finally:
+            await db.close()
+
+    after = asyncio.run(scenario())
+    assert after.get("envhub_builds_total", environment="tb", outcome="ok") == 1
+    assert after.get("envhub_builds_total", environment="tb", outcome="failed") == 1
+    assert after.get("envhub_build_seconds_count", environment="tb") == 2
+    assert after.get("envhub_builds_running") == 0
