@@ -5,7 +5,13 @@ labels never carry an id, the key rules hold, and metrics: false turns it all of
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -352,3 +358,105 @@ def test_the_build_gate_counts_builds_by_outcome_and_times_them(tmp_path: Path):
     assert after.get("envhub_builds_total", environment="tb", outcome="failed") == 1
     assert after.get("envhub_build_seconds_count", environment="tb") == 2
     assert after.get("envhub_builds_running") == 0
+
+
+# -- docs/: the Grafana dashboard and the alerting rules ---------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+DASHBOARD = REPO / "docs" / "grafana" / "envhub-dashboard.json"
+ALERTS = REPO / "docs" / "prometheus" / "envhub-alerts.yml"
+ALERTS_TEST = Path(__file__).resolve().parent / "data" / "envhub-alerts-test.yml"
+METRIC_NAME = re.compile(r"\benvhub_[a-z0-9_]+")
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+
+
+def dashboard_exprs() -> list[str]:
+    def panels(items: list[dict]) -> Iterator[dict]:
+        for p in items:
+            yield p
+            yield from panels(p.get("panels") or [])
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in panels(dashboard["panels"]) for t in p.get("targets") or []] + [
+        v["query"]["query"] for v in dashboard["templating"]["list"] if isinstance(v.get("query"), dict)
+    ]
+
+
+def alert_exprs() -> list[str]:
+    return [r["expr"] for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def series_names(scrape: Scrape, families: dict[str, str]) -> set[str]:
+    """Every series name a scrape offers a query: its samples', and those its declared
+    families would have (a labelled family with no sample yet still declares its type)."""
+    names = {name for name, _ in scrape.samples}
+    for family, kind in families.items():
+        names |= {family + suffix for suffix in SUFFIXES.get(kind, ("",))}
+    return names
+
+
+def test_every_metric_the_dashboard_and_the_alerts_use_is_in_a_real_scrape(metered, tmp_path):
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": metered.url, "slots": 4, "name": "metered"}]}))
+    sched = EnvhubProcess(tmp_path / "sched", "--set", f"nodes_file={nodes_yaml}", role="scheduler").start()
+    try:
+        with sched.client() as c:
+            c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": "dash-1"})
+            c.post("/instances/dash-1/evaluate", json={"release": True})
+            scheduler_text = c.get("/metrics").text
+        with metered.client() as c:
+            node_text = c.get("/metrics").text
+    finally:
+        assert sched.stop() == 0, sched.log()
+    offered: set[str] = set()
+    for text in (node_text, scheduler_text):
+        families = {f.name: f.type for f in text_string_to_metric_families(text)}
+        offered |= series_names(Scrape(text), families)
+    used_by = {"dashboard": dashboard_exprs(), "alerts": alert_exprs()}
+    for where, exprs in used_by.items():
+        used = {name for expr in exprs for name in METRIC_NAME.findall(expr)}
+        assert len(used) >= (25 if where == "dashboard" else 8), (where, used)  # the files were read
+        assert used <= offered, f"{where} uses metrics no scrape has: {sorted(used - offered)}"
+    # The check itself can fail: a misspelt name is caught.
+    assert "envhub_create_total" not in offered and "envhub_creates_total" in offered
+    assert "envhub_scheduler_node_up" in offered and "envhub_slots_free" in offered
+
+
+def promtool() -> str | None:
+    local = REPO / ".venv" / "bin" / "promtool"  # where scripts/test puts it
+    return shutil.which("promtool") or (str(local) if local.exists() else None)
+
+
+# scripts/test installs promtool; where it is missing outside CI these tests skip.
+needs_promtool = pytest.mark.skipif(
+    promtool() is None and not os.environ.get("CI"), reason="promtool is not installed (scripts/test installs it)"
+)
+
+
+@needs_promtool
+def test_the_alerting_rules_are_valid_and_fire_on_what_they_should(tmp_path):
+    run = subprocess.run([promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    shutil.copy(ALERTS, tmp_path / ALERTS.name)
+    shutil.copy(ALERTS_TEST, tmp_path / ALERTS_TEST.name)
+    run = subprocess.run([promtool(), "test", "rules", ALERTS_TEST.name], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@needs_promtool
+def test_every_dashboard_query_is_valid_promql(tmp_path):
+    """Each query, with Grafana's variables given values, as a recording rule that
+    promtool parses."""
+    values = {"$__rate_interval": "5m", "$node": ".*", "$scheduler": ".*"}
+    rules = []
+    for i, expr in enumerate(dashboard_exprs()):
+        for name, value in values.items():
+            expr = expr.replace(name, value)
+        if expr.startswith("label_values("):  # a Grafana function, not PromQL: its metric alone
+            expr = expr[len("label_values(") :].split(",")[0]
+        rules.append({"record": f"envhub_dashboard:query{i}", "expr": expr})
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    run = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in run.stdout + run.stderr
