@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import yaml
-from conftest import BROWSER_PROBLEM, CHROMIUM, EnvhubProcess, needs_browser
+from conftest import BASE_IMAGE, BROWSER_PROBLEM, CHROMIUM, REPO, EnvhubProcess, needs_browser, needs_docker
 
 KEY = "ui-test-key"
 TRIAL = "ui-trial"
@@ -27,6 +27,7 @@ WRONG_FIB = "def fib(n):\n    return 0\n"
 HIDDEN_TEST = "assert fib(10) == 55"  # one of task 13's hidden tests (the bundled sample)
 INJECTED = '<script>window.__pwned = "script"</script><img src=x onerror="window.__pwned = \'img\'">'
 
+BUNDLED_TB = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 ACTION_TIMEOUT = 15_000  # ms: the page polls every 2 s on a busy 2-core machine
 
 
@@ -277,6 +278,7 @@ def test_an_episode_shows_its_steps_in_order_and_what_it_printed_as_text(node, t
     assert "<img src=x onerror=" in steps.nth(1).inner_text()
     # ...and is no element, ran nothing, and broke no rule of the page's CSP.
     assert t.page.locator("#view script, #view img").count() == 0
+    assert "[object " not in t.page.locator("body").inner_text()
     assert t.page.locator("script").count() == 1  # app.js alone
     t.page.wait_for_timeout(500)
     assert t.page.evaluate("window.__pwned") is None
@@ -416,3 +418,55 @@ def test_the_page_needs_no_key_but_its_data_does_and_carries_a_strict_csp(node):
         assert httpx.get(node.url + path).status_code == 401, path
         assert httpx.get(node.url + path, headers={"X-API-Key": "wrong"}).status_code == 403, path
         assert httpx.get(node.url + path, headers={"X-API-Key": KEY}).status_code == 200, path
+
+
+@needs_docker
+@needs_browser
+def test_a_whole_rollout_shows_its_conversation_with_the_model_and_its_verifier(tmp_path, tab):
+    """A terminal-bench rollout whose model is tests/openai_standin.py's scripted one."""
+    from openai_standin import StandIn
+    from playwright.sync_api import expect
+
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "environments": {"terminal-bench": {"datasets": [str(BUNDLED_TB)]}},
+            }
+        )
+    )
+    node = EnvhubProcess(tmp_path / "data", "--config", str(config), "--capacity", "2", api_key=KEY)
+    node.args += ["--set", f"node_id=ui-{node.port}"]
+    node.start(timeout=60)
+    try:
+        with StandIn() as model, node.client(timeout=300) as c:
+            r = c.post(
+                "/rollouts",
+                json={
+                    "environment": "terminal-bench",
+                    "task_id": "hello-envhub",
+                    "model_url": f"{model.url}/v1/solve-ui",
+                    "model_api_key": "solve-ui",
+                    "trial": "ui-rollouts",
+                    "uid": "solve-ui",
+                },
+            )
+            assert r.status_code == 200 and r.json()["reward"] == 1.0, r.text
+        t = tab(node.url).open("/trials/ui-rollouts/solve-ui")
+        expect(by_testid(t.page, "episode-id")).to_have_text("solve-ui")
+        messages = by_testid(t.page, "conversation").locator(":scope > li")
+        expect(messages.first).to_be_visible()
+        roles = [messages.nth(i).locator(".message-role").inner_text().split()[0] for i in range(messages.count())]
+        assert roles[:3] == ["system", "user", "assistant"] and roles.count("tool") == 3, roles
+        tools = [i for i, role in enumerate(roles) if role == "tool"]
+        expect(messages.nth(tools[-1])).to_contain_text("Hello, Ada!")  # the last command's output
+        expect(messages.nth(2)).to_contain_text("write_file")  # the model's first call, in order
+        expect(t.page.locator("table.kv").nth(1)).to_contain_text("finished")  # the rollout's termination
+        verifier = t.page.locator(".field-name", has_text=re.compile(r"^reward\.txt \(\d+ bytes\)$"))
+        expect(verifier).to_be_visible()  # the verifier's files, each with its text
+        expect(verifier.locator("xpath=following-sibling::pre")).to_have_text("1")
+        assert "[object " not in t.page.locator("body").inner_text()  # every block drawn as elements
+        assert t.errors == [], t.errors
+    finally:
+        assert node.stop() == 0, node.log()
