@@ -394,12 +394,30 @@ def test_the_scheduler_shows_every_node_its_health_and_the_fleets_trials(tmp_pat
         ("/ui/..%2F..%2Fenvhub.db", 404, "not_found"),
     ],
 )
-def test_the_viewers_routes_answer_bad_input_with_a_4xx_envelope(node, path, status, code):
-    with node.client() as c:
-        r = c.get(path)
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert body["ok"] is False and body["code"] == code and body["status"] == status
+def test_the_viewers_routes_answer_bad_input_with_a_4xx_envelope(node, scheduler, path, status, code):
+    for server in (node, scheduler):
+        with server.client() as c:
+            r = c.get(path)
+        assert r.status_code == status, (server.url, r.text)
+        body = r.json()
+        assert body["ok"] is False and body["code"] == code and body["status"] == status
+
+
+def test_a_scheduler_refuses_a_merged_page_deeper_than_it_reads(scheduler):
+    with scheduler.client() as c:
+        r = c.get("/trials/t/episodes", params={"offset": 9_500, "limit": 1000})
+        assert r.status_code == 400 and r.json()["field"] == "offset", r.text
+        assert c.get("/trials/t/episodes", params={"offset": 9_000, "limit": 1000}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def scheduler(node, tmp_path_factory) -> Iterator[EnvhubProcess]:
+    """A scheduler over the module's node."""
+    tmp = tmp_path_factory.mktemp("ui-sched")
+    (tmp / "nodes.yaml").write_text(yaml.safe_dump({"api_key": KEY, "nodes": [{"url": node.url, "slots": 4}]}))
+    proc = EnvhubProcess(tmp / "data", "--set", f"nodes_file={tmp / 'nodes.yaml'}", role="scheduler", api_key=KEY)
+    yield proc.start()
+    assert proc.stop() == 0, proc.log()
 
 
 def test_the_page_needs_no_key_but_its_data_does_and_carries_a_strict_csp(node):

@@ -50,14 +50,20 @@ async def list_all(db: Database) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
+def check_outcome(outcome: str | None) -> None:
+    """An ``outcome`` filter must name one of OUTCOMES (a scheduler checks it too, before
+    asking its nodes, whose 400s it would otherwise fold into ``unreachable``)."""
+    if outcome and outcome not in OUTCOMES:
+        raise InvalidRequest(f"'outcome' must be one of {', '.join(OUTCOMES)}", field="outcome")
+
+
 def _where(trial: str, task: str | None, outcome: str | None) -> tuple[str, list[Any]]:
     where, params = "WHERE trial = ?", [trial]
     if task:
         where += " AND task_id = ?"
         params.append(task)
     if outcome:
-        if outcome not in OUTCOMES:
-            raise InvalidRequest(f"'outcome' must be one of {', '.join(OUTCOMES)}", field="outcome")
+        check_outcome(outcome)
         where += f" AND ({OUTCOME_SQL}) = ?"
         params.append(outcome)
     return where, params

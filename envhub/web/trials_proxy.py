@@ -7,6 +7,7 @@ from sanic import Blueprint, Request
 from sanic.response import json
 
 from envhub.scheduler import trials
+from envhub.store.trials import check_outcome
 from envhub.web.requests import query_int
 from envhub.web.routing import passthrough
 
@@ -14,6 +15,7 @@ bp = Blueprint("trials_proxy", url_prefix="/trials")
 
 
 def _filters(request: Request) -> dict[str, str]:
+    check_outcome(request.args.get("outcome"))
     return {k: request.args[k][0] for k in ("task", "outcome") if request.args.get(k)}
 
 
