@@ -211,6 +211,7 @@ def test_a_trial_shows_its_reward_plot_outcomes_and_filters(node, tab):
     with node.client() as c:
         rewards = [episode(c, f"rw-{i}", code, trial=trial) for i, code in enumerate([FIB, FIB, WRONG_FIB])]
         create(c, "rw-live", trial=trial)
+        create(c, "rw-other", trial=trial, task="1")
     assert rewards[:2] == [1.0, 1.0]
     wrong_bin = int(rewards[2] * 10 + 1e-9)  # 0.1 + 0.4 x 1/4 tests: 0.2, the third bar
     t = tab(node.url).open()
@@ -230,18 +231,49 @@ def test_a_trial_shows_its_reward_plot_outcomes_and_filters(node, tab):
     assert tall["height"] > short["height"] > 0 and tall["width"] > 0
     assert bars.nth(5).bounding_box()["height"] == 0
     expect(by_testid(t.page, "reward-summary")).to_have_text(re.compile(r"^3 scored, mean 0\.7"))
-    for outcome, n in {"passed": 2, "failed": 1, "live": 1, "error": 0, "unscored": 0}.items():
+    for outcome, n in {"passed": 2, "failed": 1, "live": 2, "error": 0, "unscored": 0}.items():
         expect(by_testid(t.page, f"outcome-{outcome}")).to_have_text(str(n))
     episodes = by_testid(t.page, "episodes-table").locator("tbody tr")
-    expect(episodes).to_have_count(4)
+    expect(episodes).to_have_count(5)
     # Newest first.
-    assert [episodes.nth(i).get_attribute("data-instance") for i in range(4)] == ["rw-live", "rw-2", "rw-1", "rw-0"]
+    order = [episodes.nth(i).get_attribute("data-instance") for i in range(5)]
+    assert order == ["rw-other", "rw-live", "rw-2", "rw-1", "rw-0"]
+    by_testid(t.page, "task-filter").select_option("1")
+    expect(episodes).to_have_count(1)
+    expect(episodes.first).to_have_attribute("data-instance", "rw-other")
+    expect(by_testid(t.page, "outcome-live")).to_have_text("1")
+    by_testid(t.page, "task-filter").select_option("")
+    expect(episodes).to_have_count(5)
     by_testid(t.page, "outcome-filter").select_option("passed")
     expect(episodes).to_have_count(2)
     assert {episodes.nth(i).get_attribute("data-instance") for i in range(2)} == {"rw-0", "rw-1"}
     assert "outcome=passed" in t.page.url
     with node.client() as c:
         c.post("/instances/rw-live/release")
+        c.post("/instances/rw-other/release")
+    assert t.errors == [], t.errors
+
+
+@needs_browser
+def test_long_output_folds_and_unfolds(node, tab):
+    from playwright.sync_api import expect
+
+    iid = "ui-fold"
+    with node.client() as c:
+        create(c, iid)
+        step(c, iid, "run_python", "for i in range(100):\n    print(f'line {i}')")
+        c.post(f"/instances/{iid}/release")
+    t = tab(node.url).open(f"/trials/{TRIAL}/{iid}")
+    output = by_testid(t.page, "step").locator(".fold").first
+    expect(output).to_be_visible()
+    pre, button = output.locator("pre"), output.locator("button.fold-toggle")
+    expect(button).to_have_text(re.compile(r"^show all 100 lines"))
+    assert pre.inner_text().splitlines()[-1] == "line 29" and "line 99" not in pre.inner_text()
+    button.click()
+    expect(pre).to_contain_text("line 99")
+    expect(button).to_have_text("fold")
+    button.click()
+    expect(pre).not_to_contain_text("line 99")
     assert t.errors == [], t.errors
 
 
