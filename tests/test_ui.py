@@ -12,7 +12,9 @@ outside CI these tests are skipped with one line in the summary (tests/conftest.
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -520,3 +522,19 @@ def test_a_whole_rollout_shows_its_conversation_with_the_model_and_its_verifier(
         assert t.errors == [], t.errors
     finally:
         assert node.stop() == 0, node.log()
+
+
+@pytest.mark.parametrize(
+    "path", ["/ui/../dashboard", "/ui/%2e%2e/dashboard", "/ui//../trials", "/ui/./../trials/x", "/ui/../metrics"]
+)
+def test_the_open_ui_prefix_opens_no_keyed_route(node, path):
+    """Sent as is (an HTTP client would remove the dot segments): no data without a key."""
+    with socket.create_connection(("127.0.0.1", node.port)) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, body = reply.split(b"\r\n\r\n", 1)
+    status = int(head.split()[1])
+    assert status in (401, 404), reply[:300]
+    assert json.loads(body)["ok"] is False
