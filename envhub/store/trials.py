@@ -3,7 +3,10 @@
 The trial viewer's reads are here too: a trial's episodes (newest first, filtered by
 task and outcome), and its summary (outcome counts, a reward histogram, its tasks).
 Every one of them seeks the (trial, created_at) index of migration 009, never the
-whole instances table. An episode's outcome is derived from its row (``OUTCOME_SQL``):
+whole instances table, and those that read a whole trial (its list, summary and filtered
+pages) run on the read-only connection (``Database.read_rows``), so that a summary of a
+large trial, polled by an open page, never holds the node's writes. An episode's outcome
+is derived from its row (``OUTCOME_SQL``):
 
 - ``live``: creating, active or done (not ended yet), whatever its reward;
 - ``error``: the create failed, the sandbox was lost, or it ended with an error and
@@ -43,7 +46,7 @@ async def ensure(db: Database, name: str) -> None:
 
 async def list_all(db: Database) -> list[dict[str, Any]]:
     """Every trial with its instance count and the time of its newest instance."""
-    rows = await db.rows(
+    rows = await db.read_rows(
         "SELECT t.name, t.created_at, COUNT(i.id) AS instances, MAX(i.created_at) AS last_created_at "
         "FROM trials t LEFT JOIN instances i ON i.trial = t.name GROUP BY t.name ORDER BY t.created_at"
     )
@@ -74,8 +77,8 @@ async def episodes(
 ) -> tuple[list[dict[str, Any]], int]:
     """A page of the trial's instances, newest first, and how many match."""
     where, params = _where(trial, task, outcome)
-    total = await db.scalar(f"SELECT COUNT(*) FROM instances {where}", params)
-    rows = await db.rows(
+    total = (await db.read_rows(f"SELECT COUNT(*) FROM instances {where}", params))[0][0]
+    rows = await db.read_rows(
         f"SELECT {_EPISODE_COLUMNS} FROM instances {where} ORDER BY created_at DESC LIMIT ? OFFSET ?",
         [*params, limit, offset],
     )
@@ -100,20 +103,20 @@ async def summary(db: Database, trial: str, *, task: str | None = None, outcome:
     """Outcome counts, a reward histogram and the tasks of a trial's matching instances."""
     where, params = _where(trial, task, outcome)
     counts = {name: 0 for name in OUTCOMES}
-    for row in await db.rows(f"SELECT {OUTCOME_SQL} AS o, COUNT(*) FROM instances {where} GROUP BY o", params):
+    for row in await db.read_rows(f"SELECT {OUTCOME_SQL} AS o, COUNT(*) FROM instances {where} GROUP BY o", params):
         counts[row[0]] = row[1]
     bins = [0] * REWARD_BINS
     # Tenths, nudged up by a hair: 0.1 + 0.4 * 0.5 is 0.30000000000000004 and 0.7 * 10 is
     # 7.000000000000001 in floating point, but 0.3 * 10 is 2.9999999999999996.
     bin_sql = f"MIN(MAX(CAST(reward * {REWARD_BINS} + 1e-9 AS INTEGER), 0), {REWARD_BINS - 1})"
-    for row in await db.rows(
+    for row in await db.read_rows(
         f"SELECT {bin_sql} AS b, COUNT(*) FROM instances {where} AND reward IS NOT NULL GROUP BY b", params
     ):
         bins[row[0]] = row[1]
-    stats = await db.row(
+    (stats,) = await db.read_rows(
         f"SELECT COUNT(reward), AVG(reward), MIN(created_at), MAX(created_at) FROM instances {where}", params
     )
-    tasks = await db.rows(
+    tasks = await db.read_rows(
         f"SELECT task_id, COUNT(*) AS episodes, AVG(reward) AS mean_reward FROM instances {where} "
         "GROUP BY task_id ORDER BY task_id LIMIT 1000",
         params,
