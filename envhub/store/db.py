@@ -1,8 +1,9 @@
 """The process's one SQLite connection, its transactions and its migrations.
 
 Invariants:
-- One aiosqlite connection per process, opened by the store's startup listener and
-  closed at shutdown.
+- One aiosqlite connection per process for every write, opened by the store's startup
+  listener and closed at shutdown (beside it at most one read-only one, see the last
+  point).
 - Every write goes through ``transaction()`` or ``write_many()``, which hold one
   ``asyncio.Lock`` around ``BEGIN IMMEDIATE`` .. ``COMMIT`` (rolled back on any
   exception). On a single connection, a commit by one task would otherwise commit
