@@ -4,28 +4,25 @@ labels never carry an id, the key rules hold, and metrics: false turns it all of
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
 import shutil
 import subprocess
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import docker
 import httpx
 import pytest
 import yaml
-from conftest import EnvhubProcess, free_port
+from conftest import BASE_IMAGE, EnvhubProcess, free_port, needs_docker
 from prometheus_client.parser import text_string_to_metric_families
 
-from envhub.errors import BuildFailed
-from envhub.metrics.node import NodeMetrics
-from envhub.node.builds import BuildGate
-from envhub.sandbox import BuildRequest
-from envhub.store.db import Database, migrate
-
+TB_BUNDLED = Path(__file__).resolve().parents[1] / "envhub" / "plugins" / "terminal_bench" / "data"
 NODE_ARGS = ("--capacity", "4", "--set", "environments.terminal-bench.enabled=false")
 
 
@@ -309,54 +306,65 @@ def test_the_scheduler_counts_routed_calls_affinity_retries_and_503s_by_cause(tm
     assert not {"s-1", "s-2", "13"} & s.label_values()
 
 
-def test_the_build_gate_counts_builds_by_outcome_and_times_them(tmp_path: Path):
-    class Builder:
-        """An image builder (the docker sandbox's side of the gate) that builds nothing."""
+@needs_docker
+def test_image_builds_are_counted_by_outcome_and_timed(tmp_path):
+    """Real Docker builds of two copies of the bundled hello-envhub task, each with a file
+    no other run has had (so its image is new to the engine), one made to fail."""
+    tasks = tmp_path / "tasks"
+    for name in ("fresh-ok", "fresh-broken"):
+        shutil.copytree(TB_BUNDLED / "hello-envhub", tasks / name)
+        (tasks / name / "environment" / "marker.txt").write_text(uuid.uuid4().hex)
+    with open(tasks / "fresh-broken" / "environment" / "Dockerfile", "a") as f:
+        f.write("COPY marker.txt /marker.txt\nRUN exit 3\n")
+    with open(tasks / "fresh-ok" / "environment" / "Dockerfile", "a") as f:
+        f.write("COPY marker.txt /marker.txt\nRUN sleep 1\n")  # long enough to be seen running
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "environments": {"terminal-bench": {"datasets": [str(tasks)]}, "appworld": {"enabled": False}},
+            }
+        )
+    )
+    node = EnvhubProcess(tmp_path / "data", "--config", str(config), "--capacity", "2").start(timeout=60)
+    built: list[str] = []
+    try:
+        with node.client(timeout=300) as c:
+            before = scrape(c)
+            assert before.get("envhub_builds_running") == 0
+            seen_running = []
 
-        def __init__(self) -> None:
-            self.release = asyncio.Event()
-            self.images: set[str] = set()
+            def watch() -> None:
+                with node.client() as w:
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline and not seen_running:
+                        if scrape(w).get("envhub_builds_running") == 1:
+                            seen_running.append(True)
+                        time.sleep(0.05)
 
-        async def image_exists(self, image: str) -> bool:
-            return image in self.images
-
-        async def build_image(self, *, image: str, log_path: Path, **_: object) -> None:
-            await self.release.wait()
-            if "bad" in image:
-                raise BuildFailed("the Dockerfile is broken")
-            self.images.add(image)
-
-    async def scenario() -> Scrape:
-        db = await Database.open(tmp_path / "envhub.db")
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            ok = c.post("/builds", json={"environment": "terminal-bench", "task_id": "fresh-ok"})
+            watcher.join()
+            assert ok.status_code == 200, ok.text
+            built.append(ok.json()["build"]["image"])
+            broken = c.post("/builds", json={"environment": "terminal-bench", "task_id": "fresh-broken"})
+            assert broken.status_code == 500 and broken.json()["code"] == "build_failed", broken.text
+            after = scrape(c)
+    finally:
+        assert node.stop() == 0, node.log()
+        client = docker.from_env()
         try:
-            await migrate(db)
-            metrics = NodeMetrics()
-            builder = Builder()
-            gate = BuildGate(db, builder, tmp_path / "builds", metrics=metrics)
-            metrics.watch_builds(gate)
-
-            def request(image: str) -> BuildRequest:
-                return BuildRequest("tb", "t1", "hash", image, tmp_path, "FROM scratch")
-
-            good = asyncio.ensure_future(gate.ensure(request("good:1")))
-            bad = asyncio.ensure_future(gate.ensure(request("bad:1")))
-            await asyncio.sleep(0.05)
-            from envhub.metrics import exposition
-
-            during = Scrape(exposition(metrics.registry).decode())
-            assert during.get("envhub_builds_running") == 2
-            builder.release.set()
-            await good
-            with pytest.raises(BuildFailed):
-                await bad
-            return Scrape(exposition(metrics.registry).decode())
+            for image in built:
+                client.images.remove(image, force=True)
         finally:
-            await db.close()
-
-    after = asyncio.run(scenario())
-    assert after.get("envhub_builds_total", environment="tb", outcome="ok") == 1
-    assert after.get("envhub_builds_total", environment="tb", outcome="failed") == 1
-    assert after.get("envhub_build_seconds_count", environment="tb") == 2
+            client.close()
+    assert seen_running, "a scrape during the build saw it running"
+    assert after.get("envhub_builds_total", environment="terminal-bench", outcome="ok") == 1
+    assert after.get("envhub_builds_total", environment="terminal-bench", outcome="failed") == 1
+    assert after.get("envhub_build_seconds_count", environment="terminal-bench") == 2
+    assert after.get("envhub_build_seconds_sum", environment="terminal-bench") >= 1  # the ok one slept 1 s
     assert after.get("envhub_builds_running") == 0
 
 
