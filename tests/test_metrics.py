@@ -352,6 +352,17 @@ def test_image_builds_are_counted_by_outcome_and_timed(tmp_path):
             broken = c.post("/builds", json={"environment": "terminal-bench", "task_id": "fresh-broken"})
             assert broken.status_code == 500 and broken.json()["code"] == "build_failed", broken.text
             after = scrape(c)
+            # A warm pool of the built task: its containers are read at scrape.
+            pool = c.post("/builds", json={"environment": "terminal-bench", "task_id": "fresh-ok", "pool": 2})
+            assert pool.status_code == 200, pool.text
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pooled = scrape(c)
+                if pooled.get("envhub_warm_pool_sandboxes", environment="terminal-bench", state="idle") == 2:
+                    break
+                time.sleep(0.2)
+            assert pooled.get("envhub_warm_pool_sandboxes", environment="terminal-bench", state="idle") == 2
+            assert pooled.get("envhub_slots_pooled") == 2 and pooled.get("envhub_slots_free") == 2
     finally:
         assert node.stop() == 0, node.log()
         client = docker.from_env()
