@@ -449,8 +449,8 @@ def test_every_metric_the_dashboard_and_the_alerts_use_is_in_a_real_scrape(meter
 
 
 def promtool() -> str | None:
-    local = REPO / ".venv" / "bin" / "promtool"  # where scripts/test puts it
-    return shutil.which("promtool") or (str(local) if local.exists() else None)
+    """On PATH: scripts/setup-test-tools.sh puts it in /usr/local/bin."""
+    return shutil.which("promtool")
 
 
 # scripts/test installs promtool; where it is missing outside CI these tests skip.
