@@ -177,6 +177,36 @@ def test_the_key_is_asked_once_and_kept_in_the_tabs_session_storage(node, tab):
 
 
 @needs_browser
+def test_a_late_answer_for_a_page_left_never_draws_over_the_page_on_screen(node, tab):
+    from playwright.sync_api import expect
+
+    t = tab(node.url)
+    held = []  # keyed /dashboard requests, answered only when the test says so
+
+    def hold(route) -> None:
+        if route.request.headers.get("x-api-key"):
+            held.append(route)
+        else:
+            route.continue_()
+
+    t.page.route("**/dashboard", hold)
+    t.open()
+    for _ in range(100):
+        if held:
+            break
+        t.page.wait_for_timeout(50)
+    assert held, "the dashboard asked for its data"
+    t.page.locator('header nav a[data-nav="trials"]').click()
+    expect(t.page.locator("h1")).to_have_text("Trials")
+    for route in held:
+        route.continue_()
+    t.page.wait_for_timeout(1000)  # the late answer arrives and is dropped
+    expect(t.page.locator("h1")).to_have_text("Trials")
+    assert by_testid(t.page, "slots-capacity").count() == 0
+    assert t.errors == [], t.errors
+
+
+@needs_browser
 def test_the_dashboard_shows_slots_instances_and_recent_episodes_as_they_change(node, tab):
     from playwright.sync_api import expect
 

@@ -151,7 +151,8 @@ async function route() {
   for (const a of document.querySelectorAll("header nav a")) {
     a.classList.toggle("active", a.dataset.nav === (parts[0] === "trials" ? "trials" : "dashboard"));
   }
-  const view = document.getElementById("view");
+  // What a drawing of this page may draw into: nothing, once the page has changed.
+  const view = { mine };
   let draw;
   if (parts[0] === "trials" && parts.length === 1) draw = () => drawTrials(view);
   else if (parts[0] === "trials" && parts.length === 2) draw = () => drawTrial(view, parts[1], params);
@@ -185,8 +186,12 @@ async function run(draw, mine) {
   if (again && mine === generation) timer = setTimeout(() => run(draw, mine), wait);
 }
 
-// Replace a view's content in one go, so a poll never shows a half-drawn page.
-function show(view, ...children) {
+// Replace the view's content in one go, so a poll never shows a half-drawn page; unless
+// the person went elsewhere meanwhile, when a slow answer for the page they left must not
+// draw over the one they are on.
+function show(frame, ...children) {
+  if (frame.mine !== generation) return;
+  const view = document.getElementById("view");
   const scroll = window.scrollY;
   clear(view);
   append(view, children);
