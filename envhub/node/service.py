@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from envhub.environment import Action, Environment, Episode
+from envhub.environment import Action, Environment, Episode, Evaluation
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
 from envhub.node.capacity import Slots
 from envhub.node.pool import WarmPool, spec_key
@@ -65,6 +65,24 @@ class Live:
     done: bool = False
     grading: asyncio.Task | None = None  # the evaluation in progress (or done), shared by its callers
     graded_recorded: bool = False  # that evaluation is in SQLite
+
+
+def reward_modes(evaluation: Evaluation, sparse: Any) -> tuple[dict[str, float], float]:
+    """The ``dense`` and ``sparse`` rewards of an evaluation, and the one an episode gets.
+
+    Every environment has both: ``sparse`` is 1.0 only when the dense reward is full
+    (every test passed), else 0.0, unless the environment reports its own pair in
+    ``details["rewards"]`` (AppWorld does). ``params.sparse`` of the instance (true or
+    false) picks one; without it the environment's own reward stands (MBPP and
+    terminal-bench: dense; AppWorld: its ``reward`` setting)."""
+    own = evaluation.details.get("rewards") if isinstance(evaluation.details, dict) else None
+    if isinstance(own, dict) and all(isinstance(own.get(k), (int, float)) for k in ("dense", "sparse")):
+        rewards = {"dense": float(own["dense"]), "sparse": float(own["sparse"])}
+    else:
+        rewards = {"dense": float(evaluation.reward), "sparse": 1.0 if evaluation.reward >= 1.0 else 0.0}
+    if isinstance(sparse, bool):
+        return rewards, rewards["sparse" if sparse else "dense"]
+    return rewards, float(evaluation.reward)
 
 
 def validate_instance_id(value: Any) -> str:
@@ -218,6 +236,8 @@ class NodeService:
         params = {} if params is None else params
         if not isinstance(params, dict):
             raise InvalidRequest("'params' must be an object", field="params")
+        if params.get("sparse") is not None and not isinstance(params["sparse"], bool):
+            raise InvalidRequest("'params.sparse' must be true or false", field="params.sparse")
         trial = self.settings.default_trial if trial is None else trial
         if not isinstance(trial, str) or not trial.strip():
             raise InvalidRequest("'trial' must be a non-empty string", field="trial")
@@ -451,11 +471,12 @@ class NodeService:
             self._ensure_still_live(live)
             evaluation = await self._unless_lost(live, live.env.evaluate(live.episode))
             live.last_active = time.monotonic()
-            reply = {"instance_id": live.row.id, "reward": evaluation.reward, "details": evaluation.details}
+            rewards, reward = reward_modes(evaluation, live.episode.params.get("sparse"))
+            reply = {"instance_id": live.row.id, "reward": reward, "rewards": rewards, "details": evaluation.details}
             record = instances.evaluation_statement(
-                live.row.id, reward=evaluation.reward, evaluation=reply, env_state=live.episode.state
+                live.row.id, reward=reward, evaluation=reply, env_state=live.episode.state
             )
-            live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
+            live.log.record("evaluation", {"reward": reward, "rewards": rewards, "details": evaluation.details})
             if record_now:
                 await self.db.write(*record)
                 live.graded_recorded = True
