@@ -9,13 +9,13 @@ still knows what was submitted.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from envhub.errors import InvalidRequest, StartupError
+from envhub.util import strict_json
 
 if TYPE_CHECKING:
     from envhub.node.builds import BuildGate
@@ -80,9 +80,11 @@ class Action:
         args = raw.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError as e:
-                raise InvalidRequest(f"'action.arguments' is not valid JSON: {e}", field="action.arguments") from None
+                args = strict_json.loads(args) if args.strip() else {}
+            except strict_json.BadJSON as e:
+                raise InvalidRequest(
+                    f"'action.arguments' is not acceptable JSON: {e.message}", field="action.arguments"
+                ) from None
         if not isinstance(args, Mapping):
             raise InvalidRequest("'action.arguments' must be an object", field="action.arguments")
         return cls(tool=tool, arguments=dict(args))

@@ -23,6 +23,7 @@ from typing import Any
 
 from envhub.compat.backends import Backend
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
+from envhub.util import strict_json
 
 # The tool that runs a bare code block, per environment; others: the first tool that takes "code".
 CODE_TOOLS = {"mbpp": ("run_python", "code"), "terminal-bench": ("run_command", "command")}
@@ -60,7 +61,11 @@ async def call(fn, *args) -> Any:
 async def get_env_profile(backend: Backend, body: dict[str, Any]) -> list[str]:
     environment = required(body, "env_type")
     params = body.get("params") or {}
+    if not isinstance(params, dict):
+        raise AEError(400, "params must be an object")
     split = params.get("split", "train")
+    if not isinstance(split, str):
+        raise AEError(400, "params.split must be a string")
     splits = await call(backend.splits, environment)
     if split not in splits:
         # AgentEvolver trainers ask for "train"; an environment without such a split
@@ -121,15 +126,18 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
 
 def _actions(message: dict[str, Any], environment: str, tools: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
     out = []
-    for tc in message.get("tool_calls") or []:
+    tool_calls = message.get("tool_calls") or []
+    if not isinstance(tool_calls, list):
+        raise AEError(400, "messages.tool_calls must be a list")
+    for tc in tool_calls:
         if not isinstance(tc, dict):
             raise AEError(400, "each tool call must be an object")
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
         args = fn.get("arguments") or "{}"
         try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError as e:
-            raise AEError(400, f"tool call arguments are not valid JSON: {e}") from None
+            args = strict_json.loads(args) if isinstance(args, str) else args
+        except strict_json.BadJSON as e:
+            raise AEError(400, f"tool call arguments are not acceptable JSON: {e.message}") from None
         out.append((str(tc.get("id") or ""), str(fn.get("name") or ""), args))
     if out:
         return out

@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
 from envhub.compat.openenv import OpenEnvService, ValidationFailed, WireError
+from envhub.util import strict_json
 
 bp = Blueprint("openenv", url_prefix="/openenv/<environment>")
 
@@ -162,17 +163,17 @@ async def _stateless(request: Request, environment: str, call: str, *, optional:
     """FastAPI's validation shapes: a bad body is 422 ``{"detail": [...]}``."""
     raw = request.body
     try:
-        body = jsonlib.loads(raw) if raw and raw.strip() else ({} if optional else None)
-    except ValueError as e:
+        body = strict_json.loads(raw) if raw and raw.strip() else ({} if optional else None)
+    except strict_json.BadJSON as e:
         return json(
             {
                 "detail": [
                     {
                         "type": "json_invalid",
-                        "loc": ["body", 0],
+                        "loc": ["body", e.field or 0],
                         "msg": "JSON decode error",
                         "input": {},
-                        "ctx": {"error": str(e)},
+                        "ctx": {"error": e.message},
                     }
                 ]
             },
