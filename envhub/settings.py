@@ -61,6 +61,9 @@ class Settings:
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
     seta_environment: str = "terminal-bench"
     nodes_file: Path | None = None
+    # The scheduler's POST /config {"config_path"} reads YAML files from this directory
+    # only; None: it reads none.
+    config_dir: Path | None = None
     nodes: list[Any] = field(default_factory=list)
     node_api_key: str | None = None
     affinity_window: float = 120.0
