@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 from conftest import EnvhubProcess
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from envhub.errors import StartupError
@@ -278,6 +279,38 @@ def test_a_bad_frame_gets_an_error_frame_and_the_session_goes_on(pair, role):
             assert reply["type"] == "error" and reply["data"]["code"] == code, reply
         ws.send(json.dumps({"type": "state"}))
         assert json.loads(ws.recv(timeout=WAIT))["type"] == "state", "the session survived"
+
+
+def test_sessions_the_node_ends_end_cleanly_through_the_scheduler(pair):
+    """The node ends each session (a ``close`` request; an episode released behind the
+    session's back, which is a SESSION_ERROR): the client gets every frame the node sent,
+    then the node's close code, and the scheduler's proxy raises nothing (it raised
+    ServerError from Sanic's frame assembler on every such session)."""
+    sched = pair["sched"]
+    url = sched.url.replace("http://", "ws://") + "/openenv/mbpp/ws"
+    for _ in range(3):
+        with connect(url, open_timeout=WAIT, close_timeout=5) as ws:
+            ws.send(json.dumps({"type": "reset"}))
+            assert json.loads(ws.recv(timeout=WAIT))["type"] == "observation"
+            ws.send(json.dumps({"type": "close"}))
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=WAIT)
+            assert ws.close_code == 1000
+        with connect(url, open_timeout=WAIT, close_timeout=5) as ws:
+            ws.send(json.dumps({"type": "reset", "data": {"episode_id": "e"}}))
+            assert json.loads(ws.recv(timeout=WAIT))["type"] == "observation"
+            instances = httpx.get(pair["node"].url + "/instances", params={"state": "active"}, timeout=WAIT).json()
+            assert len(instances["instances"]) == 1, instances
+            for row in instances["instances"]:  # behind the session's back
+                httpx.post(f"{pair['node'].url}/instances/{row['instance_id']}/release", timeout=WAIT)
+            ws.send(json.dumps({"type": "step", "data": {"code": "1"}}))
+            frame = json.loads(ws.recv(timeout=WAIT))
+            assert frame["type"] == "error" and frame["data"]["code"] == "SESSION_ERROR", frame
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=WAIT)
+            assert ws.close_code == 1000
+    log = sched.log()
+    assert "frame assembler" not in log and "Traceback" not in log, log[-4000:]
 
 
 def _log_has_no_traceback(proc: EnvhubProcess) -> None:
