@@ -69,6 +69,8 @@ class Settings:
     affinity_window: float = 120.0
     health_interval: float = 2.0
     health_timeout: float = 2.0
+    # Failed health checks in a row after which the calls in flight to a node end with 503.
+    cut_after_checks: int = 2
     scheduler_wait: float = 0.0
     forward_timeout: float = 3600.0
     # Seconds one HTTP call may take before the server gives up on it (Sanic's response
@@ -160,6 +162,7 @@ _BOUNDS: dict[str, tuple[float, bool]] = {
     "affinity_window": (0, True),
     "health_interval": (0, False),
     "health_timeout": (0, False),
+    "cut_after_checks": (1, True),
     "scheduler_wait": (0, True),
     "forward_timeout": (0, False),
     "response_timeout": (0, False),

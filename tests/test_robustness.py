@@ -9,17 +9,23 @@ The generated-input side of this (hypothesis over every route) is tests/test_fuz
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import signal
+import threading
+import time
+import uuid
 
 import httpx
 import pytest
 import yaml
-from conftest import EnvhubProcess
+from conftest import EnvhubProcess, sandbox_dirs
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from envhub.errors import StartupError
+from envhub.errors import StartupError, UpstreamUnavailable
+from envhub.scheduler.fleet import Node
 from envhub.settings import Settings
 
 MBPP_ONLY = ("--set", "environments.terminal-bench.enabled=false")
@@ -311,6 +317,103 @@ def test_sessions_the_node_ends_end_cleanly_through_the_scheduler(pair):
             assert ws.close_code == 1000
     log = sched.log()
     assert "frame assembler" not in log and "Traceback" not in log, log[-4000:]
+
+
+# -- a frozen node holds no call --------------------------------------------------------------
+
+
+def test_calls_in_flight_to_a_frozen_node_end_with_503_naming_it(tmp_path):
+    """SIGSTOP a node while a step runs on it through the scheduler: new calls get 503 at
+    once (as before), and the call in flight, whose own timeout is forward_timeout (an
+    hour), ends with 503 naming the node once the node has failed its health checks."""
+    node = EnvhubProcess(tmp_path / "node", *MBPP_ONLY, "--capacity", "2").start()
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": node.url, "slots": 2}]}))
+    sched = EnvhubProcess(
+        tmp_path / "sched",
+        "--set",
+        f"nodes_file={nodes_yaml}",
+        "--set",
+        "health_interval=0.2",
+        "--set",
+        "health_timeout=1",
+        "--set",
+        "retry_max_wait=0",
+        role="scheduler",
+    ).start()
+    stopped = False
+    try:
+        created = httpx.post(
+            sched.url + "/instances",
+            json={"environment": "mbpp", "task_id": "13", "params": {"run_timeout": 30}},
+            timeout=WAIT,
+        )
+        assert created.status_code == 201, created.text
+        iid = created.json()["instance_id"]
+        marker = f"step-running-{uuid.uuid4().hex[:8]}"
+        code = f"import time\nopen({marker!r}, 'w').close()\ntime.sleep(600)"
+        result: dict[str, httpx.Response | BaseException] = {}
+
+        def slow_step() -> None:
+            try:
+                result["r"] = httpx.post(
+                    f"{sched.url}/instances/{iid}/step",
+                    json={"action": {"tool": "run_python", "arguments": {"code": code}}},
+                    timeout=WAIT,
+                )
+            except BaseException as e:  # reported below, in the test's thread
+                result["r"] = e
+
+        t = threading.Thread(target=slow_step)
+        t.start()
+        deadline = time.monotonic() + WAIT
+        while not any((d / marker).exists() for d in sandbox_dirs(node.data_dir)):
+            assert time.monotonic() < deadline, "the step did not start running on the node"
+            time.sleep(0.05)
+        node.proc.send_signal(signal.SIGSTOP)
+        stopped = True
+        t0 = time.monotonic()
+        t.join(WAIT + 5)
+        r = result["r"]
+        assert isinstance(r, httpx.Response), f"the call in flight hung: {r!r}"
+        took = time.monotonic() - t0
+        err = r.json()
+        assert r.status_code == 503 and err["code"] == "upstream_unavailable", r.text
+        assert node.url in err["error"] and err["node"] == node.url, err
+        assert "health checks" in err["error"], err
+        assert took < WAIT, took  # a few health rounds, not forward_timeout
+        again = httpx.post(
+            f"{sched.url}/instances/{iid}/step",
+            json={"action": {"tool": "run_python", "arguments": {"code": "1"}}},
+            timeout=WAIT,
+        )
+        assert again.status_code == 503 and again.json()["node"] == node.url, again.text
+    finally:
+        if stopped:
+            node.proc.send_signal(signal.SIGCONT)
+        assert sched.stop() == 0 and node.stop() == 0
+
+
+async def test_a_cut_ends_the_calls_in_flight_and_never_swallows_a_real_cancel():
+    node = Node(url="http://n", slots=1)
+
+    async def call() -> None:
+        async with node.in_flight("GET /x"):
+            await asyncio.sleep(60)
+
+    cut = asyncio.ensure_future(call())
+    await asyncio.sleep(0)
+    assert node.cut_calls("froze") == 1
+    with pytest.raises(UpstreamUnavailable, match="node http://n froze: GET /x was cut off"):
+        await cut
+    assert node.calls == set()
+    cancelled = asyncio.ensure_future(call())  # a client that goes away, at the same moment
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    node.cut_calls("froze")
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert node.cut_calls("froze") == 0
 
 
 def _log_has_no_traceback(proc: EnvhubProcess) -> None:

@@ -19,7 +19,9 @@ Invariants:
   not at all, and whatever the scheduler cannot see (reaps, other clients, a restarted
   node) is right again at the next ``health_interval``.
 - A node that fails a health check is down: it gets no creates, and calls for its
-  instances get 503 at once; it is up again at its next good check.
+  instances get 503 at once; it is up again at its next good check. Once it has failed
+  ``cut_after_checks`` checks in a row, the calls already in flight to it end with 503
+  naming it too (fleet.InFlight), whatever their own timeout.
 """
 
 from __future__ import annotations
@@ -114,8 +116,19 @@ class SchedulerService:
         for node, result in zip(self.nodes, results, strict=True):
             if isinstance(result, Exception):
                 log.error("health check of %s", node.url, exc_info=result)
-                self.mark_down(node, f"{type(result).__name__}: {result}")
+                self._check_failed(node, f"{type(result).__name__}: {result}")
         self._prune_route_cache()
+
+    def _check_failed(self, node: Node, why: str) -> None:
+        """A failed health check: the node is down (no creates, calls answered 503 at once),
+        and after ``cut_after_checks`` in a row the calls in flight to it end too, however
+        long their own timeout (``forward_timeout``) is: a frozen node never answers them."""
+        self.mark_down(node, why)
+        node.failed_checks += 1
+        if node.failed_checks >= self.settings.cut_after_checks:
+            cut = node.cut_calls(f"failed {node.failed_checks} health checks in a row ({why})")
+            if cut:
+                log.warning("node %s: cut off %d call(s) in flight", node.url, cut)
 
     def _prune_route_cache(self) -> None:
         """Forget the cached routes of instances their node no longer holds (reaped idle,
@@ -145,11 +158,12 @@ class SchedulerService:
         except (UpstreamUnavailable, ValueError) as e:
             if node.healthy:
                 log.warning("node %s is down: %s", node.url, e)
-            self.mark_down(node, f"{type(e).__name__}: {e}")
+            self._check_failed(node, f"{type(e).__name__}: {e}")
             return
         if not node.healthy:
             log.info("node %s is up", node.url)
         node.healthy, node.error, node.last_seen, node.info = True, None, time.time(), report
+        node.failed_checks = 0
         self._freed.set()
 
     async def health_forever(self) -> None:
@@ -438,9 +452,11 @@ class SchedulerService:
         return list(await asyncio.gather(*(one(n) for n in self.nodes)))
 
     async def call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
-        """One call to ``node`` (``peers.call``); a transport failure marks it down."""
+        """One call to ``node`` (``peers.call``); a transport failure marks it down, and
+        the node failing ``cut_after_checks`` health checks in a row ends it (503)."""
         try:
-            return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
+            async with node.in_flight(f"{method} {path}"):
+                return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
         except UpstreamUnavailable:
             self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
             raise
