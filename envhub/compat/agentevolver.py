@@ -2,8 +2,9 @@
 
 Requests are ``ServiceRequest`` bodies ``{env_type, task_id, instance_id, messages,
 params}``; replies are ``{"success": true, "data": ...}``. A missing required field or an
-unknown instance is ``400 {"detail": "<message>"}`` (AgentEvolver's ValueError path);
-anything else that fails is ``500 {"detail": "<message>"}``, without a traceback.
+unknown instance is ``400 {"detail": "<message>"}`` (AgentEvolver's ValueError path); any
+other error of the client's (a wrong state, a full node) keeps envhub's 4xx status, and
+only a failure of the service is ``500 {"detail": "<message>"}``, without a traceback.
 ``/release`` of an unknown id is ``200 {"success": false, "data": null}``.
 
 Actions: the assistant message's tool calls (``{"name", "arguments": "<json>"}``, or
@@ -55,7 +56,15 @@ async def call(fn, *args) -> Any:
     except InvalidRequest as e:
         raise AEError(400, e.message) from None
     except EnvhubError as e:
-        raise AEError(400 if e.status == 404 else 500, e.message) from None
+        # The client's own mistakes (a wrong state, a full node) keep their 4xx; only
+        # failures of the service are AgentEvolver's 500.
+        raise AEError(_status(e), e.message) from None
+
+
+def _status(e: EnvhubError) -> int:
+    if e.status == 404:
+        return 400  # AgentEvolver's "Instance ... not found!" is a ValueError: 400
+    return e.status if 400 <= e.status < 500 else 500
 
 
 async def get_env_profile(backend: Backend, body: dict[str, Any]) -> list[str]:
@@ -177,4 +186,4 @@ async def release(backend: Backend, body: dict[str, Any]) -> bool:
     except EnvhubError as e:
         if e.status == 404:
             return False
-        raise AEError(500, e.message) from None
+        raise AEError(_status(e), e.message) from None
