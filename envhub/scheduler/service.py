@@ -470,7 +470,8 @@ class SchedulerService:
             async with node.in_flight(f"{method} {path}"):
                 return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
         except UpstreamUnavailable:
-            self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
+            if node.healthy:  # a down node keeps the reason its health check gave
+                self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
             raise
 
     # -- status --------------------------------------------------------------------------
