@@ -316,8 +316,6 @@ def test_a_restarted_scheduler_holds_creates_whose_node_missed_a_check_and_makes
         "--set",
         "health_interval=0.2",
         "--set",
-        "health_timeout=0.5",
-        "--set",
         "retry_max_wait=0",
         role="scheduler",
     ).start()
@@ -359,11 +357,11 @@ def test_a_restarted_scheduler_holds_creates_whose_node_missed_a_check_and_makes
             if iid in held:
                 assert r.status_code == 503 and r.headers.get("Retry-After"), (iid, r.status_code, r.text)
                 assert r.json()["node"] == nodes[0].url, r.text
-            else:
-                assert r.status_code == 200, (iid, r.status_code, r.text)  # a replay
+            else:  # a replay; or, should the other node miss a check on a loaded machine, a 503 too
+                assert r.status_code in (200, 503), (iid, r.status_code, r.text)
         nodes[0].proc.send_signal(signal.SIGCONT)
         stopped.clear()
-        pending = set(held)
+        pending = {iid for iid, r in first.items() if r.status_code != 200}
         deadline = time.monotonic() + TIMEOUT
         while pending:
             assert time.monotonic() < deadline, f"never created: {sorted(pending)}"

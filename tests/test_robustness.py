@@ -330,8 +330,6 @@ def test_calls_in_flight_to_a_frozen_node_end_with_503_naming_it(tmp_path):
         "--set",
         "health_interval=0.2",
         "--set",
-        "health_timeout=1",
-        "--set",
         "retry_max_wait=0",
         role="scheduler",
     ).start()
