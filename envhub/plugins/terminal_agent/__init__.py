@@ -10,12 +10,12 @@ fails. Malformed calls are answered with an error message, so a model can recove
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from envhub.agent import Agent, AgentResult, AgentSession, ModelError
 from envhub.errors import InvalidRequest
 from envhub.hookspecs import hookimpl
+from envhub.util import strict_json
 
 
 class TerminalAgent(Agent):
@@ -74,15 +74,17 @@ class TerminalAgent(Agent):
         """Run one tool call; returns (steps taken, text for the model)."""
         if not isinstance(call, dict):
             return 0, "error: a tool call must be an object"
-        function = call.get("function") or {}
+        function = call.get("function")
+        if not isinstance(function, dict):
+            return 0, "error: a tool call needs a function object with name and arguments"
         name = function.get("name")
         if name not in known:
             return 0, f"error: there is no tool {name!r}; tools: {', '.join(sorted(n for n in known if n))}"
         raw = function.get("arguments") or "{}"
         try:
-            arguments = json.loads(raw) if isinstance(raw, str) else raw
-        except ValueError as e:
-            return 0, f"error: the arguments are not valid JSON ({e})"
+            arguments = strict_json.loads(raw) if isinstance(raw, str) else raw
+        except strict_json.BadJSON as e:
+            return 0, f"error: the arguments are not valid JSON ({e.message})"
         if not isinstance(arguments, dict):
             return 0, "error: the arguments must be a JSON object"
         try:
