@@ -54,6 +54,7 @@ class ModelClient:
     timeout_s: float = 120.0
     calls: int = 0
     tokens: int = 0
+    finish_reason: str | None = None  # of the last completion ("length": cut at its token limit)
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
         """One completion; returns the assistant message (``content``, ``tool_calls``)."""
@@ -85,6 +86,8 @@ class ModelClient:
         tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
         if isinstance(tokens, int) and not isinstance(tokens, bool):
             self.tokens += tokens
+        reason = reply["choices"][0].get("finish_reason")
+        self.finish_reason = reason if isinstance(reason, str) else None
         return message
 
 
@@ -104,8 +107,12 @@ class AgentSession:
 @dataclass
 class AgentResult:
     """How the run ended. ``termination_reason``: ``finished`` (the model stopped calling
-    tools), ``max_steps``, ``token_budget``, ``timeout``, ``model_timeout``,
-    ``model_error``, ``malformed_tool_calls``. ``error`` is set when the reason is a failure."""
+    tools), ``completion_length_exceeded`` (its last reply was cut at its token limit),
+    ``max_steps``, ``token_budget``, ``timeout``, ``model_timeout``, ``model_error``,
+    ``malformed_tool_calls``. ``error`` is set when the reason is a failure. ``summary``
+    holds the agent's counts: ``total_tool_calls``, ``max_parallel_tool_call`` (the most
+    in one reply) and ``parse_error_count`` (calls that could not be read), which
+    SETA's trainer reads from ``run_info.agent_summary``."""
 
     termination_reason: str
     steps: int = 0

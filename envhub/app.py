@@ -30,6 +30,7 @@ from envhub.scheduler.service import SchedulerService
 from envhub.settings import Settings
 from envhub.store import identity
 from envhub.store.db import Database, migrate
+from envhub.util.files import private_dir
 from envhub.web import (
     admin,
     builds,
@@ -154,6 +155,7 @@ def setup_plugins(app: Any, pm: pluggy.PluginManager | None) -> None:
 def setup_store(app: Any) -> None:
     @app.before_server_start(priority=1000)
     async def open_store(app: Any) -> None:
+        private_dir(app.ctx.settings.data_dir)  # grading records and logs: the node's user only
         app.ctx.db = await Database.open(app.ctx.settings.db_path)
         try:
             await migrate(app.ctx.db)

@@ -34,6 +34,10 @@ class SandboxSpec:
     reach despite the egress policy) are only meaningful for container sandboxes. ``labels`` are
     attached to the sandbox where the backend supports it, so that leaked resources can
     be found.
+
+    ``functions`` (Python sandboxes): names of built-in functions episode code may call
+    with one string, to hand it to the environment (MBPP's ``submit_solution(code)``);
+    each call is reported in :attr:`ExecResult.calls`. Other sandboxes ignore them.
     """
 
     instance_id: str
@@ -45,6 +49,7 @@ class SandboxSpec:
     limits: Limits = field(default_factory=Limits)
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    functions: tuple[str, ...] = ()
 
 
 @dataclass
@@ -58,7 +63,9 @@ class ExecResult:
     sandboxes). ``value`` is the JSON value of a trailing expression, when the sandbox
     supports it and the value is JSON-serialisable; ``value_repr`` is its ``repr``.
     ``restarted`` tells that the sandbox lost its state (its interpreter was killed) and
-    this call ran in a fresh one.
+    this call ran in a fresh one. ``calls`` lists the calls of the spec's ``functions``
+    the code made, in order, as ``[name, argument]``: what episode code chose to hand
+    over, as untrusted as the rest of the result.
     """
 
     stdout: str = ""
@@ -71,6 +78,7 @@ class ExecResult:
     duration_s: float = 0.0
     truncated: bool = False
     restarted: bool = False
+    calls: list[list[str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,7 +105,9 @@ class Sandbox:
       nothing behind.
     - :meth:`exec` never raises because the code failed, timed out or crashed the
       interpreter: that is reported in the :class:`ExecResult`. It raises
-      :class:`envhub.SandboxError` only when the sandbox itself is unusable.
+      :class:`envhub.SandboxError` only when the sandbox itself is unusable, and
+      :class:`envhub.Gone` when the sandbox died with state no fresh one can have (an
+      AppWorld world): the node then ends the instance as ``lost`` and frees its slot.
     - :meth:`destroy` is idempotent, accepts handles it no longer knows, and leaves no
       process, container, file or uid behind.
 
@@ -169,6 +179,14 @@ class Sandbox:
         """Stop the sandbox and free everything it holds. Idempotent."""
         raise NotImplementedError
 
+    def exposes(self, paths: list[str]) -> list[str]:
+        """Those of ``paths`` (on the node's host) that episode code could read, although
+        they must be hidden from it: a node refuses a ``POST /config`` that would switch
+        an environment to a dataset there (what is hidden is fixed when the sandbox
+        starts). The default, for sandboxes that do not share the host's files (a
+        container): none."""
+        return []
+
     # -- surviving a restart of the node (optional; the defaults mean "cannot") ----------
 
     #: True when sandboxes outlive their node process and can be adopted again.
@@ -221,6 +239,10 @@ class BuildRequest:
     dockerfile: str
     timeout: float = 600.0
     extra_files: dict[str, bytes] = field(default_factory=dict)
+    # Paths relative to ``context_dir`` that are never sent to the engine: a task's tests
+    # and reference solution, when they lie in its build context, must not end up in the
+    # image the agent runs in (a Dockerfile's ``COPY . /app`` would put them there).
+    exclude: tuple[str, ...] = ()
 
 
 class ImageBuilder(Protocol):
@@ -237,6 +259,7 @@ class ImageBuilder(Protocol):
         log_path: Path,
         timeout: float,
         extra_files: dict[str, bytes],
+        exclude: tuple[str, ...] = (),
     ) -> None:
         """Build ``image`` from ``context_dir`` with ``dockerfile`` as its Dockerfile text;
         raise ``BuildFailed`` (message: what went wrong and the log's tail) on failure."""

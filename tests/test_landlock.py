@@ -131,10 +131,11 @@ def open_dir():
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenario, open_dir):
-    """Episode code cannot open the dataset, the node's database, its trial logs or its
-    config file, nor connect to the node's port or signal the node. A file beside the
-    dataset and the config, which it may read, shows that only the cover stops it (the
-    uids and modes alone would let it through). Grading still works."""
+    """Episode code sees an allow-list view: it cannot open the dataset, the node's
+    database, its trial logs or its config file, nor a copy of the dataset elsewhere or
+    any other file outside Python, the system's libraries and its own dir; nor connect to
+    the node's port or signal the node. Its own dir, temporary files and imports work,
+    and grading still works."""
     prefix = SCENARIOS[scenario]
     found = _python_for(SCENARIOS["nobody"])  # the zygote's too: sandbox uids must reach it
     if found is None:
@@ -142,8 +143,11 @@ def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenar
     python, env = found
     dataset = open_dir / "mbpp.jsonl"
     dataset.write_text((Path(envhub.__file__).parent / "plugins" / "mbpp" / "data" / "mbpp_sample.jsonl").read_text())
-    visible = open_dir / "visible.txt"
+    visible = open_dir / "visible.txt"  # readable by every user: only the view keeps it out
     visible.write_text("visible")
+    copy = open_dir / "elsewhere" / "copy-of-the-dataset.jsonl"
+    copy.parent.mkdir()
+    copy.write_text(dataset.read_text())
     data = open_dir / "data"
     data.mkdir()
     if scenario == "nobody":
@@ -190,6 +194,8 @@ def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenar
                 str(data / "trials"),
                 str(log),
                 str(config),
+                str(visible),
+                str(copy),
             ]
             code = f"""
 import os, socket, tempfile
@@ -213,13 +219,12 @@ open("mine.txt", "w").write("ok")
 with tempfile.TemporaryFile() as f:
     f.write(b"tmp")
 json_ok = __import__("json").dumps([1])
-seen, open({str(visible)!r}).read(), open("mine.txt").read(), json_ok"""
+seen, open("mine.txt").read(), json_ok"""
             r = client.post(
                 f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": code}}}
             ).json()
             assert r["observation"]["exception"] is None, r["observation"]
-            seen, control, own, _ = eval(r["observation"]["value_repr"])
-            assert control == "visible", "a file beside the hidden ones is readable"
+            seen, own, _ = eval(r["observation"]["value_repr"])
             assert own == "ok", "the sandbox's own dir still works"
             for path in paths:
                 assert seen[path] in ("PermissionError", "FileNotFoundError"), (path, seen[path])

@@ -1,158 +1,152 @@
-"""The MBPP grader on its own: how the node splits hidden tests, and how the grader
-tells passed, failed, error and timeout apart. It runs in this process, as it would in
-a sandbox interpreter; the API tests cover it inside a real sandbox."""
+"""MBPP grading in its two halves, in this process: how the node cuts a hidden test into
+probes and a template (grading.py), what the untrusted harness reports (_mbpp_harness.py),
+and the verdict the node reaches on it. The API tests and tests/test_red_team.py cover
+the same through a real node, with the harness in a real sandbox."""
 
 from __future__ import annotations
 
-import builtins
+import json
+import math
 import sys
 
-from envhub.plugins.mbpp import _mbpp_harness
-from envhub.plugins.mbpp.environment import prepare_tests
+import pytest
 
-_ORIGINAL = (builtins.bool, builtins.eval, builtins.compile)
-
-
-def test_tests_are_split_once_by_the_node():
-    assert prepare_tests(
-        [
-            "assert f(1) == 2",
-            "assert f(2), 'two'",
-            "x = f(3)",
-            "assert f(",
-            "assert 1 < f(4) < 9",
-            "assert f(5) not in (1, 2)",
-            "assert (y := f(6)) == 6",
-        ]
-    ) == [
-        ("assert f(1) == 2", "(\nf(1)\n,\n2\n)", "=="),
-        ("assert f(2), 'two'", "(\nf(2)\n)", "eval"),
-        ("x = f(3)", "x = f(3)", "exec"),
-        ("assert f(", prepare_tests(["assert f("])[0][1], None),
-        ("assert 1 < f(4) < 9", "(\n1 < f(4) < 9\n)", "eval"),  # a chain is not one comparison
-        ("assert f(5) not in (1, 2)", "(\nf(5)\n,\n(1, 2)\n)", "not in"),
-        ("assert (y := f(6)) == 6", "(\ny := f(6)\n,\n6\n)", "=="),
-    ]
-    assert "SyntaxError" in prepare_tests(["assert f("])[0][1]
+from envhub.plugins.mbpp import _mbpp_harness, grading
 
 
-def test_every_kind_of_compared_side_still_grades():
-    """The grader gets a comparison's two sides as a tuple: whatever an operand may be
-    (a bare ``:=``, lambda, conditional, ``not``, generator, nested comparison), the pair
-    must parse and grade like the assert."""
-    tests = [
-        "assert (y := f(1)) == 2",
-        "assert (lambda: f(1))() == 2",
-        "assert (f(1) if True else 0) == 2",
-        "assert (not f(0)) == True",
-        "assert sum(f(i) for i in (1, 2)) == 6",
-        "assert (f(1) == 2) == True",
-        "assert [f(1)] == [\n    2,  # a comment\n]",
-    ]
-    out = grade("def f(n):\n    return 2 * n", tests)
-    assert [r["status"] for r in out["results"]] == ["passed"] * len(tests), out
+def grade(solution: str, tests: list[str], cpu: float = 2.0, setup: str = "", shadowed=frozenset()) -> list[str]:
+    """The whole grading, both halves here: the statuses of ``tests``."""
+    plans = [grading.plan(t, frozenset(shadowed)) for t in tests]
+    probed = _mbpp_harness.probe(solution, setup, [list(p.probes) for p in plans], cpu)
+    probed = json.loads(json.dumps(probed))  # what crosses the channel: JSON
+    assert probed["stage"] == "tests", probed
+    out = []
+    for plan, reported in zip(plans, probed["results"], strict=True):
+        out.append(grading.judge(plan, reported["values"])[0] if "values" in reported else reported["status"])
+    return out
 
 
-def test_an_assert_over_several_lines_or_with_a_comment_still_grades():
-    tests = ["assert f(1) == \\\n    2  # one", "assert (f(2) ==\n        4)", "assert f(3) == 7  # wrong"]
-    out = grade("def f(n):\n    return 2 * n", tests)
-    assert [r["status"] for r in out["results"]] == ["passed", "passed", "failed"]
+def test_a_test_is_cut_into_the_calls_it_makes_and_a_template_without_them():
+    p = grading.plan("assert set(similar((3, 4), (5, 4))) == set((4,))")
+    assert p.probes == ("(\nsimilar((3, 4), (5, 4))\n)",) and p.error is None
+    p = grading.plan("assert math.isclose(area(2), 12.56, rel_tol=0.001)")
+    assert p.probes == ("(\narea(2)\n)",)
+    p = grading.plan("assert f(g(1))[0] + 1 == -f(2)")
+    assert p.probes == ("(\nf(g(1))[0]\n)", "(\nf(2)\n)")
 
 
-def grade(solution, tests, cpu=2.0, setup=""):
-    return _mbpp_harness.grade(solution, setup, prepare_tests(tests), cpu)
+def test_the_expected_values_never_reach_the_untrusted_side():
+    for test in ("assert f([1, 2, 3]) == [3, 2, 1]", "assert f('abc') == 'SECRET-ANSWER'", "assert not f(5)"):
+        for probe in grading.plan(test).probes:
+            assert "3, 2, 1" not in probe and "SECRET" not in probe and "not" not in probe
+
+
+def test_a_name_the_reference_binds_at_module_level_is_the_solution_s():
+    assert grading.top_level_names("def sum(a, b):\n    total = 0\n    return a + b") == {"sum"}
+    assert grading.top_level_names("import math\nimport re as math2\nfrom os import path\nx = 1") == {
+        "math2",
+        "path",
+        "x",
+    }
+    assert grading.plan("assert sum(10, 15) == 6").probes == ()  # the built-in: nothing to run
+    assert grading.plan("assert sum(10, 15) == 6", frozenset({"sum"})).probes == ("(\nsum(10, 15)\n)",)
+
+
+@pytest.mark.parametrize(
+    "test, why",
+    [
+        ("x = f(3)", "one assert"),
+        ("assert f(", "does not parse"),
+        ("assert all(f(x) == y for x, y in [(1, 2)])", "inside a GeneratorExp"),
+        ("assert f(1) == 2 ** 100000", "power"),
+        ("assert f(1) == ().__class__", "attribute"),
+        ("assert f(1) == (lambda: 1)()", "Lambda"),
+    ],
+)
+def test_a_test_outside_the_grammar_is_an_error_that_says_why(test, why):
+    p = grading.plan(test)
+    assert p.template is None and why in p.error
+    assert grading.judge(p, [])[0] == "error"
 
 
 def test_passed_failed_error_and_timeout_are_told_apart():
     solution = "def f(n):\n    if n < 0: raise ValueError('negative')\n    while n == 99: pass\n    return n * 2"
-    out = grade(
-        solution,
-        ["assert f(1) == 2", "assert f(1) == 3", "assert f(-1) == 0", "assert f(99) == 0", "assert f("],
-        cpu=0.3,
-    )
-    assert out["stage"] == "tests"
-    assert [r["status"] for r in out["results"]] == ["passed", "failed", "error", "timeout", "error"]
-    assert "ValueError: negative" in out["results"][2]["error"]
-    assert "SyntaxError" in out["results"][4]["error"]
+    tests = ["assert f(1) == 2", "assert f(1) == 3", "assert f(-1) == 0", "assert f(99) == 0", "assert f(1) < 'x'"]
+    assert grade(solution, tests, cpu=0.3) == ["passed", "failed", "error", "timeout", "error"]
 
 
-def test_what_graded_code_prints_goes_nowhere_and_the_streams_come_back(capsys):
-    """The grader swaps sys.stdout and sys.stderr by hand around each run; a timeout and a
-    solution that replaces the streams itself must not leave them swapped."""
-    streams = sys.stdout, sys.stderr
+def test_values_travel_as_plain_data_of_their_exact_built_in_types():
+    values = [
+        None, True, 3, -(2**80), 1.5, float("nan"), float("-inf"), 1 + 2j, "é", b"\x00\xff", bytearray(b"x"),
+        [1, (2, 3)], (1,), {4, 5}, frozenset({6}), {(1, 2): {"k": [None]}, 3: "x"},
+    ]  # fmt: skip
+    for value in values:
+        back = grading.decode(json.loads(json.dumps(_mbpp_harness.plain(value))))
+        assert type(back) is type(value), value
+        assert back == value or (isinstance(value, float) and math.isnan(value) and math.isnan(back))
+
+
+def test_subclasses_of_built_in_types_report_their_data_not_their_methods():
+    """An int whose __eq__ answers True reports its integer: the verdict compares data."""
+
+    class Liar(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    class Sneaky(int):
+        __class__ = property(lambda self: int)
+
+    assert _mbpp_harness.plain(Liar(7)) == 7
+    assert _mbpp_harness.plain(Sneaky(8)) == 8
+    assert _mbpp_harness.plain({"k": Liar(2)}) == {"d": [["k", 2]]}
+
+
+def test_values_that_are_not_plain_data_are_not_counted():
     solution = (
-        "import sys\nprint('solution says')\ndef f(n):\n    print('f says', n)\n"
-        "    sys.stderr.write('f complains')\n    while n == 99: pass\n    sys.stdout = None\n    return n"
+        "class Any:\n    def __eq__(self, other): return True\n    def __bool__(self): return True\n"
+        "def f(x): return Any()\ndef g(x): return [1, Any()]\ndef h(x): return (i for i in range(x))\n"
     )
-    out = grade(solution, ["assert f(1) == 1", "assert f(99) == 0", "print('test says') or f(2) == 2"], cpu=0.3)
-    assert [r["status"] for r in out["results"]] == ["passed", "timeout", "passed"], out
-    assert (sys.stdout, sys.stderr) == streams
-    printed = capsys.readouterr()
-    assert "says" not in printed.out and "complains" not in printed.err
-
-
-def test_a_solution_that_rebinds_builtins_cannot_change_its_grade():
-    solution = (
-        "import builtins\nbuiltins.bool = lambda x: True\nbuiltins.eval = lambda *a: True\n"
-        "builtins.compile = lambda *a, **k: compile('True', '<x>', 'eval')\ndef f():\n    return 1"
+    assert (
+        grade(solution, ["assert f(1) == 2", "assert g(1) == [1, 5]", "assert f(0)", "assert h(2) == [0, 1]"])
+        == ["failed"] * 4
     )
-    try:
-        out = grade(solution, ["assert f() == 2", "assert f() == 1"])
-    finally:
-        builtins.bool, builtins.eval, builtins.compile = _ORIGINAL  # this process is the test runner
-    assert [r["status"] for r in out["results"]] == ["failed", "passed"]
 
 
-def test_a_broken_solution_or_setup_fails_at_its_stage():
-    assert grade("def f(:", ["assert True"])["stage"] == "solution"
-    assert grade("x = 1", ["assert True"], setup="raise RuntimeError('setup')")["stage"] == "setup"
-
-
-def test_an_answer_whose_comparison_the_solution_defined_is_not_counted():
-    """The reward hack RL finds first: an object equal to everything. Also inside a list,
-    through an int subclass (one that claims to be an int, inside a dict too), against
-    ``!=``, ``in`` and ``<``, and as a truth value."""
-    solution = (
-        "class Any:\n    def __eq__(self, other): return True\n    def __ne__(self, other): return False\n"
-        "    __hash__ = None\n"
-        "class Num(int):\n    __eq__ = lambda self, other: True\n"
-        "class Yes:\n    def __bool__(self): return True\n"
-        "class Below:\n    def __lt__(self, other): return True\n"
-        "class Sneaky(int):\n    __class__ = property(lambda self: int)\n    def __eq__(self, other): return True\n"
-        "def f(x): return Any()\ndef g(x): return [1, Any()]\ndef h(x): return Num(x)\n"
-        "def t(x): return Yes()\ndef b(x): return Below()\ndef honest(x): return x + 1\n"
-        "def s(x): return {'k': Sneaky(x)}\n"
-    )
-    tests = [
-        "assert f(1) == 2",
-        "assert g(1) == [1, 5]",
-        "assert h(1) == 2",
-        "assert f(1) != 3",
-        "assert 7 in [f(1)]",
-        "assert t(0)",
-        "assert b(1) < 0",
-        "assert honest(1) == 2",
-        "assert h(1) is not None",
-        "assert s(1) == {'k': 2}",
-    ]
-    out = grade(solution, tests)
-    assert [r["status"] for r in out["results"]] == ["failed"] * 7 + ["passed", "passed", "failed"], out
-    assert "Any, whose __eq__ the solution defined" in out["results"][0]["error"]
-    assert "Num, whose __eq__" in out["results"][2]["error"]
-    assert "Yes, whose __bool__" in out["results"][5]["error"]
-
-
-def test_answers_of_the_solution_s_own_plain_classes_still_count():
-    """Only comparison methods the solution wrote are distrusted: subclasses of built-in
-    types and dataclasses (whose __eq__ the standard library writes) compare as usual."""
+def test_answers_that_are_plain_data_count_dataclasses_and_built_in_subclasses_included():
     solution = (
         "import dataclasses, collections\n"
         "@dataclasses.dataclass\nclass P:\n    x: int\n"
         "class L(list):\n    pass\n"
         "def p(x): return P(x)\ndef l(x): return L([x])\ndef c(s): return collections.Counter(s)\n"
     )
-    out = grade(
-        solution,
-        ["assert p(1) == P(1)", "assert l(2) == [2]", "assert c('aab') == {'a': 2, 'b': 1}", "assert p(1) == P(2)"],
+    tests = ["assert p(1) == P(1)", "assert l(2) == [2]", "assert c('aab') == {'a': 2, 'b': 1}", "assert p(1) == P(2)"]
+    assert grade(solution, tests) == ["passed", "passed", "passed", "failed"]
+
+
+def test_what_graded_code_prints_goes_nowhere_and_the_streams_come_back(capsys):
+    streams = sys.stdout, sys.stderr
+    solution = (
+        "import sys\nprint('solution says')\ndef f(n):\n    print('f says', n)\n"
+        "    sys.stderr.write('f complains')\n    while n == 99: pass\n    sys.stdout = None\n    return n"
     )
-    assert [r["status"] for r in out["results"]] == ["passed", "passed", "passed", "failed"], out
+    assert grade(solution, ["assert f(1) == 1", "assert f(99) == 0", "assert f(2) == 2"], cpu=0.3) == [
+        "passed",
+        "timeout",
+        "passed",
+    ]
+    assert (sys.stdout, sys.stderr) == streams
+    printed = capsys.readouterr()
+    assert "says" not in printed.out and "complains" not in printed.err
+
+
+def test_a_broken_solution_or_setup_fails_at_its_stage():
+    assert _mbpp_harness.probe("def f(:", "", [[]], 1.0)["stage"] == "solution"
+    assert _mbpp_harness.probe("x = 1", "raise RuntimeError('setup')", [[]], 1.0)["stage"] == "setup"
+
+
+def test_a_test_whose_value_the_submission_computes_wrongly_fails_however_it_compares():
+    solution = "def f(x):\n    return x + 1"
+    tests = ["assert f(1) != 2", "assert 3 in [f(1)]", "assert f(1) < 2", "assert f(1) is not None", "assert f(0)"]
+    assert grade(solution, tests) == ["failed", "failed", "failed", "passed", "passed"]

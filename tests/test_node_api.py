@@ -155,8 +155,8 @@ def test_partial_and_missing_submissions_get_graded_rewards(client):
 
 
 def test_an_answer_equal_to_everything_earns_no_reward_for_it(client):
-    """The reward hack, through a real sandbox: the grader there must see the class the
-    submission defined behind the answer (see _mbpp_harness)."""
+    """The reward hack, through a real sandbox: an answer that is not plain data is not
+    counted (see mbpp/grading.py); tests/test_red_team.py has the rest."""
     iid = create(client, "13")["instance_id"]
     client.post(
         f"/instances/{iid}/step",
@@ -172,7 +172,7 @@ def test_an_answer_equal_to_everything_earns_no_reward_for_it(client):
     )
     ev = client.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
     assert ev["details"]["passed"] == 0 and ev["reward"] == pytest.approx(0.1)
-    assert all("whose __eq__ the solution defined" in t["error"] for t in ev["details"]["tests"]), ev
+    assert all("Any, not plain data" in t["error"] for t in ev["details"]["tests"]), ev
 
 
 def test_crashing_submission_is_told_apart_from_a_wrong_one(client):
@@ -503,6 +503,11 @@ def test_api_key_is_required_on_every_route_but_health(start_node):
     iid = r.json()["instance_id"]
     assert_error(httpx.post(url + f"/instances/{iid}/release"), 401, "unauthorized")
     assert httpx.post(url + f"/instances/{iid}/release", headers={"X-API-Key": "s3cret"}).status_code == 200
+    # SETA's routes answer as SETA's service does: 403 {"detail": "Invalid API key"}, key or not.
+    for headers in ({}, {"X-API-Key": "wrong"}):
+        body = assert_error(httpx.post(url + "/step", json={"uid": "u", "task": {}}, headers=headers), 403, "forbidden")
+        assert body["detail"] == "Invalid API key"
+        assert_error(httpx.post(url + "/cleanup", headers=headers), 403, "forbidden")
 
 
 def test_retention_deletes_ended_rows_and_keeps_live_ones_and_trial_logs(start_node):

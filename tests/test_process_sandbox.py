@@ -661,3 +661,42 @@ async def test_a_one_shot_run_binds_its_inputs_each_run_afresh(sandboxes):
     with pytest.raises(ValueError, match="not a Python identifier"):
         await sandboxes.run_once(spec(), "1", timeout=5, inputs={"not-a-name": 1})
     assert not sandboxes._boxes
+
+
+def test_the_node_s_cgroups_are_found_from_its_own_and_limited_per_uid(tmp_path):
+    """cgroup v2 with the memory and pids controllers is not what this machine mounts
+    (its controllers are on v1), so a stand-in hierarchy of plain files is used here:
+    the node finds its own cgroup under the mount, hands the controllers down, makes
+    ``envhub-<name>/u<uid>`` and writes the limits, only when they change. The v1 path,
+    the real one here, is exercised by the red-team tests through real nodes."""
+    from envhub.plugins.process_sandbox.cgroups import Cgroups
+
+    if os.geteuid() != 0:
+        pytest.skip("a node makes cgroups only as root")
+    mount = tmp_path / "cgroup2"
+    own = mount / "system.slice" / "envhub.service"
+    own.mkdir(parents=True)
+    (own / "cgroup.controllers").write_text("cpu memory pids\n")
+    (own / "cgroup.subtree_control").write_text("memory pids\n")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text("0::/system.slice/envhub.service\n")
+    (proc / "mountinfo").write_text(f"30 24 0:26 / {mount} rw,nosuid - cgroup2 cgroup2 rw\n")
+    cgroups = Cgroups("t")
+    said = cgroups.start(str(proc))
+    assert said == f"per-episode cgroups: cgroup v2 (memory, pids) under {own / 'envhub-t'}"
+    assert (own / "envhub-t" / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert cgroups.for_uid(200001, 256 << 20, 64) == "u200001"
+    group = own / "envhub-t" / "u200001"
+    assert (group / "memory.max").read_text() == str(256 << 20) and (group / "pids.max").read_text() == "64"
+    (group / "pids.max").write_text("changed behind its back")
+    cgroups.for_uid(200001, 256 << 20, 64)
+    assert (group / "pids.max").read_text() == "changed behind its back", "unchanged limits are not rewritten"
+    cgroups.for_uid(200001, 512 << 20, 32)
+    assert (group / "memory.max").read_text() == str(512 << 20) and (group / "pids.max").read_text() == "32"
+    for f in group.iterdir():
+        f.unlink()  # a real cgroup's files go with it; rmdir needs these gone here
+    for f in (own / "envhub-t").glob("cgroup.*"):
+        f.unlink()
+    cgroups.stop()
+    assert not (own / "envhub-t").exists()

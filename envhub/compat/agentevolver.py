@@ -7,11 +7,27 @@ other error of the client's (a wrong state, a full node) keeps envhub's 4xx stat
 only a failure of the service is ``500 {"detail": "<message>"}``, without a traceback.
 ``/release`` of an unknown id is ``200 {"success": false, "data": null}``.
 
-Actions: the assistant message's tool calls (``{"name", "arguments": "<json>"}``, or
-OpenAI's nested ``function``) become envhub steps, one per call; a message without tool
-calls runs its first fenced code block with the environment's code tool (``run_python``
-for MBPP, ``run_command`` for terminal-bench). Every step's observation comes back as a
-``StateMessage`` ``{"role": "user", "content", "tool_calls": [], "tool_call_id"?}``.
+Actions, from the first of these the assistant message has (AgentEvolver's trainer sends
+``{"role", "content"}`` only, so the text forms are what its models' calls arrive as):
+
+1. its ``tool_calls`` (``{"name", "arguments": "<json>"}``, or OpenAI's nested
+   ``function``), one step each;
+2. tool calls written in its content: ``<tool_call>`` blocks in the Hermes/Qwen JSON or
+   the Qwen3-Coder XML form (``envhub/util/toolcalls.py``), one step each; a block that
+   cannot be read is answered with why, and runs nothing;
+3. its first fenced code block, run with the environment's code tool (``run_python``
+   for MBPP, where code may call ``submit_solution(code)``; ``run_command`` for
+   terminal-bench; ``appworld`` for AppWorld);
+4. with ``params.simple`` at create (AppWorld's raw-code mode), the whole content.
+
+A call of a tool the environment does not have is answered with a message saying so, as
+AgentEvolver's own environments do, and runs nothing. Every step's observation comes
+back as a ``StateMessage`` ``{"role": "user", "content", "tool_calls": [],
+"tool_call_id"?}``.
+
+``/evaluate`` returns the evaluation's reward; its ``params.sparse`` (a boolean) picks
+the ``sparse`` (0 or 1: 1 only when every test passed) or ``dense`` reward instead, as
+AgentEvolver's environments do; so does ``params.sparse`` at create, for the episode.
 """
 
 from __future__ import annotations
@@ -24,10 +40,14 @@ from typing import Any
 
 from envhub.compat.backends import Backend
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
-from envhub.util import strict_json
+from envhub.util import strict_json, toolcalls
 
 # The tool that runs a bare code block, per environment; others: the first tool that takes "code".
-CODE_TOOLS = {"mbpp": ("run_python", "code"), "terminal-bench": ("run_command", "command")}
+CODE_TOOLS = {
+    "mbpp": ("run_python", "code"),
+    "terminal-bench": ("run_command", "command"),
+    "appworld": ("appworld", "code"),
+}
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|$)", re.S)
 
 
@@ -111,18 +131,28 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise AEError(400, "messages must be the assistant's message object")
     instance = await call(backend.get, instance_id)
-    actions = _actions(message, instance["environment"], (instance.get("observation") or {}).get("tools") or [])
-    state, reward, done, info = [], 0.0, False, {}
+    tools = (instance.get("observation") or {}).get("tools") or []
+    raw = (instance.get("params") or {}).get("simple") is True
+    actions, unreadable = _actions(message, instance["environment"], tools, raw=raw)
+    known = {(t.get("function") or {}).get("name") for t in tools}
+    state: list[dict[str, Any]] = [
+        {"role": "user", "tool_calls": [], "content": f"Your tool call could not be read: {why}"} for why in unreadable
+    ]
+    reward, done, info = 0.0, False, {}
     for call_id, tool, arguments in actions:
-        result = await call(backend.step, instance_id, {"action": {"tool": tool, "arguments": arguments}})
-        msg = {"role": "user", "content": str(result["observation"].get("content", "")), "tool_calls": []}
+        if tools and tool not in known:
+            content = f"tools not found in the existing tool list, please check the tool name of {tool}"
+        else:
+            result = await call(backend.step, instance_id, {"action": {"tool": tool, "arguments": arguments}})
+            content = str(result["observation"].get("content", ""))
+            reward, done, info = float(result.get("reward") or 0.0), bool(result.get("done")), result.get("info") or {}
+        msg = {"role": "user", "content": content, "tool_calls": []}
         if call_id:
             msg["tool_call_id"] = call_id
         state.append(msg)
-        reward, done, info = float(result.get("reward") or 0.0), bool(result.get("done")), result.get("info") or {}
         if done:
             break
-    if not actions:
+    if not actions and not unreadable:
         state.append(
             {
                 "role": "user",
@@ -133,7 +163,11 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "reward": reward, "is_terminated": done, "info": info}
 
 
-def _actions(message: dict[str, Any], environment: str, tools: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
+def _actions(
+    message: dict[str, Any], environment: str, tools: list[dict[str, Any]], *, raw: bool = False
+) -> tuple[list[tuple[str, str, Any]], list[str]]:
+    """The steps a message asks for, as ``(call id, tool, arguments)``, and why each tool
+    call written in its content that could not be read was not."""
     out = []
     tool_calls = message.get("tool_calls") or []
     if not isinstance(tool_calls, list):
@@ -149,14 +183,20 @@ def _actions(message: dict[str, Any], environment: str, tools: list[dict[str, An
             raise AEError(400, f"tool call arguments are not acceptable JSON: {e.message}") from None
         out.append((str(tc.get("id") or ""), str(fn.get("name") or ""), args))
     if out:
-        return out
+        return out, []
     content = message.get("content") or ""
-    match = _FENCE.search(content) if isinstance(content, str) else None
-    if match:
+    if not isinstance(content, str):
+        return [], []
+    written = toolcalls.parse(content)
+    if written:
+        return [(c["id"], c["name"], c["arguments"]) for c in written.calls], written.errors
+    match = _FENCE.search(content)
+    code = match.group(2) if match else content if raw and content.strip() else None
+    if code is not None:
         tool, key = CODE_TOOLS.get(environment) or _code_tool(tools)
         if tool:
-            return [("", tool, {key: match.group(2)})]
-    return []
+            return [("", tool, {key: code})], []
+    return [], []
 
 
 def _code_tool(tools: list[dict[str, Any]]) -> tuple[str | None, str]:
@@ -169,7 +209,14 @@ def _code_tool(tools: list[dict[str, Any]]) -> tuple[str | None, str]:
 
 async def evaluate(backend: Backend, body: dict[str, Any]) -> float:
     instance_id = required(body, "instance_id")
-    return float((await call(backend.evaluate, instance_id))["reward"])
+    graded = await call(backend.evaluate, instance_id)
+    sparse = (body.get("params") or {}).get("sparse")
+    rewards = graded.get("rewards")  # every evaluation has both (NodeService.reward_modes)
+    if isinstance(sparse, bool) and isinstance(rewards, dict):
+        mode = "sparse" if sparse else "dense"
+        if isinstance(rewards.get(mode), (int, float)):
+            return float(rewards[mode])
+    return float(graded["reward"])
 
 
 async def get_info(backend: Backend, body: dict[str, Any]) -> str:

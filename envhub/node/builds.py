@@ -83,6 +83,7 @@ class BuildGate:
                     log_path=log_path,
                     timeout=req.timeout,
                     extra_files=req.extra_files,
+                    exclude=req.exclude,
                 )
             except BaseException as e:
                 error = e.message if isinstance(e, EnvhubError) else f"{type(e).__name__}: {e}"

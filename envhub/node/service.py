@@ -13,6 +13,9 @@ it directly. Invariants:
   already counts a create it has seen answered (see envhub/scheduler/service.py).
 - Every sandbox that :meth:`NodeService.create` started is destroyed on release, on
   idle expiry, on shutdown, or at once when the create fails or is cancelled.
+- A step or evaluate whose environment raises ``Gone`` (the sandbox died, and the
+  episode's state with it) ends the instance as ``lost`` and frees its slot before the
+  410 goes out; later calls get 410 too.
 - Calls on one instance are serialised by its lock; calls on different instances run
   concurrently.
 - A create with a client-chosen id is idempotent: a retry returns the first result
@@ -26,11 +29,11 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from envhub.environment import Action, Environment, Episode
+from envhub.environment import Action, Environment, Episode, Evaluation
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
 from envhub.node.capacity import Slots
 from envhub.node.pool import WarmPool, spec_key
@@ -43,6 +46,7 @@ from envhub.store.db import Database, delete_in_batches
 from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.node")
+T = TypeVar("T")
 
 _ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
 _PRUNE_BATCH = 500  # retention (prune_ended): rows per transaction
@@ -62,6 +66,24 @@ class Live:
     done: bool = False
     grading: asyncio.Task | None = None  # the evaluation in progress (or done), shared by its callers
     graded_recorded: bool = False  # that evaluation is in SQLite
+
+
+def reward_modes(evaluation: Evaluation, sparse: Any) -> tuple[dict[str, float], float]:
+    """The ``dense`` and ``sparse`` rewards of an evaluation, and the one an episode gets.
+
+    Every environment has both: ``sparse`` is 1.0 only when the dense reward is full
+    (every test passed), else 0.0, unless the environment reports its own pair in
+    ``details["rewards"]`` (AppWorld does). ``params.sparse`` of the instance (true or
+    false) picks one; without it the environment's own reward stands (MBPP and
+    terminal-bench: dense; AppWorld: its ``reward`` setting)."""
+    own = evaluation.details.get("rewards") if isinstance(evaluation.details, dict) else None
+    if isinstance(own, dict) and all(isinstance(own.get(k), (int, float)) for k in ("dense", "sparse")):
+        rewards = {"dense": float(own["dense"]), "sparse": float(own["sparse"])}
+    else:
+        rewards = {"dense": float(evaluation.reward), "sparse": 1.0 if evaluation.reward >= 1.0 else 0.0}
+    if isinstance(sparse, bool):
+        return rewards, rewards["sparse" if sparse else "dense"]
+    return rewards, float(evaluation.reward)
 
 
 def validate_instance_id(value: Any) -> str:
@@ -215,6 +237,8 @@ class NodeService:
         params = {} if params is None else params
         if not isinstance(params, dict):
             raise InvalidRequest("'params' must be an object", field="params")
+        if params.get("sparse") is not None and not isinstance(params["sparse"], bool):
+            raise InvalidRequest("'params.sparse' must be true or false", field="params.sparse")
         trial = self.settings.default_trial if trial is None else trial
         if not isinstance(trial, str) or not trial.strip():
             raise InvalidRequest("'trial' must be a non-empty string", field="trial")
@@ -372,7 +396,7 @@ class NodeService:
             if live.done:
                 raise Conflict(f"instance {instance_id!r} is done; evaluate or release it", extra={"state": "done"})
             started = time.monotonic()
-            result = await live.env.step(live.episode, action)
+            result = await self._unless_lost(live, live.env.step(live.episode, action))
             live.grading = None  # a step may change the grade: the next evaluate runs again
             live.last_active = time.monotonic()
             live.row.step_count += 1
@@ -446,13 +470,14 @@ class NodeService:
         With ``record_now`` it is recorded here; else the caller records it with the end."""
         async with live.lock:
             self._ensure_still_live(live)
-            evaluation = await live.env.evaluate(live.episode)
+            evaluation = await self._unless_lost(live, live.env.evaluate(live.episode))
             live.last_active = time.monotonic()
-            reply = {"instance_id": live.row.id, "reward": evaluation.reward, "details": evaluation.details}
+            rewards, reward = reward_modes(evaluation, live.episode.params.get("sparse"))
+            reply = {"instance_id": live.row.id, "reward": reward, "rewards": rewards, "details": evaluation.details}
             record = instances.evaluation_statement(
-                live.row.id, reward=evaluation.reward, evaluation=reply, env_state=live.episode.state
+                live.row.id, reward=reward, evaluation=reply, env_state=live.episode.state
             )
-            live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
+            live.log.record("evaluation", {"reward": reward, "rewards": rewards, "details": evaluation.details})
             if record_now:
                 await self.db.write(*record)
                 live.graded_recorded = True
@@ -472,6 +497,17 @@ class NodeService:
                 return {"instance_id": instance_id, "released": False, "state": row.state}
             await asyncio.shield(self._end(live, reason))
         return {"instance_id": instance_id, "released": True, "state": reason}
+
+    async def _unless_lost(self, live: Live, call: Awaitable[T]) -> T:
+        """Await an environment's call; when it raises ``Gone`` (its sandbox died and the
+        episode's state with it), end the instance as ``lost`` and free its slot first."""
+        try:
+            return await call
+        except Gone as e:
+            await asyncio.shield(self._end(live, "lost", error=e.message))
+            raise Gone(
+                f"instance {live.row.id!r} is lost: {e.message}", extra={"state": "lost", "instance_id": live.row.id}
+            ) from None
 
     async def _end(self, live: Live, state: str, error: str | None = None, *, also: list[tuple[str, Any]] = ()) -> None:
         """Destroy the sandbox, free the slot and record the end (with ``also``, statements
@@ -544,6 +580,7 @@ class NodeService:
             fresh = type(env)({**env.config, **section})
             try:  # what the environment does with its section at start
                 fresh.load()
+                self._refuse_exposed(name, fresh)
                 if env.context is not None:
                     await fresh.start(env.context)
             except EnvhubError as e:
@@ -556,6 +593,19 @@ class NodeService:
             setattr(self.settings, key, value)
         self.slots.queue_timeout = self.settings.queue_timeout
         return self.config()
+
+    def _refuse_exposed(self, name: str, fresh: Environment) -> None:
+        """What a sandbox hides is fixed when it starts; a dataset moved to where its
+        episodes can read it would hand them the hidden tests."""
+        sandbox = self.sandboxes.get(fresh.sandbox)
+        exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
+        if exposed:
+            raise InvalidRequest(
+                f"episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows it and hides only what "
+                "it was started with); keep datasets outside the Python install and the system's dirs, or restart "
+                "the node with it",
+                field=f"environments.{name}",
+            )
 
     async def cleanup(self) -> dict[str, Any]:
         """Release every live instance (what SETA's /cleanup does to its containers)."""

@@ -133,16 +133,16 @@ def _write(path: str, data: bytes, flag: int) -> None:
     """Write ``data`` to a file opened with ``flag``, making its directory if missing."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flag
     try:
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o600)  # they hold every grading: the node's user only
     except FileNotFoundError:  # the instance's first write
         folder = os.path.dirname(path)
         try:
-            os.mkdir(folder)  # one syscall: the trial's folder is usually there
+            os.mkdir(folder, 0o700)  # one syscall: the trial's folder is usually there
         except FileNotFoundError:
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(folder, 0o700, exist_ok=True)
         except FileExistsError:
             pass
-        fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o600)
     try:
         view = memoryview(data)
         while view:

@@ -24,6 +24,7 @@ DEFAULT_PLUGINS = (
     "envhub.plugins.docker_sandbox",
     "envhub.plugins.mbpp",
     "envhub.plugins.terminal_bench",
+    "envhub.plugins.appworld",
     "envhub.plugins.network",
     "envhub.plugins.terminal_agent",
 )

@@ -34,6 +34,7 @@ from typing import Any
 import aiosqlite
 
 from envhub.errors import StartupError
+from envhub.util.files import private_file
 from envhub.util.threads import name_os_thread
 
 Params = Sequence[Any] | dict[str, Any]
@@ -69,6 +70,8 @@ class Database:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = await aiosqlite.connect(str(path), isolation_level=None)
+        for suffix in ("", "-wal", "-shm"):  # it records every grading: for the node's user only
+            private_file(f"{path}{suffix}")
         conn.row_factory = sqlite3.Row
         try:
             await conn._execute(name_os_thread, "envhub-sqlite")

@@ -1,7 +1,8 @@
 """Adapters: each maps one envhub environment onto an upstream OpenEnv environment's models.
 
 ``mbpp`` speaks ``coding_env``'s (``CodeAction`` / ``CodeObservation`` / ``CodeState``),
-``terminal-bench`` speaks ``tbench2_env``'s. Observations hold only the fields the
+``terminal-bench`` speaks ``tbench2_env``'s. ``appworld`` has no upstream OpenEnv
+environment: its models are envhub's own, as small as the others'. Observations hold only the fields the
 upstream model declares, so typed clients that parse with ``extra="forbid"`` accept them.
 """
 
@@ -86,9 +87,11 @@ def _wire(observation: dict[str, Any], reward: float | None = None, done: bool =
 
 class CodingAdapter(Adapter):
     """``mbpp`` as ``coding_env``: ``{"code"}`` runs in the episode's interpreter
-    (``run_python``); ``{"code", "metadata": {"submit": true}}`` submits the code and grades
-    it, ending the episode with the evaluation's reward. The reset observation's ``stdout``
-    carries the problem statement (``CodeObservation`` has no other text field)."""
+    (``run_python``); code that calls ``submit_solution(code_string)`` there submits, as
+    does ``{"code", "metadata": {"submit": true}}`` (the typed ``CodingEnv`` client sends
+    ``{"code"}`` only, so the call is its way); either grades the submission and ends the
+    episode with the evaluation's reward. The reset observation's ``stdout`` carries the
+    problem statement (``CodeObservation`` has no other text field)."""
 
     name = "mbpp"
     titles = ("CodeAction", "CodeObservation", "CodeState")
@@ -109,20 +112,12 @@ class CodingAdapter(Adapter):
         node, iid = session.node, session.instance_id
         if action["metadata"].get("submit") is True:
             await node.step(iid, {"tool": "submit_solution", "arguments": {"code": action["code"]}})
-            graded = await node.evaluate(iid)
-            details = graded["details"]
-            ok = graded["reward"] == 1.0
-            obs = {
-                "stdout": f"Solution submitted: {details.get('passed', 0)}/{details.get('total', 0)} hidden "
-                "tests passed.\n",
-                "stderr": details.get("error", ""),
-                "exit_code": 0 if ok else 1,
-            }
-            session.extra["last_exit_code"] = obs["exit_code"]
-            return _wire(obs, graded["reward"], True)
+            return await self._graded(session, "")
         reply = await node.step(iid, {"tool": "run_python", "arguments": {"code": action["code"]}})
         ran = reply["observation"]
         stdout = ran.get("stdout", "") + (ran["value_repr"] if ran.get("value_repr") is not None else "")
+        if reply.get("done"):  # the code called submit_solution(...)
+            return await self._graded(session, stdout)
         notes = [ran.get("stderr") or "", ran.get("exception") or ""]
         if ran.get("timed_out"):
             notes.append("[timed out: the call was stopped]\n")
@@ -131,6 +126,21 @@ class CodingAdapter(Adapter):
         failed = bool(ran.get("exception") or ran.get("timed_out")) or ran.get("exit_code") not in (0, None)
         session.extra["last_exit_code"] = 1 if failed else 0
         return _wire({"stdout": stdout, "stderr": "".join(notes), "exit_code": session.extra["last_exit_code"]})
+
+    async def _graded(self, session: Session, stdout: str) -> Wire:
+        graded = await session.node.evaluate(session.instance_id)
+        details = graded["details"]
+        ok = graded["reward"] == 1.0
+        # The model reads this: counts only. An error of the graded run is what the
+        # submission made of its inputs, which come from the hidden tests.
+        obs = {
+            "stdout": f"{stdout}Solution submitted: {details.get('passed', 0)}/{details.get('total', 0)} hidden "
+            "tests passed.\n",
+            "stderr": "",
+            "exit_code": 0 if ok else 1,
+        }
+        session.extra["last_exit_code"] = obs["exit_code"]
+        return _wire(obs, graded["reward"], True)
 
     def tools(self) -> list[dict[str, Any]]:
         from envhub.plugins.mbpp.environment import TOOLS
@@ -265,16 +275,18 @@ class Tbench2Adapter(Adapter):
         if kind == "evaluate":
             graded = await node.evaluate(iid)
             details = graded["details"]
+            # The model reads this: counts only. The verifier's output and the tests' names
+            # tell it what the hidden tests check; they stay in the trainer's own evaluate
+            # details and the trial log.
             return (
                 graded["reward"],
                 True,
                 {
-                    "output": details.get("output_tail", ""),
+                    "output": f"{details.get('passed', 0)}/{details.get('total', 0)} tests passed.",
                     "success": "error" not in details,
-                    "error": details.get("error", ""),
+                    "error": "the verifier gave no verdict" if "error" in details else "",
                     "info": {
                         "tests_passed": graded["reward"] == 1.0,
-                        "tests": details.get("tests", {}),
                         "passed": details.get("passed"),
                         "total": details.get("total"),
                         "harness": details.get("format"),
@@ -296,4 +308,45 @@ class Tbench2Adapter(Adapter):
         return TOOLS
 
 
-ADAPTERS: dict[str, type[Adapter]] = {a.name: a for a in (CodingAdapter, Tbench2Adapter)}
+class AppWorldAdapter(Adapter):
+    """``appworld``: ``{"code"}`` runs in the episode's world (the ``appworld`` tool); the
+    observation's ``output`` is AppWorld's output text and ``task_completed`` tells that
+    ``apis.supervisor.complete_task`` was called, which ends the episode with its reward.
+    The reset observation carries the system prompt in ``output`` and the task in
+    ``instruction``."""
+
+    name = "appworld"
+    titles = ("AppWorldAction", "AppWorldObservation", "AppWorldState")
+    action = {"code": Field("str")}
+    observation = {
+        "output": Field("str", ""),
+        "instruction": Field("str", ""),
+        "task_completed": Field("bool", False),
+    }
+    state = {
+        "episode_id": Field("str", None, nullable=True),
+        "step_count": Field("int", 0, ge=0),
+        "task_id": Field("str", ""),
+    }
+    not_ready = "AppWorld environment not initialized. Call reset() first."
+
+    def reset(self, session: Session, task: Task, created: dict[str, Any]) -> Wire:
+        session.extra = {"task_id": task.id}
+        obs = created["observation"]
+        return _wire({"output": obs["system_prompt"], "instruction": obs["instruction"], "task_completed": False}, 0.0)
+
+    async def step(self, session: Session, action: dict[str, Any]) -> Wire:
+        reply = await session.node.step(
+            session.instance_id, {"tool": "appworld", "arguments": {"code": action["code"]}}
+        )
+        ran, done = reply["observation"], bool(reply["done"])
+        obs = {"output": ran["output"], "instruction": session.instruction, "task_completed": ran["task_completed"]}
+        return _wire(obs, reply["reward"] if done else None, done)
+
+    def tools(self) -> list[dict[str, Any]]:
+        from envhub.plugins.appworld.prompts import TOOLS
+
+        return TOOLS
+
+
+ADAPTERS: dict[str, type[Adapter]] = {a.name: a for a in (CodingAdapter, Tbench2Adapter, AppWorldAdapter)}

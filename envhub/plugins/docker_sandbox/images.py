@@ -41,12 +41,14 @@ class DockerImages:
         log_path: Path,
         timeout: float,
         extra_files: dict[str, bytes] | None = None,
+        exclude: tuple[str, ...] = (),
     ) -> None:
         """Build ``image`` from ``context_dir`` with ``dockerfile`` (text) as its Dockerfile.
 
         The context is sent as an in-memory tar with the Dockerfile (and ``extra_files``)
-        added under reserved names, so the task folder is never written to. The build's
-        output goes to ``log_path``; a failure raises ``BuildFailed`` with the log's tail.
+        added under reserved names, so the task folder is never written to; the paths in
+        ``exclude`` (relative to the context) are left out of it. The build's output goes
+        to ``log_path``; a failure raises ``BuildFailed`` with the log's tail.
         """
         await self._call(
             self._build_sync,
@@ -56,6 +58,7 @@ class DockerImages:
             Path(log_path),
             float(timeout),
             dict(extra_files or {}),
+            frozenset(exclude),
         )
 
     def _build_sync(
@@ -66,11 +69,15 @@ class DockerImages:
         log_path: Path,
         timeout: float,
         extra_files: dict[str, bytes],
+        exclude: frozenset[str],
     ) -> None:
+
+        def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+            return None if info.name in exclude else owned_by_root(info)  # None: nor what is under it
 
         def fill(tf: tarfile.TarFile) -> None:
             for child in sorted(context_dir.iterdir()):
-                tf.add(str(child), arcname=child.name, filter=owned_by_root)
+                tf.add(str(child), arcname=child.name, filter=keep)
             for name, data in {**extra_files, _DOCKERFILE_NAME: dockerfile.encode()}.items():
                 info = tarfile.TarInfo(name)
                 info.size = len(data)

@@ -2,12 +2,19 @@
 
 Tools the model sees: ``run_python(code)`` runs in the episode's interpreter (state
 persists between calls); ``submit_solution(code)`` records the answer and ends the
-episode. The hidden tests are never shown: the instruction names the function to
+episode. ``submit_solution`` is also a built-in function of the interpreter, so a model
+that can only write code (OpenEnv's CodingEnv, a fenced block in AgentEvolver's
+messages) submits by calling it from ``run_python``: the first call in a run counts, as
+the tool would. The hidden tests are never shown: the instruction names the function to
 write and its signature, taken from the reference solution.
 
-Evaluation replays the hidden tests in a fresh interpreter (``_mbpp_harness``).
-Reward: 1.0 when every test passes; 0.1 + 0.4 x pass rate when a submission fails some;
-0.0 when nothing was submitted.
+Evaluation: a fresh interpreter runs the submission and reports, as plain data, the
+values of the calls each hidden test makes into it (``_mbpp_harness``); the node decides
+each test on those values (``grading.py``). The interpreter never sees the tests or the
+values they expect, and no submission code runs where the verdict is made.
+Reward (dense): 1.0 when every test passes; 0.1 + 0.4 x pass rate when a submission
+fails some; 0.0 when nothing was submitted. ``params.sparse: true`` gives 1.0 or 0.0
+(see ``NodeService.reward_modes``).
 
 Splits follow the MBPP paper: prompt 1-10, test 11-510, validation 511-600,
 train 601-974. Without a configured ``path`` the node serves a small sample of
@@ -19,74 +26,18 @@ from __future__ import annotations
 import ast
 import importlib.resources
 import json
-import traceback
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import InvalidRequest, StartupError
-from envhub.plugins.mbpp import _mbpp_harness
+from envhub.plugins.mbpp import _mbpp_harness, grading
+from envhub.sandbox import SandboxSpec
 
 _HARNESS = "_mbpp_harness"  # preloaded into the sandbox from _mbpp_harness.py beside this module
-_GRADE_CELL = f"import {_HARNESS}\n{_HARNESS}.grade(submission, setup, tests, cpu)"
-
-
-_OPS = {
-    ast.Eq: "==",
-    ast.NotEq: "!=",
-    ast.Lt: "<",
-    ast.LtE: "<=",
-    ast.Gt: ">",
-    ast.GtE: ">=",
-    ast.In: "in",
-    ast.NotIn: "not in",
-    ast.Is: "is",
-    ast.IsNot: "is not",
-}
-
-
-def prepare_tests(tests: list[str]) -> list[tuple[str, str, str | None]]:
-    """Split hidden tests for the grader: ``(text, source, mode)`` per test.
-
-    A lone ``assert L <op> R[, msg]`` (one comparison) becomes ``(text, "(L, R)", op)``,
-    so the grader can look at both sides before it compares them (see
-    ``_mbpp_harness``); any other lone ``assert X[, msg]`` becomes ``(text, X, "eval")``.
-    Either way the grader tells a false result from an exception. Other code becomes
-    ``(text, text, "exec")``; a test that does not parse ``(text, <the syntax error>, None)``.
-    """
-    out: list[tuple[str, str, str | None]] = []
-    for text in tests:
-        try:
-            tree = ast.parse(text)
-        except SyntaxError as e:
-            out.append((text, "".join(traceback.format_exception_only(type(e), e)).strip()[-2000:], None))
-            continue
-        if len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert):
-            test = tree.body[0].test
-            # Each part in parentheses, on lines of its own: it may span lines or end in
-            # a comment.
-            pair = _compared(text, test)
-            if pair is not None:
-                out.append((text, pair, _OPS[type(test.ops[0])]))
-            else:
-                out.append((text, f"(\n{_segment(text, test)}\n)", "eval"))
-        else:
-            out.append((text, text, "exec"))
-    return out
-
-
-def _compared(text: str, test: ast.expr) -> str | None:
-    """``(L, R)`` of a test that is one comparison, else None (graded as one expression).
-    Each side is an expression that parsed as an operand, and any such expression is a
-    valid tuple element on Python 3.11 (a bare ``:=`` included), so the pair parses."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPS):
-        return None
-    return f"(\n{_segment(text, test.left)}\n,\n{_segment(text, test.comparators[0])}\n)"
-
-
-def _segment(text: str, node: ast.expr) -> str:
-    segment = ast.get_source_segment(text, node)
-    return segment if segment is not None else ast.unparse(node)
+_PROBE_CELL = f"import {_HARNESS}\n{_HARNESS}.probe(submission, setup, tests, cpu)"
 
 
 SPLITS = (("prompt", 1, 10), ("test", 11, 510), ("validation", 511, 600), ("train", 601, 974))
@@ -95,7 +46,8 @@ SYSTEM_PROMPT = (
     "You are an expert Python programmer. Solve the task by writing Python code. "
     "Use the run_python tool to try code in a persistent interpreter (variables and "
     "functions you define are kept between calls). When you are confident, call "
-    "submit_solution with the complete solution code, including any imports it needs. "
+    "submit_solution with the complete solution code, including any imports it needs "
+    "(it is also a Python function in that interpreter: submit_solution(code_string)). "
     "Your solution is graded by hidden tests after you submit; you can submit only once."
 )
 
@@ -217,8 +169,15 @@ class MBPP(Environment):
         # submission is routine, and every hidden test may spend the whole budget.
         self.test_cpu = self.config_number("test_cpu_seconds", 3)
         self.challenge = bool(self.config.get("challenge_tests", False))
-        # Split once here (about 0.2 s for all 974 problems), not in every grading.
-        self._prepared = {t.id: prepare_tests(self._hidden_tests(t)) for t in tasks}
+        # Cut once here, not in every grading: each test's probes and template, as graded
+        # when the submission shadows none of the names the test uses (see grading.py).
+        self._plans = {t.id: self._plan(t) for t in tasks}
+
+    def _plan(self, task: Task) -> list[grading.TestPlan]:
+        # Trusted names the reference solution rebinds (task 126's `def sum`) are the
+        # solution's in its tests; the dataset decides this, never the submission.
+        shadowed = grading.top_level_names(task.private["code"].replace("\r\n", "\n")) & _SHADOWABLE
+        return [grading.plan(test, shadowed) for test in self._hidden_tests(task)]
 
     def _hidden_tests(self, task: Task) -> list[str]:
         return task.private["test_list"] + (task.private["challenge_test_list"] if self.challenge else [])
@@ -259,6 +218,9 @@ class MBPP(Environment):
             "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}],
         }
 
+    def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
+        return replace(spec, functions=("submit_solution",))  # callable from run_python
+
     async def step(self, episode: Episode, action: Action) -> StepResult:
         if action.tool == "run_python":
             code = action.require_str("code")
@@ -277,6 +239,12 @@ class MBPP(Environment):
                     "truncated",
                 )
             }
+            submitted = [text for name, text in result.calls if name == "submit_solution"]
+            if submitted:  # the code called submit_solution(...): the tool's effect, from code
+                episode.state["submission"] = submitted[0]
+                ran = format_run(result)
+                content = "Solution submitted." if ran == "[no output]" else ran + "\nSolution submitted."
+                return StepResult({"content": content, **fields}, done=True, info={"submitted": True})
             return StepResult({"content": format_run(result), **fields})
         if action.tool == "submit_solution":
             episode.state["submission"] = action.require_str("code")
@@ -297,35 +265,58 @@ class MBPP(Environment):
             return Evaluation(0.0, {"submitted": False, "passed": 0, "total": 0, "tests": []})
         private = episode.task.private
         tests = self._hidden_tests(episode.task)
-        # The submission and tests go as data: a cell holding them as literals would be
-        # parsed and compiled by every grading interpreter.
+        plans = self._plans[episode.task.id]
+        # The untrusted interpreter gets the submission, the setup and each test's probes
+        # (the calls into the submission), as data; never the tests or what they expect.
         result = await episode.run_fresh(
-            _GRADE_CELL,
+            _PROBE_CELL,
             timeout=self.eval_timeout,
             inputs={
                 "submission": submission,
                 "setup": private["test_setup_code"],
-                "tests": self._prepared[episode.task.id],
+                "tests": [list(p.probes) if p.template is not None else [] for p in plans],
                 "cpu": self.test_cpu,
             },
         )
-        graded = result.value if isinstance(result.value, dict) else None
-        if graded is None or graded.get("stage") != "tests":
-            if graded is not None:
-                reason = f"{graded.get('stage')} failed: {graded.get('error')}"
+        probed = result.value if isinstance(result.value, dict) else None
+        reported = probed.get("results") if probed is not None and probed.get("stage") == "tests" else None
+        if not isinstance(reported, list) or len(reported) != len(plans):
+            if probed is not None and probed.get("stage") in ("solution", "setup"):
+                reason = f"{probed['stage']} failed: {probed.get('error')}"
             elif result.timed_out:
                 reason = f"grading ran past {self.eval_timeout:g} s"
             else:
                 reason = (result.exception or result.stderr or "the grader produced no result").strip()[-2000:]
             results = [{"test": t, "status": "error", "error": reason} for t in tests]
         else:
-            results, reason = graded["results"], None
+            results, reason = [_verdict(p, r) for p, r in zip(plans, reported, strict=True)], None
         passed = sum(r["status"] == "passed" for r in results)
         reward = 1.0 if passed == len(tests) else 0.1 + 0.4 * passed / len(tests)
         details: dict[str, Any] = {"submitted": True, "passed": passed, "total": len(tests), "tests": results}
         if reason:
             details["error"] = reason
         return Evaluation(reward, details)
+
+
+# Trusted names a reference solution may rebind: a test's call of one is then the solution's.
+_SHADOWABLE = frozenset(grading.SAFE_CALLABLES) | frozenset(grading.MODULES)
+
+
+def _verdict(test: grading.TestPlan, reported: Any) -> dict[str, Any]:
+    """One test's result from what the untrusted interpreter reported for its probes."""
+    if not isinstance(reported, dict):
+        status, error = "error", "the interpreter reported nothing for this test"
+    elif "values" in reported and isinstance(reported["values"], list):
+        status, error = grading.judge(test, reported["values"])
+    else:
+        status = reported.get("status") if reported.get("status") in ("failed", "error", "timeout") else "error"
+        error = str(reported.get("error") or "")[:2000]
+    if test.template is None:
+        status, error = "error", test.error
+    out = {"test": test.text, "status": status}
+    if error:
+        out["error"] = error
+    return out
 
 
 def format_run(result: Any) -> str:

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from envhub.errors import SandboxError, StartupError
 from envhub.plugins.process_sandbox.zygote import shared as zygote
@@ -100,7 +100,13 @@ class Channel:
 
 
 class ZygoteControl:
-    """A mixin of :class:`~.sandbox.ProcessSandbox`: starting the zygote and talking to it."""
+    """A mixin of :class:`~.sandbox.ProcessSandbox`: starting the zygote and talking to it.
+
+    The AppWorld sandbox uses it too, with a ``_launch`` of its own and its own labels
+    in the messages below."""
+
+    sandbox_label: ClassVar[str] = "process sandbox"
+    zygote_label: ClassVar[str] = "process-sandbox zygote"
 
     async def _launch(self) -> None:
         """Start a zygote and wait for its hello. Called with ``_ctl_lock`` held."""
@@ -122,6 +128,7 @@ class ZygoteControl:
                             "hide": self.hide,
                             "work_root": self.work_root,
                             "killer_uid": self._killer[0] if self._killer else None,
+                            "cgroups": [str(parent) for _, parent in self._cgroups.parents],
                         }
                     ),
                 ],
@@ -155,8 +162,16 @@ class ZygoteControl:
                 "and the zygote could not open them up in a mount namespace; grant o+x or "
                 "move sandboxes.process.work_root / python elsewhere"
             )
+        self._visible = hello.get("visible")  # see ProcessSandbox.exposes
         if hello.get("unhidden"):
             log.warning("process sandbox: episode code can read %s", "; ".join(hello["unhidden"]))
+        if hello.get("view"):
+            log.info(
+                "process sandbox: episode code sees only Python, the system's libraries and its own "
+                "dir; /tmp, /var/tmp and /dev/shm are its own"
+            )
+        elif hello.get("view_error"):
+            log.warning("process sandbox: no allow-list view of the filesystem (%s)", hello["view_error"])
         landlock = hello.get("landlock")
         if landlock:
             log.info(
@@ -189,6 +204,15 @@ class ZygoteControl:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        # A view's mount point beside the work root, made where no empty host dir was there
+        # to mount over (see zygote/view.py scratch_dir): gone with its zygote. (The
+        # AppWorld zygote makes no view, and has no work root.)
+        work_root = getattr(self, "work_root", None)
+        if work_root is not None:
+            try:
+                os.rmdir(os.path.join(os.path.dirname(work_root), f".envhub-view-{proc.pid}"))
+            except OSError:
+                pass
 
     def _on_ctl_readable(self) -> None:
         try:
@@ -211,14 +235,14 @@ class ZygoteControl:
     def _drop_ctl(self) -> None:
         """Forget a zygote that exited; the next control call starts a new one."""
         if self._ctl is not None:
-            log.error("process sandbox: the zygote exited; its sandboxes are gone")
+            log.error("%s: the zygote exited; its sandboxes are gone", self.sandbox_label)
             asyncio.get_running_loop().remove_reader(self._ctl.fileno())
             self._ctl.close()
             self._ctl = None
         waiters, self._waiters = self._waiters, {}
         for waiter in waiters.values():
             if not waiter.done():
-                waiter.set_exception(SandboxError("the process-sandbox zygote exited"))
+                waiter.set_exception(SandboxError(f"the {self.zygote_label} exited"))
 
     async def _ctl_call(self, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """One request/reply with the zygote.
@@ -230,7 +254,7 @@ class ZygoteControl:
             for attempt in range(2):
                 if self._ctl is None:
                     if not self._started:
-                        raise SandboxError("the process sandbox is not running")
+                        raise SandboxError(f"the {self.sandbox_label} is not running")
                     await self._close_zygote()  # reap the dead one, then replace it
                     try:
                         await self._launch()
@@ -248,7 +272,7 @@ class ZygoteControl:
                 except OSError as e:  # it died and the reader has not seen the EOF yet
                     self._drop_ctl()
                     if attempt:
-                        raise SandboxError(f"cannot reach the process-sandbox zygote: {e}") from e
+                        raise SandboxError(f"cannot reach the {self.zygote_label}: {e}") from e
         # Awaited outside the lock: requests pipeline, and the zygote answers several per
         # wake-up when they queue. A zygote that dies fails every waiter (_drop_ctl).
         try:
@@ -258,5 +282,5 @@ class ZygoteControl:
         if "error" in msg:
             for fd in fds:
                 os.close(fd)
-            raise SandboxError(f"process-sandbox zygote: {msg['error']}")
+            raise SandboxError(f"{self.zygote_label}: {msg['error']}")
         return msg, fds

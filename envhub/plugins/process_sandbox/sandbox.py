@@ -17,19 +17,25 @@ Policy and invariants:
   makes RLIMIT_NPROC per sandbox and lets destroy kill processes that left the process
   group; one more claimed uid, which no process runs as, lets the zygote do that kill
   without forking.
-- As root the zygote also has a private mount namespace in which sandbox uids can
-  traverse the ancestors of ``work_root`` and of the Python install (a pyenv under
-  ``/root``, pytest's 0700 temp dirs), without any change to the host, and in which the
-  node's data dir (database and trial logs, which hold every grading), its config file
-  (API keys) and the datasets environments name (``Environment.sandbox_hidden``: the
-  hidden tests) are covered by empty, root-only mounts. A path that cannot be covered is
-  logged at start.
+- As root the zygote builds an allow-list view of the filesystem in a private mount
+  namespace and chroots into it (``zygote/view.py``): Python, the system's libraries and
+  the work root, nothing of the node's data dir, config or datasets wherever they lie.
+  Paths that must stay hidden yet lie inside the view (``hide``, the node's records,
+  ``Environment.sandbox_hidden``, envhub's own package) are covered by empty, root-only
+  mounts. Each sandbox binds its own ``.tmp`` over ``/tmp``, ``/var/tmp`` and ``/dev/shm``.
+  What could not be done is logged at start. A ``POST /config`` to a dataset the view
+  shows is refused (:meth:`exposes`).
+- As root each uid slot also has a cgroup (``cgroups.py``) that the sandbox joins before
+  it drops root: ``memory_mb`` and ``max_processes`` bound all of an episode's processes
+  together, the tmpfs pages of its files included.
+- :meth:`start` kills what an earlier node left running under the uids of the range that
+  no live node holds (``uids.sweep``), before any uid is handed out.
 - Without root (or where root cannot make those namespaces, as in a container without
   CAP_SYS_ADMIN), every interpreter restricts itself with Landlock (Linux 5.13+, see
-  ``zygote/landlock.py``) before it runs a cell: the same paths can be neither read nor
-  written, TCP is denied when ``isolate_network`` is on (ABI 4+; UDP is not covered),
-  and signals to processes outside the sandbox, the node's included, are refused
-  (ABI 6+). What Landlock cannot cover is logged at start.
+  ``zygote/landlock.py``) before it runs a cell: it may read the view's paths and write
+  its work root, the hidden paths excepted; TCP is denied when ``isolate_network`` is on
+  (ABI 4+; UDP is not covered), and signals to processes outside the sandbox, the
+  node's included, are refused (ABI 6+). What Landlock cannot cover is logged at start.
 - Without root there is still no uid switch: RLIMIT_NPROC is only set when configured
   (it would count every process of the node's user), destroy kills the process group
   only (a ``setsid()`` escapee survives), and sandboxes can read each other's dirs. Run
@@ -62,6 +68,7 @@ Policy and invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -76,8 +83,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.plugins.process_sandbox.cgroups import Cgroups
 from envhub.plugins.process_sandbox.channel import Channel, ZygoteControl
-from envhub.plugins.process_sandbox.uids import UidPool
+from envhub.plugins.process_sandbox.uids import UidPool, sweep
 from envhub.plugins.process_sandbox.workdirs import (
     default_work_root,
     open_in_workdir,
@@ -97,6 +105,7 @@ _INLINE_IO_BYTES = 1 << 20  # larger file transfers run in a thread, off the eve
 _CARRIED_CELL_CHARS = 4096
 _MAX_ENV_JSON = 16 << 10
 _RESULT_FIELDS = ("stdout", "stderr", "exit_code", "timed_out", "exception", "value", "value_repr", "truncated")
+_MAX_CALLS = 64  # calls of the spec's functions reported per exec; more are dropped
 _SIGNAL_HINTS = {
     "SIGXCPU": "the CPU time limit was reached",
     "SIGXFSZ": "the file size limit was reached",
@@ -173,7 +182,9 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         self.isolate_network = bool(c.get("isolate_network", True))
         self.python = str(c.get("python") or sys.executable)
         self.preload = [str(m) for m in _path_list(c, "preload")]
-        self.hide = [os.path.abspath(p) for p in [*_path_list(c, "hide"), *_node_records(settings)]]
+        # envhub itself too: installed into site-packages it lies inside the view, with its
+        # bundled datasets; sandboxes never import it.
+        self.hide = [os.path.abspath(p) for p in [*_path_list(c, "hide"), *_node_records(settings), _ENVHUB_PACKAGE]]
         self.start_timeout = float(c.get("start_timeout", 30.0))
         self.lazy_start = bool(c.get("lazy_start", True))
         self.env = {
@@ -188,7 +199,12 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         # uid's first use in this node (see _spawn) is rare.
         self._uids = UidPool(self.uid_base, self.max_sandboxes)
         self._killer: tuple[int, socket.socket] | None = None  # see zygote/forkserver.kill_uid
+        self.use_cgroups = bool(c.get("cgroups", True))
+        # Named after the work root, which one node process uses at a time: a restarted
+        # node reuses (and re-limits) the cgroups a crashed run left.
+        self._cgroups = Cgroups(hashlib.sha256(self.work_root.encode()).hexdigest()[:16])
         self._closing: set[asyncio.Task] = set()
+        self._visible: list[str] | None = None  # what the zygote's view shows (see exposes)
         self._ctl: socket.socket | None = None
         self._proc: subprocess.Popen | None = None
         self._ctl_lock = asyncio.Lock()
@@ -206,9 +222,24 @@ class ProcessSandbox(ZygoteControl, Sandbox):
                 self._killer = self._allocate_uid()
             except SandboxError as e:
                 raise StartupError(f"process sandbox: no uid left to kill with: {e.message}") from e
+        if self.root and self.use_cgroups:
+            log.info("process sandbox: %s", self._cgroups.start())
         async with self._ctl_lock:
             await self._launch()
         self._started = True
+        if self.root:
+            await self._sweep()
+
+    async def _sweep(self) -> None:
+        """Kill what still runs under this node's sandbox uids (a node ``kill -9``-ed
+        leaves its episodes' processes behind, reparented to PID 1) before any is handed
+        out; uids another live node holds are left alone (see uids.py)."""
+        swept = await sweep(self._uids, lambda uid: self._ctl_call({"op": "kill", "pid": None, "uid": uid}))
+        if swept:
+            log.warning(
+                "process sandbox: killed what an earlier node left running under sandbox uid(s) %s",
+                ", ".join(map(str, swept)),
+            )
 
     async def stop(self) -> None:
         self._started = False
@@ -216,6 +247,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         await self._close_zygote()
+        self._cgroups.stop()
         if self._killer is not None:
             self._uids.release(*self._killer)
             self._killer = None
@@ -251,7 +283,13 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         if spec.env and len(json.dumps(spec.env)) > _MAX_ENV_JSON:
             raise SandboxError(f"the sandbox env is over {_MAX_ENV_JSON} bytes of JSON")
         uid, claim = self._allocate_uid()
-        box = _Box(handle, uid, claim, self._spawn_request(spec, uid))
+        try:
+            req = self._spawn_request(spec, uid)
+        except OSError as e:
+            if claim is not None:
+                self._uids.release(uid, claim)
+            raise SandboxError(f"process sandbox: {e}") from e
+        box = _Box(handle, uid, claim, req)
         self._boxes[handle] = box
         if self.lazy_start:
             return handle  # the first exec forks the interpreter; an unused sandbox costs no fork
@@ -366,7 +404,11 @@ class ProcessSandbox(ZygoteControl, Sandbox):
             # The interpreter is still busy with this code and would answer the next call.
             await self._kill_and_collect(box)
             raise
-        return ExecResult(**{k: reply.get(k) for k in _RESULT_FIELDS})
+        calls = reply.get("calls")
+        return ExecResult(
+            **{k: reply.get(k) for k in _RESULT_FIELDS},
+            calls=[c for c in calls[:_MAX_CALLS] if _is_call(c)] if isinstance(calls, list) else [],
+        )
 
     async def _kill_and_collect(self, box: _Box) -> tuple[str | None, str, str, bool]:
         """Kill the interpreter and all it started; return how it ended and its output."""
@@ -494,9 +536,13 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         nproc = lim.max_processes if lim.max_processes is not None else self.max_processes
         if nproc is None and self.root:
             nproc = 64
+        cgroup = None
+        if uid is not None:  # the episode's memory (its tmpfs files too) and tasks, together
+            cgroup = self._cgroups.for_uid(uid, int(memory_mb) << 20, int(nproc or 64))
         return {
             "op": "spawn",
             "uid": uid,
+            "cgroup": cgroup,
             "work_root": self.work_root,
             "prefix": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.instance_id)[:40] + "-",
             "limits": {
@@ -506,6 +552,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
                 "nproc": None if nproc is None else int(nproc),
             },
             "env": dict(spec.env),
+            "functions": [f for f in spec.functions if f.isidentifier()],
             "output_limit": self.output_limit,
         }
 
@@ -520,6 +567,27 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         if box.claim is not None:
             self._uids.release(box.uid, box.claim)
             box.claim = None
+
+    def exposes(self, paths: list[str]) -> list[str]:
+        """Where the view holds (root, or Landlock's view rules): the paths inside it
+        that were not covered at start; as root without either, every path not covered;
+        with nothing in force (no root, no Landlock, warned at start), none."""
+        hidden = [os.path.realpath(p) for p in self.hide]
+
+        def under(path: str, roots: list[str]) -> bool:
+            return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+        out = []
+        for p in paths:
+            real = os.path.realpath(p)
+            if under(real, hidden):
+                continue
+            if self._visible is not None:
+                if under(real, [os.path.realpath(v) for v in self._visible]):
+                    out.append(p)
+            elif self.root:
+                out.append(p)
+        return out
 
     # --- files ----------------------------------------------------------------------------
 
@@ -557,6 +625,9 @@ def _path_list(config: Mapping[str, Any], key: str) -> list[str]:
     return value
 
 
+_ENVHUB_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _node_records(settings: Any) -> list[str]:
     """The node's own files that episode code must not read: its data dir (database,
     trial logs), a database kept outside it, with its WAL files, and its config file
@@ -572,6 +643,11 @@ def _node_records(settings: Any) -> list[str]:
     if config is not None:
         paths.append(os.path.abspath(str(config)))
     return paths
+
+
+def _is_call(call: Any) -> bool:
+    """A well-formed entry of an interpreter's ``calls`` (which code in it could forge)."""
+    return isinstance(call, list) and len(call) == 2 and all(isinstance(x, str) for x in call)
 
 
 def _forget_interpreter(box: _Box) -> None:

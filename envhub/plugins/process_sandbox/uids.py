@@ -10,11 +10,18 @@ Invariants:
 - A uid that a process of an earlier node may still run under must be purged (every
   process of it killed) before it runs again; ``purged`` holds the uids this node has
   cleared, and the sandbox forgets one when a sandbox under it may have left processes.
+- At start a node sweeps: :meth:`UidPool.claim_leftovers` claims every uid of the range
+  that some process still runs under and no live node holds (the episodes of a node
+  that was ``kill -9``-ed, reparented to PID 1), so the node kills them before it hands
+  out any uid; a uid another node holds is that node's, and is left alone.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from envhub.errors import SandboxError
 
@@ -35,15 +42,28 @@ class UidPool:
             return self._idle.pop()
         for i in range(len(self._free) - 1, -1, -1):
             offset = self._free[i]
-            claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            try:
-                claim.bind(f"\0envhub-process-sandbox-uid-{self.uid_base + offset}")
-            except OSError:  # another envhub process on this host holds it
-                claim.close()
+            claim = _claim(self.uid_base + offset)
+            if claim is None:  # another envhub process on this host holds it
                 continue
             del self._free[i]
             return self.uid_base + offset, claim
         raise SandboxError(f"all {self.size} sandbox uids are in use")
+
+    def claim_leftovers(self, proc: str = "/proc") -> list[Claim]:
+        """Claim every uid of the range that a process runs under (real, effective or
+        saved) and no other node holds; the caller kills their processes, marks them
+        ``purged`` and releases them (see :func:`sweep`)."""
+        running = _uids_running(proc) & set(range(self.uid_base, self.uid_base + self.size))
+        claims = []
+        for uid in sorted(running):
+            offset = uid - self.uid_base
+            if offset not in self._free:
+                continue  # ours already (in use, idle, or the killer)
+            claim = _claim(uid)
+            if claim is not None:
+                self._free.remove(offset)
+                claims.append((uid, claim))
+        return claims
 
     def release(self, uid: int, claim: socket.socket) -> None:
         """Give ``uid`` back, kept claimed: the next sandbox takes it at no cost."""
@@ -55,3 +75,44 @@ class UidPool:
             claim.close()
             self._free.append(uid - self.uid_base)
         self._idle = []
+
+
+async def sweep(pool: UidPool, kill: Callable[[int], Awaitable[Any]]) -> list[int]:
+    """Kill (with ``kill(uid)``, the zygote's uid kill) what still runs under the uids of
+    ``pool`` that no live node holds; returns those uids, now purged and idle in ``pool``."""
+    claims = pool.claim_leftovers()
+    try:
+        for uid, _ in claims:
+            await kill(uid)
+            pool.purged.add(uid)
+    finally:
+        for uid, claim in claims:
+            pool.release(uid, claim)  # a uid not purged is purged on its first use
+    return [uid for uid, _ in claims]
+
+
+def _claim(uid: int) -> socket.socket | None:
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        claim.bind(f"\0envhub-process-sandbox-uid-{uid}")
+    except OSError:
+        claim.close()
+        return None
+    return claim
+
+
+def _uids_running(proc: str) -> set[int]:
+    """The real, effective and saved uids of every process on the host (``/proc/*/status``)."""
+    found: set[int] = set()
+    for pid in os.listdir(proc):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        found.update(int(u) for u in line.split()[1:4])
+                        break
+        except OSError:
+            continue  # it exited meanwhile
+    return found

@@ -37,7 +37,7 @@ import yaml
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.terminal_bench import grading, offline
-from envhub.plugins.terminal_bench.images import context_hash, substitute_base
+from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base
 from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
 from envhub.sandbox import BuildRequest, Limits, SandboxSpec
@@ -133,6 +133,7 @@ class TerminalBench(Environment):
         self.max_command_timeout = self.config_number("max_command_timeout", 600)
         self.output_limit = int(self.config_number("output_limit", 16000))
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
+        self._datasets: dict[str, set[str]] = {}  # task id -> the names its dataset goes by
         for root in roots:
             try:
                 loaded = load_dataset(Path(root))
@@ -147,6 +148,8 @@ class TerminalBench(Environment):
                     tb,
                     Task(id=tb.id, split=tb.format, title=tb.instruction.strip()[:100], public=_public(tb)),
                 )
+                names = {Path(root).resolve().name, tb.path.resolve().parent.name}
+                self._datasets[tb.id] = names | ({"bundled"} if Path(root).resolve() == BUNDLED else set())
         self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
         self._images: dict[str, str] = {}
         self.verifier_tools = bool(self.config.get("verifier_tools", False))
@@ -213,10 +216,20 @@ class TerminalBench(Environment):
             dockerfile=dockerfile,
             timeout=tb.build_timeout_sec,
             extra_files=extra,
+            exclude=grading_files_in_context(tb),
         )
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         tb = self.tb(task)
+        dataset = params.get("dataset")  # SETA's dataset_name: the task must be from that dataset
+        if dataset is not None:
+            if not isinstance(dataset, str):
+                raise InvalidRequest("'params.dataset' must be a string", field="params.dataset")
+            if dataset not in self._datasets[tb.id]:
+                raise NotFound(
+                    f"task {tb.id!r} is not in a dataset named {dataset!r} "
+                    f"(it is in {', '.join(sorted(self._datasets[tb.id]))})"
+                )
         tools = None
         if self.verifier_tools and tb.dockerfile is not None:
             tools = await asyncio.to_thread(offline.uv_binaries, self._tools_dir())

@@ -100,6 +100,26 @@ def context_hash(task: TbTask, image_map: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def grading_files_in_context(task: TbTask) -> tuple[str, ...]:
+    """The task's tests, test script and reference solutions (its steps' too) that lie in
+    its build context (tb1 builds from the task dir itself), relative to the context:
+    they are left out of what the engine gets, so no ``COPY`` can put them in the image
+    the agent runs in. The verifier copies the tests in when it grades."""
+    context = task.build_context.resolve()
+    paths = [task.tests_dir, task.test_script, task.solution]
+    for step in task.steps:
+        paths += [step.tests_dir, step.test_script, step.solution]
+    out = set()
+    for path in paths:
+        if path is None:
+            continue
+        try:
+            out.add(path.resolve().relative_to(context).as_posix())
+        except ValueError:
+            continue  # outside the context: never sent
+    return tuple(sorted(p for p in out if p != "."))
+
+
 def _walk(root: Path) -> list[tuple[str, Path]]:
     entries = []
     for dirpath, dirnames, filenames in os.walk(root):

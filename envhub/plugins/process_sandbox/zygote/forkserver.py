@@ -62,7 +62,7 @@ import time
 import traceback
 from typing import Any
 
-from . import isolation
+from . import isolation, view
 from .interpreter import Interpreter, _cache_cell, prepare
 from .shared import (
     CLONE_NEWNET,
@@ -300,10 +300,18 @@ def _make_workdir(root: str, prefix: str, uid: int | None) -> str:
     return path
 
 
+def landlock_grants(work_root: str, hidden: list[str]) -> list[tuple[str, bool]]:
+    """Landlock's rules for the allow-list view (see view.py), the hidden paths carved out."""
+    from . import landlock  # only here: most nodes run as root and never need it
+
+    return landlock.view_rules(view.readable(), view.writable(work_root), hidden)
+
+
 def main(argv: list[str]) -> None:
     """``argv[1]`` is JSON: ctl_fd, parent_pid, isolate_network, preload, work_root,
     hide (see ``isolation.hide`` and ``isolation.use_landlock``), killer_uid (root only: a uid no
-    process runs as, see :func:`kill_uid`)."""
+    process runs as, see :func:`kill_uid`), cgroups (root only: the node's parent cgroup
+    dirs, see ``isolation.join_cgroup``)."""
     conf = json.loads(argv[1])
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != conf["parent_pid"]:
@@ -312,29 +320,41 @@ def main(argv: list[str]) -> None:
     root = os.geteuid() == 0
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of user code come to us and get reaped
     killer_uid = conf.get("killer_uid")
-    netns, blocked, unhidden, landlock = False, [], [], None
+    netns, blocked, unhidden, landlock, why_no_view, grants = False, [], [], None, None, None
     hidden = conf.get("hide") or []
-    keep = [conf["work_root"], *isolation.python_dirs()]
+    work_root = conf["work_root"]
+    if root and conf["isolate_network"]:
+        # Once, here: every child inherits a network namespace holding only a down
+        # loopback. Unix sockets and passed fds are not affected.
+        netns = _libc.unshare(CLONE_NEWNET) == 0
+    prepare(conf["preload"])  # before the view: preloads are loaded by path, from anywhere
+    isolation.open_cgroups(conf.get("cgroups") or [])  # before the view, which hides /sys
+    if root and conf["isolate_network"] and not netns:
+        from . import landlock  # noqa: F401  (imported now: the view does not hold this file)
     if root:
-        # Sandboxes run as other uids, which must still reach Python and their dirs, and
-        # must not read the node's records or the datasets behind the hidden tests.
-        blocked = isolation.open_up(keep)
-        unhidden = isolation.hide(hidden, keep, conf["work_root"])
-        if conf["isolate_network"]:
-            # Once, here: every child inherits a network namespace holding only a down
-            # loopback. Unix sockets and passed fds are not affected.
-            netns = _libc.unshare(CLONE_NEWNET) == 0
-    else:
-        unhidden = [f"{p}: no root to cover it" for p in hidden if os.path.lexists(p)]
-    if not root or unhidden or (conf["isolate_network"] and not netns):
+        # Sandboxes run as other uids and see only the allow-list view (view.py). Where
+        # the view cannot be made (root without CAP_SYS_ADMIN, in a container), the old
+        # deny-list: Python and their dirs opened up, the node's records and the
+        # datasets covered, and Landlock's allow-list on top.
+        try:
+            unhidden = view.enter(work_root, hidden, view.scratch_dir(work_root))
+            view.active = True
+        except OSError as e:
+            why_no_view = str(e)
+            keep = [work_root, *isolation.python_dirs()]
+            blocked = isolation.open_up(keep)
+            unhidden = isolation.hide(hidden, keep, work_root)
+    if not view.active or (conf["isolate_network"] and not netns):
         # What the namespaces could not do (no root, or root without CAP_SYS_ADMIN in a
         # container), Landlock does: without root, sandboxes run as the node's own user.
-        landlock, why = isolation.use_landlock(hidden, keep, conf["isolate_network"] and not netns)
+        grants = None if view.active else landlock_grants(work_root, hidden)
+        landlock, why = isolation.use_landlock(
+            [] if view.active else hidden, [], conf["isolate_network"] and not netns, grants
+        )
         if landlock is not None:
             unhidden = []
         else:
-            unhidden = [f"{u} ({why})" for u in unhidden]
-    prepare(conf["preload"])
+            unhidden = [f"{u} ({why})" for u in unhidden] or ([f"everything but the view ({why})"] if not root else [])
     # Set once here, so every sandbox starts with it: setuid binaries would escape the uid
     # kill. The zygote itself never executes another program.
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -347,6 +367,13 @@ def main(argv: list[str]) -> None:
                 "landlock": landlock,
                 "unreachable": blocked,
                 "unhidden": unhidden,
+                "view": view.active,
+                "view_error": why_no_view,
+                # What episode code can read, where an allow-list holds (the view, or
+                # Landlock's view rules); None: everything but the hidden paths.
+                "visible": view.readable() + view.writable(work_root)
+                if view.active or (grants and landlock is not None)
+                else None,
             }
         ).encode()
     )

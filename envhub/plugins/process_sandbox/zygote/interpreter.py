@@ -28,8 +28,9 @@ import traceback
 import types
 from typing import Any
 
-from . import isolation
+from . import isolation, view
 from .shared import (
+    PR_SET_DUMPABLE,
     PR_SET_PDEATHSIG,
     _libc,
     _prctl,
@@ -93,6 +94,7 @@ class Interpreter:
         self.zygote_pid = zygote_pid
         self.output_limit = int(req["output_limit"])
         self.cells = 0
+        self.calls: list[list[str]] = []  # this cell's calls of the spec's functions (see recorder)
         self.armed = False
         self.fired = False
 
@@ -119,6 +121,7 @@ class Interpreter:
 
     def setup(self) -> None:
         req, uid = self.req, self.req.get("uid")
+        isolation.join_cgroup(req.get("cgroup"))  # first: the fds it closes lead out of the view
         os.setsid()
         os.chdir(self.workdir)
         limits = req["limits"]
@@ -129,6 +132,8 @@ class Interpreter:
         if limits.get("nproc") is not None:
             _set_limit(resource.RLIMIT_NPROC, limits["nproc"], limits["nproc"])
         if uid is not None:
+            if view.active:  # its own /tmp, /var/tmp and /dev/shm, gone with its work dir
+                view.private_tmp(self.workdir, uid, req["work_root"])
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
@@ -136,6 +141,10 @@ class Interpreter:
             isolation.landlock.restrict_self(isolation.landlock_fd)
             os.close(isolation.landlock_fd)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+        if uid is not None:
+            # setuid made it undumpable, and /proc (hidepid=2) then hides it and the children
+            # it forks from its own uid until they exec; its uid is its own, so nothing is lost.
+            _prctl(PR_SET_DUMPABLE, 1)
         if os.getppid() != self.zygote_pid:
             raise RuntimeError("the zygote died while the sandbox started")
         os.dup2(self.out_fd, 1)  # sys.stdout and sys.stderr already write to fds 1 and 2
@@ -149,6 +158,8 @@ class Interpreter:
         main.__builtins__ = builtins
         sys.modules["__main__"] = main
         self.globals = main.__dict__
+        for name in req.get("functions") or ():
+            setattr(builtins, name, self.recorder(name))
         self.pid = os.getpid()
 
     def on_alarm(self, _signum: int, _frame: Any) -> None:
@@ -163,6 +174,7 @@ class Interpreter:
         os.ftruncate(self.out_fd, 0)
         os.ftruncate(self.err_fd, 0)
         self.cells += 1
+        self.calls = []
         filename = f"{CELL_PREFIX}{self.cells}>"
         result: dict[str, Any] = {
             "exit_code": 0,
@@ -211,13 +223,32 @@ class Interpreter:
             result.update(exit_code=None, timed_out=True, exception=None, value=None, value_repr=None)
         return self.finish(result)
 
+    def recorder(self, name: str) -> Any:
+        """The built-in ``name(text)``: episode code hands ``text`` to the environment (MBPP's
+        ``submit_solution(code)``); the cell's result reports it in ``calls``."""
+
+        def record(text: str) -> None:
+            if not isinstance(text, str):
+                raise TypeError(f"{name}() takes the code as a string, not {type(text).__name__}")
+            if len(text) > _MAX_CALL_TEXT:
+                raise ValueError(f"{name}() takes at most {_MAX_CALL_TEXT} characters")
+            self.calls.append([name, text])
+
+        record.__name__ = record.__qualname__ = name
+        return record
+
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
         for f in (sys.stdout, sys.stderr):
             _flush_quietly(f)
         result["stdout"], out_cut = read_capped(self.out_fd, self.output_limit)
         result["stderr"], err_cut = read_capped(self.err_fd, self.output_limit)
         result["truncated"] = out_cut or err_cut
+        if self.calls:
+            result["calls"] = self.calls
         return result
+
+
+_MAX_CALL_TEXT = 1 << 20  # the longest string a recorder takes
 
 
 # Without root, the zygote's hard limits, read once by prepare(): a sandbox can only

@@ -1,10 +1,14 @@
-"""What keeps episode code from the node's records, the datasets and the network.
+"""What keeps episode code from the node's records, the datasets and the network, and
+inside its cgroup.
 
-As root, the zygote makes its own mount namespace, in which sandbox uids can reach Python
-and their work dirs (:func:`open_up`) and the hidden paths are covered by empty,
-root-only mounts (:func:`hide`); the host's view never changes. Without root (or where
-the namespaces cannot be made), each interpreter puts itself under a Landlock ruleset
-that :func:`use_landlock` prepared and tested in a probe process (``landlock.py``).
+As root, the zygote makes its own mount namespace, builds the allow-list view in it
+(``view.py``) and covers the hidden paths inside the view with empty, root-only mounts
+(:func:`hide`); the host's view never changes. Where the view cannot be made (root
+without CAP_SYS_ADMIN) the same mounts cover the hidden paths of the host's tree, and
+sandbox uids are let through the dirs on the way to Python (:func:`open_up`). Without
+root (or without namespaces), each interpreter puts itself under a Landlock ruleset that
+:func:`use_landlock` prepared and tested in a probe process (``landlock.py``). As root,
+a sandbox joins its cgroup (:func:`join_cgroup`) before anything else.
 """
 
 from __future__ import annotations
@@ -174,7 +178,9 @@ landlock: Any = None
 landlock_fd = -1
 
 
-def use_landlock(hidden: list[str], keep: list[str], deny_tcp: bool) -> tuple[dict[str, Any] | None, str | None]:
+def use_landlock(
+    hidden: list[str], keep: list[str], deny_tcp: bool, grants: list[tuple[str, bool]] | None = None
+) -> tuple[dict[str, Any] | None, str | None]:
     """Have every interpreter restrict itself with Landlock: ``hidden`` out of reach
     (``keep`` excepted), and with ``deny_tcp`` no TCP. Returns what the ruleset covers,
     or ``None`` and why it is not used.
@@ -186,7 +192,7 @@ def use_landlock(hidden: list[str], keep: list[str], deny_tcp: bool) -> tuple[di
     try:
         from . import landlock as module  # only here: most nodes run as root and never need it
 
-        fd, info = module.ruleset(hidden, keep, deny_tcp=deny_tcp)
+        fd, info = module.ruleset(hidden, keep, deny_tcp=deny_tcp, grants=grants)
     except OSError as e:
         return None, str(e)
     probes = [p for p in hidden if os.path.exists(p)]
@@ -214,3 +220,34 @@ def use_landlock(hidden: list[str], keep: list[str], deny_tcp: bool) -> tuple[di
         return None, f"the Landlock ruleset {why} in a test process"
     landlock, landlock_fd = module, fd
     return info, None
+
+
+# The node's parent cgroups (see ../cgroups.py), opened by open_cgroups() before the view
+# hides /sys: a sandbox joins its slot's cgroup through them, then closes them.
+cgroup_fds: list[int] = []
+
+
+def open_cgroups(parents: list[str]) -> None:
+    """Open the node's parent cgroup dirs (``O_PATH``), once, in the zygote."""
+    for parent in parents:
+        cgroup_fds.append(os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+
+
+def join_cgroup(name: str | None) -> None:
+    """In a sandbox, as root: move into the cgroup ``name`` under every parent, then close
+    the parents, which lead out of the view (an fd to a dir outside a chroot is a way out
+    of it). A cgroup that cannot be joined fails the sandbox's start: it would otherwise
+    run without its episode's limits."""
+    try:
+        if name is not None:
+            pid = str(os.getpid()).encode()
+            for parent in cgroup_fds:
+                fd = os.open(f"{name}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=parent)
+                try:
+                    os.write(fd, pid)
+                finally:
+                    os.close(fd)
+    finally:
+        for fd in cgroup_fds:
+            os.close(fd)
+        cgroup_fds.clear()

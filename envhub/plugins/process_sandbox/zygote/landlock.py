@@ -136,9 +136,34 @@ def allowed_paths(hidden: Iterable[str], keep: Iterable[str]) -> list[str]:
     return out
 
 
-def ruleset(hidden: list[str], keep: list[str], *, deny_tcp: bool) -> tuple[int, dict]:
+_FS_READ_DIR = 1 << 3
+
+
+def view_rules(readable: Iterable[str], writable: Iterable[str], hidden: Iterable[str]) -> list[tuple[str, bool]]:
+    """``(path, writable)`` rules that grant only the allow-list view (see ``view.py``): a
+    granted tree that holds a hidden path is granted as its parts but that path (the
+    sibling walk of :func:`allowed_paths`, inside the tree)."""
+    hidden = [os.path.realpath(h) for h in hidden]
+    rules: list[tuple[str, bool]] = []
+    for grant, rw in [*((p, False) for p in readable), *((p, True) for p in writable)]:
+        inner = [h for h in hidden if _under(h, [os.path.realpath(grant)])]
+        if not inner:
+            rules.append((grant, rw))
+            continue
+        root = os.path.realpath(grant)
+        rules += [(p, rw) for p in allowed_paths(inner, []) if _under(p, [root]) and p != root]
+    return rules
+
+
+def ruleset(
+    hidden: list[str], keep: list[str], *, deny_tcp: bool, grants: list[tuple[str, bool]] | None = None
+) -> tuple[int, dict]:
     """A ruleset fd for :func:`restrict_self`, and what it covers: ``{"abi", "rules",
-    "tcp_denied", "scoped"}``. Raises ``OSError`` where Landlock is missing."""
+    "tcp_denied", "scoped"}``. Raises ``OSError`` where Landlock is missing.
+
+    Without ``grants``, everything but ``hidden`` (``keep`` excepted) is reachable; with
+    them (``(path, writable)``, see :func:`view_rules`), only those paths are: read and
+    run where not writable."""
     abi = abi_version()
     if abi < 1:
         raise OSError(errno.EOPNOTSUPP, "Landlock is not available in this kernel")
@@ -158,16 +183,18 @@ def ruleset(hidden: list[str], keep: list[str], *, deny_tcp: bool) -> tuple[int,
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
-    paths = allowed_paths(hidden, keep)
+    rules = grants if grants is not None else [(p, True) for p in allowed_paths(hidden, keep)]
+    read_only = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
     try:
-        for path in paths:
+        for path, rw in rules:
             try:
                 target = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except OSError:
                 continue  # gone since it was listed, or a dangling link: nothing to allow
             try:
                 is_dir = stat.S_ISDIR(os.fstat(target).st_mode)
-                rule = _PathBeneathAttr(allowed_access=every if is_dir else on_file, parent_fd=target)
+                rights = (every if is_dir else on_file) if rw else (read_only if is_dir else read_only & on_file)
+                rule = _PathBeneathAttr(allowed_access=rights, parent_fd=target)
                 if (
                     _libc.syscall(
                         _SYS_ADD_RULE,
@@ -185,7 +212,7 @@ def ruleset(hidden: list[str], keep: list[str], *, deny_tcp: bool) -> tuple[int,
     except BaseException:
         os.close(fd)
         raise
-    return fd, {"abi": abi, "rules": len(paths), "tcp_denied": tcp_denied, "scoped": scoped}
+    return fd, {"abi": abi, "rules": len(rules), "tcp_denied": tcp_denied, "scoped": scoped}
 
 
 def restrict_self(fd: int) -> None:

@@ -1,0 +1,784 @@
+"""The "appworld" sandbox: one AppWorld worker process per episode, forked from a preloaded
+zygote, driven over AppWorld's own HTTP protocol on a Unix socket; grading in a fresh
+process per evaluation.
+
+The node never imports ``appworld``: it runs in its own venv (``python``), because it
+pins pydantic 1 and old fastapi/httpx, freezes the clock of any process with an open
+world, needs the main thread and allows one world per process.
+
+Policy and invariants:
+
+- :meth:`AppWorldSandbox.start` checks the venv and launches the zygote
+  (``worker/``, run with the venv's ``python -I``) without waiting for its preload
+  (seconds to half a minute): a node that serves AppWorld comes up as fast as one that
+  does not, and the first create waits for the zygote instead.
+- A warm pool: ``pool_size`` workers are kept forked and listening, refilled in the
+  background. They are not episodes and hold no slot of the node's: :meth:`create` takes
+  one (or waits for the next), so a create pays an ``/initialize`` (a fraction of a
+  second), never a cold start. Each worker serves exactly one episode.
+- Each episode's AppWorld root is this node's view ``<run_dir>/root``: ``data`` is a link
+  to the configured root's ``data/`` (only read), and ``experiments/outputs/<instance
+  id>``, the only place the worker may write (its ``experiment_name`` is the instance
+  id), is made by :meth:`create` and removed by :meth:`destroy`. ``run_dir`` is named
+  after the node's data dir and emptied at start, so nothing a crashed node left
+  outlives its next start.
+- As root each worker and each grader runs as a uid of its own from ``[uid_base,
+  uid_base + max_workers)``, claimed host-wide like the process sandbox's. The episode's
+  outputs dir belongs to the worker's uid and to a group only graders have (mode
+  2750): no other worker reads it. Workers have no network, rlimits on memory, CPU,
+  file size and (as root) processes, and cannot read any ``ground_truth/`` (see
+  ``worker/zygote.py``); without root, Landlock does what it can, and the start says
+  in the log what is in force.
+- Grading runs ``evaluate_task`` in a grader forked for that one grading (a long-lived
+  grader would reuse a cached end state and grade wrongly), under its own uid and
+  without network: it reads the ground truth and the worker's outputs, which model
+  code may have forged, so it must not run with the node's privileges.
+- :meth:`destroy` SIGKILLs the worker and everything of its uid (a normal exit spends
+  15-20 s in the garbage collector), then removes its outputs; it is idempotent.
+- A worker that dies, or whose code does not stop ``kill_grace`` seconds after AppWorld's
+  own per-call timeout, is killed and the call raises ``Gone``: the episode's state is
+  in that process's memory and is lost. The node then ends the instance (``lost``) and
+  frees its slot.
+- ``survives_restart`` is false: workers die with the node (``PR_SET_PDEATHSIG``), and a
+  restarted node marks their instances lost (410).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from envhub.errors import Gone, InvalidRequest, SandboxError, StartupError
+from envhub.plugins.appworld.data import APPWORLD_VERSION, VENV_PROBE, Paths, TaskSpec, load_tasks, unreadable
+from envhub.plugins.process_sandbox import zygote as process_zygote
+from envhub.plugins.process_sandbox.cgroups import Cgroups
+from envhub.plugins.process_sandbox.channel import ZygoteControl
+from envhub.plugins.process_sandbox.sandbox import _node_records
+from envhub.plugins.process_sandbox.uids import UidPool, sweep
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+
+log = logging.getLogger("envhub.plugins.appworld")
+
+WORKER_MAIN = Path(__file__).with_name("worker") / "__main__.py"
+_LINE_LIMIT = 1 << 16
+_RESULT_LIMIT = 64 << 20
+_MIN_SHM_FREE = 256 << 20
+
+
+@dataclass(eq=False)
+class _Worker:
+    """Node-side state of one worker process (ready in the pool, or serving an episode)."""
+
+    uid: int | None
+    claim: socket.socket | None
+    pid: int = 0
+    scratch: str = ""
+    status: socket.socket | None = None  # EOF when the worker dies
+    transport: httpx.AsyncHTTPTransport | None = None  # to its socket
+    handle: str | None = None
+    task_id: str | None = None
+    outputs: str | None = None
+    dead: str | None = None  # why it is gone, once it is
+    killed: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def default_run_dir(data_dir: Any) -> str:
+    """Where a node keeps its workers' sockets, scratch dirs and episode outputs: on the
+    /dev/shm tmpfs when roomy, else the temp dir; named after the data dir (one node per
+    data dir), and short, since a Unix socket path holds at most 107 bytes."""
+    digest = hashlib.sha256(os.path.abspath(str(data_dir or "envhub-data")).encode()).hexdigest()[:16]
+    try:
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize >= _MIN_SHM_FREE and os.access("/dev/shm", os.W_OK | os.X_OK):
+            return f"/dev/shm/envhub-appworld-{digest}"
+    except OSError:
+        pass
+    return os.path.join("/tmp", f"envhub-appworld-{digest}")
+
+
+class AppWorldSandbox(ZygoteControl, Sandbox):
+    """AppWorld workers. Its settings are the ``environments.appworld`` section (the
+    ``sandboxes.appworld`` section, if any, is laid over it): ``python``, ``root``,
+    ``pool_size`` (2), ``execute_timeout`` (100 s, AppWorld's per-call timeout),
+    ``kill_grace`` (5 s), ``init_timeout`` (60 s), ``grade_timeout`` (120 s),
+    ``start_timeout`` (300 s, the zygote's preload), ``memory_mb`` (2048, RLIMIT_AS),
+    ``cpu_seconds`` (3600), ``max_processes`` (64 as root), ``max_file_mb`` (256),
+    ``uid_base`` (250000), ``max_workers`` (1024), ``isolate_network`` (true),
+    ``run_dir`` (see :func:`default_run_dir`). docs/configuration.md has the table."""
+
+    name = "appworld"
+    description = "AppWorld worker processes (one per episode) forked from a preloaded zygote in AppWorld's own venv"
+    language = "python"
+    sandbox_label = "appworld sandbox"
+    zygote_label = "AppWorld zygote"
+
+    def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
+        super().__init__(config, settings)
+        section = {**dict((getattr(settings, "environments", None) or {}).get("appworld") or {}), **self.config}
+        data_dir = getattr(settings, "data_dir", None)
+        self.paths = Paths.resolve(section, data_dir)
+        self.python = str(self.paths.python)
+        self.pool_size = int(section.get("pool_size", 2))
+        self.execute_timeout = float(section.get("execute_timeout", 100))
+        self.kill_grace = float(section.get("kill_grace", 5))
+        self.init_timeout = float(section.get("init_timeout", 60))
+        self.grade_timeout = float(section.get("grade_timeout", 120))
+        self.start_timeout = float(section.get("start_timeout", 300))
+        self.memory_mb = int(section.get("memory_mb", 2048))
+        self.cpu_seconds = int(section.get("cpu_seconds", 3600))
+        self.max_processes = section.get("max_processes")
+        self.max_file_mb = int(section.get("max_file_mb", 256))
+        self.uid_base = int(section.get("uid_base", 250000))
+        self.max_workers = int(section.get("max_workers", 1024))
+        self.isolate_network = bool(section.get("isolate_network", True))
+        self.run_dir = os.path.abspath(str(section.get("run_dir") or default_run_dir(data_dir)))
+        self.view = os.path.join(self.run_dir, "root")
+        self.outputs_root = os.path.join(self.view, "experiments", "outputs")
+        self.hide = [os.path.abspath(p) for p in _node_records(settings)]
+        self.root = os.geteuid() == 0
+        if self.pool_size < 0 or self.max_workers < 1:
+            raise StartupError("appworld: pool_size must be >= 0 and max_workers >= 1")
+        self.env = {
+            "PATH": os.environ.get("PATH", os.defpath),
+            "LANG": "C.UTF-8",
+            "APPWORLD_ROOT": self.view,
+            "APPWORLD_CACHE": os.path.join(self.run_dir, "cache"),
+            "HOME": self.run_dir,
+            "MALLOC_ARENA_MAX": "2",  # each arena reserves address space, which RLIMIT_AS counts
+        }
+        self.hello: dict[str, Any] = {}
+        self.tasks: list[TaskSpec] = []  # read at start, for the environment
+        self._uids = UidPool(self.uid_base, self.max_workers)
+        self._killer: tuple[int, socket.socket] | None = None  # see process_sandbox/zygote/forkserver.kill_uid
+        self._graders: tuple[int, socket.socket] | None = None  # its uid is the group of outputs dirs
+        self.use_cgroups = bool(section.get("cgroups", True))
+        self._cgroups = Cgroups(hashlib.sha256(self.run_dir.encode()).hexdigest()[:16], label="appworld")
+        self._ctl: socket.socket | None = None
+        self._proc: subprocess.Popen | None = None
+        self._ctl_lock = asyncio.Lock()
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._req_id = 0
+        self._generation = 0
+        self._started = False
+        self._live: dict[str, _Worker] = {}
+        self._ready: collections.deque[_Worker] = collections.deque()
+        self._spawning = 0
+        self._takers = 0
+        self._pool_error: str | None = None
+        self._pool_changed: asyncio.Condition | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._log_file: Any = None
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._check_venv()
+        self.tasks = await asyncio.to_thread(load_tasks, self.paths.root)
+        if len(os.path.join(self.run_dir, "w0000-00000000", "w.sock")) > 100:
+            raise StartupError(f"appworld: run_dir {self.run_dir} is too long for a Unix socket path under it")
+        if self.root:
+            try:
+                self._killer = self._uids.allocate()
+                self._graders = self._uids.allocate()
+            except SandboxError as e:
+                self._uids.close()
+                raise StartupError(f"appworld: no uid left: {e.message}") from e
+        await asyncio.to_thread(self._prepare_run_dir)
+        if self.root and self.use_cgroups:
+            log.info("appworld: %s", self._cgroups.start())
+        if self.root:
+            closed = await asyncio.to_thread(unreadable, self.paths.data)
+            if closed:
+                log.warning(
+                    "appworld: workers and graders run as other uids and cannot read %d path(s) in %s, e.g. %s "
+                    "(chmod -R o+rX it)",
+                    len(closed),
+                    self.paths.data,
+                    closed[0],
+                )
+        self._pool_changed = asyncio.Condition()
+        self._started = True
+        await self._ctl_lock.acquire()  # held until the zygote answers: control calls wait for it
+        self._spawn_task(self._boot())
+
+    async def _check_venv(self) -> None:
+        python = self.paths.python
+        if not (python.is_file() and os.access(python, os.X_OK)):
+            raise StartupError(f"appworld: no AppWorld venv at {python} (make one with `envhub appworld setup`)")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.python, "-I", "-c", VENV_PROBE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            )
+            async with asyncio.timeout(60):
+                out, err = await proc.communicate()
+            found = json.loads(out)
+        except (OSError, ValueError, TimeoutError) as e:
+            tail = err.decode(errors="replace")[-1000:] if isinstance(e, ValueError) else ""
+            raise StartupError(f"appworld: {python} does not run: {e!r} {tail}".rstrip()) from None
+        if not found.get("dir"):
+            raise StartupError(f"appworld: {python} has no appworld package (run `envhub appworld setup`)")
+        if not found.get("apps"):
+            raise StartupError(
+                f"appworld: the apps are not unpacked in {found['dir']}: run `{python.parent / 'appworld'} install`"
+            )
+        if found.get("version") != APPWORLD_VERSION:
+            log.warning(
+                "appworld: the venv has appworld %s; envhub is tested with %s, whose data version is 0.1.0",
+                found.get("version"),
+                APPWORLD_VERSION,
+            )
+
+    def _prepare_run_dir(self) -> None:
+        if os.path.lexists(self.run_dir):
+            shutil.rmtree(self.run_dir, ignore_errors=True)  # what a node that died left
+        os.makedirs(self.run_dir, mode=0o711 if self.root else 0o700)
+        os.chmod(self.run_dir, 0o711 if self.root else 0o700)  # workers traverse it, never list it
+        os.makedirs(os.path.join(self.view, "experiments"))
+        os.mkdir(self.outputs_root, 0o711 if self.root else 0o700)
+        os.chmod(self.outputs_root, 0o711 if self.root else 0o700)
+        os.symlink(str(self.paths.data), os.path.join(self.view, "data"))
+
+    async def _boot(self) -> None:
+        try:
+            await self._launch()
+        except StartupError as e:
+            self._pool_error = e.message
+            log.error("%s", e.message)
+        finally:
+            self._ctl_lock.release()
+        if self.root and self._ctl is not None:
+            # What a node kill -9-ed left under these uids (see process_sandbox/uids.py).
+            try:
+                swept = await sweep(self._uids, lambda uid: self._ctl_call({"op": "kill", "pid": None, "uid": uid}))
+            except SandboxError as e:
+                log.error("appworld: could not kill what an earlier node left under its uids: %s", e.message)
+            else:
+                if swept:
+                    log.warning("appworld: killed what an earlier node left under uids %s", ", ".join(map(str, swept)))
+        await self._pool_notify()
+
+    async def _launch(self) -> None:
+        """Start the zygote and wait for its hello. Called with ``_ctl_lock`` held."""
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conf = {
+            "ctl_fd": theirs.fileno(),
+            "parent_pid": os.getpid(),
+            "process_zygote": os.path.dirname(os.path.abspath(process_zygote.__file__)),
+            "root": str(self.paths.root),
+            "run_dir": self.run_dir,
+            "hide": self.hide,
+            "isolate_network": self.isolate_network,
+            "killer_uid": self._killer[0] if self._killer else None,
+            "cgroups": [str(parent) for _, parent in self._cgroups.parents],
+        }
+        if self._log_file is None:  # only for the node: workers can open a file by name in run_dir
+            fd = os.open(os.path.join(self.run_dir, "zygote.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._log_file = os.fdopen(fd, "ab")
+        started = time.monotonic()
+        try:
+            self._proc = subprocess.Popen(
+                [self.python, "-I", "-B", str(WORKER_MAIN), json.dumps(conf)],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=self._log_file,
+                env=self.env,
+                cwd=self.run_dir,
+                start_new_session=True,
+            )
+        except OSError as e:
+            ours.close()
+            raise StartupError(f"appworld: cannot run {self.python}: {e}") from e
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._ctl = ours
+        self._generation += 1
+        loop.add_reader(ours.fileno(), self._on_ctl_readable)
+        self._waiters[0] = hello_waiter = loop.create_future()
+        try:
+            async with asyncio.timeout(self.start_timeout):
+                hello, _ = await hello_waiter
+            if not hello.get("ready"):
+                raise SandboxError(hello.get("error") or "no hello")
+        except (TimeoutError, SandboxError) as e:
+            await self._close_zygote()
+            why = e.message if isinstance(e, SandboxError) else f"no answer within {self.start_timeout:g} s"
+            raise StartupError(f"appworld: the zygote did not start: {why}\n{self._log_tail()}") from None
+        self.hello = hello
+        if hello.get("unreachable"):
+            await self._close_zygote()
+            raise StartupError(
+                f"appworld: worker uids cannot traverse {', '.join(hello['unreachable'])} "
+                "(on the way to the data, the venv or run_dir); grant o+x or move them"
+            )
+        log.info(
+            "appworld: zygote ready in %.1f s (preload %.1f s); %s",
+            time.monotonic() - started,
+            hello.get("preload_s", 0),
+            self.protections(),
+        )
+        if hello.get("unhidden"):
+            log.warning("appworld: model code can read %s", "; ".join(hello["unhidden"]))
+
+    def protections(self) -> str:
+        """What confines a worker, in words (logged when the zygote is ready)."""
+        h = self.hello
+        parts = [f"workers as their own uids from {self.uid_base}" if self.root else "workers as the node's user"]
+        parts.append("no network" if h.get("network_isolated") else "NETWORK REACHABLE")
+        hidden_by = h.get("ground_truth_hidden_by")
+        parts.append(
+            f"ground truth of {h.get('ground_truths', 0)} tasks hidden by {hidden_by}"
+            if hidden_by
+            else "GROUND TRUTH READABLE"
+        )
+        if h.get("landlock"):
+            parts.append(f"Landlock ABI {h['landlock']['abi']}")
+        nproc = self._nproc()
+        parts.append(f"RLIMIT_AS {self.memory_mb} MB" + (f", {nproc} processes" if nproc else ""))
+        parts.append("writes only their episode's outputs" if self.root else "writes not confined to outputs (no root)")
+        return ", ".join(parts)
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.run_dir, "zygote.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 3000))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    async def stop(self) -> None:
+        self._started = False
+        await asyncio.gather(*(self.destroy(h) for h in list(self._live)), return_exceptions=True)
+        ready, self._ready = list(self._ready), collections.deque()
+        await asyncio.gather(*(self._discard(w) for w in ready), return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close_zygote()
+        self._cgroups.stop()
+        for claim in (self._killer, self._graders):
+            if claim is not None:
+                self._uids.release(*claim)
+        self._killer = self._graders = None
+        self._uids.close()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        await asyncio.to_thread(shutil.rmtree, self.run_dir, True)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "ready": len(self._ready),
+            "spawning": self._spawning,
+            "live": len(self._live),
+            "zygote_pid": self._proc.pid if self._proc else None,
+        }
+
+    # --- the pool -------------------------------------------------------------------
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _kick(self) -> None:
+        if not self._started:
+            return
+        for _ in range(self.pool_size + self._takers - len(self._ready) - self._spawning):
+            self._spawning += 1
+            self._spawn_task(self._fill_one())
+
+    async def _fill_one(self) -> None:
+        worker = None
+        try:
+            worker = await self._new_worker()
+        except Exception as e:  # noqa: BLE001 - every failure is reported to the takers
+            self._pool_error = e.message if isinstance(e, SandboxError | StartupError) else repr(e)
+            log.warning("appworld: a worker did not start: %s", self._pool_error)
+        finally:
+            self._spawning -= 1
+        if worker is not None:
+            if self._started:
+                self._pool_error = None
+                self._ready.append(worker)
+            else:
+                await self._discard(worker)
+        await self._pool_notify()
+
+    async def _pool_notify(self) -> None:
+        if self._pool_changed is not None:
+            async with self._pool_changed:
+                self._pool_changed.notify_all()
+
+    async def _take(self) -> _Worker:
+        """A ready worker, the oldest first; waits for the next one when none is."""
+        assert self._pool_changed is not None
+        self._takers += 1
+        try:
+            async with asyncio.timeout(self.start_timeout + self.init_timeout):
+                async with self._pool_changed:
+                    while True:
+                        while self._ready:
+                            worker = self._ready.popleft()
+                            if worker.dead is None:
+                                return worker
+                            self._spawn_task(self._discard(worker))
+                        if not self._started:
+                            raise SandboxError("the appworld sandbox is not running")
+                        self._kick()
+                        if self._pool_error is not None and self._spawning == 0:
+                            raise SandboxError(f"no AppWorld worker can start: {self._pool_error}")
+                        await self._pool_changed.wait()
+        except TimeoutError:
+            raise SandboxError("no AppWorld worker became ready in time") from None
+        finally:
+            self._takers -= 1
+            self._kick()
+
+    async def _new_worker(self) -> _Worker:
+        uid, claim = self._allocate_uid()
+        worker = _Worker(uid=uid, claim=claim)
+        try:
+            msg, fds = await self._ctl_call(
+                {
+                    "op": "worker",
+                    "uid": uid,
+                    "gid": uid,
+                    "purge": self._purge(uid),
+                    "limits": self._limits(),
+                    "cgroup": self._cgroup(uid),
+                }
+            )
+            worker.pid, worker.scratch = msg["pid"], msg["scratch"]
+            worker.status = socket.socket(fileno=fds[0])
+            worker.status.setblocking(False)
+            async with asyncio.timeout(self.init_timeout):
+                line = await _read_line(worker.status)
+            reply = json.loads(line) if line else {"error": "it died while starting"}
+            if not reply.get("ready"):
+                raise SandboxError(f"an AppWorld worker did not start: {reply.get('error')}")
+            worker.transport = httpx.AsyncHTTPTransport(uds=msg["sock"])
+            asyncio.get_running_loop().add_reader(worker.status.fileno(), self._on_status, worker)
+        except BaseException:
+            await asyncio.shield(self._discard(worker))
+            raise
+        return worker
+
+    def _on_status(self, worker: _Worker) -> None:
+        """A worker wrote to its status socket (model code can) or died (EOF)."""
+        try:
+            data = worker.status.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            return  # nothing but EOF matters once it is ready
+        asyncio.get_running_loop().remove_reader(worker.status.fileno())
+        if worker.dead is None:
+            worker.dead = "the AppWorld worker died"
+        if worker in self._ready:
+            self._ready.remove(worker)
+            self._spawn_task(self._discard(worker))
+            self._kick()
+
+    async def _discard(self, worker: _Worker) -> None:
+        """Kill a worker and free what it holds but its outputs (see :meth:`destroy`)."""
+        try:
+            await self._kill(worker)
+        finally:
+            if worker.status is not None:
+                try:
+                    asyncio.get_running_loop().remove_reader(worker.status.fileno())
+                except (ValueError, OSError):
+                    pass
+                worker.status.close()
+                worker.status = None
+            if worker.transport is not None:
+                await worker.transport.aclose()
+                worker.transport = None
+            if worker.claim is not None:
+                self._uids.release(worker.uid, worker.claim)
+                worker.claim = None
+
+    async def _kill(self, worker: _Worker) -> str | None:
+        """SIGKILL the worker and every process of its uid; how it ended if on its own."""
+        if worker.killed or not worker.pid:
+            return None
+        worker.killed = True
+        try:
+            msg, _ = await self._ctl_call({"op": "kill", "pid": worker.pid, "uid": worker.uid})
+        except SandboxError as e:  # the zygote died: PDEATHSIG took the worker
+            log.warning("appworld: killing worker %s failed: %s", worker.pid, e.message)
+            if worker.uid is not None:
+                self._uids.purged.discard(worker.uid)  # kill its leftovers before the uid runs again
+            return None
+        return msg.get("status")
+
+    def _allocate_uid(self) -> tuple[int | None, socket.socket | None]:
+        if not self.root:
+            if len(self._live) + len(self._ready) + self._spawning > self.max_workers:
+                raise SandboxError(f"all {self.max_workers} AppWorld workers are in use")
+            return None, None
+        return self._uids.allocate()
+
+    def _purge(self, uid: int | None) -> bool:
+        if uid is None or uid in self._uids.purged:
+            return False
+        self._uids.purged.add(uid)
+        return True
+
+    def _nproc(self) -> int | None:
+        if self.max_processes is not None:
+            return int(self.max_processes)
+        return 64 if self.root else None
+
+    def _cgroup(self, uid: int | None) -> str | None:
+        """The cgroup a worker or grader of ``uid`` joins: its memory (and its files') and
+        tasks together, see process_sandbox/cgroups.py."""
+        if uid is None:
+            return None
+        try:
+            return self._cgroups.for_uid(uid, self.memory_mb << 20, self._nproc() or 64)
+        except OSError as e:
+            raise SandboxError(f"appworld: {e}") from e
+
+    def _limits(self) -> dict[str, Any]:
+        return {
+            "as_bytes": self.memory_mb << 20,
+            "cpu_seconds": self.cpu_seconds,
+            "fsize_bytes": self.max_file_mb << 20,
+            "nproc": self._nproc(),
+        }
+
+    # --- episodes -------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> str:
+        handle = spec.instance_id
+        if not self._started:
+            raise SandboxError("the appworld sandbox is not running")
+        if handle in (".", "..") or "/" in handle:
+            raise InvalidRequest(f"{handle!r} cannot name an AppWorld experiment", field="instance_id")
+        if handle in self._live:
+            raise SandboxError(f"sandbox {handle!r} already exists")
+        worker = await self._take()
+        try:
+            outputs = os.path.join(self.outputs_root, handle)
+            os.mkdir(outputs, 0o700)
+            if worker.uid is not None and self._graders is not None:
+                os.chown(outputs, worker.uid, self._graders[0])
+                os.chmod(outputs, 0o2750)  # the worker writes, graders read, other workers see nothing
+            worker.handle, worker.outputs = handle, outputs
+            self._live[handle] = worker
+        except BaseException:
+            await asyncio.shield(self._discard(worker))
+            raise
+        return handle
+
+    def _worker(self, handle: str) -> _Worker:
+        worker = self._live.get(handle)
+        if worker is None:
+            raise SandboxError(f"no AppWorld worker for {handle!r}")
+        return worker
+
+    async def initialize(self, handle: str, task_id: str, **options: Any) -> dict[str, Any]:
+        """``POST /initialize``: open the task's world in the episode's worker, with the
+        instance id as experiment name and no ground truth loaded."""
+        worker = self._worker(handle)
+        body = {
+            "task_id": task_id,
+            "experiment_name": handle,
+            "load_ground_truth": False,
+            "timeout_seconds": max(1, math.ceil(self.execute_timeout)),
+            **options,
+        }
+        async with worker.lock:
+            try:
+                reply = await self._call(worker, "/initialize", body, self.init_timeout)
+            except Gone as e:  # no episode yet: the create fails
+                raise SandboxError(f"the world of {task_id} did not open: {e.message}") from None
+            worker.task_id = task_id
+        return reply
+
+    async def execute(self, handle: str, code: str) -> tuple[str, bool]:
+        """Run ``code`` in the episode's world; returns AppWorld's output text and whether
+        the task is now completed. ``Gone`` when the worker died or had to be killed."""
+        worker = self._worker(handle)
+        async with worker.lock:
+            output = await self._call(
+                worker, "/execute", {"task_id": worker.task_id, "code": code}, self.execute_timeout + self.kill_grace
+            )
+            completed = await self._call(worker, "/task_completed", {"task_id": worker.task_id}, self.init_timeout)
+        return str(output), bool(completed)
+
+    async def _call(self, worker: _Worker, route: str, body: dict[str, Any], timeout: float) -> Any:
+        if worker.dead is not None:
+            raise Gone(await self._lost(worker, worker.dead))  # it died while idle
+        try:
+            response = await _post(worker.transport, route, body, timeout)
+        except httpx.TimeoutException:
+            raise Gone(
+                await self._lost(
+                    worker,
+                    f"the call ran past {timeout:g} s and did not stop, so the AppWorld worker was killed",
+                )
+            ) from None
+        except httpx.TransportError as e:
+            if worker.handle not in self._live:
+                raise SandboxError(f"sandbox {worker.handle!r} was destroyed while code ran") from None
+            raise Gone(await self._lost(worker, f"the AppWorld worker stopped answering ({e!r})")) from None
+        if response.status_code != 200:
+            raise SandboxError(f"AppWorld {route} failed ({response.status_code}): {response.text[-2000:]}")
+        return response.json()["output"]
+
+    async def _lost(self, worker: _Worker, why: str) -> str:
+        """Kill ``worker`` (outputs stay until destroy) and say why its episode is lost:
+        how it died when it died on its own, else ``why``."""
+        if worker.dead is None or not worker.killed:
+            status = await self._kill(worker)
+            worker.dead = f"the AppWorld worker died ({status})" if status else why
+        return f"{worker.dead}; the episode's state is gone"
+
+    async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        """:meth:`execute` for callers of the generic contract: AppWorld's own per-call
+        timeout (``execute_timeout``, set when the world opened) applies, not ``timeout``."""
+        started = time.monotonic()
+        output, _ = await self.execute(handle, code)
+        return ExecResult(stdout=output, duration_s=time.monotonic() - started)
+
+    async def grade(self, handle: str) -> dict[str, Any]:
+        """``evaluate_task`` of the episode in a fresh grader: ``{"result": tracker dict}``
+        or ``{"error": why}`` (a grader that failed, died or ran past ``grade_timeout``)."""
+        worker = self._worker(handle)
+        uid, claim = self._allocate_uid()
+        pid = 0
+        try:
+            msg, fds = await self._ctl_call(
+                {
+                    "op": "grader",
+                    "uid": uid,
+                    "gid": self._graders[0] if self._graders else uid,
+                    "purge": self._purge(uid),
+                    "limits": self._limits(),
+                    "cgroup": self._cgroup(uid),
+                    "task_id": worker.task_id,
+                    "experiment_name": handle,
+                }
+            )
+            pid = msg["pid"]
+            with socket.socket(fileno=fds[0]) as sock:
+                sock.setblocking(False)
+                try:
+                    async with asyncio.timeout(self.grade_timeout):
+                        data = await _read_all(sock)
+                except TimeoutError:
+                    return {"error": f"grading ran past {self.grade_timeout:g} s"}
+            if not data:
+                status = await self._kill(_Worker(uid=uid, claim=None, pid=pid))
+                pid = 0
+                return {"error": f"the grader died ({status or 'no result'})"}
+            try:
+                return json.loads(data)
+            except ValueError:
+                return {"error": "the grader wrote no result"}
+        finally:
+            if pid:
+                await asyncio.shield(self._kill(_Worker(uid=uid, claim=None, pid=pid)))
+            if claim is not None:
+                self._uids.release(uid, claim)
+
+    async def destroy(self, handle: str) -> None:
+        worker = self._live.pop(handle, None)
+        if worker is None:
+            return
+        task = asyncio.ensure_future(self._teardown(worker))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        await asyncio.shield(task)
+
+    async def _teardown(self, worker: _Worker) -> None:
+        try:
+            await self._discard(worker)  # first: nothing of its uid may write there any more
+        finally:
+            if worker.outputs:
+                await asyncio.to_thread(_remove, worker.outputs)
+
+    async def write_file(self, handle: str, path: str, data: bytes) -> None:
+        raise InvalidRequest("AppWorld episodes have no files to write; use the appworld tool")
+
+    async def read_file(self, handle: str, path: str) -> bytes:
+        raise InvalidRequest("AppWorld episodes have no files to read; use the appworld tool")
+
+
+def _remove(path: str) -> None:
+    """Remove an outputs dir: a worker may have left it read-only, or left a link in it
+    (rmtree never follows one)."""
+
+    def writable(func: Any, p: str, _exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(p), stat.S_IRWXU)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=writable)
+
+
+async def _post(
+    transport: httpx.AsyncHTTPTransport, route: str, body: dict[str, Any], timeout: float
+) -> httpx.Response:
+    """POST JSON straight through the transport: an ``httpx.AsyncClient`` would log every
+    request at INFO, two lines per step of every episode."""
+    request = httpx.Request(
+        "POST", f"http://appworld{route}", json=body, extensions={"timeout": httpx.Timeout(timeout).as_dict()}
+    )
+    response = await transport.handle_async_request(request)
+    try:
+        await response.aread()
+    finally:
+        await response.aclose()
+    return response
+
+
+async def _read_line(sock: socket.socket) -> bytes:
+    loop = asyncio.get_running_loop()
+    data = b""
+    while b"\n" not in data and len(data) < _LINE_LIMIT:
+        chunk = await loop.sock_recv(sock, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0]
+
+
+async def _read_all(sock: socket.socket) -> bytes:
+    loop = asyncio.get_running_loop()
+    chunks, size = [], 0
+    while size < _RESULT_LIMIT:
+        chunk = await loop.sock_recv(sock, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo octarine > /app/answer.txt
