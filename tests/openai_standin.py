@@ -44,6 +44,19 @@ SCRIPTS = {
         }
     ],
     "slow": [{"content": "too late", "sleep": 30}],
+    # A degenerate generation: arguments nested past any JSON decoder's recursion limit.
+    "degenerate": [
+        {
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "d",
+                    "type": "function",
+                    "function": {"name": "run_command", "arguments": "[" * 50_000 + "]" * 50_000},
+                }
+            ],
+        }
+    ],
     # Two calls in one reply, then done: SETA counts 2 tool calls, at most 2 in parallel.
     "twocalls": [
         {

@@ -108,6 +108,13 @@ def test_malformed_tool_calls_end_the_run_with_an_agent_error(node, model):
     assert any(m["role"] == "tool" and "not valid JSON" in m["content"] for m in replies), "the model was told"
 
 
+def test_tool_call_arguments_nested_past_any_limit_are_a_malformed_turn_not_a_crash(node, model):
+    out = rollout(node, model, "degenerate-1")
+    assert out["reward"] == 0.0 and out["run_info"]["agent_summary"]["termination_reason"] == "malformed_tool_calls"
+    replies = [m for m in model.requests if m["session"] == "degenerate-1"][-1]["body"]["messages"]
+    assert any(m["role"] == "tool" and "nested" in m["content"] for m in replies), "the model was told"
+
+
 def test_a_model_that_times_out_is_reported_not_waited_for(node, model):
     t0 = time.monotonic()
     out = rollout(node, model, "slow-1", model_timeout=1)

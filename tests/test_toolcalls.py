@@ -58,3 +58,11 @@ def test_what_cannot_be_read_is_an_error_never_a_guess():
         parsed = toolcalls.parse(content)
         assert parsed.calls == [] and len(parsed.errors) == 1 and why in parsed.errors[0], (content, parsed)
     assert not toolcalls.parse("no calls here, just ```python\nprint(1)\n```")
+
+
+def test_a_block_nested_past_any_limit_is_an_error_not_a_crash():
+    deep = "[" * 50_000 + "]" * 50_000
+    got = toolcalls.parse(f'<tool_call>{{"name": "run_python", "arguments": {deep}}}</tool_call>')
+    assert got.calls == [] and len(got.errors) == 1 and "not JSON" in got.errors[0]
+    got = toolcalls.parse(f'<tool_call>{{"name": "run_python", "arguments": {json.dumps(deep)}}}</tool_call>')
+    assert got.calls == [] and len(got.errors) == 1 and "not JSON" in got.errors[0]

@@ -2,8 +2,9 @@
 
 Requests are ``ServiceRequest`` bodies ``{env_type, task_id, instance_id, messages,
 params}``; replies are ``{"success": true, "data": ...}``. A missing required field or an
-unknown instance is ``400 {"detail": "<message>"}`` (AgentEvolver's ValueError path);
-anything else that fails is ``500 {"detail": "<message>"}``, without a traceback.
+unknown instance is ``400 {"detail": "<message>"}`` (AgentEvolver's ValueError path); any
+other error of the client's (a wrong state, a full node) keeps envhub's 4xx status, and
+only a failure of the service is ``500 {"detail": "<message>"}``, without a traceback.
 ``/release`` of an unknown id is ``200 {"success": false, "data": null}``.
 
 Actions, from the first of these the assistant message has (AgentEvolver's trainer sends
@@ -39,7 +40,7 @@ from typing import Any
 
 from envhub.compat.backends import Backend
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
-from envhub.util import toolcalls
+from envhub.util import strict_json, toolcalls
 
 # The tool that runs a bare code block, per environment; others: the first tool that takes "code".
 CODE_TOOLS = {
@@ -75,13 +76,25 @@ async def call(fn, *args) -> Any:
     except InvalidRequest as e:
         raise AEError(400, e.message) from None
     except EnvhubError as e:
-        raise AEError(400 if e.status == 404 else 500, e.message) from None
+        # The client's own mistakes (a wrong state, a full node) keep their 4xx; only
+        # failures of the service are AgentEvolver's 500.
+        raise AEError(_status(e), e.message) from None
+
+
+def _status(e: EnvhubError) -> int:
+    if e.status == 404:
+        return 400  # AgentEvolver's "Instance ... not found!" is a ValueError: 400
+    return e.status if 400 <= e.status < 500 else 500
 
 
 async def get_env_profile(backend: Backend, body: dict[str, Any]) -> list[str]:
     environment = required(body, "env_type")
     params = body.get("params") or {}
+    if not isinstance(params, dict):
+        raise AEError(400, "params must be an object")
     split = params.get("split", "train")
+    if not isinstance(split, str):
+        raise AEError(400, "params.split must be a string")
     splits = await call(backend.splits, environment)
     if split not in splits:
         # AgentEvolver trainers ask for "train"; an environment without such a split
@@ -156,15 +169,18 @@ def _actions(
     """The steps a message asks for, as ``(call id, tool, arguments)``, and why each tool
     call written in its content that could not be read was not."""
     out = []
-    for tc in message.get("tool_calls") or []:
+    tool_calls = message.get("tool_calls") or []
+    if not isinstance(tool_calls, list):
+        raise AEError(400, "messages.tool_calls must be a list")
+    for tc in tool_calls:
         if not isinstance(tc, dict):
             raise AEError(400, "each tool call must be an object")
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
         args = fn.get("arguments") or "{}"
         try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError as e:
-            raise AEError(400, f"tool call arguments are not valid JSON: {e}") from None
+            args = strict_json.loads(args) if isinstance(args, str) else args
+        except strict_json.BadJSON as e:
+            raise AEError(400, f"tool call arguments are not acceptable JSON: {e.message}") from None
         out.append((str(tc.get("id") or ""), str(fn.get("name") or ""), args))
     if out:
         return out, []
@@ -217,4 +233,4 @@ async def release(backend: Backend, body: dict[str, Any]) -> bool:
     except EnvhubError as e:
         if e.status == 404:
             return False
-        raise AEError(500, e.message) from None
+        raise AEError(_status(e), e.message) from None

@@ -31,6 +31,8 @@ from envhub.node.trial_log import TrialLog
 
 log = logging.getLogger("envhub.rollouts")
 
+_MAX_BUDGET = 1e9  # steps, tokens or seconds: more is a mistake, and a float cannot hold every int
+
 
 @dataclass
 class RolloutRequest:
@@ -71,8 +73,8 @@ class RolloutRequest:
         ):
             if body.get(key) is not None:
                 value = body[key]
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                    raise InvalidRequest(f"'{key}' must be a positive number", field=key)
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= _MAX_BUDGET:
+                    raise InvalidRequest(f"'{key}' must be a positive number up to {_MAX_BUDGET:g}", field=key)
                 setattr(budgets, attr, kind(value))
         params = body.get("params") or {}
         if not isinstance(params, dict):
@@ -92,7 +94,7 @@ class RolloutRequest:
             model_api_key=text("model_api_key"),
             model=text("model", default="default"),
             traj_i=traj_i,
-            trial=body.get("trial") or None,
+            trial=text("trial") or None,
             agent=text("agent", default="terminal"),
             params=params,
             budgets=budgets,

@@ -39,7 +39,8 @@ from envhub.node.capacity import Slots
 from envhub.node.pool import WarmPool, spec_key
 from envhub.node.trial_log import TrialLog, TrialWriter
 from envhub.sandbox import Sandbox, SandboxSpec
-from envhub.settings import Settings
+from envhub.settings import Settings, non_finite
+from envhub.settings import check as settings_check
 from envhub.store import instances, step_results
 from envhub.store.db import Database, delete_in_batches
 from envhub.util.singleflight import SingleFlight
@@ -560,42 +561,51 @@ class NodeService:
         sections = changes.get("environments") or {}
         if not isinstance(sections, dict):
             raise InvalidRequest("'environments' must map names to config sections", field="environments")
-        reloaded: dict[str, Environment] = {}
-        for name, section in sections.items():
-            env = self.environment(name)
-            if not isinstance(section, dict):
-                raise InvalidRequest(f"environments.{name} must be a mapping", field=f"environments.{name}")
-            fresh = type(env)({**env.config, **section})
-            try:
-                fresh.load()
-            except EnvhubError as e:
-                raise InvalidRequest(f"environments.{name}: {e.message}", field=f"environments.{name}") from None
-            # What a sandbox hides is fixed when it starts; a dataset moved to where its
-            # episodes can read it would hand them the hidden tests.
-            sandbox = self.sandboxes.get(fresh.sandbox)
-            exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
-            if exposed:
-                raise InvalidRequest(
-                    f"environments.{name}: episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows "
-                    "it and hides only what it was started with); keep datasets outside the Python install and "
-                    "the system's dirs, or restart the node with it",
-                    field=f"environments.{name}",
-                )
-            if env.context is not None:
-                await fresh.start(env.context)
-            reloaded[name] = fresh
         numbers = {}
         for key in ("idle_ttl", "queue_timeout"):
             if key in changes:
-                value = changes[key]
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                    raise InvalidRequest(f"'{key}' must be a non-negative number", field=key)
-                numbers[key] = float(value)
+                try:  # the rule the setting has at start
+                    numbers[key] = settings_check(key, changes[key])
+                except ValueError as e:
+                    raise InvalidRequest(str(e), field=key) from None
+        reloaded: dict[str, Environment] = {}
+        for name, section in sections.items():
+            env = self.environment(name)
+            field = f"environments.{name}"
+            if not isinstance(section, dict):
+                raise InvalidRequest(f"{field} must be a mapping", field=field)
+            bad = non_finite(section)
+            if bad is not None:
+                raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
+            fresh = type(env)({**env.config, **section})
+            try:  # what the environment does with its section at start
+                fresh.load()
+                self._refuse_exposed(name, fresh)
+                if env.context is not None:
+                    await fresh.start(env.context)
+            except EnvhubError as e:
+                raise InvalidRequest(f"{field}: {e.message}", field=field) from None
+            except (ValueError, TypeError, KeyError, OSError) as e:  # a value of the wrong type or shape
+                raise InvalidRequest(f"{field}: {type(e).__name__}: {e}", field=field) from None
+            reloaded[name] = fresh
         self.environments.update(reloaded)
         for key, value in numbers.items():
             setattr(self.settings, key, value)
         self.slots.queue_timeout = self.settings.queue_timeout
         return self.config()
+
+    def _refuse_exposed(self, name: str, fresh: Environment) -> None:
+        """What a sandbox hides is fixed when it starts; a dataset moved to where its
+        episodes can read it would hand them the hidden tests."""
+        sandbox = self.sandboxes.get(fresh.sandbox)
+        exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
+        if exposed:
+            raise InvalidRequest(
+                f"episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows it and hides only what "
+                "it was started with); keep datasets outside the Python install and the system's dirs, or restart "
+                "the node with it",
+                field=f"environments.{name}",
+            )
 
     async def cleanup(self) -> dict[str, Any]:
         """Release every live instance (what SETA's /cleanup does to its containers)."""

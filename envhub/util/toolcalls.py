@@ -18,11 +18,12 @@ cut at its token limit) is an error too. Nothing outside the blocks is interpret
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from envhub.util import strict_json
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|\Z)", re.S)
@@ -65,7 +66,7 @@ def _one(body: str) -> dict[str, Any]:
         arguments = {name: value for name, value in _PARAMETER.findall(m.group(2))}
         return _call(m.group(1), arguments)
     try:
-        data = json.loads(body)
+        data = strict_json.loads(body)  # nested past any limit: an error, not a RecursionError
     except ValueError as e:
         raise ValueError(f"a <tool_call> block is not JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
@@ -73,7 +74,7 @@ def _one(body: str) -> dict[str, Any]:
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = strict_json.loads(arguments) if arguments.strip() else {}
         except ValueError as e:
             raise ValueError(f"the arguments of {data['name']} are not JSON ({e})") from None
     if not isinstance(arguments, dict):

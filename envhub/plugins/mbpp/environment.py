@@ -163,11 +163,11 @@ class MBPP(Environment):
         if len(self._tasks) != len(tasks):
             raise StartupError(f"mbpp: {where} repeats a task_id")
         self._order = sorted(self._tasks.values(), key=lambda t: int(t.id))
-        self.run_timeout = float(self.config.get("run_timeout", 10))
-        self.eval_timeout = float(self.config.get("eval_timeout", 60))
+        self.run_timeout = self.config_number("run_timeout", 10)
+        self.eval_timeout = self.config_number("eval_timeout", 60)
         # 3 s, the budget of the common MBPP/HumanEval harnesses: in RL a looping
         # submission is routine, and every hidden test may spend the whole budget.
-        self.test_cpu = float(self.config.get("test_cpu_seconds", 3))
+        self.test_cpu = self.config_number("test_cpu_seconds", 3)
         self.challenge = bool(self.config.get("challenge_tests", False))
         # Cut once here, not in every grading: each test's probes and template, as graded
         # when the submission shadows none of the names the test uses (see grading.py).

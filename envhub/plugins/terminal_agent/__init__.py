@@ -21,7 +21,7 @@ from typing import Any
 from envhub.agent import Agent, AgentResult, AgentSession, ModelError
 from envhub.errors import InvalidRequest
 from envhub.hookspecs import hookimpl
-from envhub.util import toolcalls
+from envhub.util import strict_json, toolcalls
 
 
 class TerminalAgent(Agent):
@@ -89,15 +89,17 @@ class TerminalAgent(Agent):
         """Run one tool call; returns (steps taken, text for the model, parse errors)."""
         if not isinstance(call, dict):
             return 0, "error: a tool call must be an object", 1
-        function = call.get("function") or {}
+        function = call.get("function")
+        if not isinstance(function, dict):
+            return 0, "error: a tool call needs a function object with name and arguments", 1
         name = function.get("name")
         if name not in known:
             return 0, f"error: there is no tool {name!r}; tools: {', '.join(sorted(n for n in known if n))}", 0
         raw = function.get("arguments") or "{}"
         try:
-            arguments = json.loads(raw) if isinstance(raw, str) else raw
-        except ValueError as e:
-            return 0, f"error: the arguments are not valid JSON ({e})", 1
+            arguments = strict_json.loads(raw) if isinstance(raw, str) else raw
+        except strict_json.BadJSON as e:
+            return 0, f"error: the arguments are not valid JSON ({e.message})", 1
         if not isinstance(arguments, dict):
             return 0, "error: the arguments must be a JSON object", 1
         try:

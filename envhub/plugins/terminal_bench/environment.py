@@ -129,9 +129,9 @@ class TerminalBench(Environment):
         self.reward_mode = str(self.config.get("reward_mode", "all_pass"))
         if self.reward_mode not in ("all_pass", "pass_ratio"):
             raise StartupError(f"terminal-bench: reward_mode must be all_pass or pass_ratio, not {self.reward_mode!r}")
-        self.command_timeout = float(self.config.get("command_timeout", 120))
-        self.max_command_timeout = float(self.config.get("max_command_timeout", 600))
-        self.output_limit = int(self.config.get("output_limit", 16000))
+        self.command_timeout = self.config_number("command_timeout", 120)
+        self.max_command_timeout = self.config_number("max_command_timeout", 600)
+        self.output_limit = int(self.config_number("output_limit", 16000))
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
         self._datasets: dict[str, set[str]] = {}  # task id -> the names its dataset goes by
         for root in roots:
