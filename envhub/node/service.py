@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from envhub.environment import Action, Environment, Episode
+from envhub.environment import Action, Environment, Episode, Evaluation
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
@@ -45,7 +45,8 @@ from envhub.node.capacity import Slots
 from envhub.node.pool import WarmPool, spec_key
 from envhub.node.trial_log import TrialLog, TrialWriter
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
-from envhub.settings import Settings
+from envhub.settings import Settings, non_finite
+from envhub.settings import check as settings_check
 from envhub.store import instances, step_results
 from envhub.store.db import Database, delete_in_batches
 from envhub.util.singleflight import SingleFlight
@@ -71,6 +72,24 @@ class Live:
     done: bool = False
     grading: asyncio.Task | None = None  # the evaluation in progress (or done), shared by its callers
     graded_recorded: bool = False  # that evaluation is in SQLite
+
+
+def reward_modes(evaluation: Evaluation, sparse: Any) -> tuple[dict[str, float], float]:
+    """The ``dense`` and ``sparse`` rewards of an evaluation, and the one an episode gets.
+
+    Every environment has both: ``sparse`` is 1.0 only when the dense reward is full
+    (every test passed), else 0.0, unless the environment reports its own pair in
+    ``details["rewards"]`` (AppWorld does). ``params.sparse`` of the instance (true or
+    false) picks one; without it the environment's own reward stands (MBPP and
+    terminal-bench: dense; AppWorld: its ``reward`` setting)."""
+    own = evaluation.details.get("rewards") if isinstance(evaluation.details, dict) else None
+    if isinstance(own, dict) and all(isinstance(own.get(k), (int, float)) for k in ("dense", "sparse")):
+        rewards = {"dense": float(own["dense"]), "sparse": float(own["sparse"])}
+    else:
+        rewards = {"dense": float(evaluation.reward), "sparse": 1.0 if evaluation.reward >= 1.0 else 0.0}
+    if isinstance(sparse, bool):
+        return rewards, rewards["sparse" if sparse else "dense"]
+    return rewards, float(evaluation.reward)
 
 
 def validate_instance_id(value: Any) -> str:
@@ -253,6 +272,8 @@ class NodeService:
         params = {} if params is None else params
         if not isinstance(params, dict):
             raise InvalidRequest("'params' must be an object", field="params")
+        if params.get("sparse") is not None and not isinstance(params["sparse"], bool):
+            raise InvalidRequest("'params.sparse' must be true or false", field="params.sparse")
         trial = self.settings.default_trial if trial is None else trial
         if not isinstance(trial, str) or not trial.strip():
             raise InvalidRequest("'trial' must be a non-empty string", field="trial")
@@ -515,12 +536,13 @@ class NodeService:
             self._ensure_still_live(live)
             evaluation = await self._unless_lost(live, live.env.evaluate(live.episode))
             live.last_active = time.monotonic()
-            reply = {"instance_id": live.row.id, "reward": evaluation.reward, "details": evaluation.details}
+            rewards, reward = reward_modes(evaluation, live.episode.params.get("sparse"))
+            reply = {"instance_id": live.row.id, "reward": reward, "rewards": rewards, "details": evaluation.details}
             record = instances.evaluation_statement(
-                live.row.id, reward=evaluation.reward, evaluation=reply, env_state=live.episode.state
+                live.row.id, reward=reward, evaluation=reply, env_state=live.episode.state
             )
-            live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
-            self.metrics.reward(live.env.name, evaluation.reward)
+            live.log.record("evaluation", {"reward": reward, "rewards": rewards, "details": evaluation.details})
+            self.metrics.reward(live.env.name, reward)
             if record_now:
                 await self.db.write(*record)
                 live.graded_recorded = True
@@ -625,42 +647,51 @@ class NodeService:
         sections = changes.get("environments") or {}
         if not isinstance(sections, dict):
             raise InvalidRequest("'environments' must map names to config sections", field="environments")
-        reloaded: dict[str, Environment] = {}
-        for name, section in sections.items():
-            env = self.environment(name)
-            if not isinstance(section, dict):
-                raise InvalidRequest(f"environments.{name} must be a mapping", field=f"environments.{name}")
-            fresh = type(env)({**env.config, **section})
-            try:
-                fresh.load()
-            except EnvhubError as e:
-                raise InvalidRequest(f"environments.{name}: {e.message}", field=f"environments.{name}") from None
-            # What a sandbox hides is fixed when it starts; a dataset moved to where its
-            # episodes can read it would hand them the hidden tests.
-            sandbox = self.sandboxes.get(fresh.sandbox)
-            exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
-            if exposed:
-                raise InvalidRequest(
-                    f"environments.{name}: episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows "
-                    "it and hides only what it was started with); keep datasets outside the Python install and "
-                    "the system's dirs, or restart the node with it",
-                    field=f"environments.{name}",
-                )
-            if env.context is not None:
-                await fresh.start(env.context)
-            reloaded[name] = fresh
         numbers = {}
         for key in ("idle_ttl", "queue_timeout"):
             if key in changes:
-                value = changes[key]
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                    raise InvalidRequest(f"'{key}' must be a non-negative number", field=key)
-                numbers[key] = float(value)
+                try:  # the rule the setting has at start
+                    numbers[key] = settings_check(key, changes[key])
+                except ValueError as e:
+                    raise InvalidRequest(str(e), field=key) from None
+        reloaded: dict[str, Environment] = {}
+        for name, section in sections.items():
+            env = self.environment(name)
+            field = f"environments.{name}"
+            if not isinstance(section, dict):
+                raise InvalidRequest(f"{field} must be a mapping", field=field)
+            bad = non_finite(section)
+            if bad is not None:
+                raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
+            fresh = type(env)({**env.config, **section})
+            try:  # what the environment does with its section at start
+                fresh.load()
+                self._refuse_exposed(name, fresh)
+                if env.context is not None:
+                    await fresh.start(env.context)
+            except EnvhubError as e:
+                raise InvalidRequest(f"{field}: {e.message}", field=field) from None
+            except (ValueError, TypeError, KeyError, OSError) as e:  # a value of the wrong type or shape
+                raise InvalidRequest(f"{field}: {type(e).__name__}: {e}", field=field) from None
+            reloaded[name] = fresh
         self.environments.update(reloaded)
         for key, value in numbers.items():
             setattr(self.settings, key, value)
         self.slots.queue_timeout = self.settings.queue_timeout
         return self.config()
+
+    def _refuse_exposed(self, name: str, fresh: Environment) -> None:
+        """What a sandbox hides is fixed when it starts; a dataset moved to where its
+        episodes can read it would hand them the hidden tests."""
+        sandbox = self.sandboxes.get(fresh.sandbox)
+        exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
+        if exposed:
+            raise InvalidRequest(
+                f"episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows it and hides only what "
+                "it was started with); keep datasets outside the Python install and the system's dirs, or restart "
+                "the node with it",
+                field=f"environments.{name}",
+            )
 
     async def cleanup(self) -> dict[str, Any]:
         """Release every live instance (what SETA's /cleanup does to its containers)."""

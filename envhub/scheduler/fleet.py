@@ -3,13 +3,15 @@ and slot accounting as the scheduler sees it (see ``service.py`` for the invaria
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import yaml
 
-from envhub.errors import StartupError
+from envhub.errors import StartupError, UpstreamUnavailable
 from envhub.settings import Settings
 
 
@@ -32,6 +34,8 @@ class Node:
     last_seen: float | None = None
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    failed_checks: int = 0  # health checks failed in a row
+    calls: set[InFlight] = field(default_factory=set)  # our calls to it not answered yet
 
     @property
     def used(self) -> int:
@@ -83,6 +87,56 @@ class Node:
     def end(self, instance_id: str) -> None:
         self.created.pop(instance_id, None)
         self.ended.add(instance_id)
+
+    def in_flight(self, what: str) -> InFlight:
+        """``async with node.in_flight("POST /x"):`` around a call to this node, so that
+        :meth:`cut_calls` can end it."""
+        return InFlight(self, what)
+
+    def cut_calls(self, why: str) -> int:
+        """End every call in flight to this node with ``UpstreamUnavailable`` (``why`` says
+        what the node did); returns how many."""
+        calls = list(self.calls)
+        for call in calls:
+            call.cut(why)
+        return len(calls)
+
+
+class InFlight:
+    """One call in flight to a node, which :meth:`Node.cut_calls` ends with a 503 naming
+    the node. asyncio.timeout's mechanism: the caller's own task is cancelled and, on the
+    way out, that cancellation (and only that one: a client going away or a shutdown
+    still cancels) becomes ``UpstreamUnavailable``. No task per call, so the hot path
+    (every step through a scheduler) pays nothing for it."""
+
+    def __init__(self, node: Node, what: str) -> None:
+        self.node = node
+        self.what = what
+        self.why: str | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+
+    async def __aenter__(self) -> InFlight:
+        self._task = asyncio.current_task()
+        assert self._task is not None
+        self._cancelling = self._task.cancelling()
+        self.node.calls.add(self)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.node.calls.discard(self)
+        if self.why is not None and self._task is not None:
+            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise UpstreamUnavailable(
+                    f"node {self.node.url} {self.why}: {self.what} was cut off", extra={"node": self.node.url}
+                ) from None
+
+    def cut(self, why: str) -> None:
+        if self.why is None and self._task is not None:
+            self.why = why
+            self._task.cancel()
 
 
 def _count(report: dict[str, Any], key: str, default: int) -> int:

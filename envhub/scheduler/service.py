@@ -8,7 +8,9 @@ Invariants:
 - The route (instance -> node) is in SQLite before the create is forwarded, and the
   forwarded create carries the instance id, so a retried or repeated create never makes
   two instances and a restarted scheduler routes every instance as before. Affinity is
-  in SQLite too.
+  in SQLite too. Only the node's answer settles a create: until that node answers, a
+  retry goes to it or, while it is down, is a 503 with Retry-After; it is never placed
+  on another node.
 - Slot accounting counts each instance once. A node's health report lists the ids
   holding its slots (``slot_ids``) and where its slot events stand (``slot_mark``); a
   create's reply carries the mark it was answered at. A node's used slots are the
@@ -19,7 +21,9 @@ Invariants:
   not at all, and whatever the scheduler cannot see (reaps, other clients, a restarted
   node) is right again at the next ``health_interval``.
 - A node that fails a health check is down: it gets no creates, and calls for its
-  instances get 503 at once; it is up again at its next good check.
+  instances get 503 at once; it is up again at its next good check. Once it has failed
+  ``cut_after_checks`` checks in a row, the calls already in flight to it end with 503
+  naming it too (fleet.InFlight), whatever their own timeout.
 - Every call to a node is counted in ``metrics`` with its latency, every placement with
   its use of affinity, and every 503 with its cause (envhub/metrics/scheduler.py).
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json as jsonlib
 import logging
+import math
 import secrets
 import time
 from typing import Any
@@ -126,8 +131,19 @@ class SchedulerService:
         for node, result in zip(self.nodes, results, strict=True):
             if isinstance(result, Exception):
                 log.error("health check of %s", node.url, exc_info=result)
-                self.mark_down(node, f"{type(result).__name__}: {result}")
+                self._check_failed(node, f"{type(result).__name__}: {result}")
         self._prune_route_cache()
+
+    def _check_failed(self, node: Node, why: str) -> None:
+        """A failed health check: the node is down (no creates, calls answered 503 at once),
+        and after ``cut_after_checks`` in a row the calls in flight to it end too, however
+        long their own timeout (``forward_timeout``) is: a frozen node never answers them."""
+        self.mark_down(node, why)
+        node.failed_checks += 1
+        if node.failed_checks >= self.settings.cut_after_checks:
+            cut = node.cut_calls(f"failed {node.failed_checks} health checks in a row ({why})")
+            if cut:
+                log.warning("node %s: cut off %d call(s) in flight", node.url, cut)
 
     def _prune_route_cache(self) -> None:
         """Forget the cached routes of instances their node no longer holds (reaped idle,
@@ -157,11 +173,12 @@ class SchedulerService:
         except (UpstreamUnavailable, ValueError) as e:
             if node.healthy:
                 log.warning("node %s is down: %s", node.url, e)
-            self.mark_down(node, f"{type(e).__name__}: {e}")
+            self._check_failed(node, f"{type(e).__name__}: {e}")
             return
         if not node.healthy:
             log.info("node %s is up", node.url)
         node.healthy, node.error, node.last_seen, node.info = True, None, time.time(), report
+        node.failed_checks = 0
         self._freed.set()
 
     async def health_forever(self) -> None:
@@ -266,35 +283,44 @@ class SchedulerService:
     ) -> tuple[int, bytes]:
         """Forward a create, recording its route first.
 
-        The route stays ``creating`` when the outcome is unknown (the call failed or this
-        call was cancelled): the instance may exist on that node, so a retry goes there
-        again rather than to another node. A node's own non-2xx answer drops the route.
+        The route stays ``creating`` when the outcome is unknown (the call failed, was cut
+        off or cancelled, or the scheduler died): the instance may exist on that node, so a
+        retry goes there again, and while that node is down the retry is a 503 with
+        Retry-After, never a placement elsewhere. Only the node's answer settles it: 2xx
+        or 409 (the id is taken there) makes the route live; any other answer drops it.
         """
         existing = await routes.find(self.db, instance_id)
         node: Node | None = None
         if existing is not None:
             node = self.by_url.get(existing.node_url)
-            if existing.state != "creating":
+            if node is None and existing.state != "creating":
+                raise Unavailable(
+                    f"instance {instance_id!r} is on node {existing.node_url}, which is no longer configured"
+                )
+            if node is not None and not node.healthy:
+                wait = max(1, math.ceil(self.settings.health_interval))
+                raise UpstreamUnavailable(
+                    f"instance {instance_id!r} was sent to node {node.url}, which is down: the create waits "
+                    "for that node's answer (it may hold the instance), retry later",
+                    extra={"node": node.url, "instance_id": instance_id, "retry_after": wait},
+                    headers={"Retry-After": str(wait)},
+                )
+            if node is not None and existing.state != "creating":
                 # A retried create: the node that has it replays its first answer.
-                if node is None:
-                    raise Unavailable(
-                        f"instance {instance_id!r} is on node {existing.node_url}, which is no longer configured"
-                    )
                 reply = await self.call(
                     node, "POST", "/instances", idempotent=True, json={**body, "instance_id": instance_id}
                 )
                 return reply.status, reply.body
-            if node is not None and node.healthy:
+            if node is not None:
                 node.creating.add(instance_id)  # an earlier attempt's node: it may hold the instance already
-            else:
-                node = None
         if isinstance(params.get("model_url"), str):
             params = {**params, "model_url": self.network.rewrite(params["model_url"])}
         forwarded = {**body, "instance_id": instance_id, "params": params}
         task_key = f"{environment}/{task_id}"
         if node is None:
             node = await self._pick(task_key, instance_id)
-        created = answered = False
+        created = False
+        status: int | None = None  # the node's answer, once it answered
         mark: str | None = None
         try:
             await routes.put(
@@ -304,16 +330,16 @@ class SchedulerService:
             reply = await self.call(
                 node, "POST", "/instances", json=forwarded, idempotent=True, timeout=self.settings.forward_timeout
             )
-            answered, mark = True, reply.slots
-            created = reply.status in (200, 201)
-            if created:
+            status, mark = reply.status, reply.slots
+            created = status in (200, 201)
+            if created or status == 409:  # 409: the id names an instance there already
                 await routes.set_state(self.db, instance_id, "live")
                 self._route_cache[instance_id] = node.url
             return reply.status, reply.body
         finally:
             node.answered(instance_id, created, mark)
             if not created:
-                if answered:
+                if status is not None and status != 409:  # the node answered: it holds no such instance
                     await asyncio.shield(routes.delete(self.db, instance_id))
                 self._freed.set()
 
@@ -469,26 +495,29 @@ class SchedulerService:
     async def call(
         self, node: Node, method: str, path: str, *, answers_client: bool = True, **kw: Any
     ) -> peers.PeerReply:
-        """One call to ``node`` (``peers.call``); a transport failure marks it down.
+        """One call to ``node`` (``peers.call``); a transport failure marks it down, and
+        the node failing ``cut_after_checks`` health checks in a row ends it (503).
         ``answers_client``: a failure here becomes this scheduler's own 503 (counted by
         cause); false where the caller folds failures into a reply of its own (fan-outs,
         the trial viewer's merges, the start-up check of unfinished creates)."""
         started = time.perf_counter()
         try:
-            reply = await peers.call(
-                self.http,
-                node.url,
-                method,
-                path,
-                api_key=node.api_key,
-                retry=self.retry,
-                on_retry=self._retry_counter(node),
-                **kw,
-            )
+            async with node.in_flight(f"{method} {path}"):
+                reply = await peers.call(
+                    self.http,
+                    node.url,
+                    method,
+                    path,
+                    api_key=node.api_key,
+                    retry=self.retry,
+                    on_retry=self._retry_counter(node),
+                    **kw,
+                )
         except UpstreamUnavailable:
-            if answers_client:
-                self.metrics.unavailable(causes.NODE_UNREACHABLE)
-            self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
+            if answers_client:  # cut short because the node is down, or unreachable itself
+                self.metrics.unavailable(causes.NODE_UNREACHABLE if node.healthy else causes.NODE_DOWN)
+            if node.healthy:  # a down node keeps the reason its health check gave
+                self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
             raise
         finally:
             self.metrics.routed(node.name, call_kind(method, path), time.perf_counter() - started)

@@ -2,7 +2,9 @@
 or ``Authorization: Bearer``.
 
 No configured key means the node is open; ``envhub serve`` warns when such a node is
-bound to a non-loopback address. A missing key is 401, a wrong one 403.
+bound to a non-loopback address. A missing key is 401, a wrong one 403; on the routes
+SETA's clients call (:data:`SETA_PATHS`) both are 403 with SETA's ``{"detail": "Invalid
+API key"}`` besides the envelope, as its service answers.
 
 - ``/health`` and ``/healthz`` need no key, nor does anything under ``/ui/``: the
   dashboard's page, script and style hold no data, and every data call the page makes
@@ -23,6 +25,7 @@ from envhub.errors import Forbidden, Unauthorized
 PUBLIC_PATHS = frozenset({"/health", "/healthz", "/ui"})
 PUBLIC_PREFIX = "/ui/"
 METRICS_PATH = "/metrics"
+SETA_PATHS = frozenset({"/step", "/setup", "/setup_dataset", "/cleanup", "/cleanup_task"})
 
 
 def presented_key(request: Request) -> str | None:
@@ -36,11 +39,14 @@ def presented_key(request: Request) -> str | None:
     return None
 
 
-def check_key(keys: list[str], presented: str | None) -> None:
+def check_key(keys: list[str], presented: str | None, *, seta: bool = False) -> None:
+    if presented is not None and any(hmac.compare_digest(presented.encode(), k.encode()) for k in keys):
+        return
+    if seta:
+        raise Forbidden("Invalid API key", extra={"detail": "Invalid API key"})
     if presented is None:
         raise Unauthorized("this route needs an API key (X-API-Key header or Authorization: Bearer)")
-    if not any(hmac.compare_digest(presented.encode(), k.encode()) for k in keys):
-        raise Forbidden("the API key is not valid")
+    raise Forbidden("the API key is not valid")
 
 
 def is_public(path: str) -> bool:
@@ -59,4 +65,4 @@ def setup_auth(app: Sanic) -> None:
         if path == METRICS_PATH:
             check_key(metrics_keys, presented_key(request))
         elif keys and not is_public(path):
-            check_key(keys, presented_key(request))
+            check_key(keys, presented_key(request), seta=path in SETA_PATHS)
