@@ -164,12 +164,13 @@ class SchedulerService:
             del self._route_cache[instance_id]
 
     async def _check(self, node: Node) -> None:
+        sessions_moved = node.sessions_moved
         try:
             reply = await peers.call(self.http, node.url, "GET", "/health", timeout=self.settings.health_timeout)
             report = reply.json()
             if reply.status != 200 or not isinstance(report, dict):
                 raise ValueError(f"HTTP {reply.status}")
-            node.report(report)
+            node.report(report, sessions_moved=sessions_moved)
         except (UpstreamUnavailable, ValueError) as e:
             if node.healthy:
                 log.warning("node %s is down: %s", node.url, e)
@@ -453,14 +454,10 @@ class SchedulerService:
 
     def session_opened(self, node: Node) -> None:
         """The node holds the session's slot now: an id-less slot until its next report."""
-        node.pending -= 1
-        node.active += 1
+        node.session_opened()
 
     def session_closed(self, node: Node, *, opened: bool) -> None:
-        if opened:
-            node.active = max(0, node.active - 1)
-        else:
-            node.pending -= 1
+        node.session_closed(opened=opened)
         self._freed.set()  # a create waiting for a slot (scheduler_wait) may go now
 
     @staticmethod
