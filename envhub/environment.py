@@ -10,7 +10,7 @@ still knows what was submitted.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -136,10 +136,16 @@ class Episode:
     spec: SandboxSpec
     state: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None
+    # The node's recorder of sandbox results (its metrics count timeouts, kills and
+    # out-of-memory); environments leave it alone and call exec and run_fresh.
+    on_exec: Callable[[ExecResult], None] | None = None
     _fresh_runs: int = 0
 
     async def exec(self, code: str, *, timeout: float) -> ExecResult:
-        return await self.sandbox.exec(self.handle, code, timeout=timeout)
+        result = await self.sandbox.exec(self.handle, code, timeout=timeout)
+        if self.on_exec is not None:
+            self.on_exec(result)
+        return result
 
     async def run_fresh(self, code: str, *, timeout: float, inputs: dict[str, Any] | None = None) -> ExecResult:
         """Run ``code`` in a new sandbox of the same spec, gone when this returns;
@@ -147,8 +153,12 @@ class Episode:
         self._fresh_runs += 1
         spec = replace(self.spec, instance_id=f"{self.instance_id}.fresh{self._fresh_runs}")
         if inputs is None:  # sandboxes written before inputs existed keep working
-            return await self.sandbox.run_once(spec, code, timeout=timeout)
-        return await self.sandbox.run_once(spec, code, timeout=timeout, inputs=inputs)
+            result = await self.sandbox.run_once(spec, code, timeout=timeout)
+        else:
+            result = await self.sandbox.run_once(spec, code, timeout=timeout, inputs=inputs)
+        if self.on_exec is not None:
+            self.on_exec(result)
+        return result
 
 
 class Environment:

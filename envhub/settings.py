@@ -83,6 +83,15 @@ class Settings:
     network_mode: str = "direct"
     network: dict[str, dict[str, Any]] = field(default_factory=dict)
     access_log: bool = False
+    # Prometheus metrics (docs/metrics.md): record them and serve GET /metrics. Off, the
+    # node records nothing and /metrics is a 404 (the bench's with/without comparison).
+    metrics: bool = True
+    # Keys accepted on GET /metrics and nowhere else, so a Prometheus server holds no key
+    # that can run code; api_keys are accepted there too.
+    metrics_keys: list[str] = field(default_factory=list)
+    # A second port serving only GET /metrics, with no key, on metrics_host.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     release_on_shutdown: bool = False
     # Not a setting: the YAML file load() read, if any. The process sandbox hides it
     # from episode code, since it may hold API keys.
@@ -100,6 +109,8 @@ class Settings:
                 setattr(self, name, check(name, getattr(self, name)))
             except ValueError as e:
                 raise StartupError(str(e)) from None
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise StartupError("metrics_port must be a port number (0-65535)")
         if self.response_timeout is None:
             self.response_timeout = 6 * 3600.0 if self.role == "node" else self.forward_timeout + 60
         for name in ("environments", "sandboxes", "agents", "network"):
@@ -230,7 +241,9 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
         path = [p.lower() for p in key[len(_PREFIX) :].split("__")]
         if path == ["api_key"]:
             _deep_merge(out, {"api_keys": [raw]})
-        elif path == ["api_keys"] or path == ["disabled_plugins"]:
+        elif path == ["metrics_key"]:
+            _deep_merge(out, {"metrics_keys": [raw]})
+        elif path in (["api_keys"], ["disabled_plugins"], ["metrics_keys"]):
             _deep_merge(out, {path[0]: [s.strip() for s in raw.split(",") if s.strip()]})
         elif path[0] in _FIELD_NAMES:
             _deep_merge(out, _nest(path, _scalar(raw)))
@@ -269,10 +282,10 @@ def _coerce(name: str, annotation: Any, value: Any, error: type[Exception] = Sta
             return Path(value)
         if kind == "str | None":
             return str(value)
-        if kind in ("int", "float", "float | None"):
+        if kind in ("int", "int | None", "float", "float | None"):
             if isinstance(value, bool) or not isinstance(value, (int, float, str)):
                 raise TypeError("expected a number")
-            number = int(value) if kind == "int" else float(value)
+            number = int(value) if kind.startswith("int") else float(value)
             if isinstance(value, float) and math.isfinite(value) and number != value:
                 raise ValueError("expected a whole number")
             return number

@@ -291,6 +291,8 @@ def test_an_mbpp_episode_with_the_stock_client_keeps_state_and_scores_a_submissi
             assert wrong.done is True and 0.1 <= wrong.reward < 1.0
             assert active(holder) == 1
     wait_for(lambda: active(holder) == 0, what="the session's slot to be freed")
+    if via == "sched":  # the scheduler frees its own count once the node's socket has closed
+        wait_for(lambda: scheduler_sees_free_slots(target), what="the scheduler to free the session's slot")
 
 
 @pytest.mark.parametrize("via", ["node", "sched"])
@@ -303,7 +305,7 @@ def test_the_typed_coding_env_client_submits_by_calling_submit_solution(fleet, v
     task = SAMPLE[11]
     with open_ws(target, key=key) as ws:
         first = ask(ws, {"type": "reset", "data": {"task_id": "11"}})
-        assert first["type"] == "observation" and "vowels" in first["data"]["observation"]["stdout"]
+        assert first["type"] == "observation" and "vowels" in first["data"]["observation"]["stdout"], first
         tried = ask(ws, {"type": "step", "data": {"code": task["code"] + "\nprint(count_vowels('envhub'))"}})
         assert tried["data"]["observation"]["stdout"] == "2\n" and tried["data"]["done"] is False
         graded = ask(ws, {"type": "step", "data": {"code": f"submit_solution({task['code']!r})"}})
@@ -317,6 +319,8 @@ def test_the_typed_coding_env_client_submits_by_calling_submit_solution(fleet, v
         assert wrong["data"]["done"] is True and 0.0 < wrong["data"]["reward"] < 1.0
         assert wrong["data"]["observation"]["exit_code"] == 1
     wait_for(lambda: active(holder) == 0, what="the session's slot to be freed")
+    if via == "sched":  # the scheduler frees its own count once the node's socket has closed
+        wait_for(lambda: scheduler_sees_free_slots(target), what="the scheduler to free the session's slot")
 
 
 # -- the socket protocol -----------------------------------------------------------------------

@@ -21,24 +21,30 @@ it directly. Invariants:
 - A create with a client-chosen id is idempotent: a retry returns the first result
   (200 instead of 201) and concurrent duplicates wait for the one in flight.
 - SQLite is written before a call returns, so a restart knows every instance.
+- Every create, step, evaluate and release call is counted once in ``metrics`` with its
+  outcome, whatever ends it (envhub/metrics/node.py); ``ended_counts`` counts every
+  instance that ended since the start, by environment and end state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from envhub.environment import Action, Environment, Episode, Evaluation
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
+from envhub.metrics import UNKNOWN, outcome_of
+from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.node.capacity import Slots
 from envhub.node.pool import WarmPool, spec_key
 from envhub.node.trial_log import TrialLog, TrialWriter
-from envhub.sandbox import Sandbox, SandboxSpec
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 from envhub.settings import Settings, non_finite
 from envhub.settings import check as settings_check
 from envhub.store import instances, step_results
@@ -101,14 +107,19 @@ class NodeService:
         db: Database,
         environments: Mapping[str, Environment],
         sandboxes: Mapping[str, Sandbox],
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
         self.environments = dict(environments)
         self.sandboxes = dict(sandboxes)
+        self.metrics = metrics or NoNodeMetrics()
+        self.started_at = time.time()
         self.slots = Slots(settings.capacity, queue_size=settings.queue_size, queue_timeout=settings.queue_timeout)
-        self.trial_writer = TrialWriter()
+        self.trial_writer = TrialWriter(on_write=self.metrics.trial_log_write if self.metrics.enabled else None)
         self._live: dict[str, Live] = {}
+        self._creating_envs: dict[str, str] = {}  # creates holding a slot: instance id -> environment
+        self.ended_counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (environment, state)
         self._creating: SingleFlight[tuple[dict[str, Any], bool]] = SingleFlight()  # by instance id
         self._accepting = True
         # Instances of whole rollouts that hold a slot (so are in `active` too). Joined and
@@ -201,6 +212,17 @@ class NodeService:
             "environments": sorted(self.environments),
         }
 
+    def live_counts(self) -> dict[tuple[str, str], int]:
+        """Instances holding a slot, by (environment, state): ``creating``, ``active`` or
+        ``done``."""
+        counts: dict[tuple[str, str], int] = {}
+        for environment in self._creating_envs.values():
+            counts[environment, "creating"] = counts.get((environment, "creating"), 0) + 1
+        for live in self._live.values():
+            key = (live.env.name, "done" if live.done else "active")
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def slot_mark(self) -> str:
         """``<boot>.<seq>``: where this node's slot events stand now."""
         return f"{self.slot_boot}.{self.slot_seq}"
@@ -230,6 +252,19 @@ class NodeService:
     ) -> tuple[dict[str, Any], bool]:
         """Start an episode. Returns ``(reply, created)``; ``created`` is False for a replay.
         ``rollout``: the instance of a whole rollout, reported as such in /health."""
+        started = time.perf_counter()
+        label = environment if isinstance(environment, str) and environment in self.environments else UNKNOWN
+        try:
+            reply, created = await self._create_call(environment, task_id, params, instance_id, trial, rollout)
+        except BaseException as e:
+            self.metrics.call("create", label, outcome_of(e), time.perf_counter() - started)
+            raise
+        self.metrics.call("create", label, "ok" if created else "replay", time.perf_counter() - started)
+        return reply, created
+
+    async def _create_call(
+        self, environment: Any, task_id: Any, params: Any, instance_id: Any, trial: Any, rollout: bool
+    ) -> tuple[dict[str, Any], bool]:
         env = self.environment(environment)
         if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
             raise InvalidRequest("'task_id' must be a string", field="task_id")
@@ -298,6 +333,7 @@ class NodeService:
                 await self.pool.evict_one(keep=(env.name, task.id))
             await self.slots.acquire()
         self._hold(instance_id)
+        self._creating_envs[instance_id] = env.name
         if rollout:
             self._rollout_slots.add(instance_id)
         handle: str | None = pooled  # a taken warm sandbox is this create's to destroy if it fails
@@ -324,6 +360,7 @@ class NodeService:
                 handle=handle,
                 spec=spec,
                 log_dir=trial_log.dir,
+                on_exec=self._exec_recorder(sandbox.name),
             )
             observation = await env.reset(episode)
             trial_log.record(
@@ -345,6 +382,7 @@ class NodeService:
             )
             row.state, row.sandbox_handle, row.observation = "active", handle, observation
             self._live[instance_id] = Live(row=row, env=env, episode=episode, log=trial_log)
+            self._creating_envs.pop(instance_id, None)
             size = env.warm_pool_size()
             if size:  # a group's first create: keep the next ones warm
                 self.pool.want(env.name, task.id, sandbox, spec, size)
@@ -353,6 +391,9 @@ class NodeService:
             # even when the client went away and this task is being cancelled.
             # The row is this create's unless the insert itself found the id taken.
             ours = row is not None or not isinstance(e, Conflict)
+            self._creating_envs.pop(instance_id, None)
+            if ours:
+                self.ended_counts[env.name, "failed"] += 1
             await asyncio.shield(self._abort_create(instance_id, sandbox, handle, e, ours=ours))
             if logged is not None:  # a retry of the id appends its own "created"
                 logged.record("failed", {"error": _describe(e)})
@@ -379,6 +420,22 @@ class NodeService:
     async def step(self, instance_id: str, raw_action: Any, *, request_id: Any = None) -> dict[str, Any]:
         """Apply one action. With a ``request_id``, the reply is recorded and a retry of
         the same request id returns it again instead of acting twice."""
+        return await self._recorded("step", instance_id, self._step(instance_id, raw_action, request_id))
+
+    async def _recorded(self, call: str, instance_id: str, work: Awaitable[T]) -> T:
+        """Await a call on an instance and count it with its outcome and latency."""
+        live = self._live.get(instance_id)
+        environment = live.env.name if live is not None else UNKNOWN
+        started = time.perf_counter()
+        try:
+            result = await work
+        except BaseException as e:
+            self.metrics.call(call, environment, outcome_of(e), time.perf_counter() - started)
+            raise
+        self.metrics.call(call, environment, "ok", time.perf_counter() - started)
+        return result
+
+    async def _step(self, instance_id: str, raw_action: Any, request_id: Any) -> dict[str, Any]:
         if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 255):
             raise InvalidRequest("'request_id' must be a string of 1-255 characters", field="request_id")
         if request_id is not None:
@@ -434,6 +491,13 @@ class NodeService:
         same call (one round trip fewer per episode). A repeated evaluate-and-release of
         an instance that ended after its evaluation returns that evaluation again, so a
         client may retry it like a release."""
+        live = self._live.get(instance_id)
+        reply = await self._recorded("evaluate", instance_id, self._evaluate(instance_id, release))
+        if reply.get("released"):  # counted as a release too: for most clients it is theirs
+            self.metrics.call("release", live.env.name if live is not None else UNKNOWN, "ok")
+        return reply
+
+    async def _evaluate(self, instance_id: str, release: Any) -> dict[str, Any]:
         if not isinstance(release, bool):
             raise InvalidRequest("'release' must be true or false", field="release")
         live = self._live.get(instance_id)
@@ -478,13 +542,26 @@ class NodeService:
                 live.row.id, reward=reward, evaluation=reply, env_state=live.episode.state
             )
             live.log.record("evaluation", {"reward": reward, "rewards": rewards, "details": evaluation.details})
+            self.metrics.reward(live.env.name, reward)
             if record_now:
                 await self.db.write(*record)
                 live.graded_recorded = True
             return reply, record
 
     async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
-        """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op."""
+        """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op
+        (counted with the outcome ``noop``)."""
+        live = self._live.get(instance_id)
+        environment = live.env.name if live is not None else UNKNOWN
+        try:
+            reply = await self._release(instance_id, reason)
+        except BaseException as e:
+            self.metrics.call("release", environment, outcome_of(e))
+            raise
+        self.metrics.call("release", environment, "ok" if reply["released"] else "noop")
+        return reply
+
+    async def _release(self, instance_id: str, reason: str = "released") -> dict[str, Any]:
         live = self._live.get(instance_id)
         if live is None:
             row = await instances.get(self.db, instance_id)
@@ -504,6 +581,7 @@ class NodeService:
         try:
             return await call
         except Gone as e:
+            self.metrics.sandbox_lost(live.episode.sandbox.name)
             await asyncio.shield(self._end(live, "lost", error=e.message))
             raise Gone(
                 f"instance {live.row.id!r} is lost: {e.message}", extra={"state": "lost", "instance_id": live.row.id}
@@ -514,6 +592,7 @@ class NodeService:
         to commit in the same transaction)."""
         instance_id = live.row.id
         self._live.pop(instance_id, None)
+        self.ended_counts[live.env.name, state] += 1
         try:
             await live.episode.sandbox.destroy(live.episode.handle)
         finally:
@@ -522,6 +601,13 @@ class NodeService:
             self._rollout_slots.discard(instance_id)
             await self.db.write_many([*also, instances.end_statement(instance_id, state, error=error)])
             live.log.record(state, {"error": error} if error else None)
+
+    def _exec_recorder(self, sandbox: str) -> Callable[[ExecResult], None] | None:
+        """What an episode calls with each sandbox result (failures are counted)."""
+        if not self.metrics.enabled:
+            return None
+        record = self.metrics.sandbox_result
+        return lambda result: record(sandbox, result)
 
     def _ensure_still_live(self, live: Live) -> None:
         if self._live.get(live.row.id) is not live:
@@ -628,6 +714,7 @@ class NodeService:
                 if self._live.get(instance_id) is not live:
                     continue
                 await self._end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
+            self.metrics.expired(live.env.name)
             reaped.append(instance_id)
             log.info("expired idle instance %s", instance_id)
         return reaped
@@ -727,6 +814,7 @@ class NodeService:
             spec=spec,
             state=row.env_state,
             log_dir=trial_log.dir,
+            on_exec=self._exec_recorder(sandbox.name),
         )
         trial_log.record("adopted")
         return Live(row=row, env=env, episode=episode, log=trial_log, done=row.state == "done")

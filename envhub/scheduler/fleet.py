@@ -36,6 +36,7 @@ class Node:
     info: dict[str, Any] = field(default_factory=dict)
     failed_checks: int = 0  # health checks failed in a row
     calls: set[InFlight] = field(default_factory=set)  # our calls to it not answered yet
+    sessions_moved: int = 0  # our OpenEnv sessions opened or closed there so far (see report)
 
     @property
     def used(self) -> int:
@@ -57,12 +58,16 @@ class Node:
     def free_ratio(self) -> float:
         return self.free / self.capacity if self.capacity else 0.0
 
-    def report(self, report: dict[str, Any]) -> None:
+    def report(self, report: dict[str, Any], *, sessions_moved: int | None = None) -> None:
         """Take a health report: its capacity, ids and id-less count replace ours. A create
         we saw answered stays counted on its own only if the report, made by the same node
         process before the create's mark, may lack it; an end we saw, only while the
-        report still lists the instance. A report with a field of the wrong type raises
-        ``ValueError`` naming it, and changes nothing."""
+        report still lists the instance. The id-less count (our OpenEnv sessions) is taken
+        only when none of them opened or closed while the report was asked for
+        (``sessions_moved``: :attr:`sessions_moved` when it was asked): the node may have
+        made it before the change, and would count a closed session for another health
+        interval. A report with a field of the wrong type raises ``ValueError`` naming
+        it, and changes nothing."""
         capacity = _count(report, "capacity", self.slots)
         active = _count(report, "active", 0)
         rollouts = _count(report, "rollouts", 0)
@@ -71,7 +76,8 @@ class Node:
         boot, seq = parse_mark(report.get("slot_mark"))
         self.capacity = min(self.slots, capacity) if report.get("accepting", True) else 0
         self.holders = holders
-        self.active = max(0, active - len(holders))
+        if sessions_moved is None or sessions_moved == self.sessions_moved:
+            self.active = max(0, active - len(holders))
         self.reported_rollouts = rollouts
         self.created = {i: (b, s) for i, (b, s) in self.created.items() if i not in holders and b == boot and s > seq}
         self.ended &= holders
@@ -83,6 +89,20 @@ class Node:
         self.creating.discard(instance_id)
         if created:
             self.created[instance_id] = parse_mark(mark)
+
+    def session_opened(self) -> None:
+        """A pick for an OpenEnv session became a session the node holds: an id-less slot."""
+        self.pending -= 1
+        self.active += 1
+        self.sessions_moved += 1
+
+    def session_closed(self, *, opened: bool) -> None:
+        """The session ended (``opened``) or its pick was given up before the node took it."""
+        if opened:
+            self.active = max(0, self.active - 1)
+            self.sessions_moved += 1
+        else:
+            self.pending -= 1
 
     def end(self, instance_id: str) -> None:
         self.created.pop(instance_id, None)

@@ -24,6 +24,8 @@ Invariants:
   instances get 503 at once; it is up again at its next good check. Once it has failed
   ``cut_after_checks`` checks in a row, the calls already in flight to it end with 503
   naming it too (fleet.InFlight), whatever their own timeout.
+- Every call to a node is counted in ``metrics`` with its latency, every placement with
+  its use of affinity, and every 503 with its cause (envhub/metrics/scheduler.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Any
 import aiohttp
 
 from envhub.errors import EnvhubError, InvalidRequest, Unavailable, UpstreamUnavailable
+from envhub.metrics import scheduler as causes
+from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
 from envhub.node.service import validate_instance_id
 from envhub.scheduler import peers
@@ -64,9 +68,17 @@ _PRUNE_PER_ROUND = 5_000  # and per health round
 
 class SchedulerService:
     def __init__(
-        self, settings: Settings, db: Database, http: aiohttp.ClientSession, fleet: Fleet, network: NetworkMode
+        self,
+        settings: Settings,
+        db: Database,
+        http: aiohttp.ClientSession,
+        fleet: Fleet,
+        network: NetworkMode,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics or NoSchedulerMetrics()
+        self.metrics.watch_nodes(fleet.nodes)
         self.db = db
         self.http = http
         self.nodes = fleet.nodes
@@ -103,7 +115,7 @@ class SchedulerService:
             if node is None or not node.healthy:
                 continue
             try:
-                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True)
+                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True, answers_client=False)
                 state = reply.json().get("state") if reply.status == 200 else None
             except (UpstreamUnavailable, ValueError, AttributeError):
                 continue
@@ -152,12 +164,13 @@ class SchedulerService:
             del self._route_cache[instance_id]
 
     async def _check(self, node: Node) -> None:
+        sessions_moved = node.sessions_moved
         try:
             reply = await peers.call(self.http, node.url, "GET", "/health", timeout=self.settings.health_timeout)
             report = reply.json()
             if reply.status != 200 or not isinstance(report, dict):
                 raise ValueError(f"HTTP {reply.status}")
-            node.report(report)
+            node.report(report, sessions_moved=sessions_moved)
         except (UpstreamUnavailable, ValueError) as e:
             if node.healthy:
                 log.warning("node %s is down: %s", node.url, e)
@@ -201,8 +214,9 @@ class SchedulerService:
         deadline = time.monotonic() + self.settings.scheduler_wait
         while True:
             async with self._lock:
-                node = self._choose(task_key)
+                node, affinity = self._choose(task_key)
                 if node is not None:
+                    self.metrics.affinity(affinity)
                     if instance_id is None:
                         node.pending += 1
                     else:
@@ -214,6 +228,7 @@ class SchedulerService:
             if left <= 0:
                 healthy = [n for n in self.nodes if n.healthy]
                 why = "all nodes are at capacity" if healthy else "no node is healthy"
+                self.metrics.unavailable(causes.NO_FREE_SLOT if healthy else causes.NO_HEALTHY_NODE)
                 raise AllNodesBusy(
                     f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
                     f"slots in use on {len(healthy)} healthy node(s))",
@@ -225,17 +240,21 @@ class SchedulerService:
             except TimeoutError:
                 pass
 
-    def _choose(self, task_key: str) -> Node | None:
+    def _choose(self, task_key: str) -> tuple[Node | None, str]:
+        """The node for a create of ``task_key``, and how affinity served it: ``hit``
+        (its last node), ``miss`` (that node is down or full) or ``none``."""
         seen = self._affinity.get(task_key)
+        affinity = "none"
         if seen is not None and time.time() - seen[1] <= self.settings.affinity_window:
             node = self.by_url.get(seen[0])
             if node is not None and node.healthy and node.free > 0:
-                return node
+                return node, "hit"
+            affinity = "miss"
         best: Node | None = None
         for node in self.nodes:
             if node.healthy and node.free > 0 and (best is None or node.free_ratio > best.free_ratio):
                 best = node
-        return best
+        return best, affinity
 
     # -- client calls --------------------------------------------------------------------
 
@@ -345,7 +364,14 @@ class SchedulerService:
         node.pending -= 1  # counted as a rollout instead, for as long as it runs
         node.rollouts += 1
         try:
-            reply = await self.call(node, "POST", path, json=body, timeout=self.settings.forward_timeout)
+            reply = await self.call(
+                node,
+                "POST",
+                path,
+                json=body,
+                timeout=self.settings.forward_timeout,
+                answers_client=not failure_as_reply,
+            )
             return reply.status, reply.body
         except UpstreamUnavailable as e:
             if not failure_as_reply:
@@ -368,8 +394,10 @@ class SchedulerService:
                 self._route_cache[instance_id] = node_url
         node = self.by_url.get(node_url)
         if node is None:
+            self.metrics.unavailable(causes.NODE_UNKNOWN)
             raise Unavailable(f"instance {instance_id!r} is on node {node_url}, which is no longer configured")
         if not node.healthy:
+            self.metrics.unavailable(causes.NODE_DOWN)
             raise UpstreamUnavailable(
                 f"instance {instance_id!r} is on node {node.url}, which is down",
                 extra={"node": node.url, "instance_id": instance_id},
@@ -426,14 +454,10 @@ class SchedulerService:
 
     def session_opened(self, node: Node) -> None:
         """The node holds the session's slot now: an id-less slot until its next report."""
-        node.pending -= 1
-        node.active += 1
+        node.session_opened()
 
     def session_closed(self, node: Node, *, opened: bool) -> None:
-        if opened:
-            node.active = max(0, node.active - 1)
-        else:
-            node.pending -= 1
+        node.session_closed(opened=opened)
         self._freed.set()  # a create waiting for a slot (scheduler_wait) may go now
 
     @staticmethod
@@ -452,7 +476,9 @@ class SchedulerService:
     async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
         async def one(node: Node) -> dict[str, Any]:
             try:
-                reply = await self.call(node, method, path, json=body, idempotent=True, timeout=120)
+                reply = await self.call(
+                    node, method, path, json=body, idempotent=True, timeout=120, answers_client=False
+                )
                 try:
                     result = reply.json()
                 except ValueError:
@@ -463,16 +489,43 @@ class SchedulerService:
 
         return list(await asyncio.gather(*(one(n) for n in self.nodes)))
 
-    async def call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
+    async def call(
+        self, node: Node, method: str, path: str, *, answers_client: bool = True, **kw: Any
+    ) -> peers.PeerReply:
         """One call to ``node`` (``peers.call``); a transport failure marks it down, and
-        the node failing ``cut_after_checks`` health checks in a row ends it (503)."""
+        the node failing ``cut_after_checks`` health checks in a row ends it (503).
+        ``answers_client``: a failure here becomes this scheduler's own 503 (counted by
+        cause); false where the caller folds failures into a reply of its own (fan-outs,
+        the trial viewer's merges, the start-up check of unfinished creates)."""
+        started = time.perf_counter()
         try:
             async with node.in_flight(f"{method} {path}"):
-                return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
+                reply = await peers.call(
+                    self.http,
+                    node.url,
+                    method,
+                    path,
+                    api_key=node.api_key,
+                    retry=self.retry,
+                    on_retry=self._retry_counter(node),
+                    **kw,
+                )
         except UpstreamUnavailable:
+            if answers_client:  # cut short because the node is down, or unreachable itself
+                self.metrics.unavailable(causes.NODE_UNREACHABLE if node.healthy else causes.NODE_DOWN)
             if node.healthy:  # a down node keeps the reason its health check gave
                 self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
             raise
+        finally:
+            self.metrics.routed(node.name, call_kind(method, path), time.perf_counter() - started)
+        if reply.status == 503 and answers_client:
+            self.metrics.unavailable(causes.NODE_UNAVAILABLE)
+        return reply
+
+    def _retry_counter(self, node: Node) -> Any:
+        if not self.metrics.enabled:
+            return None
+        return lambda: self.metrics.retry(node.name)
 
     # -- status --------------------------------------------------------------------------
 
@@ -512,3 +565,18 @@ class SchedulerService:
                 }
             )
         return {"nodes": out, "cached_routes": len(self._route_cache)}
+
+    def overview(self) -> dict[str, Any]:
+        """What the dashboard shows: the totals, and each node's status with what its last
+        health report said of itself (its id, queue, warm pools, environments)."""
+        nodes = self.status()["nodes"]
+        for row, node in zip(nodes, self.nodes, strict=True):
+            info = node.info or {}
+            row["node_id"] = info.get("node_id")
+            row["queued"] = info.get("queued")
+            row["pooled"] = info.get("pooled")
+            row["rollouts"] = info.get("rollouts")
+            row["environments"] = info.get("environments") or []
+            row["accepting"] = info.get("accepting")
+            row.pop("task_affinity", None)
+        return {"role": "scheduler", "time": time.time(), "health": self.health(), "nodes": nodes}

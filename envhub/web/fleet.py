@@ -1,8 +1,9 @@
 """The scheduler's own routes: health, per-node status, URL rewrites, fan-out.
 
-GET /health, GET /status, GET and POST /url_rewrite (SETA's shapes), POST /config and
-POST /cleanup (sent to every node; per-node results). POST /config reads a
-``config_path`` only inside the ``config_dir`` setting (envhub/scheduler/config_files.py).
+GET /health, GET /status, GET /dashboard (what its dashboard page shows), GET and POST
+/url_rewrite (SETA's shapes), POST /config and POST /cleanup (sent to every node;
+per-node results). POST /config reads a ``config_path`` only inside the ``config_dir``
+setting (envhub/scheduler/config_files.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ async def health(request: Request):
 @bp.get("/status")
 async def status(request: Request):
     return json(request.app.ctx.scheduler.status())
+
+
+@bp.get("/dashboard")
+async def dashboard(request: Request):
+    return json(request.app.ctx.scheduler.overview())
 
 
 def _rewriter(request: Request):
