@@ -14,6 +14,14 @@ it shows a change in the fork path even in a noisy phase); writes the figures as
     python bench/mbpp_throughput.py --url http://127.0.0.1:8000 --api-key K
     python bench/mbpp_throughput.py --data-dir /var/tmp/envhub-bench   # node state on that disk
     python bench/mbpp_throughput.py --runs 5 --baseline  # and the host's reference after each
+    python bench/mbpp_throughput.py --runs 8 --compare-metrics   # metrics on vs off, interleaved
+
+``--compare-metrics`` starts two nodes, alike but for ``metrics`` (true on one, false on
+the other), and runs ``--runs`` pairs of passes, one on each, the order alternating from
+pair to pair (on/off, off/on, ...) so that a drift of the host weighs on both alike.
+During the passes on the metered node /metrics is scraped every ``--scrape-interval``
+seconds, as a Prometheus server would. It prints each pass and both medians, and writes
+them with the ratio of the medians to the JSON.
 
 The node it starts keeps its state (SQLite, trial logs) in a fresh dir on tmpfs
 (/dev/shm) by default, removed afterwards. The figure is then the cost of envhub, not
@@ -36,7 +44,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -287,6 +297,17 @@ def main() -> None:
         action="store_true",
         help="after each pass, measure the host's reference (mbpp_baseline.py --mode fork)",
     )
+    ap.add_argument(
+        "--compare-metrics",
+        action="store_true",
+        help="two nodes, metrics on and off; --runs interleaved pairs of passes; prints both medians",
+    )
+    ap.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=5.0,
+        help="with --compare-metrics: seconds between scrapes of the metered node's /metrics (0: none)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "mbpp_throughput.json")
     args = ap.parse_args()
 
@@ -296,9 +317,14 @@ def main() -> None:
             _DATA[str(p["task_id"])] = p["code"]
     task_ids = list(_DATA)[: args.limit] if args.limit else list(_DATA)
 
+    python = interpreter()
+    if args.compare_metrics:
+        if args.url:
+            ap.error("--compare-metrics starts its own two nodes; it takes no --url")
+        compare_metrics(args, task_ids, python)
+        return
     proc = tmp = data_dir = None
     url = args.url
-    python = interpreter()
     if url is None:
         proc, url, data_dir, tmp = start_node(args.data, args.capacity, args.data_dir, args.settings)
     print(f"{'client' if args.url else 'node and client'} on {describe(python)}")
@@ -346,6 +372,106 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
+
+
+def compare_metrics(args: argparse.Namespace, task_ids: list[str], python: dict) -> None:
+    """Interleaved passes on a node with metrics and on one without (see the module doc)."""
+    nodes: dict[str, tuple[subprocess.Popen, str, Path, tempfile.TemporaryDirectory | None]] = {}
+    passes: dict[str, list[dict]] = {"on": [], "off": []}
+    print(f"node and client on {describe(python)}")
+    try:
+        for mode in ("on", "off"):
+            data_dir = args.data_dir / mode if args.data_dir else None
+            settings = [*args.settings, f"metrics={'true' if mode == 'on' else 'false'}"]
+            nodes[mode] = start_node(args.data, args.capacity, data_dir, settings)
+        for mode in ("on", "off"):  # a first short pass each, not counted: warm zygote, SQLite, caches
+            _run_loop(run(nodes[mode][1], None, task_ids[:100], args.clients, args.separate_release))
+        for i in range(args.runs):
+            for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                proc, url, _, _ = nodes[mode]
+                scraper = Scraper(url, args.scrape_interval if mode == "on" else 0)
+                with scraper:
+                    result = measure(url, None, task_ids, args, proc)
+                result["metrics"], result["pair"], result["scrapes"] = mode, i, scraper.count
+                passes[mode].append(result)
+                print(f"pair {i}, metrics {mode}: ", end="")
+                report(result)
+    finally:
+        for proc, _, _, tmp in nodes.values():
+            proc.terminate()
+            proc.wait(30)
+            if tmp is not None:
+                tmp.cleanup()
+    on = [r["tasks_per_s"] for r in passes["on"]]
+    off = [r["tasks_per_s"] for r in passes["off"]]
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
+    # The node's own CPU per task (main thread, SQLite and trial-log threads): it hardly
+    # moves with the host's load, which throughput does, so it shows a cost that a noisy
+    # host hides in tasks/s.
+    node_cpu = {
+        mode: [
+            round(sum(v for k, v in r.get("cpu_ms_per_task", {}).items() if k.startswith("node.")), 3)
+            for r in passes[mode]
+        ]
+        for mode in ("on", "off")
+    }
+    result = {
+        "compare_metrics": {
+            "tasks_per_s_on": on,
+            "tasks_per_s_off": off,
+            "median_on": round(statistics.median(on), 1),
+            "median_off": round(statistics.median(off), 1),
+            "on_over_off_of_medians": round(statistics.median(on) / statistics.median(off), 4),
+            "on_over_off_per_pair_median": round(statistics.median(ratios), 4),
+            "node_cpu_ms_per_task_on": node_cpu["on"],
+            "node_cpu_ms_per_task_off": node_cpu["off"],
+            "node_cpu_ms_per_task_median_on": statistics.median(node_cpu["on"]) if node_cpu["on"][0] else None,
+            "node_cpu_ms_per_task_median_off": statistics.median(node_cpu["off"]) if node_cpu["off"][0] else None,
+            "scrape_interval_s": args.scrape_interval,
+        },
+        "runs": passes["on"] + passes["off"],
+        "machine": {"cpus": os.cpu_count(), "python": python, "platform": platform.platform()},
+        "settings": args.settings,
+    }
+    c = result["compare_metrics"]
+    print(
+        f"{args.runs} pairs: metrics on median {c['median_on']} tasks/s (min {min(on)}, max {max(on)}), "
+        f"off median {c['median_off']} (min {min(off)}, max {max(off)}); on/off of the medians "
+        f"{c['on_over_off_of_medians']:.3f}, median of the pairs' ratios {c['on_over_off_per_pair_median']:.3f}"
+    )
+    if c["node_cpu_ms_per_task_median_on"] is not None:
+        print(
+            f"  node CPU ms/task (main, SQLite and trial-log threads): on median "
+            f"{c['node_cpu_ms_per_task_median_on']}, off median {c['node_cpu_ms_per_task_median_off']}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+class Scraper:
+    """GET /metrics every ``interval`` seconds in a thread while in its ``with`` block."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        self.url, self.interval, self.count = url + "/metrics", interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Scraper:
+        if self.interval > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            with urllib.request.urlopen(self.url, timeout=10) as r:
+                r.read()
+            self.count += 1
 
 
 def measure(

@@ -10,7 +10,6 @@ token budgets and reports why it stopped.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any, ClassVar
 import aiohttp
 
 from envhub.errors import EnvhubError
+from envhub.util import strict_json
 
 
 class ModelError(EnvhubError):
@@ -54,6 +54,7 @@ class ModelClient:
     timeout_s: float = 120.0
     calls: int = 0
     tokens: int = 0
+    finish_reason: str | None = None  # of the last completion ("length": cut at its token limit)
 
     async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
         """One completion; returns the assistant message (``content``, ``tool_calls``)."""
@@ -75,14 +76,18 @@ class ModelClient:
         except aiohttp.ClientError as e:
             raise ModelError(f"cannot reach the model at {self.url}: {type(e).__name__}: {e}") from None
         try:
-            reply = json.loads(text)
+            reply = strict_json.loads(text)  # a degenerate reply (nested 10,000 deep) is an error, not a crash
             message = reply["choices"][0]["message"]
             if not isinstance(message, dict):
                 raise TypeError("message is not an object")
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise ModelError(f"the model's reply is not a chat completion ({e}): {text[:300]}") from None
-        usage = reply.get("usage") or {}
-        self.tokens += int(usage.get("total_tokens") or 0)
+        usage = reply.get("usage")
+        tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
+        if isinstance(tokens, int) and not isinstance(tokens, bool):
+            self.tokens += tokens
+        reason = reply["choices"][0].get("finish_reason")
+        self.finish_reason = reason if isinstance(reason, str) else None
         return message
 
 
@@ -102,8 +107,12 @@ class AgentSession:
 @dataclass
 class AgentResult:
     """How the run ended. ``termination_reason``: ``finished`` (the model stopped calling
-    tools), ``max_steps``, ``token_budget``, ``timeout``, ``model_timeout``,
-    ``model_error``, ``malformed_tool_calls``. ``error`` is set when the reason is a failure."""
+    tools), ``completion_length_exceeded`` (its last reply was cut at its token limit),
+    ``max_steps``, ``token_budget``, ``timeout``, ``model_timeout``, ``model_error``,
+    ``malformed_tool_calls``. ``error`` is set when the reason is a failure. ``summary``
+    holds the agent's counts: ``total_tool_calls``, ``max_parallel_tool_call`` (the most
+    in one reply) and ``parse_error_count`` (calls that could not be read), which
+    SETA's trainer reads from ``run_info.agent_summary``."""
 
     termination_reason: str
     steps: int = 0

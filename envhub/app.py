@@ -20,6 +20,8 @@ from sanic.config import Config
 
 from envhub.compat.backends import NodeBackend, SchedulerBackend
 from envhub.compat.openenv import OpenEnvService
+from envhub.metrics.node import NodeMetrics, NoNodeMetrics
+from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics
 from envhub.network import NetworkMode
 from envhub.node.runtime import NodeRuntime
 from envhub.node.service import NodeService
@@ -36,14 +38,19 @@ from envhub.web import (
     admin,
     builds,
     compat,
+    dashboard,
     environments,
     fleet,
     health,
     instances,
+    metrics,
     openenv,
     openenv_proxy,
     rollouts,
     routing,
+    trials,
+    trials_proxy,
+    ui,
 )
 from envhub.web.auth import setup_auth
 from envhub.web.errors import setup_errors
@@ -65,6 +72,8 @@ class AppContext:
     backend: Any = None
     openenv: OpenEnvService | None = None
     scheduler: SchedulerService | None = None
+    metrics: NodeMetrics | SchedulerMetrics | None = None
+    metrics_runner: Any = None  # the metrics_port listener (web/metrics.py)
 
 
 EnvhubApp: TypeAlias = "Sanic[Config, AppContext]"
@@ -88,6 +97,7 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     setup_store(app)
     setup_auth(app)
     setup_http(app)
+    setup_metrics(app)
     ROLES[settings.role](app)
     setup_systemd(app)  # after the role: its READY=1 listener must run last
     for bp in blueprints_for(settings.role):
@@ -97,8 +107,36 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
 
 def blueprints_for(role: str) -> list[Any]:
     if role == "node":
-        return [health.bp, environments.bp, instances.bp, builds.bp, admin.bp, rollouts.bp, compat.bp, openenv.bp]
-    return [fleet.bp, routing.bp, compat.bp, openenv_proxy.bp]
+        return [
+            health.bp,
+            environments.bp,
+            instances.bp,
+            builds.bp,
+            admin.bp,
+            rollouts.bp,
+            compat.bp,
+            openenv.bp,
+            metrics.bp,
+            ui.bp,
+            dashboard.bp,
+            trials.bp,
+        ]
+    return [fleet.bp, routing.bp, compat.bp, openenv_proxy.bp, metrics.bp, ui.bp, trials_proxy.bp]
+
+
+def setup_metrics(app: Any) -> None:
+    """The role's metrics recorder (a no-op one with ``metrics: false``), and SQLite's
+    write timings into it once the store is open."""
+    settings: Settings = app.ctx.settings
+    if settings.role == "node":
+        app.ctx.metrics = NodeMetrics() if settings.metrics else NoNodeMetrics()
+    else:
+        app.ctx.metrics = SchedulerMetrics() if settings.metrics else NoSchedulerMetrics()
+
+    @app.before_server_start(priority=990)
+    async def time_sqlite_writes(app: Any) -> None:
+        if app.ctx.metrics.enabled:
+            app.ctx.db.on_commit = app.ctx.metrics.sqlite_write
 
 
 def setup_http(app: Any) -> None:
@@ -129,7 +167,9 @@ def setup_scheduler(app: Any) -> None:
             config["url_rewrite"] = {**fleet.url_rewrite, **(config.get("url_rewrite") or {})}
         app.ctx.network = app.ctx.registries["network_mode"].get(mode)(config)
         await app.ctx.network.start()
-        app.ctx.scheduler = SchedulerService(settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network, source)
+        app.ctx.scheduler = SchedulerService(
+            settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network, source, metrics=app.ctx.metrics
+        )
         await app.ctx.scheduler.start()
         app.ctx.backend = SchedulerBackend(app.ctx.scheduler)
 
@@ -183,14 +223,14 @@ def setup_node(app: Any) -> None:
         registries = app.ctx.registries
         if not settings.node_id:
             settings.node_id = await identity.node_id(app.ctx.db)
-        runtime = NodeRuntime(settings, app.ctx.db)
+        runtime = NodeRuntime(settings, app.ctx.db, metrics=app.ctx.metrics)
         await runtime.start(registries["environment"], registries["sandbox"])
         app.ctx.runtime = runtime
         try:
             mode_cls = registries["network_mode"].get(settings.network_mode)
             app.ctx.network = mode_cls(settings.network.get(settings.network_mode) or {})
             await app.ctx.network.start()
-            node = NodeService(settings, app.ctx.db, runtime.environments, runtime.sandboxes)
+            node = NodeService(settings, app.ctx.db, runtime.environments, runtime.sandboxes, metrics=app.ctx.metrics)
             outcome = await node.reconcile()
         except BaseException:
             await runtime.stop()
@@ -202,6 +242,8 @@ def setup_node(app: Any) -> None:
                 outcome,
             )
         app.ctx.node = node
+        app.ctx.metrics.watch_node(node)
+        app.ctx.metrics.watch_builds(runtime.builds)
         app.ctx.agents = {
             name: cls(settings.agents.get(name) or {}) for name, cls in registries["agent"].classes.items()
         }

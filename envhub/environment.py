@@ -9,13 +9,14 @@ still knows what was submitted.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from envhub.errors import InvalidRequest, StartupError
+from envhub.util import strict_json
 
 if TYPE_CHECKING:
     from envhub.node.builds import BuildGate
@@ -80,9 +81,11 @@ class Action:
         args = raw.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError as e:
-                raise InvalidRequest(f"'action.arguments' is not valid JSON: {e}", field="action.arguments") from None
+                args = strict_json.loads(args) if args.strip() else {}
+            except strict_json.BadJSON as e:
+                raise InvalidRequest(
+                    f"'action.arguments' is not acceptable JSON: {e.message}", field="action.arguments"
+                ) from None
         if not isinstance(args, Mapping):
             raise InvalidRequest("'action.arguments' must be an object", field="action.arguments")
         return cls(tool=tool, arguments=dict(args))
@@ -133,10 +136,16 @@ class Episode:
     spec: SandboxSpec
     state: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None
+    # The node's recorder of sandbox results (its metrics count timeouts, kills and
+    # out-of-memory); environments leave it alone and call exec and run_fresh.
+    on_exec: Callable[[ExecResult], None] | None = None
     _fresh_runs: int = 0
 
     async def exec(self, code: str, *, timeout: float) -> ExecResult:
-        return await self.sandbox.exec(self.handle, code, timeout=timeout)
+        result = await self.sandbox.exec(self.handle, code, timeout=timeout)
+        if self.on_exec is not None:
+            self.on_exec(result)
+        return result
 
     async def run_fresh(self, code: str, *, timeout: float, inputs: dict[str, Any] | None = None) -> ExecResult:
         """Run ``code`` in a new sandbox of the same spec, gone when this returns;
@@ -144,8 +153,12 @@ class Episode:
         self._fresh_runs += 1
         spec = replace(self.spec, instance_id=f"{self.instance_id}.fresh{self._fresh_runs}")
         if inputs is None:  # sandboxes written before inputs existed keep working
-            return await self.sandbox.run_once(spec, code, timeout=timeout)
-        return await self.sandbox.run_once(spec, code, timeout=timeout, inputs=inputs)
+            result = await self.sandbox.run_once(spec, code, timeout=timeout)
+        else:
+            result = await self.sandbox.run_once(spec, code, timeout=timeout, inputs=inputs)
+        if self.on_exec is not None:
+            self.on_exec(result)
+        return result
 
 
 class Environment:
@@ -203,7 +216,23 @@ class Environment:
     context: EnvContext | None = None
 
     def load(self) -> None:
-        """Read the dataset. Called once at node start."""
+        """Read the dataset. Called once at node start, and again on a fresh instance when
+        a node's ``POST /config`` changes the environment's section."""
+
+    def config_number(self, key: str, default: float, *, minimum: float = 0.0) -> float:
+        """``config[key]`` as a finite number of at least ``minimum`` (``default`` when it is
+        absent). Anything else raises ``StartupError`` naming ``<name>.<key>``, the same at
+        start and at a run-time ``POST /config`` (which answers it as a 400)."""
+        value = self.config.get(key, default)
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise StartupError(f"{self.name}.{key} must be a number, not {value!r:.60}") from None
+        if not math.isfinite(number) or number < minimum:
+            raise StartupError(f"{self.name}.{key} must be a finite number of at least {minimum:g}, not {value!r:.60}")
+        return number
 
     async def start(self, context: EnvContext) -> None:
         """Called once at node start, after :meth:`load` and after the sandboxes started."""

@@ -34,6 +34,10 @@ class SandboxSpec:
     reach despite the egress policy) are only meaningful for container sandboxes. ``labels`` are
     attached to the sandbox where the backend supports it, so that leaked resources can
     be found.
+
+    ``functions`` (Python sandboxes): names of built-in functions episode code may call
+    with one string, to hand it to the environment (MBPP's ``submit_solution(code)``);
+    each call is reported in :attr:`ExecResult.calls`. Other sandboxes ignore them.
     """
 
     instance_id: str
@@ -45,6 +49,7 @@ class SandboxSpec:
     limits: Limits = field(default_factory=Limits)
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    functions: tuple[str, ...] = ()
 
 
 @dataclass
@@ -58,7 +63,9 @@ class ExecResult:
     sandboxes). ``value`` is the JSON value of a trailing expression, when the sandbox
     supports it and the value is JSON-serialisable; ``value_repr`` is its ``repr``.
     ``restarted`` tells that the sandbox lost its state (its interpreter was killed) and
-    this call ran in a fresh one.
+    this call ran in a fresh one. ``calls`` lists the calls of the spec's ``functions``
+    the code made, in order, as ``[name, argument]``: what episode code chose to hand
+    over, as untrusted as the rest of the result.
     """
 
     stdout: str = ""
@@ -71,6 +78,7 @@ class ExecResult:
     duration_s: float = 0.0
     truncated: bool = False
     restarted: bool = False
+    calls: list[list[str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -7,11 +7,16 @@ plugin sections are reached with a double underscore
 (``ENVHUB_ENVIRONMENTS__MBPP__PATH=/data/mbpp.jsonl``). Values from variables and
 ``--set`` are parsed as YAML scalars, so ``true``, ``3`` and ``[a, b]`` work.
 Unknown top-level keys are refused at start rather than silently ignored.
+
+Every numeric setting has one rule (``_BOUNDS``), applied at start and, through
+:func:`check`, to the settings a node may change at run time, so both accept the same
+values; none may be NaN or infinite, and no plugin section may hold such a number.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,11 +61,16 @@ class Settings:
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
     seta_environment: str = "terminal-bench"
     nodes_file: Path | None = None
+    # The scheduler's POST /config {"config_path"} reads YAML files from this directory
+    # only; None: it reads none.
+    config_dir: Path | None = None
     nodes: list[Any] = field(default_factory=list)
     node_api_key: str | None = None
     affinity_window: float = 120.0
     health_interval: float = 2.0
     health_timeout: float = 2.0
+    # Failed health checks in a row after which the calls in flight to a node end with 503.
+    cut_after_checks: int = 2
     scheduler_wait: float = 0.0
     forward_timeout: float = 3600.0
     # Seconds one HTTP call may take before the server gives up on it (Sanic's response
@@ -73,6 +83,15 @@ class Settings:
     network_mode: str = "direct"
     network: dict[str, dict[str, Any]] = field(default_factory=dict)
     access_log: bool = False
+    # Prometheus metrics (docs/metrics.md): record them and serve GET /metrics. Off, the
+    # node records nothing and /metrics is a 404 (the bench's with/without comparison).
+    metrics: bool = True
+    # Keys accepted on GET /metrics and nowhere else, so a Prometheus server holds no key
+    # that can run code; api_keys are accepted there too.
+    metrics_keys: list[str] = field(default_factory=list)
+    # A second port serving only GET /metrics, with no key, on metrics_host.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     release_on_shutdown: bool = False
     # Not a setting: the YAML file load() read, if any. The process sandbox hides it
     # from episode code, since it may hold API keys.
@@ -85,17 +104,19 @@ class Settings:
         self.db_path = Path(self.db_path)
         if self.role not in ("node", "scheduler"):
             raise StartupError(f"role must be 'node' or 'scheduler', not {self.role!r}")
-        for name in ("capacity", "port"):
-            if getattr(self, name) < 0:
-                raise StartupError(f"{name} must not be negative")
-        if self.capacity < 1:
-            raise StartupError("capacity must be at least 1")
+        for name in _BOUNDS:
+            try:
+                setattr(self, name, check(name, getattr(self, name)))
+            except ValueError as e:
+                raise StartupError(str(e)) from None
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise StartupError("metrics_port must be a port number (0-65535)")
         if self.response_timeout is None:
             self.response_timeout = 6 * 3600.0 if self.role == "node" else self.forward_timeout + 60
-        if self.response_timeout <= 0 or self.forward_timeout <= 0:
-            raise StartupError("response_timeout and forward_timeout must be positive")
-        if self.retention_hours is not None and self.retention_hours <= 0:
-            raise StartupError("retention_hours must be positive (leave it unset to keep every instance)")
+        for name in ("environments", "sandboxes", "agents", "network"):
+            bad = non_finite(getattr(self, name))
+            if bad is not None:
+                raise StartupError(f"{name}.{bad} must be a finite number")
 
     @property
     def trials_dir(self) -> Path:
@@ -137,6 +158,61 @@ class Settings:
         return cls(**kwargs)
 
 
+# The numeric settings' rules: (the lowest value, whether it is allowed itself). Every one
+# must also be a finite number (never NaN or Infinity). Settings.__post_init__ applies them
+# at start, and check() at run time (a node's POST /config), so both take the same values.
+_BOUNDS: dict[str, tuple[float, bool]] = {
+    "port": (0, True),
+    "capacity": (1, True),
+    "queue_size": (0, True),
+    "queue_timeout": (0, True),
+    "idle_ttl": (0, True),
+    "reap_interval": (0, False),
+    "retention_hours": (0, False),
+    "build_parallel": (1, True),
+    "affinity_window": (0, True),
+    "health_interval": (0, False),
+    "health_timeout": (0, False),
+    "cut_after_checks": (1, True),
+    "scheduler_wait": (0, True),
+    "forward_timeout": (0, False),
+    "response_timeout": (0, False),
+    "retry_attempts": (1, True),
+    "retry_max_wait": (0, True),
+}
+
+
+def check(name: str, value: Any) -> Any:
+    """``value`` for the setting ``name``, coerced as at start and checked against its
+    rule; ``ValueError`` naming the setting and the rule when it breaks it. ``None``
+    passes for the settings that may be unset."""
+    field_type = _FIELD_TYPES[name]
+    value = _coerce(name, field_type, value, error=ValueError)
+    if value is None or name not in _BOUNDS:
+        return value
+    low, inclusive = _BOUNDS[name]
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, not {_short(value)}")
+    if value < low or (value == low and not inclusive):
+        if low == 0:
+            raise ValueError(f"{name} must {'not be negative' if inclusive else 'be positive'}, not {_short(value)}")
+        raise ValueError(f"{name} must be at least {low:g}, not {_short(value)}")
+    return value
+
+
+def non_finite(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first NaN or infinite float in ``value`` (nested dicts and
+    lists), or ``None``: JSON has no such numbers, so no section may hold one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "value"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = non_finite(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 def parse_assignment(text: str) -> dict[str, Any]:
     """Turn ``a.b.c=value`` into ``{"a": {"b": {"c": value}}}`` (value parsed as YAML)."""
     key, sep, raw = text.partition("=")
@@ -165,7 +241,9 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
         path = [p.lower() for p in key[len(_PREFIX) :].split("__")]
         if path == ["api_key"]:
             _deep_merge(out, {"api_keys": [raw]})
-        elif path == ["api_keys"] or path == ["disabled_plugins"]:
+        elif path == ["metrics_key"]:
+            _deep_merge(out, {"metrics_keys": [raw]})
+        elif path in (["api_keys"], ["disabled_plugins"], ["metrics_keys"]):
             _deep_merge(out, {path[0]: [s.strip() for s in raw.split(",") if s.strip()]})
         elif path[0] in _FIELD_NAMES:
             _deep_merge(out, _nest(path, _scalar(raw)))
@@ -195,7 +273,7 @@ def _deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     return into
 
 
-def _coerce(name: str, annotation: Any, value: Any) -> Any:
+def _coerce(name: str, annotation: Any, value: Any, error: type[Exception] = StartupError) -> Any:
     kind = str(annotation)
     try:
         if value is None:
@@ -204,10 +282,13 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
             return Path(value)
         if kind == "str | None":
             return str(value)
-        if kind == "int":
-            return int(value)
-        if kind in ("float", "float | None"):
-            return float(value)
+        if kind in ("int", "int | None", "float", "float | None"):
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise TypeError("expected a number")
+            number = int(value) if kind.startswith("int") else float(value)
+            if isinstance(value, float) and math.isfinite(value) and number != value:
+                raise ValueError("expected a whole number")
+            return number
         if kind == "bool":
             if isinstance(value, str):
                 return value.strip().lower() in ("1", "true", "yes", "on")
@@ -229,8 +310,14 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
                 return {str(k): str(v) for k, v in value.items()}
             return {str(k): dict(v or {}) if isinstance(v, Mapping) or v is None else v for k, v in value.items()}
         return str(value)
-    except (TypeError, ValueError) as e:
-        raise StartupError(f"setting {name!r} has a bad value {value!r}: {e}") from None
+    except (TypeError, ValueError, OverflowError) as e:
+        raise error(f"setting {name!r} has a bad value {_short(value)}: {_short(e)}") from None
 
 
-_FIELD_NAMES = {f.name for f in dataclasses.fields(Settings) if f.init}
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, Exception) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Settings) if f.init}
+_FIELD_NAMES = set(_FIELD_TYPES)

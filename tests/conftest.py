@@ -50,6 +50,9 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"envhub: {len(skipped)} tests that read the published datasets were skipped: {SHARED_PROBLEM}"
         )
+    browser = [r for r in terminalreporter.stats.get("skipped", []) if "no browser:" in str(r.longrepr)]
+    if browser:
+        terminalreporter.write_line(f"envhub: {len(browser)} browser tests were skipped: {BROWSER_PROBLEM}")
 
 
 BASE_IMAGE = "envhub/base:bookworm"  # made by scripts/setup-docker.sh
@@ -79,6 +82,28 @@ DOCKER_PROBLEM = _docker_problem()
 # Locally a missing engine skips the Docker tests; in CI (which runs scripts/setup-docker.sh
 # first) it must not, so there they run and fail loudly.
 needs_docker = pytest.mark.skipif(DOCKER_PROBLEM is not None and not os.environ.get("CI"), reason=DOCKER_PROBLEM or "")
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package; Playwright's own browser download is never used
+
+
+def _browser_problem() -> str | None:
+    """Why the browser tests cannot run here (scripts/test installs what they need)."""
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"{CHROMIUM} is missing (apt-get install chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Playwright for Python is missing (pip install -e '.[test]')"
+    return None
+
+
+BROWSER_PROBLEM = _browser_problem()
+# Like the Docker tests: skipped where the browser is missing, but never in CI, where
+# scripts/test has installed it and a missing one must fail.
+needs_browser = pytest.mark.skipif(
+    BROWSER_PROBLEM is not None and not os.environ.get("CI"), reason=f"no browser: {BROWSER_PROBLEM}"
+)
 
 
 def free_port() -> int:

@@ -44,6 +44,46 @@ SCRIPTS = {
         }
     ],
     "slow": [{"content": "too late", "sleep": 30}],
+    # A degenerate generation: arguments nested past any JSON decoder's recursion limit.
+    "degenerate": [
+        {
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "d",
+                    "type": "function",
+                    "function": {"name": "run_command", "arguments": "[" * 50_000 + "]" * 50_000},
+                }
+            ],
+        }
+    ],
+    # Two calls in one reply, then done: SETA counts 2 tool calls, at most 2 in parallel.
+    "twocalls": [
+        {
+            "content": "",
+            "tool_calls": [
+                call("write_file", path="/app/hello.txt", content="Hello, envhub!\n"),
+                call("run_command", command=GREET),
+            ],
+        },
+        {"content": "Done."},
+    ],
+    # A model served without a tool-call parser: its calls arrive as text in the content.
+    "texted": [
+        {
+            "content": "I'll write the files.\n<tool_call>\n"
+            + json.dumps({"name": "write_file", "arguments": {"path": "/app/hello.txt", "content": "Hello, envhub!\n"}})
+            + "\n</tool_call>\n<tool_call>\n"
+            + json.dumps({"name": "run_command", "arguments": {"command": GREET}})
+            + "\n</tool_call>"
+        },
+        {"content": "Done."},
+    ],
+    "garbled": [
+        {"content": '<tool_call>{"name": "run_command", "arguments": {"command": "ls"</tool_call>'},
+        {"content": "Sorry."},
+    ],
+    "cut": [{"content": "Let me think about this for a very long", "finish_reason": "length"}],
 }
 
 
@@ -66,6 +106,7 @@ class Handler(BaseHTTPRequestHandler):
         if reply.pop("sleep", 0):
             time.sleep(30)
             return
+        finish = reply.pop("finish_reason", "tool_calls" if reply.get("tool_calls") else "stop")
         self._send(
             200,
             {
@@ -75,7 +116,7 @@ class Handler(BaseHTTPRequestHandler):
                 "choices": [
                     {
                         "index": 0,
-                        "finish_reason": "tool_calls" if reply.get("tool_calls") else "stop",
+                        "finish_reason": finish,
                         "message": {"role": "assistant", **reply},
                     }
                 ],

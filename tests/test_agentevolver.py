@@ -159,3 +159,91 @@ def test_a_tool_the_environment_lacks_is_answered_as_agentevolver_does(url):
     ran = httpx.post(url + "/step", json=req(instance_id=iid, messages=action("print(6 * 7)"))).json()
     assert ran["data"]["state"][0]["content"] == "42"
     assert httpx.post(url + "/release", json=req(instance_id=iid)).json()["success"] is True
+
+
+# -- AgentEvolver's trainer: content only, never tool_calls ----------------------------------
+
+FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
+
+
+def said(content: str) -> dict:
+    """An assistant message as AgentEvolver's trainer sends it: role and content only."""
+    return {"role": "assistant", "content": content}
+
+
+def episode(url: str, *messages: dict, params: dict | None = None) -> tuple[list[dict], float]:
+    """Create task 13, send each message, then evaluate: every step's data and the reward."""
+    iid = uuid.uuid4().hex
+    assert httpx.post(url + "/create", json=req(task_id="13", instance_id=iid, params=params)).json()["success"]
+    steps = []
+    for message in messages:
+        r = httpx.post(url + "/step", json=req(instance_id=iid, messages=message))
+        assert r.status_code == 200, r.text
+        steps.append(r.json()["data"])
+    reward = httpx.post(url + "/evaluate", json=req(instance_id=iid)).json()["data"]
+    httpx.post(url + "/release", json=req(instance_id=iid))
+    return steps, reward
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        # Hermes / Qwen 2.5: JSON in <tool_call>, arguments as an object
+        '<tool_call>\n{"name": "submit_solution", "arguments": {"code": ' + json.dumps(FIB) + "}}\n</tool_call>",
+        # the same with the arguments as a JSON string, after some thinking
+        "I am confident now.\n<tool_call>\n"
+        + json.dumps({"name": "submit_solution", "arguments": json.dumps({"code": FIB})})
+        + "\n</tool_call>",
+        # Qwen3-Coder's XML form
+        f"<tool_call>\n<function=submit_solution>\n<parameter=code>\n{FIB}\n</parameter>\n</function>\n</tool_call>",
+    ],
+    ids=["json", "json-string-arguments", "qwen3-coder-xml"],
+)
+def test_a_tool_call_written_in_content_submits_and_is_graded(url, form):
+    steps, reward = episode(url, said(form))
+    assert steps[0]["is_terminated"] is True and steps[0]["state"][0]["content"] == "Solution submitted."
+    assert reward == 1.0
+
+
+def test_a_fenced_block_that_calls_submit_solution_submits_and_is_graded(url):
+    tried = said(f"Let me try it first.\n```python\n{FIB}\nprint(fib(10))\n```")
+    submit = said(f"It works. Submitting:\n```python\nsubmit_solution({FIB!r})\n```")
+    steps, reward = episode(url, tried, submit)
+    assert steps[0]["state"][0]["content"] == "55" and steps[0]["is_terminated"] is False
+    assert steps[1]["is_terminated"] is True and "Solution submitted." in steps[1]["state"][0]["content"]
+    assert reward == 1.0
+
+
+def test_run_python_then_submit_in_content_runs_both_in_order(url):
+    both = said(
+        '<tool_call>{"name": "run_python", "arguments": {"code": "print(6 * 7)"}}</tool_call>\n'
+        '<tool_call>{"name": "submit_solution", "arguments": {"code": ' + json.dumps(FIB) + "}}</tool_call>"
+    )
+    steps, reward = episode(url, both)
+    assert [m["content"] for m in steps[0]["state"]] == ["42", "Solution submitted."] and reward == 1.0
+
+
+def test_a_tool_call_that_cannot_be_read_says_why_and_runs_nothing(url):
+    broken = said('<tool_call>{"name": "run_python", "arguments": {"code": "print(1)"</tool_call>')
+    cut = said('<tool_call>{"name": "submit_solution", "arguments": {"code": "def fib(n')
+    steps, reward = episode(url, broken, cut)
+    told = steps[0]["state"][0]["content"]
+    assert told.startswith("Your tool call could not be read: a <tool_call> block is not JSON"), told
+    assert "not closed" in steps[1]["state"][0]["content"] and steps[1]["is_terminated"] is False
+    assert reward == 0.0, "nothing was submitted"
+
+
+def test_sparse_is_zero_or_one(url):
+    wrong = said("```python\nsubmit_solution('def fib(n):\\n    return 0')\n```")
+    _, dense = episode(url, wrong)
+    assert 0.0 < dense < 1.0, "the dense reward credits the format"
+    _, sparse = episode(url, wrong, params={"sparse": True})
+    assert sparse == 0.0
+    iid = uuid.uuid4().hex
+    httpx.post(url + "/create", json=req(task_id="13", instance_id=iid))
+    httpx.post(url + "/step", json=req(instance_id=iid, messages=wrong))
+    per_call = httpx.post(url + "/evaluate", json=req(instance_id=iid, params={"sparse": True})).json()["data"]
+    assert per_call == 0.0, "evaluate's own params.sparse picks the sparse reward too"
+    httpx.post(url + "/release", json=req(instance_id=iid))
+    right = said(f"```python\nsubmit_solution({FIB!r})\n```")
+    assert episode(url, right, params={"sparse": True})[1] == 1.0

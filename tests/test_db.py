@@ -115,3 +115,38 @@ async def test_a_write_cancelled_before_its_batch_runs_nothing(db):
     await db.write("INSERT INTO t VALUES ('last', 2)")
     assert cancelled.cancelled()
     assert committed_ids(db) == {"first", "last"}
+
+
+# A read that takes a while on any machine: about 10^6 steps of a recursive CTE.
+SLOW_READ = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1500000) SELECT count(*) FROM c"
+
+
+async def writes_during(db: Database, read, tag: str) -> tuple[int, bool]:
+    """Start ``read``, then write one row at a time until it returns: how many writes
+    committed meanwhile, and whether the read was still running after the first."""
+    reading = asyncio.ensure_future(read(SLOW_READ))
+    await asyncio.sleep(0.01)  # the read has begun in its thread
+    n, still_reading = 0, False
+    while not reading.done():
+        await db.write("INSERT INTO t VALUES (?, ?)", (f"{tag}-{n}", n))
+        n += 1
+        still_reading = still_reading or (n == 1 and not reading.done())
+    assert (await reading)[0][0] == 1500000
+    return n, still_reading
+
+
+async def test_a_long_read_on_the_read_only_connection_holds_no_write(db):
+    await db.write("INSERT INTO t VALUES ('before', 0)")
+    n, still_reading = await writes_during(db, db.read_rows, "ro")
+    assert still_reading and n >= 5, n
+    # It sees what was committed: the writes made while the slow read ran, too.
+    assert {r[0] for r in await db.read_rows("SELECT id FROM t")} == {"before"} | {f"ro-{i}" for i in range(n)}
+    # The same read on the one connection holds every write until it is done: one gets in.
+    n, still_reading = await writes_during(db, db.rows, "rw")
+    assert n == 1 and not still_reading
+
+
+async def test_the_read_only_connection_cannot_write(db):
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        await db.read_rows("INSERT INTO t VALUES ('nope', 1)")
+    assert "nope" not in committed_ids(db)

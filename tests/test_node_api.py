@@ -503,6 +503,11 @@ def test_api_key_is_required_on_every_route_but_health(start_node):
     iid = r.json()["instance_id"]
     assert_error(httpx.post(url + f"/instances/{iid}/release"), 401, "unauthorized")
     assert httpx.post(url + f"/instances/{iid}/release", headers={"X-API-Key": "s3cret"}).status_code == 200
+    # SETA's routes answer as SETA's service does: 403 {"detail": "Invalid API key"}, key or not.
+    for headers in ({}, {"X-API-Key": "wrong"}):
+        body = assert_error(httpx.post(url + "/step", json={"uid": "u", "task": {}}, headers=headers), 403, "forbidden")
+        assert body["detail"] == "Invalid API key"
+        assert_error(httpx.post(url + "/cleanup", headers=headers), 403, "forbidden")
 
 
 def test_retention_deletes_ended_rows_and_keeps_live_ones_and_trial_logs(start_node):

@@ -12,10 +12,11 @@ from pathlib import Path
 import docker
 import httpx
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker, sandbox_dirs
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, faulty_plugin_env, needs_docker, sandbox_dirs
 
 BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 TIMEOUT = 60  # for each HTTP call made here: generous, a loaded machine is slow to answer
+FAULTY_ONLY = ("--set", "environments.mbpp.enabled=false", "--set", "environments.terminal-bench.enabled=false")
 
 
 def unique(prefix: str) -> str:
@@ -291,3 +292,101 @@ def test_a_node_dying_mid_step_gives_a_clear_error_and_the_slot_returns(tmp_path
     finally:
         for p in (sched, node):
             p.stop()
+
+
+def test_a_restarted_scheduler_holds_creates_whose_node_missed_a_check_and_makes_no_duplicates(tmp_path):
+    """Issue #21, item 1. The scheduler stalls (SIGSTOP) while its creates are under way on
+    two nodes, the nodes finish them, the scheduler is killed, and one node misses the
+    restarted scheduler's first health check (it is stopped too). Every client retries its
+    create: the creates that went to the stopped node must wait for its answer (503 with
+    Retry-After), not be placed on the other node, which made one id live on both. In the
+    end each id is one instance, and releasing them through the scheduler frees every slot."""
+    env = faulty_plugin_env(tmp_path)
+    nodes = [EnvhubProcess(tmp_path / f"n{i}", "--capacity", "16", *FAULTY_ONLY, env=env) for i in range(2)]
+    for n in nodes:
+        n.start()
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": n.url, "slots": 16} for n in nodes]}))
+    sched = EnvhubProcess(
+        tmp_path / "s",
+        "--set",
+        f"nodes_file={nodes_yaml}",
+        "--set",
+        "affinity_window=0",  # the creates spread over both nodes
+        "--set",
+        "health_interval=0.2",
+        "--set",
+        "retry_max_wait=0",
+        role="scheduler",
+    ).start()
+    gate = tmp_path / "gate"  # the creates' resets wait until this file exists
+    ids = [f"dup-{i}" for i in range(24)]
+    body = {"environment": "faulty", "task_id": "slow-reset", "params": {"gate": str(gate)}}
+    stopped: list[EnvhubProcess] = []
+
+    def total(state: str) -> int:
+        return sum(
+            httpx.get(n.url + "/instances", params={"state": state}, timeout=TIMEOUT).json()["total"] for n in nodes
+        )
+
+    def wait_until(check, what: str) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while not check():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    def create(iid: str) -> httpx.Response:
+        return httpx.post(sched.url + "/instances", json={**body, "instance_id": iid}, timeout=TIMEOUT)
+
+    pool = ThreadPoolExecutor(len(ids))
+    try:
+        for iid in ids:
+            pool.submit(create, iid)  # these clients never see an answer: the scheduler dies
+        wait_until(lambda: total("creating") == len(ids), "the creates to reach the nodes")
+        sched.proc.send_signal(signal.SIGSTOP)  # the scheduler stalls...
+        gate.touch()  # ...while the nodes finish every create
+        wait_until(lambda: total("active") == len(ids), "the nodes to finish the creates")
+        kill9(sched)
+        held = [iid for iid in ids if httpx.get(f"{nodes[0].url}/instances/{iid}", timeout=TIMEOUT).status_code == 200]
+        assert held and len(held) < len(ids), f"the creates did not spread: {held}"
+        nodes[0].proc.send_signal(signal.SIGSTOP)  # it misses the restarted scheduler's check
+        stopped.append(nodes[0])
+        sched.start()
+        first = {iid: create(iid) for iid in ids}
+        for iid, r in first.items():
+            if iid in held:
+                assert r.status_code == 503 and r.headers.get("Retry-After"), (iid, r.status_code, r.text)
+                assert r.json()["node"] == nodes[0].url, r.text
+            else:  # a replay; or, should the other node miss a check on a loaded machine, a 503 too
+                assert r.status_code in (200, 503), (iid, r.status_code, r.text)
+        nodes[0].proc.send_signal(signal.SIGCONT)
+        stopped.clear()
+        pending = {iid for iid, r in first.items() if r.status_code != 200}
+        deadline = time.monotonic() + TIMEOUT
+        while pending:
+            assert time.monotonic() < deadline, f"never created: {sorted(pending)}"
+            for iid in sorted(pending):
+                r = create(iid)
+                if r.status_code in (200, 201):
+                    pending.discard(iid)
+                else:
+                    assert r.status_code == 503 and r.headers.get("Retry-After"), (iid, r.status_code, r.text)
+            time.sleep(0.1)
+        for iid in ids:
+            states = [
+                r.json()["state"]
+                for n in nodes
+                if (r := httpx.get(f"{n.url}/instances/{iid}", timeout=TIMEOUT)).status_code == 200
+            ]
+            assert [s for s in states if s != "failed"] == ["active"], f"{iid} on the nodes: {states}"
+        for iid in ids:
+            r = httpx.post(f"{sched.url}/instances/{iid}/release", timeout=TIMEOUT)
+            assert r.status_code == 200 and r.json()["released"] is True, r.text
+        assert [httpx.get(n.url + "/health", timeout=TIMEOUT).json()["active"] for n in nodes] == [0, 0]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for n in stopped:
+            n.proc.send_signal(signal.SIGCONT)
+        for p in (sched, *nodes):
+            if p.proc is not None and p.proc.poll() is None:
+                p.stop()

@@ -343,8 +343,13 @@ def test_processes_a_killed_node_left_are_killed_when_a_node_starts(tmp_path):
         while _alive(survivor) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(survivor), f"pid {survivor} (uid {uid}) still runs after a node started"
-        said = [line for line in second.log().splitlines() if "killed what an earlier node left" in line]
-        assert said and str(uid) in said[0], second.log()
+
+        def said() -> list[str]:  # the node logs the sweep once its kills are done
+            return [line for line in second.log().splitlines() if "killed what an earlier node left" in line]
+
+        while not said() and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+        assert said() and str(uid) in said()[0], second.log()
     finally:
         assert second.stop() == 0
 
@@ -353,7 +358,11 @@ def _pid_of_sleep(node_pid: int, out: dict) -> int:
     assert out["exception"] is None, out
     # The pid the episode saw is its pid namespace's, which is the host's (no pid namespace).
     pid = int(out["value_repr"])
-    assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == b"sleep"
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        status = "(gone)"
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == b"sleep", status
     return pid
 
 

@@ -108,6 +108,13 @@ def test_malformed_tool_calls_end_the_run_with_an_agent_error(node, model):
     assert any(m["role"] == "tool" and "not valid JSON" in m["content"] for m in replies), "the model was told"
 
 
+def test_tool_call_arguments_nested_past_any_limit_are_a_malformed_turn_not_a_crash(node, model):
+    out = rollout(node, model, "degenerate-1")
+    assert out["reward"] == 0.0 and out["run_info"]["agent_summary"]["termination_reason"] == "malformed_tool_calls"
+    replies = [m for m in model.requests if m["session"] == "degenerate-1"][-1]["body"]["messages"]
+    assert any(m["role"] == "tool" and "nested" in m["content"] for m in replies), "the model was told"
+
+
 def test_a_model_that_times_out_is_reported_not_waited_for(node, model):
     t0 = time.monotonic()
     out = rollout(node, model, "slow-1", model_timeout=1)
@@ -118,7 +125,7 @@ def test_a_model_that_times_out_is_reported_not_waited_for(node, model):
 
 def test_seta_step_request_and_response_shapes(node, model):
     body = {
-        "task": {"task_name": "hello-envhub", "instruction": "ignored: the dataset's is used"},
+        "task": {"task_name": "hello-envhub", "instruction": "Say hello, in the trainer's words."},
         "uid": "hello-envhub_t0_abc123",
         "traj_i": 0,
         "model_url": f"{model.url}/v1/solve-seta",
@@ -130,6 +137,10 @@ def test_seta_step_request_and_response_shapes(node, model):
         r = c.post("/step", json=body)
         assert r.status_code == 200 and set(r.json()) == {"run_info", "reward", "error"}
         assert r.json()["reward"] == 1.0 and r.json()["run_info"]["task_name"] == "hello-envhub"
+        told = [q for q in model.requests if q["session"] == "solve-seta"][0]["body"]["messages"][1]
+        assert told == {"role": "user", "content": "Say hello, in the trainer's words."}, "task.instruction is used"
+        elsewhere = c.post("/step", json={**body, "uid": "x1", "dataset_name": "terminal-bench-2"}).json()
+        assert elsewhere["reward"] is None and "not in a dataset named 'terminal-bench-2'" in elsewhere["error"]
         missing = c.post("/step", json={**body, "uid": "x2", "task": {"task_name": "no-such-task"}})
         assert missing.status_code == 200
         assert missing.json()["reward"] is None and missing.json()["error"].startswith("reset: ")
@@ -238,3 +249,62 @@ def test_health_counts_a_rollout_once_from_the_moment_it_holds_a_slot(faulty_nod
         assert done and done[0].status_code in (200, 503), done
         health = c.get("/health").json()
         assert (health["active"], health["rollouts"]) == (0, 0)
+
+
+# SETA's trainer reads these from run_info.agent_summary (numbers; absent ones count as
+# nothing), and one-hot metrics from important_termination_reason.
+SETA_SCALARS = ("iteration_count", "total_tool_calls", "max_parallel_tool_call", "parse_error_count", "total_tokens")
+SETA_REASONS = ("task_finished", "max_iteration_reached", "max_tokens_exceeded", "completion_length_exceeded")
+
+
+def seta_statistics(run_infos: list[dict]) -> dict[str, list[float]]:
+    """What SETA's workflow gathers from a batch of StepResponses' run_info, written here
+    from its documented wire shape: each scalar key per trajectory, and each reason as 0/1."""
+    stats: dict[str, list[float]] = {}
+    for info in run_infos:
+        summary = info.get("agent_summary") or {}
+        for key in SETA_SCALARS:
+            value = summary.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                stats.setdefault(key, []).append(float(value))
+        reason = summary.get("important_termination_reason")
+        if reason is not None:
+            for name in SETA_REASONS:
+                stats.setdefault(name, []).append(float(reason == name))
+    return stats
+
+
+def test_seta_statistics_count_what_the_trajectories_did(node, model):
+    """Two trajectories that make two tool calls each count as two calls each (they were
+    counted as zero-call trajectories); calls written as text count as calls, unreadable
+    ones as parse errors; a reply cut at its token limit is SETA's
+    ``completion_length_exceeded``."""
+
+    def step(session: str) -> dict:
+        body = {
+            "task": {"task_name": "hello-envhub"},
+            "uid": f"{session}-{uuid.uuid4().hex[:6]}",
+            "model_url": f"{model.url}/v1/{session}",
+            "model_api_key": session,
+            "trial_name": "seta-stats",
+        }
+        with node.client(timeout=300) as c:
+            r = c.post("/step", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    pair = [step("twocalls-a"), step("twocalls-b")]
+    texted, garbled, cut = step("texted-1"), step("garbled-1"), step("cut-1")
+    stats = seta_statistics([out["run_info"] for out in pair])
+    assert stats["total_tool_calls"] == [2.0, 2.0] and stats["max_parallel_tool_call"] == [2.0, 2.0]
+    assert stats["iteration_count"] == [2.0, 2.0] and stats["total_tokens"] == [30.0, 30.0]
+    assert stats["parse_error_count"] == [0.0, 0.0] and stats["task_finished"] == [1.0, 1.0]
+    summary = texted["run_info"]["agent_summary"]
+    assert (summary["total_tool_calls"], summary["parse_error_count"], summary["steps"]) == (2, 0, 2)
+    assert summary["important_termination_reason"] == "task_finished"
+    sent = [q for q in model.requests if q["session"] == "texted-1"][-1]["body"]["messages"]
+    assistant = next(m for m in sent if m["role"] == "assistant")
+    assert [c["function"]["name"] for c in assistant["tool_calls"]] == ["write_file", "run_command"]
+    assert "<tool_call>" not in assistant["content"], "the calls are the message's tool_calls now"
+    assert garbled["run_info"]["agent_summary"]["parse_error_count"] == 1
+    assert cut["run_info"]["agent_summary"]["important_termination_reason"] == "completion_length_exceeded"

@@ -168,6 +168,21 @@ def test_slot_accounting_counts_each_instance_once_in_any_order_of_reports_and_r
     # Slots without an id (OpenEnv sessions) come from the report's count.
     report(node, ["h"], "n.2", anonymous=2)
     assert node.used == 3 and node.free == 1
+    # One of them closes while a health check is on its way: the node may have made
+    # the report before the close, so its count waits for the next one.
+    asked = node.sessions_moved
+    node.session_closed(opened=True)
+    assert node.used == 2
+    node.report({"slot_ids": ["h"], "active": 3, "slot_mark": "n.3"}, sessions_moved=asked)
+    assert node.used == 2
+    node.report({"slot_ids": ["h"], "active": 2, "slot_mark": "n.4"}, sessions_moved=node.sessions_moved)
+    assert node.used == 2
+    # And one that opens while a check is on its way is not dropped by it.
+    node.pending += 1  # picked
+    asked = node.sessions_moved
+    node.session_opened()
+    node.report({"slot_ids": ["h"], "active": 2, "slot_mark": "n.5"}, sessions_moved=asked)
+    assert node.used == 3
 
 
 def test_instances_a_node_reaps_leave_neither_slots_nor_cached_routes_in_the_scheduler(tmp_path):

@@ -2,23 +2,32 @@
 
 Requests are ``ServiceRequest`` bodies ``{env_type, task_id, instance_id, messages,
 params}``; replies are ``{"success": true, "data": ...}``. A missing required field or an
-unknown instance is ``400 {"detail": "<message>"}`` (AgentEvolver's ValueError path);
-anything else that fails is ``500 {"detail": "<message>"}``, without a traceback.
+unknown instance is ``400 {"detail": "<message>"}`` (AgentEvolver's ValueError path); any
+other error of the client's (a wrong state, a full node) keeps envhub's 4xx status, and
+only a failure of the service is ``500 {"detail": "<message>"}``, without a traceback.
 ``/release`` of an unknown id is ``200 {"success": false, "data": null}``.
 
-Actions: the assistant message's tool calls (``{"name", "arguments": "<json>"}``, or
-OpenAI's nested ``function``) become envhub steps, one per call; a call of a tool the
-environment does not have is answered with a message saying so, as AgentEvolver's own
-environments do, and runs nothing. A message without tool calls runs its first fenced
-code block with the environment's code tool (``run_python`` for MBPP, ``run_command``
-for terminal-bench, ``appworld`` for AppWorld); with none, an instance created with
-``params.simple`` (AppWorld's raw-code mode) runs the whole content. Every step's
-observation comes back as a ``StateMessage`` ``{"role": "user", "content",
-"tool_calls": [], "tool_call_id"?}``.
+Actions, from the first of these the assistant message has (AgentEvolver's trainer sends
+``{"role", "content"}`` only, so the text forms are what its models' calls arrive as):
+
+1. its ``tool_calls`` (``{"name", "arguments": "<json>"}``, or OpenAI's nested
+   ``function``), one step each;
+2. tool calls written in its content: ``<tool_call>`` blocks in the Hermes/Qwen JSON or
+   the Qwen3-Coder XML form (``envhub/util/toolcalls.py``), one step each; a block that
+   cannot be read is answered with why, and runs nothing;
+3. its first fenced code block, run with the environment's code tool (``run_python``
+   for MBPP, where code may call ``submit_solution(code)``; ``run_command`` for
+   terminal-bench; ``appworld`` for AppWorld);
+4. with ``params.simple`` at create (AppWorld's raw-code mode), the whole content.
+
+A call of a tool the environment does not have is answered with a message saying so, as
+AgentEvolver's own environments do, and runs nothing. Every step's observation comes
+back as a ``StateMessage`` ``{"role": "user", "content", "tool_calls": [],
+"tool_call_id"?}``.
 
 ``/evaluate`` returns the evaluation's reward; its ``params.sparse`` (a boolean) picks
-the ``sparse`` or ``dense`` reward instead when the evaluation offers them by name in
-``details.rewards`` (AppWorld does).
+the ``sparse`` (0 or 1: 1 only when every test passed) or ``dense`` reward instead, as
+AgentEvolver's environments do; so does ``params.sparse`` at create, for the episode.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any
 
 from envhub.compat.backends import Backend
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
+from envhub.util import strict_json, toolcalls
 
 # The tool that runs a bare code block, per environment; others: the first tool that takes "code".
 CODE_TOOLS = {
@@ -66,13 +76,25 @@ async def call(fn, *args) -> Any:
     except InvalidRequest as e:
         raise AEError(400, e.message) from None
     except EnvhubError as e:
-        raise AEError(400 if e.status == 404 else 500, e.message) from None
+        # The client's own mistakes (a wrong state, a full node) keep their 4xx; only
+        # failures of the service are AgentEvolver's 500.
+        raise AEError(_status(e), e.message) from None
+
+
+def _status(e: EnvhubError) -> int:
+    if e.status == 404:
+        return 400  # AgentEvolver's "Instance ... not found!" is a ValueError: 400
+    return e.status if 400 <= e.status < 500 else 500
 
 
 async def get_env_profile(backend: Backend, body: dict[str, Any]) -> list[str]:
     environment = required(body, "env_type")
     params = body.get("params") or {}
+    if not isinstance(params, dict):
+        raise AEError(400, "params must be an object")
     split = params.get("split", "train")
+    if not isinstance(split, str):
+        raise AEError(400, "params.split must be a string")
     splits = await call(backend.splits, environment)
     if split not in splits:
         # AgentEvolver trainers ask for "train"; an environment without such a split
@@ -111,9 +133,12 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     instance = await call(backend.get, instance_id)
     tools = (instance.get("observation") or {}).get("tools") or []
     raw = (instance.get("params") or {}).get("simple") is True
-    actions = _actions(message, instance["environment"], tools, raw=raw)
+    actions, unreadable = _actions(message, instance["environment"], tools, raw=raw)
     known = {(t.get("function") or {}).get("name") for t in tools}
-    state, reward, done, info = [], 0.0, False, {}
+    state: list[dict[str, Any]] = [
+        {"role": "user", "tool_calls": [], "content": f"Your tool call could not be read: {why}"} for why in unreadable
+    ]
+    reward, done, info = 0.0, False, {}
     for call_id, tool, arguments in actions:
         if tools and tool not in known:
             content = f"tools not found in the existing tool list, please check the tool name of {tool}"
@@ -127,7 +152,7 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
         state.append(msg)
         if done:
             break
-    if not actions:
+    if not actions and not unreadable:
         state.append(
             {
                 "role": "user",
@@ -140,30 +165,38 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
 
 def _actions(
     message: dict[str, Any], environment: str, tools: list[dict[str, Any]], *, raw: bool = False
-) -> list[tuple[str, str, Any]]:
+) -> tuple[list[tuple[str, str, Any]], list[str]]:
+    """The steps a message asks for, as ``(call id, tool, arguments)``, and why each tool
+    call written in its content that could not be read was not."""
     out = []
-    for tc in message.get("tool_calls") or []:
+    tool_calls = message.get("tool_calls") or []
+    if not isinstance(tool_calls, list):
+        raise AEError(400, "messages.tool_calls must be a list")
+    for tc in tool_calls:
         if not isinstance(tc, dict):
             raise AEError(400, "each tool call must be an object")
         fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
         args = fn.get("arguments") or "{}"
         try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError as e:
-            raise AEError(400, f"tool call arguments are not valid JSON: {e}") from None
+            args = strict_json.loads(args) if isinstance(args, str) else args
+        except strict_json.BadJSON as e:
+            raise AEError(400, f"tool call arguments are not acceptable JSON: {e.message}") from None
         out.append((str(tc.get("id") or ""), str(fn.get("name") or ""), args))
     if out:
-        return out
+        return out, []
     content = message.get("content") or ""
     if not isinstance(content, str):
-        return []
+        return [], []
+    written = toolcalls.parse(content)
+    if written:
+        return [(c["id"], c["name"], c["arguments"]) for c in written.calls], written.errors
     match = _FENCE.search(content)
     code = match.group(2) if match else content if raw and content.strip() else None
     if code is not None:
         tool, key = CODE_TOOLS.get(environment) or _code_tool(tools)
         if tool:
-            return [("", tool, {key: code})]
-    return []
+            return [("", tool, {key: code})], []
+    return [], []
 
 
 def _code_tool(tools: list[dict[str, Any]]) -> tuple[str | None, str]:
@@ -178,7 +211,7 @@ async def evaluate(backend: Backend, body: dict[str, Any]) -> float:
     instance_id = required(body, "instance_id")
     graded = await call(backend.evaluate, instance_id)
     sparse = (body.get("params") or {}).get("sparse")
-    rewards = (graded.get("details") or {}).get("rewards")
+    rewards = graded.get("rewards")  # every evaluation has both (NodeService.reward_modes)
     if isinstance(sparse, bool) and isinstance(rewards, dict):
         mode = "sparse" if sparse else "dense"
         if isinstance(rewards.get(mode), (int, float)):
@@ -200,4 +233,4 @@ async def release(backend: Backend, body: dict[str, Any]) -> bool:
     except EnvhubError as e:
         if e.status == 404:
             return False
-        raise AEError(500, e.message) from None
+        raise AEError(_status(e), e.message) from None

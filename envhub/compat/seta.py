@@ -1,11 +1,16 @@
 """SETA's wire shapes: its StepRequest (one whole rollout, ``POST /step``) mapped onto
 envhub's rollouts (PROTOCOLS.md §2).
 
-A StepRequest is ``{task: {task_name, ...}, uid, traj_i, model_url, model_api_key,
-dataset_name, task_name, trial_name}``; the reply is SETA's StepResponse,
-``{run_info, reward, error}``, which ``envhub.node.rollouts`` already produces. The task
-runs in the environment named by the ``seta_environment`` setting (default
-``terminal-bench``); ``uid`` becomes the instance id and ``trial_name`` the trial.
+A StepRequest is ``{task: {task_name, instruction?, ...}, uid, traj_i, model_url,
+model_api_key, dataset_name, task_name, trial_name}``; the reply is SETA's StepResponse,
+``{run_info, reward, error}``, which ``envhub.node.rollouts`` already produces, with the
+``agent_summary`` keys SETA's trainer reads. The task runs in the environment named by
+the ``seta_environment`` setting (default ``terminal-bench``); ``uid`` becomes the
+instance id, ``trial_name`` the trial, and ``task.instruction``, when given, is what the
+agent is told instead of the task's own instruction. ``dataset_name`` (or
+``task.dataset_name``) must name the dataset the task is in, the dir the environment
+loaded it from (terminal-bench: a configured dataset root, or the task dir's parent), as
+in SETA's ``<DATASET_ROOT>/<dataset_name>/<task_name>``; a task of another is 404.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ def rollout_request(body: dict[str, Any], *, environment: str) -> RolloutRequest
         raise InvalidRequest("'task' must be an object with task_name", field="task")
     if not isinstance(body.get("uid"), str) or not body["uid"]:
         raise InvalidRequest("'uid' must be a non-empty string", field="uid")
+    instruction = body["task"].get("instruction")
+    if instruction is not None and not isinstance(instruction, str):
+        raise InvalidRequest("'task.instruction' must be a string", field="task.instruction")
+    dataset = body.get("dataset_name") or body["task"].get("dataset_name")
+    if dataset is not None and not isinstance(dataset, str):
+        raise InvalidRequest("'dataset_name' must be a string", field="dataset_name")
     return RolloutRequest.parse(
         {
             "environment": environment,
@@ -45,6 +56,8 @@ def rollout_request(body: dict[str, Any], *, environment: str) -> RolloutRequest
             "model_url": body.get("model_url") or "",
             "model_api_key": body.get("model_api_key") or "",
             "trial": body.get("trial_name") or None,
+            "instruction": instruction or None,
+            **({"params": {"dataset": dataset}} if dataset else {}),
             **{k: body[k] for k in _PASSED_THROUGH if k in body},
         }
     )

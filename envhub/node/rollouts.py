@@ -31,6 +31,8 @@ from envhub.node.trial_log import TrialLog
 
 log = logging.getLogger("envhub.rollouts")
 
+_MAX_BUDGET = 1e9  # steps, tokens or seconds: more is a mistake, and a float cannot hold every int
+
 
 @dataclass
 class RolloutRequest:
@@ -45,12 +47,14 @@ class RolloutRequest:
     agent: str = "terminal"
     params: dict[str, Any] | None = None
     budgets: Budgets | None = None
+    instruction: str | None = None
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> RolloutRequest:
         """envhub's own shape: ``{environment, task_id, model_url, uid?, traj_i?, trial?,
         agent?, model?, model_api_key?, params?, max_steps?, max_tokens?, timeout?,
-        model_timeout?}``."""
+        model_timeout?, instruction?}`` (``instruction`` replaces the task's own text in
+        what the agent is told)."""
 
         def text(key: str, *, required: bool = False, default: str = "") -> str:
             value = body.get(key, default)
@@ -69,8 +73,8 @@ class RolloutRequest:
         ):
             if body.get(key) is not None:
                 value = body[key]
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                    raise InvalidRequest(f"'{key}' must be a positive number", field=key)
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= _MAX_BUDGET:
+                    raise InvalidRequest(f"'{key}' must be a positive number up to {_MAX_BUDGET:g}", field=key)
                 setattr(budgets, attr, kind(value))
         params = body.get("params") or {}
         if not isinstance(params, dict):
@@ -79,6 +83,9 @@ class RolloutRequest:
         if not isinstance(traj_i, int) or isinstance(traj_i, bool):
             raise InvalidRequest("'traj_i' must be an integer", field="traj_i")
         uid = body.get("uid") or f"{text('task_id', required=True)}_t{traj_i}_{secrets.token_hex(3)}"
+        instruction = body.get("instruction")
+        if instruction is not None and not isinstance(instruction, str):
+            raise InvalidRequest("'instruction' must be a string", field="instruction")
         return cls(
             environment=text("environment", required=True),
             task_id=text("task_id", required=True),
@@ -87,11 +94,50 @@ class RolloutRequest:
             model_api_key=text("model_api_key"),
             model=text("model", default="default"),
             traj_i=traj_i,
-            trial=body.get("trial") or None,
+            trial=text("trial") or None,
             agent=text("agent", default="terminal"),
             params=params,
             budgets=budgets,
+            instruction=instruction or None,
         )
+
+
+# SETA's trainer turns these termination reasons into one-hot metrics; each is envhub's
+# reason under SETA's name (CAMEL's agent's), and other reasons are none of them.
+_SETA_TERMINATION = {
+    "finished": "task_finished",
+    "max_steps": "max_iteration_reached",
+    "token_budget": "max_tokens_exceeded",
+    "completion_length_exceeded": "completion_length_exceeded",
+}
+
+
+def agent_summary(agent: str, result: AgentResult, model: ModelClient) -> dict[str, Any]:
+    """``run_info.agent_summary``: envhub's own keys (``agent``, ``steps``, ``model_calls``,
+    ``tokens``, ``termination_reason``, ``error``) and the ones SETA's trainer reads, with
+    SETA's meanings: ``iteration_count`` (model calls), ``total_tool_calls``,
+    ``max_parallel_tool_call`` (the most calls in one reply), ``parse_error_count``,
+    ``total_tokens``, and ``important_termination_reason`` when the run ended in one of
+    the reasons SETA counts (see ``_SETA_TERMINATION``)."""
+    summary: dict[str, Any] = {
+        "agent": agent,
+        "steps": result.steps,
+        "model_calls": model.calls,
+        "tokens": model.tokens,
+        "termination_reason": result.termination_reason,
+        "iteration_count": model.calls,
+        "total_tool_calls": 0,
+        "max_parallel_tool_call": 0,
+        "parse_error_count": 0,
+        "total_tokens": model.tokens,
+        **result.summary,
+    }
+    important = _SETA_TERMINATION.get(result.termination_reason)
+    if important:
+        summary["important_termination_reason"] = important
+    if result.error:
+        summary["error"] = result.error
+    return summary
 
 
 async def run_rollout(
@@ -150,6 +196,8 @@ async def _run(
     try:
         if created:
             observation = reply["observation"]
+            if req.instruction:  # the caller's wording of the task (SETA's task.instruction)
+                observation = {**observation, "instruction": req.instruction}
             task_limit = (observation.get("task") or {}).get("agent_timeout_sec")
             if req.budgets is None and task_limit:
                 budgets.timeout_s = float(task_limit)
@@ -169,15 +217,7 @@ async def _run(
             except EnvhubError as e:
                 result = AgentResult("error", error=e.message)
             timings["2_run_agent"] = round(time.monotonic() - t1, 3)
-            run_info["agent_summary"] = {
-                "agent": agent.name,
-                "steps": result.steps,
-                "model_calls": model.calls,
-                "tokens": model.tokens,
-                "termination_reason": result.termination_reason,
-                **result.summary,
-                **({"error": result.error} if result.error else {}),
-            }
+            run_info["agent_summary"] = agent_summary(agent.name, result, model)
             if result.error:
                 fail("agent", result.error)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from envhub.environment import EnvContext, Environment
 from envhub.errors import EnvhubError, StartupError
+from envhub.metrics.node import NodeMetrics
 from envhub.node.builds import BuildGate
 from envhub.plugins import Registry
 from envhub.sandbox import Sandbox
@@ -33,6 +34,7 @@ class NodeRuntime:
     environments: dict[str, Environment] = field(default_factory=dict)
     sandboxes: dict[str, Sandbox] = field(default_factory=dict)
     builds: BuildGate | None = None
+    metrics: NodeMetrics | None = None  # the node's, for the build gate; None: not recorded
     skipped: dict[str, str] = field(default_factory=dict)  # environment -> why it is not served
 
     async def start(self, env_registry: Registry, sandbox_registry: Registry) -> None:
@@ -78,7 +80,11 @@ class NodeRuntime:
                 self.sandboxes[sandbox_name] = sandbox
                 if self.builds is None and hasattr(sandbox, "build_image"):
                     self.builds = BuildGate(
-                        self.db, sandbox, settings.data_dir / "builds", parallel=settings.build_parallel
+                        self.db,
+                        sandbox,
+                        settings.data_dir / "builds",
+                        parallel=settings.build_parallel,
+                        metrics=self.metrics,
                     )
             failed = await builds_store.fail_unfinished(self.db)
             if failed:

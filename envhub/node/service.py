@@ -21,25 +21,32 @@ it directly. Invariants:
 - A create with a client-chosen id is idempotent: a retry returns the first result
   (200 instead of 201) and concurrent duplicates wait for the one in flight.
 - SQLite is written before a call returns, so a restart knows every instance.
+- Every create, step, evaluate and release call is counted once in ``metrics`` with its
+  outcome, whatever ends it (envhub/metrics/node.py); ``ended_counts`` counts every
+  instance that ended since the start, by environment and end state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from envhub.environment import Action, Environment, Episode
+from envhub.environment import Action, Environment, Episode, Evaluation
 from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
+from envhub.metrics import UNKNOWN, outcome_of
+from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.node.capacity import Slots
 from envhub.node.pool import WarmPool, spec_key
 from envhub.node.trial_log import TrialLog, TrialWriter
-from envhub.sandbox import Sandbox, SandboxSpec
-from envhub.settings import Settings
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+from envhub.settings import Settings, non_finite
+from envhub.settings import check as settings_check
 from envhub.store import instances, step_results
 from envhub.store.db import Database, delete_in_batches
 from envhub.util.singleflight import SingleFlight
@@ -67,6 +74,24 @@ class Live:
     graded_recorded: bool = False  # that evaluation is in SQLite
 
 
+def reward_modes(evaluation: Evaluation, sparse: Any) -> tuple[dict[str, float], float]:
+    """The ``dense`` and ``sparse`` rewards of an evaluation, and the one an episode gets.
+
+    Every environment has both: ``sparse`` is 1.0 only when the dense reward is full
+    (every test passed), else 0.0, unless the environment reports its own pair in
+    ``details["rewards"]`` (AppWorld does). ``params.sparse`` of the instance (true or
+    false) picks one; without it the environment's own reward stands (MBPP and
+    terminal-bench: dense; AppWorld: its ``reward`` setting)."""
+    own = evaluation.details.get("rewards") if isinstance(evaluation.details, dict) else None
+    if isinstance(own, dict) and all(isinstance(own.get(k), (int, float)) for k in ("dense", "sparse")):
+        rewards = {"dense": float(own["dense"]), "sparse": float(own["sparse"])}
+    else:
+        rewards = {"dense": float(evaluation.reward), "sparse": 1.0 if evaluation.reward >= 1.0 else 0.0}
+    if isinstance(sparse, bool):
+        return rewards, rewards["sparse" if sparse else "dense"]
+    return rewards, float(evaluation.reward)
+
+
 def validate_instance_id(value: Any) -> str:
     if not isinstance(value, str) or not 1 <= len(value) <= 128 or not set(value) <= _ID_CHARS:
         raise InvalidRequest(
@@ -82,14 +107,19 @@ class NodeService:
         db: Database,
         environments: Mapping[str, Environment],
         sandboxes: Mapping[str, Sandbox],
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
         self.environments = dict(environments)
         self.sandboxes = dict(sandboxes)
+        self.metrics = metrics or NoNodeMetrics()
+        self.started_at = time.time()
         self.slots = Slots(settings.capacity, queue_size=settings.queue_size, queue_timeout=settings.queue_timeout)
-        self.trial_writer = TrialWriter()
+        self.trial_writer = TrialWriter(on_write=self.metrics.trial_log_write if self.metrics.enabled else None)
         self._live: dict[str, Live] = {}
+        self._creating_envs: dict[str, str] = {}  # creates holding a slot: instance id -> environment
+        self.ended_counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (environment, state)
         self._creating: SingleFlight[tuple[dict[str, Any], bool]] = SingleFlight()  # by instance id
         self._accepting = True
         # Instances of whole rollouts that hold a slot (so are in `active` too). Joined and
@@ -182,6 +212,17 @@ class NodeService:
             "environments": sorted(self.environments),
         }
 
+    def live_counts(self) -> dict[tuple[str, str], int]:
+        """Instances holding a slot, by (environment, state): ``creating``, ``active`` or
+        ``done``."""
+        counts: dict[tuple[str, str], int] = {}
+        for environment in self._creating_envs.values():
+            counts[environment, "creating"] = counts.get((environment, "creating"), 0) + 1
+        for live in self._live.values():
+            key = (live.env.name, "done" if live.done else "active")
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
     def slot_mark(self) -> str:
         """``<boot>.<seq>``: where this node's slot events stand now."""
         return f"{self.slot_boot}.{self.slot_seq}"
@@ -211,6 +252,19 @@ class NodeService:
     ) -> tuple[dict[str, Any], bool]:
         """Start an episode. Returns ``(reply, created)``; ``created`` is False for a replay.
         ``rollout``: the instance of a whole rollout, reported as such in /health."""
+        started = time.perf_counter()
+        label = environment if isinstance(environment, str) and environment in self.environments else UNKNOWN
+        try:
+            reply, created = await self._create_call(environment, task_id, params, instance_id, trial, rollout)
+        except BaseException as e:
+            self.metrics.call("create", label, outcome_of(e), time.perf_counter() - started)
+            raise
+        self.metrics.call("create", label, "ok" if created else "replay", time.perf_counter() - started)
+        return reply, created
+
+    async def _create_call(
+        self, environment: Any, task_id: Any, params: Any, instance_id: Any, trial: Any, rollout: bool
+    ) -> tuple[dict[str, Any], bool]:
         env = self.environment(environment)
         if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
             raise InvalidRequest("'task_id' must be a string", field="task_id")
@@ -218,6 +272,8 @@ class NodeService:
         params = {} if params is None else params
         if not isinstance(params, dict):
             raise InvalidRequest("'params' must be an object", field="params")
+        if params.get("sparse") is not None and not isinstance(params["sparse"], bool):
+            raise InvalidRequest("'params.sparse' must be true or false", field="params.sparse")
         trial = self.settings.default_trial if trial is None else trial
         if not isinstance(trial, str) or not trial.strip():
             raise InvalidRequest("'trial' must be a non-empty string", field="trial")
@@ -277,6 +333,7 @@ class NodeService:
                 await self.pool.evict_one(keep=(env.name, task.id))
             await self.slots.acquire()
         self._hold(instance_id)
+        self._creating_envs[instance_id] = env.name
         if rollout:
             self._rollout_slots.add(instance_id)
         handle: str | None = pooled  # a taken warm sandbox is this create's to destroy if it fails
@@ -303,6 +360,7 @@ class NodeService:
                 handle=handle,
                 spec=spec,
                 log_dir=trial_log.dir,
+                on_exec=self._exec_recorder(sandbox.name),
             )
             observation = await env.reset(episode)
             trial_log.record(
@@ -324,6 +382,7 @@ class NodeService:
             )
             row.state, row.sandbox_handle, row.observation = "active", handle, observation
             self._live[instance_id] = Live(row=row, env=env, episode=episode, log=trial_log)
+            self._creating_envs.pop(instance_id, None)
             size = env.warm_pool_size()
             if size:  # a group's first create: keep the next ones warm
                 self.pool.want(env.name, task.id, sandbox, spec, size)
@@ -332,6 +391,9 @@ class NodeService:
             # even when the client went away and this task is being cancelled.
             # The row is this create's unless the insert itself found the id taken.
             ours = row is not None or not isinstance(e, Conflict)
+            self._creating_envs.pop(instance_id, None)
+            if ours:
+                self.ended_counts[env.name, "failed"] += 1
             await asyncio.shield(self._abort_create(instance_id, sandbox, handle, e, ours=ours))
             if logged is not None:  # a retry of the id appends its own "created"
                 logged.record("failed", {"error": _describe(e)})
@@ -358,6 +420,22 @@ class NodeService:
     async def step(self, instance_id: str, raw_action: Any, *, request_id: Any = None) -> dict[str, Any]:
         """Apply one action. With a ``request_id``, the reply is recorded and a retry of
         the same request id returns it again instead of acting twice."""
+        return await self._recorded("step", instance_id, self._step(instance_id, raw_action, request_id))
+
+    async def _recorded(self, call: str, instance_id: str, work: Awaitable[T]) -> T:
+        """Await a call on an instance and count it with its outcome and latency."""
+        live = self._live.get(instance_id)
+        environment = live.env.name if live is not None else UNKNOWN
+        started = time.perf_counter()
+        try:
+            result = await work
+        except BaseException as e:
+            self.metrics.call(call, environment, outcome_of(e), time.perf_counter() - started)
+            raise
+        self.metrics.call(call, environment, "ok", time.perf_counter() - started)
+        return result
+
+    async def _step(self, instance_id: str, raw_action: Any, request_id: Any) -> dict[str, Any]:
         if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 255):
             raise InvalidRequest("'request_id' must be a string of 1-255 characters", field="request_id")
         if request_id is not None:
@@ -413,6 +491,13 @@ class NodeService:
         same call (one round trip fewer per episode). A repeated evaluate-and-release of
         an instance that ended after its evaluation returns that evaluation again, so a
         client may retry it like a release."""
+        live = self._live.get(instance_id)
+        reply = await self._recorded("evaluate", instance_id, self._evaluate(instance_id, release))
+        if reply.get("released"):  # counted as a release too: for most clients it is theirs
+            self.metrics.call("release", live.env.name if live is not None else UNKNOWN, "ok")
+        return reply
+
+    async def _evaluate(self, instance_id: str, release: Any) -> dict[str, Any]:
         if not isinstance(release, bool):
             raise InvalidRequest("'release' must be true or false", field="release")
         live = self._live.get(instance_id)
@@ -451,18 +536,32 @@ class NodeService:
             self._ensure_still_live(live)
             evaluation = await self._unless_lost(live, live.env.evaluate(live.episode))
             live.last_active = time.monotonic()
-            reply = {"instance_id": live.row.id, "reward": evaluation.reward, "details": evaluation.details}
+            rewards, reward = reward_modes(evaluation, live.episode.params.get("sparse"))
+            reply = {"instance_id": live.row.id, "reward": reward, "rewards": rewards, "details": evaluation.details}
             record = instances.evaluation_statement(
-                live.row.id, reward=evaluation.reward, evaluation=reply, env_state=live.episode.state
+                live.row.id, reward=reward, evaluation=reply, env_state=live.episode.state
             )
-            live.log.record("evaluation", {"reward": evaluation.reward, "details": evaluation.details})
+            live.log.record("evaluation", {"reward": reward, "rewards": rewards, "details": evaluation.details})
+            self.metrics.reward(live.env.name, reward)
             if record_now:
                 await self.db.write(*record)
                 live.graded_recorded = True
             return reply, record
 
     async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
-        """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op."""
+        """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op
+        (counted with the outcome ``noop``)."""
+        live = self._live.get(instance_id)
+        environment = live.env.name if live is not None else UNKNOWN
+        try:
+            reply = await self._release(instance_id, reason)
+        except BaseException as e:
+            self.metrics.call("release", environment, outcome_of(e))
+            raise
+        self.metrics.call("release", environment, "ok" if reply["released"] else "noop")
+        return reply
+
+    async def _release(self, instance_id: str, reason: str = "released") -> dict[str, Any]:
         live = self._live.get(instance_id)
         if live is None:
             row = await instances.get(self.db, instance_id)
@@ -482,6 +581,7 @@ class NodeService:
         try:
             return await call
         except Gone as e:
+            self.metrics.sandbox_lost(live.episode.sandbox.name)
             await asyncio.shield(self._end(live, "lost", error=e.message))
             raise Gone(
                 f"instance {live.row.id!r} is lost: {e.message}", extra={"state": "lost", "instance_id": live.row.id}
@@ -492,6 +592,7 @@ class NodeService:
         to commit in the same transaction)."""
         instance_id = live.row.id
         self._live.pop(instance_id, None)
+        self.ended_counts[live.env.name, state] += 1
         try:
             await live.episode.sandbox.destroy(live.episode.handle)
         finally:
@@ -500,6 +601,13 @@ class NodeService:
             self._rollout_slots.discard(instance_id)
             await self.db.write_many([*also, instances.end_statement(instance_id, state, error=error)])
             live.log.record(state, {"error": error} if error else None)
+
+    def _exec_recorder(self, sandbox: str) -> Callable[[ExecResult], None] | None:
+        """What an episode calls with each sandbox result (failures are counted)."""
+        if not self.metrics.enabled:
+            return None
+        record = self.metrics.sandbox_result
+        return lambda result: record(sandbox, result)
 
     def _ensure_still_live(self, live: Live) -> None:
         if self._live.get(live.row.id) is not live:
@@ -539,42 +647,51 @@ class NodeService:
         sections = changes.get("environments") or {}
         if not isinstance(sections, dict):
             raise InvalidRequest("'environments' must map names to config sections", field="environments")
-        reloaded: dict[str, Environment] = {}
-        for name, section in sections.items():
-            env = self.environment(name)
-            if not isinstance(section, dict):
-                raise InvalidRequest(f"environments.{name} must be a mapping", field=f"environments.{name}")
-            fresh = type(env)({**env.config, **section})
-            try:
-                fresh.load()
-            except EnvhubError as e:
-                raise InvalidRequest(f"environments.{name}: {e.message}", field=f"environments.{name}") from None
-            # What a sandbox hides is fixed when it starts; a dataset moved to where its
-            # episodes can read it would hand them the hidden tests.
-            sandbox = self.sandboxes.get(fresh.sandbox)
-            exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
-            if exposed:
-                raise InvalidRequest(
-                    f"environments.{name}: episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows "
-                    "it and hides only what it was started with); keep datasets outside the Python install and "
-                    "the system's dirs, or restart the node with it",
-                    field=f"environments.{name}",
-                )
-            if env.context is not None:
-                await fresh.start(env.context)
-            reloaded[name] = fresh
         numbers = {}
         for key in ("idle_ttl", "queue_timeout"):
             if key in changes:
-                value = changes[key]
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                    raise InvalidRequest(f"'{key}' must be a non-negative number", field=key)
-                numbers[key] = float(value)
+                try:  # the rule the setting has at start
+                    numbers[key] = settings_check(key, changes[key])
+                except ValueError as e:
+                    raise InvalidRequest(str(e), field=key) from None
+        reloaded: dict[str, Environment] = {}
+        for name, section in sections.items():
+            env = self.environment(name)
+            field = f"environments.{name}"
+            if not isinstance(section, dict):
+                raise InvalidRequest(f"{field} must be a mapping", field=field)
+            bad = non_finite(section)
+            if bad is not None:
+                raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
+            fresh = type(env)({**env.config, **section})
+            try:  # what the environment does with its section at start
+                fresh.load()
+                self._refuse_exposed(name, fresh)
+                if env.context is not None:
+                    await fresh.start(env.context)
+            except EnvhubError as e:
+                raise InvalidRequest(f"{field}: {e.message}", field=field) from None
+            except (ValueError, TypeError, KeyError, OSError) as e:  # a value of the wrong type or shape
+                raise InvalidRequest(f"{field}: {type(e).__name__}: {e}", field=field) from None
+            reloaded[name] = fresh
         self.environments.update(reloaded)
         for key, value in numbers.items():
             setattr(self.settings, key, value)
         self.slots.queue_timeout = self.settings.queue_timeout
         return self.config()
+
+    def _refuse_exposed(self, name: str, fresh: Environment) -> None:
+        """What a sandbox hides is fixed when it starts; a dataset moved to where its
+        episodes can read it would hand them the hidden tests."""
+        sandbox = self.sandboxes.get(fresh.sandbox)
+        exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
+        if exposed:
+            raise InvalidRequest(
+                f"episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows it and hides only what "
+                "it was started with); keep datasets outside the Python install and the system's dirs, or restart "
+                "the node with it",
+                field=f"environments.{name}",
+            )
 
     async def cleanup(self) -> dict[str, Any]:
         """Release every live instance (what SETA's /cleanup does to its containers)."""
@@ -597,6 +714,7 @@ class NodeService:
                 if self._live.get(instance_id) is not live:
                     continue
                 await self._end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
+            self.metrics.expired(live.env.name)
             reaped.append(instance_id)
             log.info("expired idle instance %s", instance_id)
         return reaped
@@ -696,6 +814,7 @@ class NodeService:
             spec=spec,
             state=row.env_state,
             log_dir=trial_log.dir,
+            on_exec=self._exec_recorder(sandbox.name),
         )
         trial_log.record("adopted")
         return Live(row=row, env=env, episode=episode, log=trial_log, done=row.state == "done")

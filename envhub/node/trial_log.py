@@ -35,6 +35,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,9 @@ class TrialWriter:
     record of the instance.
     """
 
-    def __init__(self, flush_interval: float = 0.02) -> None:
+    def __init__(self, flush_interval: float = 0.02, *, on_write: Callable[[float, bool], None] | None = None) -> None:
         self.flush_interval = flush_interval
+        self.on_write = on_write  # (seconds, ok) of each file write, called in the thread
         self._items: collections.deque[tuple[str, str, Any]] = collections.deque()
         self._signalled = False  # the thread has been told there is work; see put()
         self._wake = threading.Event()
@@ -79,6 +81,11 @@ class TrialWriter:
         if not self._signalled:  # one wake-up per batch, not per record
             self._signalled = True
             self._wake.set()
+
+    @property
+    def queued(self) -> int:
+        """Writes waiting for the thread."""
+        return len(self._items)
 
     def close(self) -> None:
         """Write everything queued so far, then stop the thread."""
@@ -101,12 +108,19 @@ class TrialWriter:
                 op, path, obj = self._items.popleft()
                 batch.setdefault(path, []).append((op, obj))
             for path, ops in batch.items():
-                self._write_ops(path, ops)
+                if self.on_write is None:
+                    self._write_ops(path, ops)
+                else:
+                    started = time.perf_counter()
+                    ok = self._write_ops(path, ops)
+                    self.on_write(time.perf_counter() - started, ok)
             if self._closing and not self._items:
                 return
 
-    def _write_ops(self, path: str, ops: list[tuple[str, Any]]) -> None:
-        """Perform one file's ops in order; consecutive appends become one write."""
+    def _write_ops(self, path: str, ops: list[tuple[str, Any]]) -> bool:
+        """Perform one file's ops in order; consecutive appends become one write. False
+        when one of them failed."""
+        ok = True
         lines: list[str] = []
         for i, (op, obj) in enumerate(ops):
             try:
@@ -125,8 +139,9 @@ class TrialWriter:
                         _write(tmp, data, os.O_TRUNC)
                         os.replace(tmp, path)  # a reader sees the old file or the new one
             except Exception:
-                lines = []
+                lines, ok = [], False
                 log.exception("writing trial log %s", path)
+        return ok
 
 
 def _write(path: str, data: bytes, flag: int) -> None:

@@ -10,14 +10,16 @@ places, so the scheduler itself never imports Ray.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Protocol
 
 import yaml
 
-from envhub.errors import StartupError
+from envhub.errors import StartupError, UpstreamUnavailable
 from envhub.settings import Settings
 
 log = logging.getLogger("envhub.scheduler")
@@ -42,6 +44,9 @@ class Node:
     last_seen: float | None = None
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    failed_checks: int = 0  # health checks failed in a row
+    calls: set[InFlight] = field(default_factory=set)  # our calls to it not answered yet
+    sessions_moved: int = 0  # our OpenEnv sessions opened or closed there so far (see report)
 
     @property
     def used(self) -> int:
@@ -63,12 +68,16 @@ class Node:
     def free_ratio(self) -> float:
         return self.free / self.capacity if self.capacity else 0.0
 
-    def report(self, report: dict[str, Any]) -> None:
+    def report(self, report: dict[str, Any], *, sessions_moved: int | None = None) -> None:
         """Take a health report: its capacity, ids and id-less count replace ours. A create
         we saw answered stays counted on its own only if the report, made by the same node
         process before the create's mark, may lack it; an end we saw, only while the
-        report still lists the instance. A report with a field of the wrong type raises
-        ``ValueError`` naming it, and changes nothing."""
+        report still lists the instance. The id-less count (our OpenEnv sessions) is taken
+        only when none of them opened or closed while the report was asked for
+        (``sessions_moved``: :attr:`sessions_moved` when it was asked): the node may have
+        made it before the change, and would count a closed session for another health
+        interval. A report with a field of the wrong type raises ``ValueError`` naming
+        it, and changes nothing."""
         capacity = _count(report, "capacity", self.slots)
         active = _count(report, "active", 0)
         rollouts = _count(report, "rollouts", 0)
@@ -77,7 +86,8 @@ class Node:
         boot, seq = parse_mark(report.get("slot_mark"))
         self.capacity = min(self.slots, capacity) if report.get("accepting", True) else 0
         self.holders = holders
-        self.active = max(0, active - len(holders))
+        if sessions_moved is None or sessions_moved == self.sessions_moved:
+            self.active = max(0, active - len(holders))
         self.reported_rollouts = rollouts
         self.created = {i: (b, s) for i, (b, s) in self.created.items() if i not in holders and b == boot and s > seq}
         self.ended &= holders
@@ -90,9 +100,73 @@ class Node:
         if created:
             self.created[instance_id] = parse_mark(mark)
 
+    def session_opened(self) -> None:
+        """A pick for an OpenEnv session became a session the node holds: an id-less slot."""
+        self.pending -= 1
+        self.active += 1
+        self.sessions_moved += 1
+
+    def session_closed(self, *, opened: bool) -> None:
+        """The session ended (``opened``) or its pick was given up before the node took it."""
+        if opened:
+            self.active = max(0, self.active - 1)
+            self.sessions_moved += 1
+        else:
+            self.pending -= 1
+
     def end(self, instance_id: str) -> None:
         self.created.pop(instance_id, None)
         self.ended.add(instance_id)
+
+    def in_flight(self, what: str) -> InFlight:
+        """``async with node.in_flight("POST /x"):`` around a call to this node, so that
+        :meth:`cut_calls` can end it."""
+        return InFlight(self, what)
+
+    def cut_calls(self, why: str) -> int:
+        """End every call in flight to this node with ``UpstreamUnavailable`` (``why`` says
+        what the node did); returns how many."""
+        calls = list(self.calls)
+        for call in calls:
+            call.cut(why)
+        return len(calls)
+
+
+class InFlight:
+    """One call in flight to a node, which :meth:`Node.cut_calls` ends with a 503 naming
+    the node. asyncio.timeout's mechanism: the caller's own task is cancelled and, on the
+    way out, that cancellation (and only that one: a client going away or a shutdown
+    still cancels) becomes ``UpstreamUnavailable``. No task per call, so the hot path
+    (every step through a scheduler) pays nothing for it."""
+
+    def __init__(self, node: Node, what: str) -> None:
+        self.node = node
+        self.what = what
+        self.why: str | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+
+    async def __aenter__(self) -> InFlight:
+        self._task = asyncio.current_task()
+        assert self._task is not None
+        self._cancelling = self._task.cancelling()
+        self.node.calls.add(self)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.node.calls.discard(self)
+        if self.why is not None and self._task is not None:
+            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise UpstreamUnavailable(
+                    f"node {self.node.url} {self.why}: {self.what} was cut off", extra={"node": self.node.url}
+                ) from None
+
+    def cut(self, why: str) -> None:
+        if self.why is None and self._task is not None:
+            self.why = why
+            self._task.cancel()
 
 
 def _count(report: dict[str, Any], key: str, default: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json as jsonlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +69,11 @@ async def call(
     idempotent: bool = False,
     retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
     timeout: float | None = None,
+    on_retry: Callable[[], None] | None = None,
 ) -> PeerReply:
     """One call to ``base_url + path``; retried only when ``idempotent``. ``data`` is a
-    JSON body already encoded (passed through as it came from a client)."""
+    JSON body already encoded (passed through as it came from a client). ``on_retry`` is
+    called before each attempt after the first (the scheduler counts them)."""
     headers = {"X-API-Key": api_key} if api_key else {}
     if data is not None:
         headers["Content-Type"] = "application/json"
@@ -97,6 +100,7 @@ async def call(
             if retry.max_wait > 0
             else wait_none(),
             retry=retry_if_exception_type((*TRANSPORT_ERRORS, _Retryable)),
+            before_sleep=(lambda _state: on_retry()) if on_retry is not None else None,
             reraise=True,
         ):
             with attempt:

@@ -8,7 +8,9 @@ Invariants:
 - The route (instance -> node) is in SQLite before the create is forwarded, and the
   forwarded create carries the instance id, so a retried or repeated create never makes
   two instances and a restarted scheduler routes every instance as before. Affinity is
-  in SQLite too.
+  in SQLite too. Only the node's answer settles a create: until that node answers, a
+  retry goes to it or, while it is down, is a 503 with Retry-After; it is never placed
+  on another node.
 - Slot accounting counts each instance once. A node's health report lists the ids
   holding its slots (``slot_ids``) and where its slot events stand (``slot_mark``); a
   create's reply carries the mark it was answered at. A node's used slots are the
@@ -19,7 +21,11 @@ Invariants:
   not at all, and whatever the scheduler cannot see (reaps, other clients, a restarted
   node) is right again at the next ``health_interval``.
 - A node that fails a health check is down: it gets no creates, and calls for its
-  instances get 503 at once; it is up again at its next good check.
+  instances get 503 at once; it is up again at its next good check. Once it has failed
+  ``cut_after_checks`` checks in a row, the calls already in flight to it end with 503
+  naming it too (fleet.InFlight), whatever their own timeout.
+- Every call to a node is counted in ``metrics`` with its latency, every placement with
+  its use of affinity, and every 503 with its cause (envhub/metrics/scheduler.py).
 - The fleet may change while the scheduler runs (its ``NodeSource``, polled once per
   health round): a node that joins takes creates from its first good check; a node that
   leaves takes no more calls, and calls for its instances get 410 ``gone`` (their
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json as jsonlib
 import logging
+import math
 import secrets
 import time
 from typing import Any
@@ -38,6 +45,8 @@ from typing import Any
 import aiohttp
 
 from envhub.errors import EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
+from envhub.metrics import scheduler as causes
+from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
 from envhub.node.service import validate_instance_id
 from envhub.scheduler import peers
@@ -70,11 +79,14 @@ class SchedulerService:
         fleet: Fleet,
         network: NetworkMode,
         source: NodeSource | None = None,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics or NoSchedulerMetrics()
         self.db = db
         self.http = http
-        self.nodes = list(fleet.nodes)
+        self.nodes = list(fleet.nodes)  # changed in place by set_fleet: metrics read it at scrape
+        self.metrics.watch_nodes(self.nodes)
         self.by_url = {n.url: n for n in self.nodes}
         self.source = source
         self.network = network
@@ -109,7 +121,7 @@ class SchedulerService:
             if node is None or not node.healthy:
                 continue
             try:
-                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True)
+                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True, answers_client=False)
                 state = reply.json().get("state") if reply.status == 200 else None
             except (UpstreamUnavailable, ValueError, AttributeError):
                 continue
@@ -161,8 +173,19 @@ class SchedulerService:
         for node, result in zip(nodes, results, strict=True):
             if isinstance(result, Exception):
                 log.error("health check of %s", node.url, exc_info=result)
-                self.mark_down(node, f"{type(result).__name__}: {result}")
+                self._check_failed(node, f"{type(result).__name__}: {result}")
         self._prune_route_cache()
+
+    def _check_failed(self, node: Node, why: str) -> None:
+        """A failed health check: the node is down (no creates, calls answered 503 at once),
+        and after ``cut_after_checks`` in a row the calls in flight to it end too, however
+        long their own timeout (``forward_timeout``) is: a frozen node never answers them."""
+        self.mark_down(node, why)
+        node.failed_checks += 1
+        if node.failed_checks >= self.settings.cut_after_checks:
+            cut = node.cut_calls(f"failed {node.failed_checks} health checks in a row ({why})")
+            if cut:
+                log.warning("node %s: cut off %d call(s) in flight", node.url, cut)
 
     def _prune_route_cache(self) -> None:
         """Forget the cached routes of instances their node no longer holds (reaped idle,
@@ -183,20 +206,22 @@ class SchedulerService:
             del self._route_cache[instance_id]
 
     async def _check(self, node: Node) -> None:
+        sessions_moved = node.sessions_moved
         try:
             reply = await peers.call(self.http, node.url, "GET", "/health", timeout=self.settings.health_timeout)
             report = reply.json()
             if reply.status != 200 or not isinstance(report, dict):
                 raise ValueError(f"HTTP {reply.status}")
-            node.report(report)
+            node.report(report, sessions_moved=sessions_moved)
         except (UpstreamUnavailable, ValueError) as e:
             if node.healthy:
                 log.warning("node %s is down: %s", node.url, e)
-            self.mark_down(node, f"{type(e).__name__}: {e}")
+            self._check_failed(node, f"{type(e).__name__}: {e}")
             return
         if not node.healthy:
             log.info("node %s is up", node.url)
         node.healthy, node.error, node.last_seen, node.info = True, None, time.time(), report
+        node.failed_checks = 0
         self._freed.set()
 
     async def health_forever(self) -> None:
@@ -231,8 +256,9 @@ class SchedulerService:
         deadline = time.monotonic() + self.settings.scheduler_wait
         while True:
             async with self._lock:
-                node = self._choose(task_key)
+                node, affinity = self._choose(task_key)
                 if node is not None:
+                    self.metrics.affinity(affinity)
                     if instance_id is None:
                         node.pending += 1
                     else:
@@ -244,6 +270,7 @@ class SchedulerService:
             if left <= 0:
                 healthy = [n for n in self.nodes if n.healthy]
                 why = "all nodes are at capacity" if healthy else "no node is healthy"
+                self.metrics.unavailable(causes.NO_FREE_SLOT if healthy else causes.NO_HEALTHY_NODE)
                 raise AllNodesBusy(
                     f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
                     f"slots in use on {len(healthy)} healthy node(s))",
@@ -255,17 +282,21 @@ class SchedulerService:
             except TimeoutError:
                 pass
 
-    def _choose(self, task_key: str) -> Node | None:
+    def _choose(self, task_key: str) -> tuple[Node | None, str]:
+        """The node for a create of ``task_key``, and how affinity served it: ``hit``
+        (its last node), ``miss`` (that node is down or full) or ``none``."""
         seen = self._affinity.get(task_key)
+        affinity = "none"
         if seen is not None and time.time() - seen[1] <= self.settings.affinity_window:
             node = self.by_url.get(seen[0])
             if node is not None and node.healthy and node.free > 0:
-                return node
+                return node, "hit"
+            affinity = "miss"
         best: Node | None = None
         for node in self.nodes:
             if node.healthy and node.free > 0 and (best is None or node.free_ratio > best.free_ratio):
                 best = node
-        return best
+        return best, affinity
 
     # -- client calls --------------------------------------------------------------------
 
@@ -295,33 +326,42 @@ class SchedulerService:
     ) -> tuple[int, bytes]:
         """Forward a create, recording its route first.
 
-        The route stays ``creating`` when the outcome is unknown (the call failed or this
-        call was cancelled): the instance may exist on that node, so a retry goes there
-        again rather than to another node. A node's own non-2xx answer drops the route.
+        The route stays ``creating`` when the outcome is unknown (the call failed, was cut
+        off or cancelled, or the scheduler died): the instance may exist on that node, so a
+        retry goes there again, and while that node is down the retry is a 503 with
+        Retry-After, never a placement elsewhere. Only the node's answer settles it: 2xx
+        or 409 (the id is taken there) makes the route live; any other answer drops it.
         """
         existing = await routes.find(self.db, instance_id)
         node: Node | None = None
         if existing is not None:
             node = self.by_url.get(existing.node_url)
-            if existing.state != "creating":
+            if node is None and existing.state != "creating":
+                raise self._left(instance_id, existing.node_url)
+            if node is not None and not node.healthy:
+                wait = max(1, math.ceil(self.settings.health_interval))
+                raise UpstreamUnavailable(
+                    f"instance {instance_id!r} was sent to node {node.url}, which is down: the create waits "
+                    "for that node's answer (it may hold the instance), retry later",
+                    extra={"node": node.url, "instance_id": instance_id, "retry_after": wait},
+                    headers={"Retry-After": str(wait)},
+                )
+            if node is not None and existing.state != "creating":
                 # A retried create: the node that has it replays its first answer.
-                if node is None:
-                    raise self._left(instance_id, existing.node_url)
                 reply = await self.call(
                     node, "POST", "/instances", idempotent=True, json={**body, "instance_id": instance_id}
                 )
                 return reply.status, reply.body
-            if node is not None and node.healthy:
+            if node is not None:
                 node.creating.add(instance_id)  # an earlier attempt's node: it may hold the instance already
-            else:
-                node = None
         if isinstance(params.get("model_url"), str):
             params = {**params, "model_url": self.network.rewrite(params["model_url"])}
         forwarded = {**body, "instance_id": instance_id, "params": params}
         task_key = f"{environment}/{task_id}"
         if node is None:
             node = await self._pick(task_key, instance_id)
-        created = answered = False
+        created = False
+        status: int | None = None  # the node's answer, once it answered
         mark: str | None = None
         try:
             await routes.put(
@@ -331,16 +371,16 @@ class SchedulerService:
             reply = await self.call(
                 node, "POST", "/instances", json=forwarded, idempotent=True, timeout=self.settings.forward_timeout
             )
-            answered, mark = True, reply.slots
-            created = reply.status in (200, 201)
-            if created:
+            status, mark = reply.status, reply.slots
+            created = status in (200, 201)
+            if created or status == 409:  # 409: the id names an instance there already
                 await routes.set_state(self.db, instance_id, "live")
                 self._route_cache[instance_id] = node.url
             return reply.status, reply.body
         finally:
             node.answered(instance_id, created, mark)
             if not created:
-                if answered:
+                if status is not None and status != 409:  # the node answered: it holds no such instance
                     await asyncio.shield(routes.delete(self.db, instance_id))
                 self._freed.set()
 
@@ -364,7 +404,14 @@ class SchedulerService:
         node.pending -= 1  # counted as a rollout instead, for as long as it runs
         node.rollouts += 1
         try:
-            reply = await self.call(node, "POST", path, json=body, timeout=self.settings.forward_timeout)
+            reply = await self.call(
+                node,
+                "POST",
+                path,
+                json=body,
+                timeout=self.settings.forward_timeout,
+                answers_client=not failure_as_reply,
+            )
             return reply.status, reply.body
         except UpstreamUnavailable as e:
             if not failure_as_reply:
@@ -389,6 +436,7 @@ class SchedulerService:
         if node is None:
             raise self._left(instance_id, node_url)
         if not node.healthy:
+            self.metrics.unavailable(causes.NODE_DOWN)
             raise UpstreamUnavailable(
                 f"instance {instance_id!r} is on node {node.url}, which is down",
                 extra={"node": node.url, "instance_id": instance_id},
@@ -452,14 +500,10 @@ class SchedulerService:
 
     def session_opened(self, node: Node) -> None:
         """The node holds the session's slot now: an id-less slot until its next report."""
-        node.pending -= 1
-        node.active += 1
+        node.session_opened()
 
     def session_closed(self, node: Node, *, opened: bool) -> None:
-        if opened:
-            node.active = max(0, node.active - 1)
-        else:
-            node.pending -= 1
+        node.session_closed(opened=opened)
         self._freed.set()  # a create waiting for a slot (scheduler_wait) may go now
 
     @staticmethod
@@ -478,7 +522,9 @@ class SchedulerService:
     async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
         async def one(node: Node) -> dict[str, Any]:
             try:
-                reply = await self.call(node, method, path, json=body, idempotent=True, timeout=120)
+                reply = await self.call(
+                    node, method, path, json=body, idempotent=True, timeout=120, answers_client=False
+                )
                 try:
                     result = reply.json()
                 except ValueError:
@@ -489,13 +535,43 @@ class SchedulerService:
 
         return list(await asyncio.gather(*(one(n) for n in self.nodes)))
 
-    async def call(self, node: Node, method: str, path: str, **kw: Any) -> peers.PeerReply:
-        """One call to ``node`` (``peers.call``); a transport failure marks it down."""
+    async def call(
+        self, node: Node, method: str, path: str, *, answers_client: bool = True, **kw: Any
+    ) -> peers.PeerReply:
+        """One call to ``node`` (``peers.call``); a transport failure marks it down, and
+        the node failing ``cut_after_checks`` health checks in a row ends it (503).
+        ``answers_client``: a failure here becomes this scheduler's own 503 (counted by
+        cause); false where the caller folds failures into a reply of its own (fan-outs,
+        the trial viewer's merges, the start-up check of unfinished creates)."""
+        started = time.perf_counter()
         try:
-            return await peers.call(self.http, node.url, method, path, api_key=node.api_key, retry=self.retry, **kw)
+            async with node.in_flight(f"{method} {path}"):
+                reply = await peers.call(
+                    self.http,
+                    node.url,
+                    method,
+                    path,
+                    api_key=node.api_key,
+                    retry=self.retry,
+                    on_retry=self._retry_counter(node),
+                    **kw,
+                )
         except UpstreamUnavailable:
-            self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
+            if answers_client:  # cut short because the node is down, or unreachable itself
+                self.metrics.unavailable(causes.NODE_UNREACHABLE if node.healthy else causes.NODE_DOWN)
+            if node.healthy:  # a down node keeps the reason its health check gave
+                self.mark_down(node, f"{method} {path} failed")  # the next check may bring it back
             raise
+        finally:
+            self.metrics.routed(node.name, call_kind(method, path), time.perf_counter() - started)
+        if reply.status == 503 and answers_client:
+            self.metrics.unavailable(causes.NODE_UNAVAILABLE)
+        return reply
+
+    def _retry_counter(self, node: Node) -> Any:
+        if not self.metrics.enabled:
+            return None
+        return lambda: self.metrics.retry(node.name)
 
     # -- status --------------------------------------------------------------------------
 
@@ -535,3 +611,18 @@ class SchedulerService:
                 }
             )
         return {"nodes": out, "cached_routes": len(self._route_cache)}
+
+    def overview(self) -> dict[str, Any]:
+        """What the dashboard shows: the totals, and each node's status with what its last
+        health report said of itself (its id, queue, warm pools, environments)."""
+        nodes = self.status()["nodes"]
+        for row, node in zip(nodes, self.nodes, strict=True):
+            info = node.info or {}
+            row["node_id"] = info.get("node_id")
+            row["queued"] = info.get("queued")
+            row["pooled"] = info.get("pooled")
+            row["rollouts"] = info.get("rollouts")
+            row["environments"] = info.get("environments") or []
+            row["accepting"] = info.get("accepting")
+            row.pop("task_affinity", None)
+        return {"role": "scheduler", "time": time.time(), "health": self.health(), "nodes": nodes}

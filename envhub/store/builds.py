@@ -64,6 +64,8 @@ async def latest_ready(db: Database, image: str) -> BuildRow | None:
 
 
 async def get(db: Database, build_id: int) -> BuildRow:
+    if not -(2**63) <= build_id < 2**63:  # past SQLite's integers: no such row, and sqlite3 would raise
+        raise NotFound(f"no build {build_id}", extra={"build_id": build_id})
     row = await db.row("SELECT * FROM builds WHERE id = ?", (build_id,))
     if row is None:
         raise NotFound(f"no build {build_id}", extra={"build_id": build_id})

@@ -1,8 +1,9 @@
 """The process's one SQLite connection, its transactions and its migrations.
 
 Invariants:
-- One aiosqlite connection per process, opened by the store's startup listener and
-  closed at shutdown.
+- One aiosqlite connection per process for every write, opened by the store's startup
+  listener and closed at shutdown (beside it at most one read-only one, see the last
+  point).
 - Every write goes through ``transaction()`` or ``write_many()``, which hold one
   ``asyncio.Lock`` around ``BEGIN IMMEDIATE`` .. ``COMMIT`` (rolled back on any
   exception). On a single connection, a commit by one task would otherwise commit
@@ -19,6 +20,10 @@ Invariants:
   the code is refused. Migrations run once per process, at start, never per request.
 - WAL journal with ``synchronous=NORMAL``: a crashed process loses nothing committed;
   only a crash of the whole machine can lose the last transactions.
+- Long reads that may see a snapshot a moment old (the trial viewer's summaries of a
+  trial's every episode) go through ``read_rows()``: a second, read-only connection in a
+  thread of its own, opened on first use. Under WAL it reads while the one connection
+  writes; on that connection the same read would hold every write behind it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import contextlib
 import importlib.resources
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +70,9 @@ class Database:
         self._lock = asyncio.Lock()
         self._queued: list[tuple[list[tuple[str, Params]], asyncio.Future]] = []
         self._committer: asyncio.Task | None = None  # drains _queued; None when idle
+        self.on_commit: Callable[[float], None] | None = None  # seconds of each write transaction
+        self._reader: aiosqlite.Connection | None = None  # read_rows(); opened on first use
+        self._reader_lock = asyncio.Lock()
 
     @classmethod
     async def open(cls, path: Path) -> Database:
@@ -85,7 +94,27 @@ class Database:
         return cls(conn, path)
 
     async def close(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
+            self._reader = None
         await self.conn.close()
+
+    async def read_rows(self, sql: str, params: Params = ()) -> list[sqlite3.Row]:
+        """A read on the read-only connection: it never waits for writes nor holds them
+        up, and sees what was committed when it began."""
+        async with self._reader_lock:
+            if self._reader is None:
+                uri = self.path.resolve().as_uri() + "?mode=ro"
+                reader = await aiosqlite.connect(uri, uri=True, isolation_level=None)
+                reader.row_factory = sqlite3.Row
+                try:
+                    await reader._execute(name_os_thread, "envhub-reader")
+                    await reader.execute("PRAGMA busy_timeout=5000")
+                except BaseException:
+                    await reader.close()
+                    raise
+                self._reader = reader
+        return await self._reader._execute(_fetch, self._reader._conn, sql, params, False)
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(sqlite3_connection, *args)`` in the connection's thread: one hop.
@@ -137,7 +166,10 @@ class Database:
                     continue
                 try:
                     async with self._lock:
+                        started = time.perf_counter()
                         outcomes = await self._in_thread(_write_batch, [s for s, _ in batch])
+                        if self.on_commit is not None:
+                            self.on_commit(time.perf_counter() - started)
                 except Exception as e:  # the connection is unusable (closed): every write failed
                     outcomes = [e] * len(batch)
                 for (_, done), outcome in zip(batch, outcomes, strict=True):

@@ -1,7 +1,17 @@
-"""API keys: every route but health needs one, as ``X-API-Key`` or ``Authorization: Bearer``.
+"""API keys: every route but health and the dashboard's page needs one, as ``X-API-Key``
+or ``Authorization: Bearer``.
 
 No configured key means the node is open; ``envhub serve`` warns when such a node is
-bound to a non-loopback address. A missing key is 401, a wrong one 403.
+bound to a non-loopback address. A missing key is 401, a wrong one 403; on the routes
+SETA's clients call (:data:`SETA_PATHS`) both are 403 with SETA's ``{"detail": "Invalid
+API key"}`` besides the envelope, as its service answers.
+
+- ``/health`` and ``/healthz`` need no key, nor does anything under ``/ui/``: the
+  dashboard's page, script and style hold no data, and every data call the page makes
+  goes to a keyed route.
+- ``/metrics`` takes an API key or one of ``metrics_keys``, which open it and nothing
+  else (a Prometheus server then holds no key that can run code). With metrics keys and
+  no API keys, only ``/metrics`` is closed.
 """
 
 from __future__ import annotations
@@ -12,7 +22,10 @@ from sanic import Request, Sanic
 
 from envhub.errors import Forbidden, Unauthorized
 
-PUBLIC_PATHS = frozenset({"/health", "/healthz"})
+PUBLIC_PATHS = frozenset({"/health", "/healthz", "/ui"})
+PUBLIC_PREFIX = "/ui/"
+METRICS_PATH = "/metrics"
+SETA_PATHS = frozenset({"/step", "/setup", "/setup_dataset", "/cleanup", "/cleanup_task"})
 
 
 def presented_key(request: Request) -> str | None:
@@ -26,19 +39,30 @@ def presented_key(request: Request) -> str | None:
     return None
 
 
-def check_key(keys: list[str], presented: str | None) -> None:
+def check_key(keys: list[str], presented: str | None, *, seta: bool = False) -> None:
+    if presented is not None and any(hmac.compare_digest(presented.encode(), k.encode()) for k in keys):
+        return
+    if seta:
+        raise Forbidden("Invalid API key", extra={"detail": "Invalid API key"})
     if presented is None:
         raise Unauthorized("this route needs an API key (X-API-Key header or Authorization: Bearer)")
-    if not any(hmac.compare_digest(presented.encode(), k.encode()) for k in keys):
-        raise Forbidden("the API key is not valid")
+    raise Forbidden("the API key is not valid")
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIX)
 
 
 def setup_auth(app: Sanic) -> None:
     keys = list(app.ctx.settings.api_keys)
-    if not keys:
+    metrics_keys = keys + list(app.ctx.settings.metrics_keys)
+    if not metrics_keys:
         return
 
     @app.on_request(priority=100)
     async def require_api_key(request: Request) -> None:
-        if request.path not in PUBLIC_PATHS:
-            check_key(keys, presented_key(request))
+        path = request.path
+        if path == METRICS_PATH:
+            check_key(metrics_keys, presented_key(request))
+        elif keys and not is_public(path):
+            check_key(keys, presented_key(request), seta=path in SETA_PATHS)

@@ -9,23 +9,22 @@ StepRequest, one with ``instance_id`` is AgentEvolver's. Each role puts its back
 
 from __future__ import annotations
 
-import json as jsonlib
-
 from sanic import Blueprint, Request
 from sanic.response import json, text
 
 from envhub.compat import agentevolver as ae
 from envhub.compat import seta
 from envhub.errors import InvalidRequest
+from envhub.util import strict_json
 
 bp = Blueprint("compat")
 
 
 def _body(request: Request) -> dict:
     try:
-        body = jsonlib.loads(request.body or b"{}")
-    except ValueError as e:
-        raise ae.AEError(400, f"the body is not valid JSON: {e}") from None
+        body = strict_json.loads(request.body or b"{}")
+    except strict_json.BadJSON as e:
+        raise ae.AEError(400, f"bad JSON body: {e.message}") from None
     if not isinstance(body, dict):
         raise ae.AEError(400, "the body must be a JSON object")
     return body
@@ -61,7 +60,7 @@ async def step(request: Request):
     try:
         body = _body(request)
     except ae.AEError as e:
-        raise InvalidRequest(e.detail) from None
+        raise InvalidRequest(e.detail) from None  # SETA's shape: an envhub envelope
     if seta.is_step_request(body):  # one whole rollout
         return json(await request.app.ctx.backend.seta_step(body))
     if "instance_id" not in body:

@@ -1,18 +1,18 @@
 """The scheduler's own routes: health, per-node status, URL rewrites, fan-out.
 
-GET /health, GET /status, GET and POST /url_rewrite (SETA's shapes), POST /config and
-POST /cleanup (sent to every node; per-node results).
+GET /health, GET /status, GET /dashboard (what its dashboard page shows), GET and POST
+/url_rewrite (SETA's shapes), POST /config and POST /cleanup (sent to every node;
+per-node results). POST /config reads a ``config_path`` only inside the ``config_dir``
+setting (envhub/scheduler/config_files.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import yaml
 from sanic import Blueprint, Request
 from sanic.response import json
 
 from envhub.errors import Conflict, InvalidRequest
+from envhub.scheduler import config_files
 from envhub.web.requests import json_body
 
 bp = Blueprint("fleet")
@@ -26,6 +26,11 @@ async def health(request: Request):
 @bp.get("/status")
 async def status(request: Request):
     return json(request.app.ctx.scheduler.status())
+
+
+@bp.get("/dashboard")
+async def dashboard(request: Request):
+    return json(request.app.ctx.scheduler.overview())
 
 
 def _rewriter(request: Request):
@@ -51,14 +56,11 @@ async def set_url_rewrite(request: Request):
 async def fan_out_config(request: Request):
     body = json_body(request)
     if "config_path" in body:
-        try:
-            config = yaml.safe_load(Path(str(body["config_path"])).read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise InvalidRequest(f"cannot read config_path: {e}", field="config_path") from None
+        config = config_files.read(request.app.ctx.settings.config_dir, body["config_path"])
     elif "config" in body:
         config = body["config"]
     else:
-        raise InvalidRequest("send {'config': {...}} or {'config_path': '<yaml on the scheduler host>'}")
+        raise InvalidRequest("send {'config': {...}} or {'config_path': '<a YAML file in config_dir>'}")
     if not isinstance(config, dict):
         raise InvalidRequest("the config must be a mapping", field="config")
     return json({"results": await request.app.ctx.scheduler.fan_out("POST", "/config", config)})

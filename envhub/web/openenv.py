@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
 from envhub.compat.openenv import OpenEnvService, ValidationFailed, WireError
+from envhub.util import strict_json
 
 bp = Blueprint("openenv", url_prefix="/openenv/<environment>")
 
@@ -94,27 +95,36 @@ async def refuse(ws: Any, frame: dict[str, Any], wait: float = 2.0) -> None:
     await close_with(ws, None, wait=wait)
 
 
-async def close_with(ws: Any, frame: dict[str, Any] | None, code: int = 1000, wait: float = 2.0) -> None:
+async def close_with(
+    ws: Any, frame: dict[str, Any] | None, code: int = 1000, wait: float = 2.0, *, reader: asyncio.Future | None = None
+) -> None:
     """Send a last frame, close, and wait (briefly) for the client's close reply before the
     handler returns: Sanic drops the TCP connection as soon as it does, and a client whose
     close reply then hits a closed socket can lose the frame before it (the ``websockets``
-    sync client does, and the 0.3.0 OpenEnv client then sees only ``ConnectionClosedOK``)."""
+    sync client does, and the 0.3.0 OpenEnv client then sees only ``ConnectionClosedOK``).
+
+    ``reader``: a task already reading this socket (the scheduler's proxy keeps one), which
+    ends when the close reply arrives; it is waited for instead of reading here, since
+    Sanic allows one reader at a time."""
     with contextlib.suppress(ConnectionClosed, WebsocketClosed):
         if frame is not None:
             await ws.send(jsonlib.dumps(frame))
         await ws.close(code)
-        deadline = asyncio.get_running_loop().time() + wait
-        while (left := deadline - asyncio.get_running_loop().time()) > 0:
-            try:
-                await ws.recv(timeout=left)  # frames after our close are dropped
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # a real cancellation (shutdown)
-                    raise
-                break  # Sanic's recv raises CancelledError when the close reply arrives...
-        # ...and also when an earlier recv of this socket was cancelled (the scheduler's
-        # proxy cancels its reader): then wait for the closing handshake itself.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        if reader is not None:
+            await asyncio.wait({reader}, timeout=wait)
+        else:
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    await ws.recv(timeout=left)  # frames after our close are dropped
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():  # a real cancellation (shutdown)
+                        raise
+                    break  # Sanic's recv raises CancelledError when the close reply arrives
+        # The close reply ends the read; the closing handshake itself may still be running.
         proto = getattr(ws, "ws_proto", None)
-        while proto is not None and proto.state is not State.CLOSED and asyncio.get_running_loop().time() < deadline:
+        while proto is not None and proto.state is not State.CLOSED and loop.time() < deadline:
             await asyncio.sleep(0.02)
 
 
@@ -162,17 +172,17 @@ async def _stateless(request: Request, environment: str, call: str, *, optional:
     """FastAPI's validation shapes: a bad body is 422 ``{"detail": [...]}``."""
     raw = request.body
     try:
-        body = jsonlib.loads(raw) if raw and raw.strip() else ({} if optional else None)
-    except ValueError as e:
+        body = strict_json.loads(raw) if raw and raw.strip() else ({} if optional else None)
+    except strict_json.BadJSON as e:
         return json(
             {
                 "detail": [
                     {
                         "type": "json_invalid",
-                        "loc": ["body", 0],
+                        "loc": ["body", e.field or 0],
                         "msg": "JSON decode error",
                         "input": {},
-                        "ctx": {"error": str(e)},
+                        "ctx": {"error": e.message},
                     }
                 ]
             },

@@ -97,14 +97,24 @@ def _heartbeat(config: Any) -> float | None:
 
 
 async def _pump(client: Any, upstream: aiohttp.ClientWebSocketResponse, node: Node) -> None:
-    """Frames both ways until one side closes; the other side is then closed too."""
+    """Frames both ways until one side closes; the other side is then closed too.
+
+    One task reads the client's socket for the whole session and is not cancelled while
+    the client may still answer: a cancelled ``recv()`` leaves Sanic's frame assembler
+    marked busy, so every later ``recv()`` on that socket raises ``ServerError``. When the
+    node ends the session, the client is closed while that reader runs, and the reader
+    ending (the client's close reply) is what the closing handshake waits for; frames the
+    client sends meanwhile are dropped."""
+    node_gone = False
 
     async def client_to_node() -> None:
         while True:
             frame = await client.recv()  # Sanic raises CancelledError when the client closes
+            if node_gone or frame is None:
+                continue
             if isinstance(frame, bytes):
                 await upstream.send_bytes(frame)
-            elif frame is not None:
+            else:
                 await upstream.send_str(frame)
 
     async def node_to_client() -> int | None:
@@ -127,17 +137,20 @@ async def _pump(client: Any, upstream: aiohttp.ClientWebSocketResponse, node: No
             # Writing to the node failed, so its socket is closing: let the reader pass on
             # what the node said last (a CAPACITY_REACHED frame) and see how it closed.
             await asyncio.wait({outbound}, timeout=5)
+        if not outbound.done() or outbound.cancelled():
+            return  # the client went away: leaving `async with upstream` closes the node's socket
+        node_gone = True
+        code = None if outbound.exception() is not None else outbound.result()
+        reader = None if inbound.done() else inbound
+        if code is None or code == 1006:  # no close frame: the node died or stopped answering pings
+            frame = WireError("SESSION_ERROR", f"lost the connection to node {node.url}").frame()
+            await close_with(client, frame, reader=reader)
+        else:
+            await close_with(client, None, code, reader=reader)
     finally:
         for task in (inbound, outbound):
             task.cancel()
         await asyncio.gather(inbound, outbound, return_exceptions=True)
-    if not outbound.done() or outbound.cancelled():
-        return  # the client went away: leaving `async with upstream` closes the node's socket
-    code = None if outbound.exception() is not None else outbound.result()
-    if code is None or code == 1006:  # no close frame: the node died or stopped answering pings
-        await close_with(client, WireError("SESSION_ERROR", f"lost the connection to node {node.url}").frame())
-    else:
-        await close_with(client, None, code)
 
 
 async def read_only(request: Request, environment: str):

@@ -1,13 +1,18 @@
-"""Request parsing shared by the blueprints: JSON bodies and query integers."""
+"""Request parsing shared by the blueprints: JSON bodies and query integers.
+
+Every JSON body goes through envhub.util.strict_json, so a body that is not JSON, is
+nested too deeply, holds NaN or a lone surrogate is a 400 ``invalid_request`` naming the
+field where it can, never a 500.
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from sanic import Request
 
 from envhub.errors import InvalidRequest
+from envhub.util import strict_json
 
 
 def json_body(request: Request, *, required: bool = True) -> dict[str, Any]:
@@ -18,9 +23,9 @@ def json_body(request: Request, *, required: bool = True) -> dict[str, Any]:
             raise InvalidRequest("the request needs a JSON object body")
         return {}
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+        body = strict_json.loads(raw)
+    except strict_json.BadJSON as e:
+        raise InvalidRequest(f"bad JSON body: {e.message}", field=e.field) from None
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     return body

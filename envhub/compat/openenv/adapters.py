@@ -87,9 +87,11 @@ def _wire(observation: dict[str, Any], reward: float | None = None, done: bool =
 
 class CodingAdapter(Adapter):
     """``mbpp`` as ``coding_env``: ``{"code"}`` runs in the episode's interpreter
-    (``run_python``); ``{"code", "metadata": {"submit": true}}`` submits the code and grades
-    it, ending the episode with the evaluation's reward. The reset observation's ``stdout``
-    carries the problem statement (``CodeObservation`` has no other text field)."""
+    (``run_python``); code that calls ``submit_solution(code_string)`` there submits, as
+    does ``{"code", "metadata": {"submit": true}}`` (the typed ``CodingEnv`` client sends
+    ``{"code"}`` only, so the call is its way); either grades the submission and ends the
+    episode with the evaluation's reward. The reset observation's ``stdout`` carries the
+    problem statement (``CodeObservation`` has no other text field)."""
 
     name = "mbpp"
     titles = ("CodeAction", "CodeObservation", "CodeState")
@@ -110,22 +112,12 @@ class CodingAdapter(Adapter):
         node, iid = session.node, session.instance_id
         if action["metadata"].get("submit") is True:
             await node.step(iid, {"tool": "submit_solution", "arguments": {"code": action["code"]}})
-            graded = await node.evaluate(iid)
-            details = graded["details"]
-            ok = graded["reward"] == 1.0
-            # The model reads this: counts only. An error of the graded run is what the
-            # submission made of its inputs, which come from the hidden tests.
-            obs = {
-                "stdout": f"Solution submitted: {details.get('passed', 0)}/{details.get('total', 0)} hidden "
-                "tests passed.\n",
-                "stderr": "",
-                "exit_code": 0 if ok else 1,
-            }
-            session.extra["last_exit_code"] = obs["exit_code"]
-            return _wire(obs, graded["reward"], True)
+            return await self._graded(session, "")
         reply = await node.step(iid, {"tool": "run_python", "arguments": {"code": action["code"]}})
         ran = reply["observation"]
         stdout = ran.get("stdout", "") + (ran["value_repr"] if ran.get("value_repr") is not None else "")
+        if reply.get("done"):  # the code called submit_solution(...)
+            return await self._graded(session, stdout)
         notes = [ran.get("stderr") or "", ran.get("exception") or ""]
         if ran.get("timed_out"):
             notes.append("[timed out: the call was stopped]\n")
@@ -134,6 +126,21 @@ class CodingAdapter(Adapter):
         failed = bool(ran.get("exception") or ran.get("timed_out")) or ran.get("exit_code") not in (0, None)
         session.extra["last_exit_code"] = 1 if failed else 0
         return _wire({"stdout": stdout, "stderr": "".join(notes), "exit_code": session.extra["last_exit_code"]})
+
+    async def _graded(self, session: Session, stdout: str) -> Wire:
+        graded = await session.node.evaluate(session.instance_id)
+        details = graded["details"]
+        ok = graded["reward"] == 1.0
+        # The model reads this: counts only. An error of the graded run is what the
+        # submission made of its inputs, which come from the hidden tests.
+        obs = {
+            "stdout": f"{stdout}Solution submitted: {details.get('passed', 0)}/{details.get('total', 0)} hidden "
+            "tests passed.\n",
+            "stderr": "",
+            "exit_code": 0 if ok else 1,
+        }
+        session.extra["last_exit_code"] = obs["exit_code"]
+        return _wire(obs, graded["reward"], True)
 
     def tools(self) -> list[dict[str, Any]]:
         from envhub.plugins.mbpp.environment import TOOLS

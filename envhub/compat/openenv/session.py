@@ -28,7 +28,6 @@ speaks ``tbench2_env``'s. Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -53,6 +52,7 @@ from envhub.compat.openenv.wire import (
 )
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.node.service import NodeService
+from envhub.util import strict_json
 
 log = logging.getLogger("envhub.openenv")
 
@@ -176,9 +176,11 @@ class Session:
         """The reply frame to one client frame; ``None`` for ``close``. Raises ``WireError``
         (``SESSION_ERROR``) when the session cannot go on: send its frame, then close."""
         try:
-            message = json.loads(text)
-        except ValueError as e:
-            return WireError("INVALID_JSON", f"Invalid JSON: {e}").frame()
+            message = strict_json.loads(text)
+        except strict_json.BadJSON as e:
+            return WireError(
+                "INVALID_JSON", f"Invalid JSON: {e.message}", **({"field": e.field} if e.field else {})
+            ).frame()
         kind = message.get("type", "") if isinstance(message, dict) else None
         try:
             if not isinstance(message, dict):  # upstream's handler crashes here (SESSION_ERROR); we go on
@@ -305,8 +307,8 @@ class OpenEnvService:
     async def mcp_http(self, environment: str, raw: bytes) -> dict[str, Any]:
         adapter = self.adapter(environment)
         try:
-            body = json.loads(raw)
-        except ValueError:
+            body = strict_json.loads(raw)
+        except strict_json.BadJSON:
             return rpc_error(None, -32700, "Parse error")
         return await self.mcp(adapter, body)
 

@@ -2,15 +2,19 @@
 
 Tools the model sees: ``run_python(code)`` runs in the episode's interpreter (state
 persists between calls); ``submit_solution(code)`` records the answer and ends the
-episode. The hidden tests are never shown: the instruction names the function to
+episode. ``submit_solution`` is also a built-in function of the interpreter, so a model
+that can only write code (OpenEnv's CodingEnv, a fenced block in AgentEvolver's
+messages) submits by calling it from ``run_python``: the first call in a run counts, as
+the tool would. The hidden tests are never shown: the instruction names the function to
 write and its signature, taken from the reference solution.
 
 Evaluation: a fresh interpreter runs the submission and reports, as plain data, the
 values of the calls each hidden test makes into it (``_mbpp_harness``); the node decides
 each test on those values (``grading.py``). The interpreter never sees the tests or the
 values they expect, and no submission code runs where the verdict is made.
-Reward: 1.0 when every test passes; 0.1 + 0.4 x pass rate when a submission fails some;
-0.0 when nothing was submitted.
+Reward (dense): 1.0 when every test passes; 0.1 + 0.4 x pass rate when a submission
+fails some; 0.0 when nothing was submitted. ``params.sparse: true`` gives 1.0 or 0.0
+(see ``NodeService.reward_modes``).
 
 Splits follow the MBPP paper: prompt 1-10, test 11-510, validation 511-600,
 train 601-974. Without a configured ``path`` the node serves a small sample of
@@ -22,12 +26,15 @@ from __future__ import annotations
 import ast
 import importlib.resources
 import json
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import InvalidRequest, StartupError
 from envhub.plugins.mbpp import _mbpp_harness, grading
+from envhub.sandbox import SandboxSpec
 
 _HARNESS = "_mbpp_harness"  # preloaded into the sandbox from _mbpp_harness.py beside this module
 _PROBE_CELL = f"import {_HARNESS}\n{_HARNESS}.probe(submission, setup, tests, cpu)"
@@ -39,7 +46,8 @@ SYSTEM_PROMPT = (
     "You are an expert Python programmer. Solve the task by writing Python code. "
     "Use the run_python tool to try code in a persistent interpreter (variables and "
     "functions you define are kept between calls). When you are confident, call "
-    "submit_solution with the complete solution code, including any imports it needs. "
+    "submit_solution with the complete solution code, including any imports it needs "
+    "(it is also a Python function in that interpreter: submit_solution(code_string)). "
     "Your solution is graded by hidden tests after you submit; you can submit only once."
 )
 
@@ -155,11 +163,11 @@ class MBPP(Environment):
         if len(self._tasks) != len(tasks):
             raise StartupError(f"mbpp: {where} repeats a task_id")
         self._order = sorted(self._tasks.values(), key=lambda t: int(t.id))
-        self.run_timeout = float(self.config.get("run_timeout", 10))
-        self.eval_timeout = float(self.config.get("eval_timeout", 60))
+        self.run_timeout = self.config_number("run_timeout", 10)
+        self.eval_timeout = self.config_number("eval_timeout", 60)
         # 3 s, the budget of the common MBPP/HumanEval harnesses: in RL a looping
         # submission is routine, and every hidden test may spend the whole budget.
-        self.test_cpu = float(self.config.get("test_cpu_seconds", 3))
+        self.test_cpu = self.config_number("test_cpu_seconds", 3)
         self.challenge = bool(self.config.get("challenge_tests", False))
         # Cut once here, not in every grading: each test's probes and template, as graded
         # when the submission shadows none of the names the test uses (see grading.py).
@@ -210,6 +218,9 @@ class MBPP(Environment):
             "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": instruction}],
         }
 
+    def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
+        return replace(spec, functions=("submit_solution",))  # callable from run_python
+
     async def step(self, episode: Episode, action: Action) -> StepResult:
         if action.tool == "run_python":
             code = action.require_str("code")
@@ -228,6 +239,12 @@ class MBPP(Environment):
                     "truncated",
                 )
             }
+            submitted = [text for name, text in result.calls if name == "submit_solution"]
+            if submitted:  # the code called submit_solution(...): the tool's effect, from code
+                episode.state["submission"] = submitted[0]
+                ran = format_run(result)
+                content = "Solution submitted." if ran == "[no output]" else ran + "\nSolution submitted."
+                return StepResult({"content": content, **fields}, done=True, info={"submitted": True})
             return StepResult({"content": format_run(result), **fields})
         if action.tool == "submit_solution":
             episode.state["submission"] = action.require_str("code")

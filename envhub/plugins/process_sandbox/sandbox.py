@@ -105,6 +105,7 @@ _INLINE_IO_BYTES = 1 << 20  # larger file transfers run in a thread, off the eve
 _CARRIED_CELL_CHARS = 4096
 _MAX_ENV_JSON = 16 << 10
 _RESULT_FIELDS = ("stdout", "stderr", "exit_code", "timed_out", "exception", "value", "value_repr", "truncated")
+_MAX_CALLS = 64  # calls of the spec's functions reported per exec; more are dropped
 _SIGNAL_HINTS = {
     "SIGXCPU": "the CPU time limit was reached",
     "SIGXFSZ": "the file size limit was reached",
@@ -403,7 +404,11 @@ class ProcessSandbox(ZygoteControl, Sandbox):
             # The interpreter is still busy with this code and would answer the next call.
             await self._kill_and_collect(box)
             raise
-        return ExecResult(**{k: reply.get(k) for k in _RESULT_FIELDS})
+        calls = reply.get("calls")
+        return ExecResult(
+            **{k: reply.get(k) for k in _RESULT_FIELDS},
+            calls=[c for c in calls[:_MAX_CALLS] if _is_call(c)] if isinstance(calls, list) else [],
+        )
 
     async def _kill_and_collect(self, box: _Box) -> tuple[str | None, str, str, bool]:
         """Kill the interpreter and all it started; return how it ended and its output."""
@@ -547,6 +552,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
                 "nproc": None if nproc is None else int(nproc),
             },
             "env": dict(spec.env),
+            "functions": [f for f in spec.functions if f.isidentifier()],
             "output_limit": self.output_limit,
         }
 
@@ -637,6 +643,11 @@ def _node_records(settings: Any) -> list[str]:
     if config is not None:
         paths.append(os.path.abspath(str(config)))
     return paths
+
+
+def _is_call(call: Any) -> bool:
+    """A well-formed entry of an interpreter's ``calls`` (which code in it could forge)."""
+    return isinstance(call, list) and len(call) == 2 and all(isinstance(x, str) for x in call)
 
 
 def _forget_interpreter(box: _Box) -> None:

@@ -129,10 +129,11 @@ class TerminalBench(Environment):
         self.reward_mode = str(self.config.get("reward_mode", "all_pass"))
         if self.reward_mode not in ("all_pass", "pass_ratio"):
             raise StartupError(f"terminal-bench: reward_mode must be all_pass or pass_ratio, not {self.reward_mode!r}")
-        self.command_timeout = float(self.config.get("command_timeout", 120))
-        self.max_command_timeout = float(self.config.get("max_command_timeout", 600))
-        self.output_limit = int(self.config.get("output_limit", 16000))
+        self.command_timeout = self.config_number("command_timeout", 120)
+        self.max_command_timeout = self.config_number("max_command_timeout", 600)
+        self.output_limit = int(self.config_number("output_limit", 16000))
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
+        self._datasets: dict[str, set[str]] = {}  # task id -> the names its dataset goes by
         for root in roots:
             try:
                 loaded = load_dataset(Path(root))
@@ -147,6 +148,8 @@ class TerminalBench(Environment):
                     tb,
                     Task(id=tb.id, split=tb.format, title=tb.instruction.strip()[:100], public=_public(tb)),
                 )
+                names = {Path(root).resolve().name, tb.path.resolve().parent.name}
+                self._datasets[tb.id] = names | ({"bundled"} if Path(root).resolve() == BUNDLED else set())
         self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
         self._images: dict[str, str] = {}
         self.verifier_tools = bool(self.config.get("verifier_tools", False))
@@ -218,6 +221,15 @@ class TerminalBench(Environment):
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         tb = self.tb(task)
+        dataset = params.get("dataset")  # SETA's dataset_name: the task must be from that dataset
+        if dataset is not None:
+            if not isinstance(dataset, str):
+                raise InvalidRequest("'params.dataset' must be a string", field="params.dataset")
+            if dataset not in self._datasets[tb.id]:
+                raise NotFound(
+                    f"task {tb.id!r} is not in a dataset named {dataset!r} "
+                    f"(it is in {', '.join(sorted(self._datasets[tb.id]))})"
+                )
         tools = None
         if self.verifier_tools and tb.dockerfile is not None:
             tools = await asyncio.to_thread(offline.uv_binaries, self._tools_dir())

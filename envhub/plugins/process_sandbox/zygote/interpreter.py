@@ -94,6 +94,7 @@ class Interpreter:
         self.zygote_pid = zygote_pid
         self.output_limit = int(req["output_limit"])
         self.cells = 0
+        self.calls: list[list[str]] = []  # this cell's calls of the spec's functions (see recorder)
         self.armed = False
         self.fired = False
 
@@ -157,6 +158,8 @@ class Interpreter:
         main.__builtins__ = builtins
         sys.modules["__main__"] = main
         self.globals = main.__dict__
+        for name in req.get("functions") or ():
+            setattr(builtins, name, self.recorder(name))
         self.pid = os.getpid()
 
     def on_alarm(self, _signum: int, _frame: Any) -> None:
@@ -171,6 +174,7 @@ class Interpreter:
         os.ftruncate(self.out_fd, 0)
         os.ftruncate(self.err_fd, 0)
         self.cells += 1
+        self.calls = []
         filename = f"{CELL_PREFIX}{self.cells}>"
         result: dict[str, Any] = {
             "exit_code": 0,
@@ -219,13 +223,32 @@ class Interpreter:
             result.update(exit_code=None, timed_out=True, exception=None, value=None, value_repr=None)
         return self.finish(result)
 
+    def recorder(self, name: str) -> Any:
+        """The built-in ``name(text)``: episode code hands ``text`` to the environment (MBPP's
+        ``submit_solution(code)``); the cell's result reports it in ``calls``."""
+
+        def record(text: str) -> None:
+            if not isinstance(text, str):
+                raise TypeError(f"{name}() takes the code as a string, not {type(text).__name__}")
+            if len(text) > _MAX_CALL_TEXT:
+                raise ValueError(f"{name}() takes at most {_MAX_CALL_TEXT} characters")
+            self.calls.append([name, text])
+
+        record.__name__ = record.__qualname__ = name
+        return record
+
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
         for f in (sys.stdout, sys.stderr):
             _flush_quietly(f)
         result["stdout"], out_cut = read_capped(self.out_fd, self.output_limit)
         result["stderr"], err_cut = read_capped(self.err_fd, self.output_limit)
         result["truncated"] = out_cut or err_cut
+        if self.calls:
+            result["calls"] = self.calls
         return result
+
+
+_MAX_CALL_TEXT = 1 << 20  # the longest string a recorder takes
 
 
 # Without root, the zygote's hard limits, read once by prepare(): a sandbox can only

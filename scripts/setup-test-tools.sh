@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Idempotent set-up, as root on Debian 12 (bookworm), of what the browser and alerting
+# tests need beside the venv: Debian's `chromium` (driven by Playwright for Python from
+# the test extra; Playwright's own browser download is never used, as it cannot be
+# fetched here) and `promtool`, taken out of Debian's `prometheus` package without
+# installing it (the package would start a Prometheus server).
+# Assumes the only network is the Debian mirror + PyPI.
+set -euo pipefail
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
+die() { echo "setup-test-tools: $*" >&2; exit 1; }
+[[ $(id -u) == 0 ]] || die "must run as root"
+
+# Serialise concurrent runs (CI jobs sharing a machine), as scripts/setup-docker.sh does.
+exec 9>/var/lock/envhub-setup-test-tools.lock
+flock 9
+
+updated=
+apt_update() { [[ -n $updated ]] || { apt-get update -q; updated=1; }; }
+
+# --- 1. chromium (its fonts come as dependencies).
+if ! [[ -x /usr/bin/chromium ]]; then
+  apt_update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core
+fi
+/usr/bin/chromium --headless=new --no-sandbox --disable-gpu --dump-dom about:blank >/dev/null 2>&1 \
+  || die "chromium is installed but does not start headless"
+
+# --- 2. promtool, for `promtool check rules` / `test rules` over docs/prometheus/.
+if ! command -v promtool >/dev/null; then
+  apt_update
+  work=$(mktemp -d)
+  chmod 755 "$work"  # apt-get download fetches as the _apt user
+  trap 'rm -rf "$work"' EXIT
+  (cd "$work" && apt-get download -q prometheus) || die "cannot download Debian's prometheus package"
+  dpkg-deb --fsys-tarfile "$work"/prometheus_*.deb | tar -x -C "$work" ./usr/bin/promtool
+  install -m 0755 "$work/usr/bin/promtool" /usr/local/bin/promtool
+fi
+
+echo "setup-test-tools: OK $(/usr/bin/chromium --version 2>/dev/null | head -n1)," \
+  "$(promtool --version 2>&1 | head -n1)"
