@@ -27,11 +27,12 @@ from envhub.node.runtime import NodeRuntime
 from envhub.node.service import NodeService
 from envhub.plugins import Registry, collect, get_plugin_manager
 from envhub.scheduler import peers
-from envhub.scheduler.fleet import load_fleet
+from envhub.scheduler.fleet import FleetFile, load_fleet
 from envhub.scheduler.service import SchedulerService
 from envhub.settings import Settings
 from envhub.store import identity
 from envhub.store.db import Database, migrate
+from envhub.systemd import setup_systemd
 from envhub.util.files import private_dir
 from envhub.web import (
     admin,
@@ -98,6 +99,7 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     setup_http(app)
     setup_metrics(app)
     ROLES[settings.role](app)
+    setup_systemd(app)  # after the role: its READY=1 listener must run last
     for bp in blueprints_for(settings.role):
         app.blueprint(bp)
     return app
@@ -155,6 +157,7 @@ def setup_scheduler(app: Any) -> None:
     @app.before_server_start(priority=500)
     async def start_scheduler(app: Any) -> None:
         settings: Settings = app.ctx.settings
+        source = FleetFile(settings)  # stat before reading, so a change made meanwhile is seen next round
         fleet = load_fleet(settings)
         mode = settings.network_mode
         config = dict(settings.network.get(mode) or {})
@@ -165,7 +168,7 @@ def setup_scheduler(app: Any) -> None:
         app.ctx.network = app.ctx.registries["network_mode"].get(mode)(config)
         await app.ctx.network.start()
         app.ctx.scheduler = SchedulerService(
-            settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network, metrics=app.ctx.metrics
+            settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network, source, metrics=app.ctx.metrics
         )
         await app.ctx.scheduler.start()
         app.ctx.backend = SchedulerBackend(app.ctx.scheduler)

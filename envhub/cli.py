@@ -7,6 +7,7 @@ and runs the group; none of that happens at import.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -198,6 +199,144 @@ def db_migrate(config: str | None, data_dir: str | None) -> None:
         click.echo(f"{settings.db_path}: schema version {asyncio.run(run(settings))}")
     except EnvhubError as e:
         raise click.ClickException(e.message) from None
+
+
+@cli.group("ray")
+def ray_group() -> None:
+    """An envhub fleet on a running Ray cluster (needs the ray extra: pip install 'envhub[ray]')."""
+
+
+_address = click.option(
+    "--address", default="auto", show_default=True, envvar="RAY_ADDRESS", help="The Ray cluster to connect to."
+)
+_name = click.option(
+    "--name", default="envhub", show_default=True, envvar="ENVHUB_RAY_FLEET", help="The fleet's name on the cluster."
+)
+_as_json = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+
+
+@ray_group.command("up")
+@_address
+@_name
+@click.option(
+    "--selector",
+    default="resource:envhub_node",
+    show_default=True,
+    envvar="ENVHUB_RAY_SELECTOR",
+    help="Ray nodes that get an envhub node: resource:NAME, label:KEY=VALUE or cpu-only.",
+)
+@click.option("--api-key", envvar="ENVHUB_API_KEY", help="The fleet's API key (default: one is generated and printed).")
+@click.option("--capacity", type=int, help="Slots of every node (default: from the Ray node's CPUs and memory).")
+@click.option("--slots-per-cpu", type=float, default=1.0, show_default=True, help="Slots per CPU of a Ray node.")
+@click.option("--memory-per-slot-mb", type=int, default=1024, show_default=True, help="Ray memory per slot.")
+@click.option(
+    "--data-root",
+    default="/tmp/envhub-ray",
+    show_default=True,
+    help="Where each machine keeps the fleet's data dirs (<data-root>/<name>/...).",
+)
+@click.option("--port", type=int, default=0, help="The scheduler's port (default: a free one, kept on restarts).")
+@click.option("--node-port", type=int, default=0, help="Every node's port (default: a free one, kept on restarts).")
+@click.option("--config", type=click.Path(dir_okay=False), help="Node config file (at this path on every machine).")
+@click.option("--node-set", "node_sets", multiple=True, metavar="KEY.PATH=VALUE", help="Option for every node.")
+@click.option("--scheduler-set", "scheduler_sets", multiple=True, metavar="KEY.PATH=VALUE", help="Scheduler option.")
+@click.option("--timeout", type=float, default=180.0, show_default=True, help="Seconds for the fleet to serve.")
+@_as_json
+def ray_up(address: str, as_json: bool, timeout: float, **options: Any) -> None:
+    """Start the fleet and print the scheduler's URL, then its API key."""
+    from envhub import ray as envhub_ray
+
+    try:
+        fleet = envhub_ray.up(address, start_timeout=timeout, **options)
+    except EnvhubError as e:
+        raise click.ClickException(e.message) from None
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(fleet)))
+        return
+    click.echo(fleet.url)
+    click.echo(f"api key: {fleet.api_key}")
+    state = "already running" if fleet.already_up else f"serving in {fleet.started_in:.1f} s"
+    click.echo(f"fleet {fleet.name!r}: {len(fleet.nodes)} node(s) ({fleet.selector}), {state}", err=True)
+
+
+@ray_group.command("status")
+@_address
+@_name
+@_as_json
+def ray_status(address: str, name: str, as_json: bool) -> None:
+    """List the fleet: the scheduler's URL and key, and every node."""
+    from envhub import ray as envhub_ray
+
+    try:
+        fleet = envhub_ray.status(address, name=name)
+    except EnvhubError as e:
+        raise click.ClickException(e.message) from None
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(fleet)))
+        return
+    click.echo(f"{fleet.url}\napi key: {fleet.api_key}")
+    for node in fleet.nodes:
+        state = "serving" if node.get("serving") else "not answering"
+        where = f"ray node {node['ray_node_id'][:12]}"
+        click.echo(f"  {node.get('url', '?')}  {where}  slots {node.get('capacity')}  {state}")
+
+
+@ray_group.command("down")
+@_address
+@_name
+@_as_json
+def ray_down(address: str, name: str, as_json: bool) -> None:
+    """Release every episode, stop every node and the scheduler, remove the actors."""
+    from envhub import ray as envhub_ray
+
+    try:
+        outcome = envhub_ray.down(address, name=name)
+    except EnvhubError as e:
+        raise click.ClickException(e.message) from None
+    click.echo(json.dumps(outcome) if as_json else f"fleet {name!r} is down ({outcome['seconds']} s)")
+
+
+@cli.group("systemd")
+def systemd_group() -> None:
+    """systemd units for a node or a scheduler (Type=notify, watchdog, restart on failure)."""
+
+
+@systemd_group.command("install")
+@click.option(
+    "--role", type=click.Choice(["node", "scheduler"]), default="node", show_default=True, help="The unit's role."
+)
+@click.option("--config", type=click.Path(dir_okay=False), help="The config file the service reads (made absolute).")
+@click.option("--user", help="Run as this user (default: root, which process sandboxes need to isolate episodes).")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Data dir (default /var/lib/envhub/envhub-data).")
+@click.option(
+    "--env-file", help="Optional file of ENVHUB_* variables, e.g. ENVHUB_API_KEY (default /etc/envhub/ROLE.env)."
+)
+@click.option(
+    "--dir",
+    "unit_dir",
+    default="/etc/systemd/system",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where to write the unit file.",
+)
+@click.option("--name", help="Unit name without .service (default envhub-ROLE).")
+@click.option("--watchdog-sec", type=int, default=30, show_default=True, help="WatchdogSec (0: no watchdog).")
+@click.option("--stop-timeout", type=int, default=120, show_default=True, help="TimeoutStopSec: time SIGTERM gets.")
+@click.option("--dry-run", is_flag=True, help="Print the unit instead of writing it.")
+def systemd_install(role: str, unit_dir: str, name: str | None, dry_run: bool, **options: Any) -> None:
+    """Write the unit file, then say how to start it (systemctl is not run)."""
+    from envhub import systemd
+
+    options = {k: v for k, v in options.items() if v is not None}
+    if dry_run:
+        click.echo(systemd.unit_text(role, **options), nl=False)
+        return
+    try:
+        path = systemd.install(unit_dir, role, name=name, **options)
+    except OSError as e:
+        raise click.ClickException(f"cannot write the unit into {unit_dir}: {e}") from None
+    click.echo(str(path))
+    click.echo(f"then: systemctl daemon-reload && systemctl enable --now {path.stem}", err=True)
 
 
 def main() -> None:

@@ -567,3 +567,50 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
         for p in (sched, node):
             if p.proc is not None and p.proc.poll() is None:
                 p.stop()
+
+
+def test_nodes_yaml_edited_while_running_adds_and_removes_nodes_and_a_removed_nodes_instances_answer_410(tmp_path):
+    """nodes.yaml is re-read when it changes (the file Ray's controller keeps is such a
+    file): a node added takes creates, a node taken out leaves and calls for its
+    instances answer 410 at once, and one put back has its routes again."""
+    a, b = start_nodes(tmp_path, 2)
+    nodes_yaml = write_nodes_yaml(tmp_path / "nodes.yaml", [a])
+    sched = start_scheduler(tmp_path, nodes_yaml)
+    try:
+        with sched.client() as c:
+            on_a = create(c, instance_id="on-a")["instance_id"]
+            write_nodes_yaml(tmp_path / "nodes.tmp", [a, b]).replace(nodes_yaml)
+            deadline = time.monotonic() + 10
+            while c.get("/health").json()["healthy_nodes"] != 2:
+                assert time.monotonic() < deadline, c.get("/status").json()
+                time.sleep(0.05)
+            ids = [create(c, instance_id=f"spread-{i}")["instance_id"] for i in range(4)]
+            assert {node_of(sched, [a, b], i) for i in ids} == {0, 1}, "the new node takes creates"
+
+            write_nodes_yaml(tmp_path / "nodes.tmp", [b]).replace(nodes_yaml)
+            deadline = time.monotonic() + 10
+            while c.get("/health").json()["nodes"] != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            started = time.monotonic()
+            r = c.post(f"/instances/{on_a}/step", json={"action": {"tool": "run", "arguments": {"code": "1"}}})
+            assert r.status_code == 410 and r.json()["code"] == "gone", r.text
+            assert r.json()["node"] == a.url and time.monotonic() - started < 2
+            assert c.get(f"/instances/{on_a}").status_code == 410
+            assert node_of(sched, [a, b], create(c, instance_id="after")["instance_id"]) == 1
+
+            write_nodes_yaml(tmp_path / "nodes.tmp", [a, b]).replace(nodes_yaml)
+            deadline = time.monotonic() + 10
+            while c.get(f"/instances/{on_a}").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            for iid in (on_a, *ids, "after"):
+                assert c.post(f"/instances/{iid}/release").status_code == 200
+
+            (tmp_path / "nodes.tmp").write_text("nodes: [not: [valid")
+            (tmp_path / "nodes.tmp").replace(nodes_yaml)
+            time.sleep(0.6)
+            assert c.get("/health").json()["nodes"] == 2, "a bad file keeps the fleet as it was"
+    finally:
+        for p in (sched, a, b):
+            assert p.stop() == 0, p.log()

@@ -25,7 +25,6 @@ NO_HEALTHY_NODE = "no_healthy_node"  # no node passed its last health check
 NODE_DOWN = "node_down"  # the instance's node failed its last health check
 NODE_UNREACHABLE = "node_unreachable"  # a call to a node failed (connection, timeout) after its retries
 NODE_UNAVAILABLE = "node_unavailable"  # the node itself answered 503 (stopping, ...)
-NODE_UNKNOWN = "node_unknown"  # the instance's node is no longer in nodes.yaml
 
 
 def call_kind(method: str, path: str) -> str:

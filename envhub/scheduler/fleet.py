@@ -1,18 +1,28 @@
 """The nodes a scheduler knows: their addresses and keys (nodes.yaml), and each one's health
-and slot accounting as the scheduler sees it (see ``service.py`` for the invariants)."""
+and slot accounting as the scheduler sees it (see ``service.py`` for the invariants).
+
+Where the nodes come from is a :class:`NodeSource`: the scheduler asks it once per health
+round whether the fleet changed. The built-in one is :class:`FleetFile`, nodes.yaml re-read
+whenever the file changes, so a node added to the file joins and one taken out leaves
+without a restart. Ray's fleet controller (envhub/ray/) keeps such a file for the nodes it
+places, so the scheduler itself never imports Ray.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
 from envhub.errors import StartupError, UpstreamUnavailable
 from envhub.settings import Settings
+
+log = logging.getLogger("envhub.scheduler")
 
 
 @dataclass
@@ -184,7 +194,9 @@ class Fleet:
     api_key: str | None
 
 
-def load_fleet(settings: Settings) -> Fleet:
+def load_fleet(settings: Settings, *, allow_empty: bool = False) -> Fleet:
+    """The fleet nodes.yaml and ``settings.nodes`` describe; ``StartupError`` when either is
+    malformed, or (unless ``allow_empty``, as on a reload) when they name no node."""
     data: dict[str, Any] = {}
     if settings.nodes_file:
         try:
@@ -217,9 +229,49 @@ def load_fleet(settings: Settings) -> Fleet:
         if any(n.url == url for n in nodes):
             raise StartupError(f"node {url} is listed twice")
         nodes.append(Node(url=url, slots=slots, api_key=key, name=str(entry.get("name") or url), capacity=slots))
-    if not nodes:
+    if not nodes and not allow_empty:
         raise StartupError("a scheduler needs nodes: set nodes_file (nodes.yaml) or nodes")
     rewrite = data.get("url_rewrite") or {}
     if not isinstance(rewrite, dict):
         raise StartupError("url_rewrite in the nodes file must be a mapping")
     return Fleet(nodes=nodes, url_rewrite={str(k): str(v) for k, v in rewrite.items()}, api_key=api_key)
+
+
+class NodeSource(Protocol):
+    """Where a scheduler's nodes come from after its start."""
+
+    def poll(self) -> Fleet | None:
+        """The fleet now if it changed since the last poll, else None. Never raises: a
+        source that cannot be read keeps the fleet as it was (and logs why)."""
+
+
+class FleetFile:
+    """nodes.yaml (plus the inline ``nodes``), re-read when the file changes.
+
+    A change is a new modification time, size or inode, so a file replaced by a rename
+    (as Ray's controller writes it) is seen at once. A file that fails to parse is logged
+    and ignored until it changes again; the fleet stays as it was."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        if not self.settings.nodes_file:
+            return None
+        try:
+            st = Path(self.settings.nodes_file).stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def poll(self) -> Fleet | None:
+        stamp = self._stat()
+        if stamp is None or stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        try:
+            return load_fleet(self.settings, allow_empty=True)
+        except StartupError as e:
+            log.error("nodes file changed but cannot be used, keeping the fleet as it was: %s", e.message)
+            return None

@@ -26,6 +26,10 @@ Invariants:
   naming it too (fleet.InFlight), whatever their own timeout.
 - Every call to a node is counted in ``metrics`` with its latency, every placement with
   its use of affinity, and every 503 with its cause (envhub/metrics/scheduler.py).
+- The fleet may change while the scheduler runs (its ``NodeSource``, polled once per
+  health round): a node that joins takes creates from its first good check; a node that
+  leaves takes no more calls, and calls for its instances get 410 ``gone`` (their
+  sandboxes went with it). A node that comes back under the same URL has its routes again.
 """
 
 from __future__ import annotations
@@ -40,13 +44,13 @@ from typing import Any
 
 import aiohttp
 
-from envhub.errors import EnvhubError, InvalidRequest, Unavailable, UpstreamUnavailable
+from envhub.errors import EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
 from envhub.metrics import scheduler as causes
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
 from envhub.node.service import validate_instance_id
 from envhub.scheduler import peers
-from envhub.scheduler.fleet import Fleet, Node
+from envhub.scheduler.fleet import Fleet, Node, NodeSource
 from envhub.settings import Settings
 from envhub.store import routes
 from envhub.store.db import Database, delete_in_batches
@@ -74,15 +78,17 @@ class SchedulerService:
         http: aiohttp.ClientSession,
         fleet: Fleet,
         network: NetworkMode,
+        source: NodeSource | None = None,
         metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or NoSchedulerMetrics()
-        self.metrics.watch_nodes(fleet.nodes)
         self.db = db
         self.http = http
-        self.nodes = fleet.nodes
+        self.nodes = list(fleet.nodes)  # changed in place by set_fleet: metrics read it at scrape
+        self.metrics.watch_nodes(self.nodes)
         self.by_url = {n.url: n for n in self.nodes}
+        self.source = source
         self.network = network
         self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
         self._lock = asyncio.Lock()
@@ -124,11 +130,47 @@ class SchedulerService:
             elif reply.status == 200:
                 await routes.set_state(self.db, instance_id, "live")
 
+    def set_fleet(self, fleet: Fleet) -> tuple[list[str], list[str]]:
+        """Make ``fleet.nodes`` the fleet; returns the URLs that joined and that left. A
+        node listed before and now keeps its health and slot accounting, taking the new
+        ``slots``, key and name; one that joins is down until its first good check; one
+        that leaves is forgotten, with its affinity and cached routes (calls for its
+        instances then answer 410)."""
+        wanted = {n.url: n for n in fleet.nodes}
+        left = [url for url in self.by_url if url not in wanted]
+        joined = [url for url in wanted if url not in self.by_url]
+        for url in left:
+            self.nodes.remove(self.by_url.pop(url))
+        for url, new in wanted.items():
+            node = self.by_url.get(url)
+            if node is None:
+                new.healthy, new.capacity = False, 0
+                self.nodes.append(new)
+                self.by_url[url] = new
+            else:
+                node.slots, node.api_key, node.name = new.slots, new.api_key, new.name
+        if left:
+            gone = set(left)
+            self._affinity = {k: v for k, v in self._affinity.items() if v[0] not in gone}
+            self._route_cache = {i: url for i, url in self._route_cache.items() if url not in gone}
+        for url in joined:
+            log.info("node %s joined the fleet", url)
+        for url in left:
+            log.warning("node %s left the fleet: its instances are gone", url)
+        self._freed.set()
+        return joined, left
+
     async def check_health(self) -> None:
-        """One health round. Each node's check stands alone: one that fails in a way
-        :meth:`_check` does not expect marks that node down, and the round goes on."""
-        results = await asyncio.gather(*(self._check(node) for node in self.nodes), return_exceptions=True)
-        for node, result in zip(self.nodes, results, strict=True):
+        """One health round: first take the fleet's changes from the source, if any. Each
+        node's check stands alone: one that fails in a way :meth:`_check` does not expect
+        marks that node down, and the round goes on."""
+        if self.source is not None:
+            fleet = self.source.poll()
+            if fleet is not None:
+                self.set_fleet(fleet)
+        nodes = list(self.nodes)
+        results = await asyncio.gather(*(self._check(node) for node in nodes), return_exceptions=True)
+        for node, result in zip(nodes, results, strict=True):
             if isinstance(result, Exception):
                 log.error("health check of %s", node.url, exc_info=result)
                 self._check_failed(node, f"{type(result).__name__}: {result}")
@@ -295,9 +337,7 @@ class SchedulerService:
         if existing is not None:
             node = self.by_url.get(existing.node_url)
             if node is None and existing.state != "creating":
-                raise Unavailable(
-                    f"instance {instance_id!r} is on node {existing.node_url}, which is no longer configured"
-                )
+                raise self._left(instance_id, existing.node_url)
             if node is not None and not node.healthy:
                 wait = max(1, math.ceil(self.settings.health_interval))
                 raise UpstreamUnavailable(
@@ -394,8 +434,7 @@ class SchedulerService:
                 self._route_cache[instance_id] = node_url
         node = self.by_url.get(node_url)
         if node is None:
-            self.metrics.unavailable(causes.NODE_UNKNOWN)
-            raise Unavailable(f"instance {instance_id!r} is on node {node_url}, which is no longer configured")
+            raise self._left(instance_id, node_url)
         if not node.healthy:
             self.metrics.unavailable(causes.NODE_DOWN)
             raise UpstreamUnavailable(
@@ -411,6 +450,13 @@ class SchedulerService:
             timeout=self.settings.forward_timeout,
         )
         return reply.status, reply.body
+
+    @staticmethod
+    def _left(instance_id: str, node_url: str) -> Gone:
+        return Gone(
+            f"instance {instance_id!r} was on node {node_url}, which has left the fleet",
+            extra={"node": node_url, "instance_id": instance_id},
+        )
 
     async def release(self, instance_id: str, method: str = "POST") -> tuple[int, bytes]:
         suffix = "/release" if method == "POST" else ""

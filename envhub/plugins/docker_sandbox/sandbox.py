@@ -200,7 +200,7 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
                 self.network,
                 subnet,
             )
-        except (EgressError, ENGINE_ERRORS, KeyError, IndexError) as e:
+        except (EgressError, *ENGINE_ERRORS, KeyError, IndexError) as e:  # a nested tuple is a TypeError
             log.error("docker sandbox: cannot enforce the egress policy (%s); containers get no network", e)
             self._egress = None
             self.network = "none"

@@ -1,0 +1,166 @@
+"""The envhub container image (scripts/build-image, deploy/Dockerfile): built offline from
+the local base image, it runs a node that serves MBPP through the process sandbox, and
+terminal-bench through the host's Docker engine when given its socket.
+
+The image is built once per run and reused across runs while the wheels are the same
+(its tag carries their hash), so after the first build this costs a few seconds. Every
+container a test starts carries a label of its own and is removed by that test; the
+node in the socket test has a node id of its own, so only the containers it made are
+looked at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import docker
+import httpx
+import pytest
+import yaml
+from conftest import BASE_IMAGE, REPO, needs_docker
+
+pytestmark = [needs_docker, pytest.mark.slow]
+
+MBPP_13 = next(
+    json.loads(line)["code"]
+    for line in (REPO / "envhub/plugins/mbpp/data/mbpp_sample.jsonl").read_text().splitlines()
+    if json.loads(line)["task_id"] == 13
+)
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("scripts/build-image makes the wheels for the base image's Python 3.11 with a 3.11")
+    r = subprocess.run(
+        ["scripts/build-image"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def run_container():
+    """Start containers of the image; each is stopped (SIGTERM, its exit code checked)
+    and removed at the end."""
+    client = docker.from_env()
+    label = f"envhub-test-{uuid.uuid4().hex[:12]}"
+    started = []
+
+    def run(image: str, *command: str, **kw):
+        container = client.containers.run(
+            image,
+            list(command) or None,
+            detach=True,
+            labels={"envhub.test": label},
+            ports={"8000/tcp": ("127.0.0.1", None)},
+            **kw,
+        )
+        started.append(container)
+        container.reload()
+        port = int(container.ports["8000/tcp"][0]["HostPort"])
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return container, url
+            except httpx.TransportError:
+                pass
+            container.reload()
+            assert container.status in ("created", "running"), container.logs().decode()[-3000:]
+            assert time.monotonic() < deadline, container.logs().decode()[-3000:]
+            time.sleep(0.2)
+
+    yield run
+    try:
+        for container in started:
+            container.stop(timeout=60)
+            assert container.wait(timeout=60)["StatusCode"] == 0, container.logs().decode()[-3000:]
+    finally:
+        for container in client.containers.list(all=True, filters={"label": f"envhub.test={label}"}):
+            container.remove(force=True)
+        client.close()
+
+
+def test_the_image_runs_a_node_that_serves_mbpp_through_the_process_sandbox(image, run_container):
+    container, url = run_container(image, environment={"ENVHUB_API_KEY": "image-key"})
+    h = {"X-API-Key": "image-key"}
+    assert httpx.get(url + "/environments").status_code == 401, "keyed"
+    r = httpx.post(url + "/instances", json={"environment": "mbpp", "task_id": "13"}, headers=h, timeout=60)
+    assert r.status_code == 201, r.text + container.logs().decode()[-3000:]
+    iid = r.json()["instance_id"]
+    step = {"action": {"tool": "run_python", "arguments": {"code": "6 * 7"}}}
+    assert (
+        httpx.post(f"{url}/instances/{iid}/step", json=step, headers=h, timeout=60).json()["observation"]["value_repr"]
+        == "42"
+    )
+    submit = {"action": {"tool": "submit_solution", "arguments": {"code": MBPP_13}}}
+    assert httpx.post(f"{url}/instances/{iid}/step", json=submit, headers=h, timeout=60).status_code == 200
+    ev = httpx.post(f"{url}/instances/{iid}/evaluate", json={"release": True}, headers=h, timeout=60)
+    assert ev.status_code == 200 and ev.json()["reward"] == 1.0, ev.text
+    assert container.attrs["Config"]["User"] == "envhub", "not root in the container"
+    assert "Landlock" in container.logs().decode(), "episode code is confined without root"
+
+
+def test_the_image_runs_terminal_bench_episodes_through_the_hosts_engine_socket(image, run_container, tmp_path):
+    node_id = f"image-{uuid.uuid4().hex[:12]}"
+    config = {
+        "node_id": node_id,
+        "image_map": {"debian:bookworm": BASE_IMAGE},
+        "environments": {"terminal-bench": {"warm_pool": 0}},
+    }
+    container, url = run_container(
+        image,
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--data-dir",
+        "/var/lib/envhub/data",
+        environment={"ENVHUB_API_KEY": "image-key", "ENVHUB_CONFIG": "/etc/envhub/node.yaml"},
+        volumes={
+            "/var/run/docker.sock": {"bind": "/var/run/docker.sock", "mode": "rw"},
+            str(_write(tmp_path / "node.yaml", yaml.safe_dump(config))): {
+                "bind": "/etc/envhub/node.yaml",
+                "mode": "ro",
+            },
+        },
+        group_add=[str(os.stat("/var/run/docker.sock").st_gid)],
+    )
+    h = {"X-API-Key": "image-key"}
+    body = {"environment": "terminal-bench", "task_id": "hello-envhub", "params": {"oracle": True}}
+    r = httpx.post(url + "/instances", json=body, headers=h, timeout=300)
+    assert r.status_code == 201, r.text + container.logs().decode()[-3000:]
+    iid = r.json()["instance_id"]
+    client = docker.from_env()
+    try:
+        made = client.api.containers(filters={"label": f"envhub.node={node_id}"})
+        assert len(made) == 1, "the episode's container runs on the host's engine"
+        ev = httpx.post(f"{url}/instances/{iid}/evaluate", json={"release": True}, headers=h, timeout=300)
+        assert ev.status_code == 200 and ev.json()["reward"] == 1.0, ev.text
+        assert client.api.containers(all=True, filters={"label": f"envhub.node={node_id}"}) == []
+        # No iptables in the image, and not the host's network namespace: the egress policy
+        # cannot be enforced, so the sandbox fails closed (docs/operations.md says so).
+        assert "containers get no network" in container.logs().decode()
+    finally:
+        for row in client.api.containers(all=True, filters={"label": f"envhub.node={node_id}"}):
+            client.api.remove_container(row["Id"], force=True)
+        client.close()
+
+
+def _write(path, text):
+    path.write_text(text)
+    path.chmod(0o644)  # read by the container's own user
+    return path
