@@ -48,7 +48,7 @@ from envhub.errors import EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
 from envhub.metrics import scheduler as causes
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
-from envhub.node.service import validate_instance_id
+from envhub.node.instance import validate_instance_id
 from envhub.scheduler import peers
 from envhub.scheduler.fleet import Fleet, Node, NodeSource
 from envhub.settings import Settings
