@@ -211,7 +211,7 @@ async def evaluate(backend: Backend, body: dict[str, Any]) -> float:
     instance_id = required(body, "instance_id")
     graded = await call(backend.evaluate, instance_id)
     sparse = (body.get("params") or {}).get("sparse")
-    rewards = graded.get("rewards")  # every evaluation has both (NodeService.reward_modes)
+    rewards = graded.get("rewards")  # every evaluation has both (reward_modes, envhub/node/grading.py)
     if isinstance(sparse, bool) and isinstance(rewards, dict):
         mode = "sparse" if sparse else "dense"
         if isinstance(rewards.get(mode), (int, float)):

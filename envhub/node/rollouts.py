@@ -26,7 +26,8 @@ import aiohttp
 
 from envhub.agent import Agent, AgentResult, AgentSession, Budgets, ModelClient
 from envhub.errors import EnvhubError, InvalidRequest
-from envhub.node.service import NodeService, validate_instance_id
+from envhub.node.instance import validate_instance_id
+from envhub.node.service import NodeService
 from envhub.node.trial_log import TrialLog
 
 log = logging.getLogger("envhub.rollouts")

@@ -34,73 +34,34 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from envhub.environment import Action, Environment, Episode, Evaluation
-from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, Unavailable
+from envhub.environment import Action, Environment, Episode
+from envhub.errors import Conflict, Gone, InvalidRequest, NotFound, Unavailable
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
+from envhub.node.admin import Administration
 from envhub.node.capacity import Slots
+from envhub.node.grading import Grading
+from envhub.node.instance import Live, validate_instance_id
+from envhub.node.lifecycle import Lifecycle
 from envhub.node.pool import WarmPool, spec_key
 from envhub.node.trial_log import TrialLog, TrialWriter
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
-from envhub.settings import Settings, non_finite
-from envhub.settings import check as settings_check
+from envhub.settings import Settings
 from envhub.store import instances, step_results
-from envhub.store.db import Database, delete_in_batches
+from envhub.store.db import Database
 from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.node")
 T = TypeVar("T")
 
-_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
-_PRUNE_BATCH = 500  # retention (prune_ended): rows per transaction
-_PRUNE_PER_PASS = 20_000  # and per reaper pass
 
+class NodeService(Grading, Administration, Lifecycle):
+    """A node's episodes and slots. Its parts beside this module, mixed in: evaluate in
+    grading.py, config and cleanup in admin.py, reconcile, the reaper and shutdown in
+    lifecycle.py."""
 
-@dataclass
-class Live:
-    """What the node keeps in memory for one live instance."""
-
-    row: instances.InstanceRow
-    env: Environment
-    episode: Episode
-    log: TrialLog
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_active: float = field(default_factory=time.monotonic)
-    done: bool = False
-    grading: asyncio.Task | None = None  # the evaluation in progress (or done), shared by its callers
-    graded_recorded: bool = False  # that evaluation is in SQLite
-
-
-def reward_modes(evaluation: Evaluation, sparse: Any) -> tuple[dict[str, float], float]:
-    """The ``dense`` and ``sparse`` rewards of an evaluation, and the one an episode gets.
-
-    Every environment has both: ``sparse`` is 1.0 only when the dense reward is full
-    (every test passed), else 0.0, unless the environment reports its own pair in
-    ``details["rewards"]`` (AppWorld does). ``params.sparse`` of the instance (true or
-    false) picks one; without it the environment's own reward stands (MBPP and
-    terminal-bench: dense; AppWorld: its ``reward`` setting)."""
-    own = evaluation.details.get("rewards") if isinstance(evaluation.details, dict) else None
-    if isinstance(own, dict) and all(isinstance(own.get(k), (int, float)) for k in ("dense", "sparse")):
-        rewards = {"dense": float(own["dense"]), "sparse": float(own["sparse"])}
-    else:
-        rewards = {"dense": float(evaluation.reward), "sparse": 1.0 if evaluation.reward >= 1.0 else 0.0}
-    if isinstance(sparse, bool):
-        return rewards, rewards["sparse" if sparse else "dense"]
-    return rewards, float(evaluation.reward)
-
-
-def validate_instance_id(value: Any) -> str:
-    if not isinstance(value, str) or not 1 <= len(value) <= 128 or not set(value) <= _ID_CHARS:
-        raise InvalidRequest(
-            "'instance_id' must be 1-128 characters of letters, digits and . _ - :", field="instance_id"
-        )
-    return value
-
-
-class NodeService:
     def __init__(
         self,
         settings: Settings,
@@ -415,7 +376,7 @@ class NodeService:
             self._unhold(instance_id)
             self._rollout_slots.discard(instance_id)
 
-    # -- step, evaluate, release -------------------------------------------------------
+    # -- step, release (evaluate: grading.py) ------------------------------------------
 
     async def step(self, instance_id: str, raw_action: Any, *, request_id: Any = None) -> dict[str, Any]:
         """Apply one action. With a ``request_id``, the reply is recorded and a retry of
@@ -485,68 +446,6 @@ class NodeService:
             if request_id is not None:
                 await step_results.record(self.db, instance_id, request_id, result)
             return result
-
-    async def evaluate(self, instance_id: str, *, release: Any = False) -> dict[str, Any]:
-        """Grade the episode. With ``release``, then end it as :meth:`release` does, in the
-        same call (one round trip fewer per episode). A repeated evaluate-and-release of
-        an instance that ended after its evaluation returns that evaluation again, so a
-        client may retry it like a release."""
-        live = self._live.get(instance_id)
-        reply = await self._recorded("evaluate", instance_id, self._evaluate(instance_id, release))
-        if reply.get("released"):  # counted as a release too: for most clients it is theirs
-            self.metrics.call("release", live.env.name if live is not None else UNKNOWN, "ok")
-        return reply
-
-    async def _evaluate(self, instance_id: str, release: Any) -> dict[str, Any]:
-        if not isinstance(release, bool):
-            raise InvalidRequest("'release' must be true or false", field="release")
-        live = self._live.get(instance_id)
-        if live is None and release:
-            row = await instances.get(self.db, instance_id)
-            if row.evaluation is not None and row.state in instances.ENDED_STATES:
-                return {**row.evaluation, "released": False, "state": row.state}
-        live = live or await self._live_or_raise(instance_id)
-        # One grading run per instance at a time, in a task of its own: a caller that goes
-        # away (a client timeout, a cut-off proxy) never cuts a verifier short, and its
-        # retry, or a concurrent evaluate, joins the run instead of starting another. A
-        # run that failed leaves the instance as it was, so the next call runs it again;
-        # one that succeeded answers every later call until the episode takes a step.
-        grading = live.grading
-        if grading is None or (grading.done() and (grading.cancelled() or grading.exception() is not None)):
-            live.graded_recorded = False
-            grading = live.grading = asyncio.ensure_future(self._grade(live, record_now=not release))
-        reply, record = await asyncio.shield(grading)
-        async with live.lock:
-            if self._live.get(instance_id) is not live:  # another call ended it meanwhile
-                if not release:
-                    return reply
-                return {**reply, "released": False, "state": (await instances.get(self.db, instance_id)).state}
-            if release:  # one transaction records the evaluation and the end
-                await asyncio.shield(self._end(live, "released", also=[record]))
-                return {**reply, "released": True, "state": "released"}
-            if not live.graded_recorded:
-                await self.db.write(*record)
-                live.graded_recorded = True
-        return reply
-
-    async def _grade(self, live: Live, *, record_now: bool) -> tuple[dict[str, Any], tuple[str, tuple]]:
-        """Run the environment's evaluation; the reply and the statement that records it.
-        With ``record_now`` it is recorded here; else the caller records it with the end."""
-        async with live.lock:
-            self._ensure_still_live(live)
-            evaluation = await self._unless_lost(live, live.env.evaluate(live.episode))
-            live.last_active = time.monotonic()
-            rewards, reward = reward_modes(evaluation, live.episode.params.get("sparse"))
-            reply = {"instance_id": live.row.id, "reward": reward, "rewards": rewards, "details": evaluation.details}
-            record = instances.evaluation_statement(
-                live.row.id, reward=reward, evaluation=reply, env_state=live.episode.state
-            )
-            live.log.record("evaluation", {"reward": reward, "rewards": rewards, "details": evaluation.details})
-            self.metrics.reward(live.env.name, reward)
-            if record_now:
-                await self.db.write(*record)
-                live.graded_recorded = True
-            return reply, record
 
     async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
         """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op
@@ -622,227 +521,6 @@ class NodeService:
         if live is not None:
             out["idle_s"] = round(time.monotonic() - live.last_active, 3)
         return out
-
-    # -- administration (POST /config, POST /cleanup; the scheduler fans them out) -------
-
-    RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "environments": {name: env.config for name, env in self.environments.items()},
-            "idle_ttl": self.settings.idle_ttl,
-            "queue_timeout": self.settings.queue_timeout,
-        }
-
-    async def reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Merge ``changes`` into the running config. An environment section is merged into
-        its config and the environment reloaded; live episodes keep the one they started
-        with. Nothing is applied unless everything validates."""
-        unknown = sorted(set(changes) - set(self.RECONFIGURABLE))
-        if unknown:
-            raise InvalidRequest(
-                f"cannot change {', '.join(unknown)} at run time (can: {', '.join(self.RECONFIGURABLE)})",
-                field=unknown[0],
-            )
-        sections = changes.get("environments") or {}
-        if not isinstance(sections, dict):
-            raise InvalidRequest("'environments' must map names to config sections", field="environments")
-        numbers = {}
-        for key in ("idle_ttl", "queue_timeout"):
-            if key in changes:
-                try:  # the rule the setting has at start
-                    numbers[key] = settings_check(key, changes[key])
-                except ValueError as e:
-                    raise InvalidRequest(str(e), field=key) from None
-        reloaded: dict[str, Environment] = {}
-        for name, section in sections.items():
-            env = self.environment(name)
-            field = f"environments.{name}"
-            if not isinstance(section, dict):
-                raise InvalidRequest(f"{field} must be a mapping", field=field)
-            bad = non_finite(section)
-            if bad is not None:
-                raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
-            fresh = type(env)({**env.config, **section})
-            try:  # what the environment does with its section at start
-                fresh.load()
-                self._refuse_exposed(name, fresh)
-                if env.context is not None:
-                    await fresh.start(env.context)
-            except EnvhubError as e:
-                raise InvalidRequest(f"{field}: {e.message}", field=field) from None
-            except (ValueError, TypeError, KeyError, OSError) as e:  # a value of the wrong type or shape
-                raise InvalidRequest(f"{field}: {type(e).__name__}: {e}", field=field) from None
-            reloaded[name] = fresh
-        self.environments.update(reloaded)
-        for key, value in numbers.items():
-            setattr(self.settings, key, value)
-        self.slots.queue_timeout = self.settings.queue_timeout
-        return self.config()
-
-    def _refuse_exposed(self, name: str, fresh: Environment) -> None:
-        """What a sandbox hides is fixed when it starts; a dataset moved to where its
-        episodes can read it would hand them the hidden tests."""
-        sandbox = self.sandboxes.get(fresh.sandbox)
-        exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
-        if exposed:
-            raise InvalidRequest(
-                f"episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows it and hides only what "
-                "it was started with); keep datasets outside the Python install and the system's dirs, or restart "
-                "the node with it",
-                field=f"environments.{name}",
-            )
-
-    async def cleanup(self) -> dict[str, Any]:
-        """Release every live instance (what SETA's /cleanup does to its containers)."""
-        released = 0
-        for instance_id in list(self._live):
-            result = await self.release(instance_id, reason="released")
-            released += bool(result.get("released"))
-        return {"status": "ok", "released": released}
-
-    # -- background ------------------------------------------------------------------
-
-    async def reap_idle(self, *, now: float | None = None) -> list[str]:
-        """Expire every live instance idle for longer than ``idle_ttl``; returns their ids."""
-        now = time.monotonic() if now is None else now
-        reaped = []
-        for instance_id, live in list(self._live.items()):
-            if live.lock.locked() or now - live.last_active < self.settings.idle_ttl:
-                continue
-            async with live.lock:
-                if self._live.get(instance_id) is not live:
-                    continue
-                await self._end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
-            self.metrics.expired(live.env.name)
-            reaped.append(instance_id)
-            log.info("expired idle instance %s", instance_id)
-        return reaped
-
-    async def reap_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.reap_interval)
-            try:
-                await self.reap_idle()
-                await self.pool.drain_idle()
-                await self.prune_ended()
-            except Exception:
-                log.exception("idle reaper")
-
-    async def prune_ended(self, *, now: float | None = None) -> int:
-        """With ``retention_hours`` set, delete the rows of instances that ended and were
-        created longer ago than that; returns how many. Their trial logs stay. At most
-        ``_PRUNE_BATCH`` rows per transaction and ``_PRUNE_PER_PASS`` per reaper pass, so
-        the one SQLite connection every create and step waits on is never held long."""
-        hours = self.settings.retention_hours
-        if hours is None:
-            return 0
-        cutoff = (time.time() if now is None else now) - hours * 3600
-        deleted = await delete_in_batches(
-            lambda n: instances.delete_ended(self.db, cutoff, n), _PRUNE_BATCH, _PRUNE_PER_PASS
-        )
-        if deleted:
-            log.info("retention: deleted %d ended instance(s) created over %g h ago", deleted, hours)
-        return deleted
-
-    async def reconcile(self) -> dict[str, int]:
-        """At start: make SQLite and the sandboxes that exist agree.
-
-        Live rows whose sandbox survived the restart (docker) are adopted under the same
-        id and keep working; live rows whose sandbox is gone (every process sandbox, a
-        removed container, a create that never finished) are marked ``lost`` (410);
-        sandboxes labelled for this node that no live row claims are removed."""
-        rows, _ = await instances.list_(self.db, states=instances.LIVE_STATES, limit=1_000_000)
-        adopted: dict[str, set[str]] = {name: set() for name in self.sandboxes}
-        lost = 0
-        for row in rows:
-            live = await self._adopt(row)
-            if live is None:
-                await instances.end(self.db, row.id, "lost", error="the node restarted and the sandbox is gone")
-                lost += 1
-                continue
-            self._live[row.id] = live
-            self.slots.used += 1  # may pass capacity for a while: adopted work is not refused
-            self._hold(row.id)
-            adopted[row.sandbox].add(row.sandbox_handle)
-        for name, sandbox in self.sandboxes.items():
-            for handle, labels in await sandbox.list_pooled(str(self.settings.node_id)):
-                environment, _, task_id = labels.get("envhub.task", "").partition("/")
-                env = self.environments.get(environment)
-                if handle in adopted[name] or env is None or not labels.get("envhub.pool_key"):
-                    continue
-                try:
-                    env.task(task_id)
-                except NotFound:
-                    continue
-                self.pool.adopt(environment, task_id, labels["envhub.pool_key"], sandbox, handle)
-                adopted[name].add(handle)
-        removed = 0
-        for name, sandbox in self.sandboxes.items():
-            removed += await sandbox.remove_unknown(self.settings.node_id, adopted[name])
-        return {"adopted": sum(len(h) for h in adopted.values()), "lost": lost, "removed": removed}
-
-    async def _adopt(self, row: instances.InstanceRow) -> Live | None:
-        sandbox = self.sandboxes.get(row.sandbox)
-        env = self.environments.get(row.environment)
-        if (
-            row.state == "creating"
-            or sandbox is None
-            or env is None
-            or not row.sandbox_handle
-            or not sandbox.survives_restart
-        ):
-            return None
-        try:
-            task = env.task(row.task_id)
-        except NotFound:
-            return None
-        spec = self._spec(env, task, row.params, row.id)
-        try:
-            if not await sandbox.adopt(row.sandbox_handle, spec):
-                return None
-        except EnvhubError as e:
-            log.warning("cannot adopt %s: %s", row.id, e.message)
-            return None
-        trial_log = TrialLog(self.trial_writer, self.settings.trials_dir, row.trial, row.id)
-        episode = Episode(
-            instance_id=row.id,
-            task=task,
-            params=row.params,
-            sandbox=sandbox,
-            handle=row.sandbox_handle,
-            spec=spec,
-            state=row.env_state,
-            log_dir=trial_log.dir,
-            on_exec=self._exec_recorder(sandbox.name),
-        )
-        trial_log.record("adopted")
-        return Live(row=row, env=env, episode=episode, log=trial_log, done=row.state == "done")
-
-    def stop_accepting(self) -> None:
-        self._accepting = False
-
-    async def shutdown(self, *, release_all: bool | None = None) -> None:
-        """Stop taking creates; release every live instance whose sandbox cannot survive
-        the restart, and leave the others running for the next start to adopt (unless
-        ``release_on_shutdown``); flush the trial logs."""
-        self._accepting = False
-        release_all = self.settings.release_on_shutdown if release_all is None else release_all
-        # Idle warm sandboxes are cheap to start again: a stop removes them. Those a crash
-        # leaves are taken back into the pools at the next start (reconcile).
-        await self.pool.shutdown(keep=False)
-        for live in list(self._live.values()):
-            sandbox = live.episode.sandbox
-            try:
-                if sandbox.survives_restart and not release_all:
-                    self._live.pop(live.row.id, None)
-                    await sandbox.detach(live.episode.handle)
-                    live.log.record("detached")
-                else:
-                    await self._end(live, "released", error="node shut down")
-            except Exception:
-                log.exception("releasing %s at shutdown", live.row.id)
-        await asyncio.to_thread(self.trial_writer.close)
 
 
 def _describe(error: BaseException) -> str:

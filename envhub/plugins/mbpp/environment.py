@@ -14,7 +14,7 @@ each test on those values (``grading.py``). The interpreter never sees the tests
 values they expect, and no submission code runs where the verdict is made.
 Reward (dense): 1.0 when every test passes; 0.1 + 0.4 x pass rate when a submission
 fails some; 0.0 when nothing was submitted. ``params.sparse: true`` gives 1.0 or 0.0
-(see ``NodeService.reward_modes``).
+(see ``reward_modes`` in envhub/node/grading.py).
 
 Splits follow the MBPP paper: prompt 1-10, test 11-510, validation 511-600,
 train 601-974. Without a configured ``path`` the node serves a small sample of

@@ -79,12 +79,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.process_sandbox.cgroups import Cgroups
-from envhub.plugins.process_sandbox.channel import Channel, ZygoteControl
+from envhub.plugins.process_sandbox.channel import ZygoteControl
+from envhub.plugins.process_sandbox.interpreters import Box, Interpreters, forget_interpreter
 from envhub.plugins.process_sandbox.uids import UidPool, sweep
 from envhub.plugins.process_sandbox.workdirs import (
     default_work_root,
@@ -104,35 +104,9 @@ _INLINE_IO_BYTES = 1 << 20  # larger file transfers run in a thread, off the eve
 # (zygote.CTL_MAX_MESSAGE): a send past the socket buffer fails like a dead zygote.
 _CARRIED_CELL_CHARS = 4096
 _MAX_ENV_JSON = 16 << 10
-_RESULT_FIELDS = ("stdout", "stderr", "exit_code", "timed_out", "exception", "value", "value_repr", "truncated")
-_MAX_CALLS = 64  # calls of the spec's functions reported per exec; more are dropped
-_SIGNAL_HINTS = {
-    "SIGXCPU": "the CPU time limit was reached",
-    "SIGXFSZ": "the file size limit was reached",
-    "SIGKILL": "killed, e.g. past the hard CPU time limit",
-}
 
 
-@dataclass(eq=False)
-class _Box:
-    """Node-side state of one sandbox."""
-
-    handle: str
-    uid: int | None
-    claim: socket.socket | None  # holds the host-wide claim on ``uid``
-    spawn_req: dict[str, Any]
-    workdir: str | None = None
-    pid: int | None = None
-    generation: int = 0  # which zygote forked ``pid``
-    chan: Channel | None = None  # None: no live interpreter, the next exec starts one
-    output_fds: tuple[int, int] | None = None  # memfds behind the interpreter's fd 1 and 2
-    pending: asyncio.Task | None = None  # a spawn exchange that owns fds until it ends
-    spawned: bool = False  # an interpreter was ever started (interpreters start lazily)
-    destroyed: bool = False
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-class ProcessSandbox(ZygoteControl, Sandbox):
+class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
     """Runs Python cells in a persistent interpreter per sandbox.
 
     Config keys (``sandboxes: {process: {...}}``): ``work_root`` (default: a dir on the
@@ -194,7 +168,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         }
         self.root = os.geteuid() == 0
         self.network_isolated = False  # known once the zygote has started
-        self._boxes: dict[str, _Box] = {}
+        self._boxes: dict[str, Box] = {}
         # Uids are reused last-in first-out: few distinct uids get used, so the purge on a
         # uid's first use in this node (see _spawn) is rare.
         self._uids = UidPool(self.uid_base, self.max_sandboxes)
@@ -289,7 +263,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
             if claim is not None:
                 self._uids.release(uid, claim)
             raise SandboxError(f"process sandbox: {e}") from e
-        box = _Box(handle, uid, claim, req)
+        box = Box(handle, uid, claim, req)
         self._boxes[handle] = box
         if self.lazy_start:
             return handle  # the first exec forks the interpreter; an unused sandbox costs no fork
@@ -366,164 +340,11 @@ class ProcessSandbox(ZygoteControl, Sandbox):
         # cleaning up after it before it forks anything else under that uid.
         del self._boxes[handle]
         box.destroyed = True
-        _forget_interpreter(box)
+        forget_interpreter(box)
         self._release_uid(box)
         return result
 
-    async def _run(self, box: _Box, cell: dict[str, Any], *, sent: bool = False) -> ExecResult:
-        """Run ``cell`` (already on its way when ``sent``: carried by the spawn)."""
-        timeout = cell["timeout"]
-        try:
-            async with asyncio.timeout(timeout + self.kill_grace):
-                if not sent:
-                    await box.chan.send(cell)
-                reply = await box.chan.recv()
-        except TimeoutError:
-            # The code swallowed CellTimeout or is stuck in C: kill what it started too.
-            _, stdout, stderr, cut = await self._kill_and_collect(box)
-            return ExecResult(
-                stdout=stdout,
-                stderr=stderr,
-                exit_code=None,
-                timed_out=True,
-                truncated=cut,
-                exception=(
-                    f"Timeout: the code ran past {timeout:g}s and did not stop, so "
-                    "the interpreter was killed; its state is lost and the next "
-                    "call starts a fresh one.\n"
-                ),
-            )
-        except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
-            if box.destroyed:
-                raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
-            status, stdout, stderr, cut = await self._kill_and_collect(box)
-            return ExecResult(
-                stdout=stdout, stderr=stderr, exit_code=None, truncated=cut, exception=_death_message(status)
-            )
-        except asyncio.CancelledError:
-            # The interpreter is still busy with this code and would answer the next call.
-            await self._kill_and_collect(box)
-            raise
-        calls = reply.get("calls")
-        return ExecResult(
-            **{k: reply.get(k) for k in _RESULT_FIELDS},
-            calls=[c for c in calls[:_MAX_CALLS] if _is_call(c)] if isinstance(calls, list) else [],
-        )
-
-    async def _kill_and_collect(self, box: _Box) -> tuple[str | None, str, str, bool]:
-        """Kill the interpreter and all it started; return how it ended and its output."""
-        try:
-            try:
-                status = await self._kill(box, remove=False, wait=True)
-            except SandboxError as e:  # the zygote died: PDEATHSIG took the interpreter
-                log.warning("process sandbox: killing %s failed: %s", box.handle, e)
-                status = None
-                if box.uid is not None:
-                    self._uids.purged.discard(box.uid)  # kill leftovers before the uid runs again
-            stdout, stderr, cut = "", "", False
-            if box.output_fds is not None:
-                (stdout, c1), (stderr, c2) = (zygote.read_capped(fd, self.output_limit) for fd in box.output_fds)
-                cut = c1 or c2
-            return status, stdout, stderr, cut
-        finally:
-            _forget_interpreter(box)
-
-    async def _spawn(self, box: _Box, cell: dict[str, Any] | None = None) -> None:
-        """Start an interpreter for ``box`` (in its existing dir, if any) and await ready.
-
-        ``cell`` (code and timeout) is run by the interpreter right after ready.
-        """
-        req = dict(box.spawn_req, workdir=box.workdir)
-        if cell is not None:
-            req["cell"] = cell
-        req["purge"] = box.uid is not None and box.uid not in self._uids.purged
-        pending = box.pending = asyncio.ensure_future(self._spawn_exchange(box, req))
-        try:
-            await asyncio.shield(pending)
-        except asyncio.CancelledError:
-            # The exchange goes on and the interpreter starts anyway, maybe running the
-            # carried cell: its ready frame would be read as the next call's answer.
-            await asyncio.wait([pending])
-            box.pending = None
-            if not pending.cancelled() and pending.exception() is None:
-                await self._kill_and_collect(box)
-            raise
-        box.pending = None
-        try:
-            async with asyncio.timeout(self.start_timeout):
-                ready = await box.chan.recv()
-            if not ready.get("ready"):
-                raise SandboxError(f"the sandbox interpreter failed to start: {ready.get('error')}")
-        except asyncio.CancelledError:
-            await self._kill_and_collect(box)  # as above: it would answer the next call
-            raise
-        except (TimeoutError, EOFError, OSError, ValueError, SandboxError) as e:
-            await self._kill_and_collect(box)
-            if isinstance(e, SandboxError):
-                raise
-            raise SandboxError(f"the sandbox interpreter did not start: {e!r}") from e
-
-    async def _spawn_exchange(self, box: _Box, req: dict[str, Any]) -> None:
-        msg, fds = await self._ctl_call(req)
-        # Still inside the shielded task: take ownership now, so a cancelled caller leaks nothing.
-        if len(fds) != 3:
-            for fd in fds:
-                os.close(fd)
-            raise SandboxError(f"the zygote passed {len(fds)} fds instead of 3")
-        box.pid, box.workdir, box.generation = msg["pid"], msg["workdir"], self._generation
-        box.spawned = True
-        box.output_fds = (fds[1], fds[2])
-        box.chan = Channel(socket.socket(fileno=fds[0]))
-        if box.uid is not None:
-            self._uids.purged.add(box.uid)
-
-    async def _kill(self, box: _Box, *, remove: bool, wait: bool = False) -> str | None:
-        """Kill every process of ``box``; return how the interpreter ended if on its own
-        (known only with ``wait``, which costs the zygote the interpreter's exit).
-
-        The channel and output fds stay open: an exec may still be reading them.
-        """
-        # A pid forked by an earlier zygote is not ours to signal; its uid still is.
-        pid = box.pid if box.generation == self._generation else None
-        box.pid = None
-        if pid is None and box.uid is None and not (remove and box.workdir):
-            return None
-        req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove, "wait": wait}
-        msg, _ = await self._ctl_call(req)  # even if cancelled, the zygote completes it
-        return msg.get("status")
-
-    async def _teardown_shielded(self, box: _Box) -> None:
-        task = asyncio.ensure_future(self._teardown(box))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-        await asyncio.shield(task)
-
-    async def _teardown(self, box: _Box) -> None:
-        box.destroyed = True
-        if not box.spawned and box.pending is None and not box.lock.locked():
-            self._release_uid(box)  # no process ever ran under it and no dir was made
-            return
-        if box.pending is not None:
-            await asyncio.wait([box.pending])  # the exchange owns the channel fd until it ends
-            if not box.pending.cancelled():
-                box.pending.exception()  # retrieved here; create() already reported it
-        try:
-            if box.lock.locked() and box.pid is not None:
-                # An exec is waiting on the interpreter: kill it so that exec returns now.
-                await self._kill(box, remove=False)
-            async with box.lock:
-                try:
-                    await self._kill(box, remove=True)
-                finally:
-                    _forget_interpreter(box)
-        except SandboxError as e:
-            log.warning("process sandbox: cleaning up %s failed: %s", box.handle, e)
-            if box.uid is not None:
-                self._uids.purged.discard(box.uid)  # kill its leftovers before the uid is used again
-        finally:
-            self._release_uid(box)
-
-    def _box(self, handle: str) -> _Box:
+    def _box(self, handle: str) -> Box:
         box = self._boxes.get(handle)
         if box is None:
             raise NotFound(f"no sandbox {handle!r}")
@@ -563,7 +384,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
             return None, None
         return self._uids.allocate()
 
-    def _release_uid(self, box: _Box) -> None:
+    def _release_uid(self, box: Box) -> None:
         if box.claim is not None:
             self._uids.release(box.uid, box.claim)
             box.claim = None
@@ -591,7 +412,7 @@ class ProcessSandbox(ZygoteControl, Sandbox):
 
     # --- files ----------------------------------------------------------------------------
 
-    async def _ensure_workdir(self, box: _Box) -> None:
+    async def _ensure_workdir(self, box: Box) -> None:
         """Files live in the interpreter's dir, which a lazily started sandbox lacks."""
         if box.workdir is None:
             async with box.lock:
@@ -643,27 +464,3 @@ def _node_records(settings: Any) -> list[str]:
     if config is not None:
         paths.append(os.path.abspath(str(config)))
     return paths
-
-
-def _is_call(call: Any) -> bool:
-    """A well-formed entry of an interpreter's ``calls`` (which code in it could forge)."""
-    return isinstance(call, list) and len(call) == 2 and all(isinstance(x, str) for x in call)
-
-
-def _forget_interpreter(box: _Box) -> None:
-    if box.chan is not None:
-        box.chan.close()
-        box.chan = None
-    if box.output_fds is not None:
-        for fd in box.output_fds:
-            os.close(fd)
-        box.output_fds = None
-
-
-def _death_message(status: str | None) -> str:
-    how = status or "it stopped answering"
-    hint = next((h for sig, h in _SIGNAL_HINTS.items() if status and status.endswith(sig)), None)
-    return (
-        f"InterpreterDied: the Python interpreter died ({how}{f': {hint}' if hint else ''}); "
-        "its state is lost and the next call starts a fresh interpreter.\n"
-    )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from envhub.errors import InvalidRequest, NotFound, SandboxError
 
 if TYPE_CHECKING:
-    from envhub.plugins.process_sandbox.sandbox import _Box
+    from envhub.plugins.process_sandbox.interpreters import Box
 
 _SHM = "/dev/shm"
 _MIN_SHM_FREE = 1 << 30
@@ -42,7 +42,7 @@ def default_work_root(data_dir: Any) -> tuple[str, bool]:
     return (os.path.join(str(data_dir), "sandboxes") if data_dir else tempfile.gettempdir()), False
 
 
-def relative_parts(box: _Box, path: str) -> list[str]:
+def relative_parts(box: Box, path: str) -> list[str]:
     if not isinstance(path, str) or not path or "\0" in path:
         raise InvalidRequest("path must be a non-empty string", field="path")
     if box.workdir is None:
@@ -57,7 +57,7 @@ def relative_parts(box: _Box, path: str) -> list[str]:
     return norm.split("/")
 
 
-def open_in_workdir(box: _Box, parts: list[str], *, write: bool) -> int:
+def open_in_workdir(box: Box, parts: list[str], *, write: bool) -> int:
     """Open ``parts`` below the workdir, following no symlink; writing creates dirs."""
     try:
         dfd = os.open(box.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -101,7 +101,7 @@ def open_in_workdir(box: _Box, parts: list[str], *, write: bool) -> int:
     return fd
 
 
-def write_in_workdir(box: _Box, parts: list[str], data: bytes) -> None:
+def write_in_workdir(box: Box, parts: list[str], data: bytes) -> None:
     fd = open_in_workdir(box, parts, write=True)
     try:
         os.ftruncate(fd, 0)

@@ -9,8 +9,9 @@ Tools the model sees: ``run_command(command, timeout?)``, ``write_file(path, con
 agent acts: ``evaluate`` copies the tests in and runs them under the task's test timeout,
 after which the episode takes no more steps.
 
-Grading. tb1: ``bash /tests/run-tests.sh`` (``TEST_DIR=/tests``), then terminal-bench's
-pytest short-summary parser gives per-test results. tb2: ``bash /tests/test.sh`` with
+Grading (verifier.py runs the tests, grading.py reads their output). tb1: ``bash
+/tests/run-tests.sh`` (``TEST_DIR=/tests``), then terminal-bench's pytest short-summary
+parser gives per-test results. tb2: ``bash /tests/test.sh`` with
 output to ``/logs/verifier/test-stdout.txt``, then ``reward.json`` or ``reward.txt``, with
 per-test results from ``ctrf.json`` when present. ``reward_mode`` ``all_pass`` (default,
 terminal-bench's grade: tb1 1.0 iff every test passed, tb2 the verifier's reward) or
@@ -24,10 +25,8 @@ episode starts, for checking a dataset. Multi-step tb2 tasks run as their first 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
-import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,10 +35,11 @@ import yaml
 
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.terminal_bench import grading, offline
+from envhub.plugins.terminal_bench import offline, verifier
 from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base
 from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
+from envhub.plugins.terminal_bench.verifier import cd_workdir
 from envhub.sandbox import BuildRequest, Limits, SandboxSpec
 
 log = logging.getLogger("envhub.terminal_bench")
@@ -312,7 +312,7 @@ class TerminalBench(Environment):
             await sandbox.write_file(episode.handle, "/oracle/solve.sh", tb.solution.read_bytes())
         timeout = tb.agent_timeout_sec or self.max_command_timeout
         result = await episode.exec(
-            f"{_cd(tb)}bash /oracle/{tb.solution.name if tb.format == 'tb2' else 'solve.sh'}", timeout=timeout
+            f"{cd_workdir(tb)}bash /oracle/{tb.solution.name if tb.format == 'tb2' else 'solve.sh'}", timeout=timeout
         )
         await episode.exec("rm -rf /oracle", timeout=30)
         return {
@@ -335,7 +335,9 @@ class TerminalBench(Environment):
             timeout = action.arguments.get("timeout", self.command_timeout)
             if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
                 raise InvalidRequest("'timeout' must be a positive number of seconds", field="action.arguments.timeout")
-            result = await episode.exec(f"{_cd(tb)}{command}", timeout=min(float(timeout), self.max_command_timeout))
+            result = await episode.exec(
+                f"{cd_workdir(tb)}{command}", timeout=min(float(timeout), self.max_command_timeout)
+            )
             episode.state["commands"] = episode.state.get("commands", 0) + 1
             return StepResult(
                 {
@@ -392,77 +394,7 @@ class TerminalBench(Environment):
         mode = episode.params.get("reward_mode", self.reward_mode)
         if mode not in ("all_pass", "pass_ratio"):
             raise InvalidRequest("'params.reward_mode' must be all_pass or pass_ratio", field="params.reward_mode")
-        # From here on the tests are (or may be) in the container: no more steps. The
-        # evaluation counts only once it is complete, so a failed or cut-off run can be
-        # retried; each run starts from a fresh copy of the tests.
-        episode.state["tests_copied"] = True
-        sandbox = episode.sandbox
-        files: dict[str, bytes] = {}
-        if tb.format == "tb1":
-            await episode.exec("rm -rf /tests", timeout=30)
-            await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
-            await sandbox.write_file(episode.handle, "/tests/run-tests.sh", tb.test_script.read_bytes())
-            result = await episode.exec(
-                f"{_cd(tb)}TEST_DIR=/tests bash /tests/run-tests.sh 2>&1", timeout=tb.test_timeout_sec
-            )
-            output = result.stdout + result.stderr
-            files["test-stdout.txt"] = output.encode()
-            tests = None if result.timed_out else grading.parse_pytest_summary(output)
-            reward = grading.reward_from_tests(tests, mode) or 0.0
-            error = (
-                "tests timed out"
-                if result.timed_out
-                else "no pytest short test summary in the output"
-                if tests is None
-                else None
-            )
-        else:
-            await episode.exec("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier /tests", timeout=30)
-            # The task's shared tests/ first, then the step's own (a multi-step task runs as
-            # its first step), as harbor stages them.
-            if tb.tests_dir.is_dir():
-                await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
-            if tb.test_script.parent != tb.tests_dir:
-                await sandbox.copy_dir(episode.handle, tb.test_script.parent, "/tests")
-            verifier_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in _verifier_env(tb).items())
-            result = await episode.exec(
-                f"{_cd(tb)}{verifier_env + ' ' if verifier_env else ''}bash /tests/{tb.test_script.name} "
-                "> /logs/verifier/test-stdout.txt 2>&1",
-                timeout=tb.test_timeout_sec,
-            )
-            files = await sandbox.fetch_dir(episode.handle, "/logs/verifier")
-            output = files.get("test-stdout.txt", b"").decode("utf-8", errors="replace")
-            tests = grading.parse_ctrf(files["ctrf.json"]) if "ctrf.json" in files else None
-            error = "tests timed out" if result.timed_out else None
-            rewards: dict[str, float] = {}
-            if error is None:
-                try:
-                    rewards = grading.tb2_reward(files)
-                except grading.GradingError as e:
-                    error = str(e)
-            if error is not None:
-                reward = 0.0
-            elif mode == "pass_ratio" and tests:
-                reward = grading.reward_from_tests(tests, "pass_ratio") or 0.0
-            else:
-                reward = rewards.get("reward", sum(rewards.values()) / len(rewards) if rewards else 0.0)
-        details: dict[str, Any] = {
-            "format": tb.format,
-            "reward_mode": mode,
-            "tests": tests or {},
-            "passed": sum(s == "passed" for s in (tests or {}).values()),
-            "total": len(tests or {}),
-            "exit_code": result.exit_code,
-            "timed_out": result.timed_out,
-            "output_tail": output[-4000:],
-        }
-        if tb.format == "tb2":
-            details["rewards"] = rewards
-        if error:
-            details["error"] = error
-        episode.state.update(reward=float(reward), evaluation=details, evaluated=True)
-        await asyncio.to_thread(_write_verifier_dir, episode.log_dir, files, details)
-        return Evaluation(float(reward), details)
+        return await verifier.run(episode, tb, mode)
 
 
 def _public(tb: TbTask) -> dict[str, Any]:
@@ -486,15 +418,6 @@ def _verifier_scripts(tb: TbTask) -> list[Path]:
     dirs = [tb.tests_dir, *(s.tests_dir for s in tb.steps)]
     files = [tb.test_script, *(s.test_script for s in tb.steps)]
     return files + [f for d in dirs if d.is_dir() for f in sorted(d.rglob("*")) if f.is_file()]
-
-
-def _verifier_env(tb: TbTask) -> dict[str, str]:
-    """The step's verifier environment (``[steps.verifier].env``) for a multi-step task."""
-    return dict(tb.steps[0].verifier_env) if tb.steps else {}
-
-
-def _cd(tb: TbTask) -> str:
-    return f"cd {shlex.quote(tb.workdir)} 2>/dev/null; " if tb.workdir else ""
 
 
 def _abs(tb: TbTask, path: str) -> str:
@@ -524,16 +447,3 @@ def _sha256(data: bytes) -> str:
     import hashlib
 
     return hashlib.sha256(data).hexdigest()
-
-
-def _write_verifier_dir(log_dir: Path | None, files: dict[str, bytes], details: dict[str, Any]) -> None:
-    if log_dir is None:
-        return
-    verifier = log_dir / "verifier"
-    verifier.mkdir(parents=True, exist_ok=True)
-    for rel, data in files.items():
-        target = (verifier / rel).resolve()
-        if verifier.resolve() in target.parents:  # names come from the container
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-    (verifier / "result.json").write_text(json.dumps(details, indent=2, default=str))

@@ -29,11 +29,9 @@ Policy (docs/client.md explains it for users):
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import random
 import re
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,6 +48,15 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from envhub.client.errors import (
+    RETRYABLE_STATUS,
+    Call,
+    EnvhubClientError,
+    EnvhubUnavailable,
+    decode,
+    unreachable,
+)
+
 __all__ = [
     "AsyncEnvhubClient",
     "EnvhubClient",
@@ -62,8 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("envhub.client")
-
-RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
 
 CREATE_FALLBACK_INSTRUCTION = "create failed; this is an empty task, please stop."
 STEP_FALLBACK_CONTENT = "Step failed (timeout or exception), please retry"
@@ -109,128 +114,10 @@ class RetryPolicy:
 NO_RETRY = RetryPolicy(attempts=1)
 
 
-class EnvhubClientError(Exception):
-    """A call failed. ``status`` is the HTTP status (None when no reply came), ``code`` and
-    ``message`` come from envhub's error envelope (``"error"``), ``body`` is the parsed
-    envelope (or the raw text of a reply that was not JSON), ``retry_after`` the seconds
-    of a ``Retry-After`` header."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int | None = None,
-        code: str = "error",
-        body: Any = None,
-        method: str = "",
-        path: str = "",
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        self.body = body
-        self.method = method
-        self.path = path
-        self.retry_after = retry_after
-
-    def __str__(self) -> str:
-        where = f"{self.method} {self.path}: " if self.method else ""
-        return f"{where}{self.status if self.status is not None else 'no reply'} {self.code}: {self.message}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "code": self.code, "message": self.message}
-
-
-class EnvhubUnavailable(EnvhubClientError):
-    """The service did not answer (connection error, timeout) or kept answering 429, 502,
-    503 or 504 until the attempts ran out. ``attempts`` says how many were made."""
-
-    attempts: int = 1
-
-
 def new_instance_id(environment: str) -> str:
     """A fresh instance id, ``<environment>-<uuid4 hex>`` when the name is a valid id prefix."""
     hex_ = uuid.uuid4().hex
     return f"{environment}-{hex_}" if _ID_OK.fullmatch(environment) else hex_
-
-
-@dataclass
-class _Call:
-    """One logical call: what to send, whether it may be repeated, and what to return in
-    fallback mode instead of raising (None: always raise)."""
-
-    method: str
-    path: str
-    json: Any = None
-    params: Mapping[str, Any] | None = None
-    idempotent: bool = False
-    timeout: float | None = None
-    fallback: Callable[[EnvhubClientError], dict[str, Any]] | None = None
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a ``Retry-After`` header: delta-seconds or an HTTP date."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-def _error_from_reply(call: _Call, response: httpx.Response) -> EnvhubClientError:
-    status = response.status_code
-    try:
-        body: Any = response.json()
-    except ValueError:
-        body = response.text
-    if isinstance(body, dict) and ("error" in body or "code" in body):
-        code = str(body.get("code") or f"http_{status}")
-        message = str(body.get("error") or body.get("message") or response.reason_phrase)
-    else:
-        code = f"http_{status}"
-        message = (body if isinstance(body, str) and body.strip() else response.reason_phrase)[:2000]
-    cls = EnvhubUnavailable if status in RETRYABLE_STATUS else EnvhubClientError
-    return cls(
-        message,
-        status=status,
-        code=code,
-        body=body,
-        method=call.method,
-        path=call.path,
-        retry_after=_retry_after(response.headers.get("Retry-After")),
-    )
-
-
-def _decode(call: _Call, response: httpx.Response) -> dict[str, Any]:
-    """The JSON body of a 2xx reply; any other reply raises (EnvhubUnavailable when retryable)."""
-    if not response.is_success:
-        raise _error_from_reply(call, response)
-    try:
-        return response.json()
-    except ValueError:
-        raise EnvhubClientError(
-            f"the reply is not JSON: {response.text[:200]!r}",
-            status=response.status_code,
-            code="invalid_response",
-            body=response.text,
-            method=call.method,
-            path=call.path,
-        ) from None
-
-
-def _unreachable(call: _Call, error: httpx.TransportError) -> EnvhubUnavailable:
-    code = "timeout" if isinstance(error, httpx.TimeoutException) else "unreachable"
-    out = EnvhubUnavailable(f"{type(error).__name__}: {error}", code=code, method=call.method, path=call.path)
-    out.__cause__ = error
-    return out
 
 
 def _q(value: Any) -> str:
@@ -271,7 +158,7 @@ class _ClientBase:
         seconds = self.timeout if seconds is None else seconds
         return httpx.Timeout(seconds, connect=min(self.connect_timeout, seconds))
 
-    def _retrying(self, call: _Call) -> dict[str, Any]:
+    def _retrying(self, call: Call) -> dict[str, Any]:
         attempts = self.retry.attempts if call.idempotent else 1
 
         def before_sleep(state: RetryCallState) -> None:
@@ -298,7 +185,7 @@ class _ClientBase:
             "reraise": True,
         }
 
-    def _failed(self, call: _Call, error: EnvhubClientError, attempts: int) -> dict[str, Any]:
+    def _failed(self, call: Call, error: EnvhubClientError, attempts: int) -> dict[str, Any]:
         """Raise ``error``, or in fallback mode log it and return the call's fallback."""
         if isinstance(error, EnvhubUnavailable):
             error.attempts = attempts
@@ -315,17 +202,17 @@ class _ClientBase:
 
     # -- the calls, as data ------------------------------------------------------------
 
-    def _health(self) -> _Call:
-        return _Call("GET", "/health", idempotent=True)
+    def _health(self) -> Call:
+        return Call("GET", "/health", idempotent=True)
 
-    def _environments(self) -> _Call:
-        return _Call("GET", "/environments", idempotent=True)
+    def _environments(self) -> Call:
+        return Call("GET", "/environments", idempotent=True)
 
-    def _tasks(self, environment: str, split: str | None, offset: int, limit: int) -> _Call:
+    def _tasks(self, environment: str, split: str | None, offset: int, limit: int) -> Call:
         params: dict[str, Any] = {"offset": offset, "limit": limit}
         if split is not None:
             params["split"] = split
-        return _Call("GET", f"/environments/{_q(environment)}/tasks", params=params, idempotent=True)
+        return Call("GET", f"/environments/{_q(environment)}/tasks", params=params, idempotent=True)
 
     def _create(
         self,
@@ -334,7 +221,7 @@ class _ClientBase:
         params: Mapping[str, Any] | None,
         instance_id: str | None,
         trial: str | None,
-    ) -> _Call:
+    ) -> Call:
         instance_id = instance_id or new_instance_id(environment)
         body: dict[str, Any] = {"environment": environment, "task_id": task_id, "instance_id": instance_id}
         if params is not None:
@@ -352,11 +239,11 @@ class _ClientBase:
                 "error": error.to_dict(),
             }
 
-        return _Call("POST", "/instances", json=body, idempotent=True, fallback=fallback)
+        return Call("POST", "/instances", json=body, idempotent=True, fallback=fallback)
 
     def _step(
         self, instance_id: str, tool: str, arguments: Mapping[str, Any] | str | None, request_id: str | None
-    ) -> _Call:
+    ) -> Call:
         if request_id is None and self.step_request_ids:
             request_id = uuid.uuid4().hex
         args = {} if arguments is None else (arguments if isinstance(arguments, str) else dict(arguments))
@@ -375,7 +262,7 @@ class _ClientBase:
                 "error": error.to_dict(),
             }
 
-        return _Call(
+        return Call(
             "POST",
             f"/instances/{_q(instance_id)}/step",
             json=body,
@@ -383,7 +270,7 @@ class _ClientBase:
             fallback=fallback,
         )
 
-    def _evaluate(self, instance_id: str, release: bool = False) -> _Call:
+    def _evaluate(self, instance_id: str, release: bool = False) -> Call:
         def fallback(error: EnvhubClientError) -> dict[str, Any]:
             return {
                 "instance_id": instance_id,
@@ -393,7 +280,7 @@ class _ClientBase:
                 "error": error.to_dict(),
             }
 
-        return _Call(
+        return Call(
             "POST",
             f"/instances/{_q(instance_id)}/evaluate",
             json={"release": True} if release else None,
@@ -401,24 +288,24 @@ class _ClientBase:
             fallback=fallback,
         )
 
-    def _release(self, instance_id: str) -> _Call:
+    def _release(self, instance_id: str) -> Call:
         def fallback(error: EnvhubClientError) -> dict[str, Any]:
             return {"instance_id": instance_id, "released": False, "fallback": True, "error": error.to_dict()}
 
-        return _Call("POST", f"/instances/{_q(instance_id)}/release", idempotent=True, fallback=fallback)
+        return Call("POST", f"/instances/{_q(instance_id)}/release", idempotent=True, fallback=fallback)
 
-    def _get(self, instance_id: str) -> _Call:
-        return _Call("GET", f"/instances/{_q(instance_id)}", idempotent=True)
+    def _get(self, instance_id: str) -> Call:
+        return Call("GET", f"/instances/{_q(instance_id)}", idempotent=True)
 
     def _rollout(
         self, environment: str, task_id: str | int, model_url: str, http_timeout: float | None, kw: dict[str, Any]
-    ) -> _Call:
+    ) -> Call:
         # A rollout holds the request for the whole trajectory: the agent's own budget
         # (``timeout``, 600 s by default on the node) comes on top of the client timeout.
         if http_timeout is None:
             http_timeout = self.timeout + float(kw.get("timeout") or 600)
         body = {"environment": environment, "task_id": task_id, "model_url": model_url, **kw}
-        return _Call("POST", "/rollouts", json=body, idempotent=False, timeout=http_timeout)
+        return Call("POST", "/rollouts", json=body, idempotent=False, timeout=http_timeout)
 
 
 class EnvhubClient(_ClientBase):
@@ -447,7 +334,7 @@ class EnvhubClient(_ClientBase):
     def close(self) -> None:
         self._http.close()
 
-    def _run(self, call: _Call) -> dict[str, Any]:
+    def _run(self, call: Call) -> dict[str, Any]:
         attempts = 0
         try:
             for attempt in Retrying(**self._retrying(call)):
@@ -455,16 +342,16 @@ class EnvhubClient(_ClientBase):
                     attempts += 1
                     return self._once(call)
         except httpx.TransportError as e:
-            return self._failed(call, _unreachable(call, e), attempts)
+            return self._failed(call, unreachable(call, e), attempts)
         except EnvhubClientError as e:
             return self._failed(call, e, attempts)
         raise AssertionError("unreachable")  # tenacity either returns or raises
 
-    def _once(self, call: _Call) -> dict[str, Any]:
+    def _once(self, call: Call) -> dict[str, Any]:
         timeout = self._httpx_timeout(call.timeout) if call.timeout is not None else httpx.USE_CLIENT_DEFAULT
         response = self._http.request(call.method, call.path, json=call.json, params=call.params, timeout=timeout)
         try:
-            return _decode(call, response)
+            return decode(call, response)
         except BaseException:
             response.close()  # hand the pooled connection back before the next attempt
             raise
@@ -548,7 +435,7 @@ class AsyncEnvhubClient(_ClientBase):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _run(self, call: _Call) -> dict[str, Any]:
+    async def _run(self, call: Call) -> dict[str, Any]:
         attempts = 0
         try:
             async for attempt in AsyncRetrying(**self._retrying(call)):
@@ -556,16 +443,16 @@ class AsyncEnvhubClient(_ClientBase):
                     attempts += 1
                     return await self._once(call)
         except httpx.TransportError as e:
-            return self._failed(call, _unreachable(call, e), attempts)
+            return self._failed(call, unreachable(call, e), attempts)
         except EnvhubClientError as e:
             return self._failed(call, e, attempts)
         raise AssertionError("unreachable")
 
-    async def _once(self, call: _Call) -> dict[str, Any]:
+    async def _once(self, call: Call) -> dict[str, Any]:
         timeout = self._httpx_timeout(call.timeout) if call.timeout is not None else httpx.USE_CLIENT_DEFAULT
         response = await self._http.request(call.method, call.path, json=call.json, params=call.params, timeout=timeout)
         try:
-            return _decode(call, response)
+            return decode(call, response)
         except BaseException:
             await response.aclose()  # hand the pooled connection back before the next attempt
             raise

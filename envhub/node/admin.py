@@ -1,0 +1,99 @@
+"""A node's administration: its running config (``GET``/``POST /config``) and
+``POST /cleanup``; a scheduler fans both out to every node.
+
+Invariants: a reconfigure applies nothing unless every change validates, by the rule
+the setting or the environment has at start; live episodes keep the environment they
+started with; what a sandbox hides is fixed when it starts, so no reload may move a
+dataset to where episodes can read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from envhub.environment import Environment
+from envhub.errors import EnvhubError, InvalidRequest
+from envhub.settings import check as settings_check
+from envhub.settings import non_finite
+
+
+class Administration:
+    """``config``, ``reconfigure`` and ``cleanup`` of :class:`~envhub.node.service.NodeService`,
+    mixed into it; uses its ``settings``, ``environments``, ``sandboxes``, ``slots``, live
+    instances, ``environment()`` and ``release()``."""
+
+    RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "environments": {name: env.config for name, env in self.environments.items()},
+            "idle_ttl": self.settings.idle_ttl,
+            "queue_timeout": self.settings.queue_timeout,
+        }
+
+    async def reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Merge ``changes`` into the running config. An environment section is merged into
+        its config and the environment reloaded; live episodes keep the one they started
+        with. Nothing is applied unless everything validates."""
+        unknown = sorted(set(changes) - set(self.RECONFIGURABLE))
+        if unknown:
+            raise InvalidRequest(
+                f"cannot change {', '.join(unknown)} at run time (can: {', '.join(self.RECONFIGURABLE)})",
+                field=unknown[0],
+            )
+        sections = changes.get("environments") or {}
+        if not isinstance(sections, dict):
+            raise InvalidRequest("'environments' must map names to config sections", field="environments")
+        numbers = {}
+        for key in ("idle_ttl", "queue_timeout"):
+            if key in changes:
+                try:  # the rule the setting has at start
+                    numbers[key] = settings_check(key, changes[key])
+                except ValueError as e:
+                    raise InvalidRequest(str(e), field=key) from None
+        reloaded: dict[str, Environment] = {}
+        for name, section in sections.items():
+            env = self.environment(name)
+            field = f"environments.{name}"
+            if not isinstance(section, dict):
+                raise InvalidRequest(f"{field} must be a mapping", field=field)
+            bad = non_finite(section)
+            if bad is not None:
+                raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
+            fresh = type(env)({**env.config, **section})
+            try:  # what the environment does with its section at start
+                fresh.load()
+                self._refuse_exposed(name, fresh)
+                if env.context is not None:
+                    await fresh.start(env.context)
+            except EnvhubError as e:
+                raise InvalidRequest(f"{field}: {e.message}", field=field) from None
+            except (ValueError, TypeError, KeyError, OSError) as e:  # a value of the wrong type or shape
+                raise InvalidRequest(f"{field}: {type(e).__name__}: {e}", field=field) from None
+            reloaded[name] = fresh
+        self.environments.update(reloaded)
+        for key, value in numbers.items():
+            setattr(self.settings, key, value)
+        self.slots.queue_timeout = self.settings.queue_timeout
+        return self.config()
+
+    def _refuse_exposed(self, name: str, fresh: Environment) -> None:
+        """What a sandbox hides is fixed when it starts; a dataset moved to where its
+        episodes can read it would hand them the hidden tests."""
+        sandbox = self.sandboxes.get(fresh.sandbox)
+        exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
+        if exposed:
+            raise InvalidRequest(
+                f"episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows it and hides only what "
+                "it was started with); keep datasets outside the Python install and the system's dirs, or restart "
+                "the node with it",
+                field=f"environments.{name}",
+            )
+
+    async def cleanup(self) -> dict[str, Any]:
+        """Release every live instance (what SETA's /cleanup does to its containers)."""
+        released = 0
+        for instance_id in list(self._live):
+            result = await self.release(instance_id, reason="released")
+            released += bool(result.get("released"))
+        return {"status": "ok", "released": released}

@@ -1,0 +1,123 @@
+"""Running a terminal-bench task's verifier in the episode's container, and its grade
+(the parsing is grading.py's, which does no I/O).
+
+Invariants:
+
+- The tests enter the container only here, a fresh copy for every run; from the first
+  run on, the episode takes no more steps (``state["tests_copied"]``).
+- An evaluation counts only once it is complete (``state["evaluated"]``), so a failed or
+  cut-off run can be retried.
+- The verifier's files go to ``verifier/`` in the episode's trial dir, as harbor lays it
+  out; a name that came from the container never leads out of that dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from envhub.environment import Episode, Evaluation
+from envhub.plugins.terminal_bench import grading
+from envhub.plugins.terminal_bench.model import TbTask
+
+
+async def run(episode: Episode, tb: TbTask, mode: str) -> Evaluation:
+    """Run ``tb``'s tests in ``episode``'s container and grade them by ``mode``
+    (``all_pass`` or ``pass_ratio``)."""
+    # From here on the tests are (or may be) in the container: no more steps. The
+    # evaluation counts only once it is complete, so a failed or cut-off run can be
+    # retried; each run starts from a fresh copy of the tests.
+    episode.state["tests_copied"] = True
+    sandbox = episode.sandbox
+    files: dict[str, bytes] = {}
+    if tb.format == "tb1":
+        await episode.exec("rm -rf /tests", timeout=30)
+        await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
+        await sandbox.write_file(episode.handle, "/tests/run-tests.sh", tb.test_script.read_bytes())
+        result = await episode.exec(
+            f"{cd_workdir(tb)}TEST_DIR=/tests bash /tests/run-tests.sh 2>&1", timeout=tb.test_timeout_sec
+        )
+        output = result.stdout + result.stderr
+        files["test-stdout.txt"] = output.encode()
+        tests = None if result.timed_out else grading.parse_pytest_summary(output)
+        reward = grading.reward_from_tests(tests, mode) or 0.0
+        error = (
+            "tests timed out"
+            if result.timed_out
+            else "no pytest short test summary in the output"
+            if tests is None
+            else None
+        )
+    else:
+        await episode.exec("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier /tests", timeout=30)
+        # The task's shared tests/ first, then the step's own (a multi-step task runs as
+        # its first step), as harbor stages them.
+        if tb.tests_dir.is_dir():
+            await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
+        if tb.test_script.parent != tb.tests_dir:
+            await sandbox.copy_dir(episode.handle, tb.test_script.parent, "/tests")
+        verifier_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in _verifier_env(tb).items())
+        result = await episode.exec(
+            f"{cd_workdir(tb)}{verifier_env + ' ' if verifier_env else ''}bash /tests/{tb.test_script.name} "
+            "> /logs/verifier/test-stdout.txt 2>&1",
+            timeout=tb.test_timeout_sec,
+        )
+        files = await sandbox.fetch_dir(episode.handle, "/logs/verifier")
+        output = files.get("test-stdout.txt", b"").decode("utf-8", errors="replace")
+        tests = grading.parse_ctrf(files["ctrf.json"]) if "ctrf.json" in files else None
+        error = "tests timed out" if result.timed_out else None
+        rewards: dict[str, float] = {}
+        if error is None:
+            try:
+                rewards = grading.tb2_reward(files)
+            except grading.GradingError as e:
+                error = str(e)
+        if error is not None:
+            reward = 0.0
+        elif mode == "pass_ratio" and tests:
+            reward = grading.reward_from_tests(tests, "pass_ratio") or 0.0
+        else:
+            reward = rewards.get("reward", sum(rewards.values()) / len(rewards) if rewards else 0.0)
+    details: dict[str, Any] = {
+        "format": tb.format,
+        "reward_mode": mode,
+        "tests": tests or {},
+        "passed": sum(s == "passed" for s in (tests or {}).values()),
+        "total": len(tests or {}),
+        "exit_code": result.exit_code,
+        "timed_out": result.timed_out,
+        "output_tail": output[-4000:],
+    }
+    if tb.format == "tb2":
+        details["rewards"] = rewards
+    if error:
+        details["error"] = error
+    episode.state.update(reward=float(reward), evaluation=details, evaluated=True)
+    await asyncio.to_thread(_write_verifier_dir, episode.log_dir, files, details)
+    return Evaluation(float(reward), details)
+
+
+def cd_workdir(tb: TbTask) -> str:
+    """The shell prefix that runs a command in the task's workdir (when it has one)."""
+    return f"cd {shlex.quote(tb.workdir)} 2>/dev/null; " if tb.workdir else ""
+
+
+def _verifier_env(tb: TbTask) -> dict[str, str]:
+    """The step's verifier environment (``[steps.verifier].env``) for a multi-step task."""
+    return dict(tb.steps[0].verifier_env) if tb.steps else {}
+
+
+def _write_verifier_dir(log_dir: Path | None, files: dict[str, bytes], details: dict[str, Any]) -> None:
+    if log_dir is None:
+        return
+    verifier = log_dir / "verifier"
+    verifier.mkdir(parents=True, exist_ok=True)
+    for rel, data in files.items():
+        target = (verifier / rel).resolve()
+        if verifier.resolve() in target.parents:  # names come from the container
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+    (verifier / "result.json").write_text(json.dumps(details, indent=2, default=str))
