@@ -204,6 +204,22 @@ class EnvhubProcess:
         return httpx.Client(base_url=self.url, headers=headers, **kw)
 
 
+def start_scheduler(tmp_path: Path, nodes_yaml: Path, *args: str, data: str = "sched") -> EnvhubProcess:
+    """A started scheduler over ``nodes_yaml`` (data dir ``tmp_path / data``) that checks
+    its nodes every 0.2 s and retries without waiting; ``args`` add options."""
+    return EnvhubProcess(
+        tmp_path / data,
+        "--set",
+        f"nodes_file={nodes_yaml}",
+        "--set",
+        "health_interval=0.2",
+        "--set",
+        "retry_max_wait=0",
+        *args,
+        role="scheduler",
+    ).start()
+
+
 @pytest.fixture
 def start_node(tmp_path: Path) -> Iterator:
     """Start nodes with extra CLI args; every one is stopped and must exit 0."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import docker
 import httpx
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, faulty_plugin_env, needs_docker, sandbox_dirs
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, faulty_plugin_env, needs_docker, sandbox_dirs, start_scheduler
 
 BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 TIMEOUT = 60  # for each HTTP call made here: generous, a loaded machine is slow to answer
@@ -235,16 +235,7 @@ def test_a_node_dying_mid_step_gives_a_clear_error_and_the_slot_returns(tmp_path
     ).start()
     nodes_yaml = tmp_path / "nodes.yaml"
     nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": node.url, "slots": 2}]}))
-    sched = EnvhubProcess(
-        tmp_path / "s",
-        "--set",
-        f"nodes_file={nodes_yaml}",
-        "--set",
-        "health_interval=0.2",
-        "--set",
-        "retry_max_wait=0",
-        role="scheduler",
-    ).start()
+    sched = start_scheduler(tmp_path, nodes_yaml, data="s")
     try:
         iid = httpx.post(
             sched.url + "/instances",
@@ -307,18 +298,7 @@ def test_a_restarted_scheduler_holds_creates_whose_node_missed_a_check_and_makes
         n.start()
     nodes_yaml = tmp_path / "nodes.yaml"
     nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": n.url, "slots": 16} for n in nodes]}))
-    sched = EnvhubProcess(
-        tmp_path / "s",
-        "--set",
-        f"nodes_file={nodes_yaml}",
-        "--set",
-        "affinity_window=0",  # the creates spread over both nodes
-        "--set",
-        "health_interval=0.2",
-        "--set",
-        "retry_max_wait=0",
-        role="scheduler",
-    ).start()
+    sched = start_scheduler(tmp_path, nodes_yaml, "--set", "affinity_window=0", data="s")  # creates spread
     gate = tmp_path / "gate"  # the creates' resets wait until this file exists
     ids = [f"dup-{i}" for i in range(24)]
     body = {"environment": "faulty", "task_id": "slow-reset", "params": {"gate": str(gate)}}

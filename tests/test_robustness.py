@@ -19,7 +19,7 @@ import uuid
 import httpx
 import pytest
 import yaml
-from conftest import EnvhubProcess, sandbox_dirs
+from conftest import EnvhubProcess, sandbox_dirs, start_scheduler
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -323,16 +323,7 @@ def test_calls_in_flight_to_a_frozen_node_end_with_503_naming_it(tmp_path):
     node = EnvhubProcess(tmp_path / "node", *MBPP_ONLY, "--capacity", "2").start()
     nodes_yaml = tmp_path / "nodes.yaml"
     nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": node.url, "slots": 2}]}))
-    sched = EnvhubProcess(
-        tmp_path / "sched",
-        "--set",
-        f"nodes_file={nodes_yaml}",
-        "--set",
-        "health_interval=0.2",
-        "--set",
-        "retry_max_wait=0",
-        role="scheduler",
-    ).start()
+    sched = start_scheduler(tmp_path, nodes_yaml)
     stopped = False
     try:
         created = httpx.post(

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import EnvhubProcess, faulty_plugin_env
+from conftest import EnvhubProcess, faulty_plugin_env, start_scheduler
 
 from envhub.scheduler.fleet import Node
 
@@ -27,20 +27,6 @@ def start_nodes(tmp_path: Path, n: int, *, key: str | None = None) -> list[Envhu
 def write_nodes_yaml(path: Path, nodes: list[EnvhubProcess], **extra) -> Path:
     path.write_text(yaml.safe_dump({"nodes": [{"url": n.url, "slots": 4} for n in nodes], **extra}))
     return path
-
-
-def start_scheduler(tmp_path: Path, nodes_yaml: Path, *args: str, data: str = "sched") -> EnvhubProcess:
-    return EnvhubProcess(
-        tmp_path / data,
-        "--set",
-        f"nodes_file={nodes_yaml}",
-        "--set",
-        "health_interval=0.2",
-        "--set",
-        "retry_max_wait=0",
-        *args,
-        role="scheduler",
-    ).start()
 
 
 @pytest.fixture
