@@ -19,6 +19,7 @@ Policy:
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import prometheus_client
 
@@ -52,6 +53,21 @@ def outcome_of(error: BaseException | None) -> str:
     if isinstance(error, asyncio.CancelledError):
         return "cancelled"
     return "internal"
+
+
+class Children:
+    """``children(metric, *labels)``: the labelled child of ``metric``, looked up once and
+    kept, since ``labels()`` parses and takes a lock on every call."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._kept.get(key)
+        if child is None:
+            child = self._kept[key] = metric.labels(*labels)
+        return child
 
 
 def exposition(registry: prometheus_client.CollectorRegistry) -> bytes:

@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from envhub.metrics import BUILD_BUCKETS, LATENCY_BUCKETS, REWARD_BUCKETS, WRITE_BUCKETS
+from envhub.metrics import BUILD_BUCKETS, LATENCY_BUCKETS, REWARD_BUCKETS, WRITE_BUCKETS, Children
 from envhub.sandbox import ExecResult
 
 CALLS = ("create", "step", "evaluate", "release")
@@ -108,7 +108,7 @@ class NodeMetrics:
             "Trial-log writes that failed (logged, never failing an episode)",
             registry=r,
         )
-        self._children: dict[tuple[Any, ...], Any] = {}
+        self._child = Children()
         self._state = _NodeState()
         r.register(self._state)
 
@@ -123,13 +123,6 @@ class NodeMetrics:
         self._state.builds = gate
 
     # -- events -------------------------------------------------------------------------
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def call(self, call: str, environment: str, outcome: str, seconds: float | None = None) -> None:
         """One create, step, evaluate or release call (``seconds``: its latency)."""

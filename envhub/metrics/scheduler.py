@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from envhub.metrics import LATENCY_BUCKETS, WRITE_BUCKETS
+from envhub.metrics import LATENCY_BUCKETS, WRITE_BUCKETS, Children
 
 # The causes of a scheduler's 503s.
 NO_FREE_SLOT = "no_free_slot"  # every healthy node is full
@@ -85,20 +85,13 @@ class SchedulerMetrics:
             buckets=WRITE_BUCKETS,
             registry=r,
         )
-        self._children: dict[tuple[Any, ...], Any] = {}
+        self._child = Children()
         self._state = _FleetState()
         r.register(self._state)
 
     def watch_nodes(self, nodes: list[Any]) -> None:
         """Read each node's health and load from ``nodes`` (fleet.Node) at each scrape."""
         self._state.nodes = nodes
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def routed(self, node: str, call: str, seconds: float) -> None:
         self._child(self._routed, node, call).inc()
