@@ -326,18 +326,26 @@ def test_processes_a_killed_node_left_are_killed_when_a_node_starts(tmp_path):
     """Before: a child an episode started (``sleep 600``) survived ``kill -9`` of its node,
     re-parented to PID 1, and the restarted node did not end it."""
     data = tmp_path / "data"
-    first = EnvhubProcess(data, "--set", f"environments.mbpp.path={DATASET}").start()
-    with first.client() as c:
-        iid = create(c)
-        out = run(c, iid, "import subprocess\nsubprocess.Popen(['sleep', '600'], start_new_session=True).pid")
-    survivor = _pid_of_sleep(first.proc.pid, out)
+    # Uids of their own: another node on the machine (a bench, a second checkout) purges
+    # leftovers under the uids it takes from the default range, which would end the
+    # survivor before this test's node could.
+    args = ("--set", f"environments.mbpp.path={DATASET}", "--set", f"sandboxes.process.uid_base={SWEEP_UID_BASE}")
+    first = EnvhubProcess(data, *args).start()
+    try:
+        with first.client() as c:
+            iid = create(c)
+            out = run(c, iid, "import subprocess\nsubprocess.Popen(['sleep', '600'], start_new_session=True).pid")
+        survivor = _pid_of_sleep(first.proc.pid, out)
+    except BaseException:
+        first.stop()  # a failed check must not leave a node holding its uids
+        raise
     os.kill(first.proc.pid, signal.SIGKILL)
     first.proc.wait()
     first._log.close()
     time.sleep(0.5)
     assert _alive(survivor), "the trick: it outlives its node"
     uid = os.stat(f"/proc/{survivor}").st_uid
-    second = EnvhubProcess(data, "--set", f"environments.mbpp.path={DATASET}").start()
+    second = EnvhubProcess(data, *args).start()
     try:
         deadline = time.monotonic() + 5
         while _alive(survivor) and time.monotonic() < deadline:
@@ -352,6 +360,9 @@ def test_processes_a_killed_node_left_are_killed_when_a_node_starts(tmp_path):
         assert said() and str(uid) in said()[0], second.log()
     finally:
         assert second.stop() == 0
+
+
+SWEEP_UID_BASE = 3_200_000  # the killed-node test's sandbox uids (FAULTY_UID_BASE is 3_100_000)
 
 
 def _pid_of_sleep(node_pid: int, out: dict) -> int:
