@@ -325,6 +325,12 @@ seen, open("mine.txt").read()""",
             "invalid_request",
             "instance_id",
         ),
+        (
+            json.dumps({"environment": "mbpp", "task_id": "13", "params": {"sparse": "yes"}}).encode(),
+            400,
+            "invalid_request",
+            "params.sparse",
+        ),
     ],
 )
 def test_bad_create_bodies_get_one_clear_error(client, body, status, code, field):

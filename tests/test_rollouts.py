@@ -147,6 +147,13 @@ def test_seta_step_request_and_response_shapes(node, model):
         assert missing.json()["run_info"]["error_info"]["stage"] == "reset"
         bad = c.post("/step", json={"uid": "x3"})
         assert bad.status_code == 400 and bad.json()["field"] == "task"
+        for change, field in (
+            ({"task": {"task_name": "hello-envhub", "instruction": ["say", "hi"]}}, "task.instruction"),
+            ({"dataset_name": 7}, "dataset_name"),
+        ):
+            bad = c.post("/step", json={**body, "uid": "x4", **change})
+            assert bad.status_code == 400 and bad.json()["field"] == field, bad.text
+        assert c.get("/health").json()["active"] == 0, "no slot held by a refused StepRequest"
     assert (node.data_dir / "trials" / "trial1-seta" / "hello-envhub_t0_abc123" / "verifier").is_dir()
 
 
