@@ -169,7 +169,9 @@ class Environment:
 
     - ``name``: unique id clients pass as ``environment`` (``"mbpp"``).
     - ``description``: one line for listings.
-    - ``sandbox``: the name of the sandbox plugin episodes run in (``"process"``).
+    - ``sandbox``: the name of the sandbox plugin episodes run in (``"process"``); the
+      config section's ``sandbox`` key overrides it, so an operator may run an
+      environment in another sandbox plugin that offers what it needs.
 
     The node builds one instance per process with the environment's config section
     (``environments: {<name>: {...}}``) and calls :meth:`load` once at start; a bad
@@ -208,10 +210,15 @@ class Environment:
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
-    sandbox: ClassVar[str] = "process"
+    sandbox: str = "process"
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
+        chosen = self.config.get("sandbox")
+        if chosen is not None:
+            if not isinstance(chosen, str) or not chosen:
+                raise StartupError(f"{self.name}.sandbox must name a sandbox plugin, not {chosen!r:.60}")
+            self.sandbox = chosen
 
     context: EnvContext | None = None
 

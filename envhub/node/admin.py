@@ -60,12 +60,19 @@ class Administration:
             bad = non_finite(section)
             if bad is not None:
                 raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
-            fresh = type(env)({**env.config, **section})
             try:  # what the environment does with its section at start
+                fresh = type(env)({**env.config, **section})
+                if fresh.sandbox != env.sandbox:  # sandboxes start with the node, for the environments it has
+                    raise InvalidRequest(
+                        f"{field}.sandbox cannot change at run time ({env.sandbox!r} runs its episodes)",
+                        field=f"{field}.sandbox",
+                    )
                 fresh.load()
                 self._refuse_exposed(name, fresh)
                 if env.context is not None:
                     await fresh.start(env.context)
+            except InvalidRequest:
+                raise
             except EnvhubError as e:
                 raise InvalidRequest(f"{field}: {e.message}", field=field) from None
             except (ValueError, TypeError, KeyError, OSError) as e:  # a value of the wrong type or shape
