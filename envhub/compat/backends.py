@@ -20,7 +20,15 @@ from envhub.scheduler.service import SchedulerService
 
 
 class Backend(Protocol):
+    """What the compatibility layers may ask of a role. Every call raises ``EnvhubError``
+    subclasses with the node's own status and code."""
+
     async def task_ids(self, environment: str, split: str | None) -> list[str]: ...
+    async def splits(self, environment: str) -> list[str]: ...
+    async def code_tool(self, environment: str) -> tuple[str, str] | None:
+        """The environment's declared code tool (``Environment.code_tool``)."""
+        ...
+
     async def create(self, body: dict[str, Any]) -> dict[str, Any]: ...
     async def step(self, instance_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
     async def evaluate(self, instance_id: str) -> dict[str, Any]: ...
@@ -40,6 +48,9 @@ class NodeBackend:
 
     async def splits(self, environment: str) -> list[str]:
         return self.node.environment(environment).splits()
+
+    async def code_tool(self, environment: str) -> tuple[str, str] | None:
+        return self.node.environment(environment).code_tool
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         reply, _ = await self.node.create(
@@ -71,6 +82,7 @@ class NodeBackend:
 class SchedulerBackend:
     def __init__(self, scheduler: SchedulerService) -> None:
         self.scheduler = scheduler
+        self._code_tools: dict[str, tuple[str, str] | None] = {}  # an environment's is fixed by its class
 
     async def task_ids(self, environment: str, split: str | None) -> list[str]:
         ids: list[str] = []
@@ -85,6 +97,13 @@ class SchedulerBackend:
 
     async def splits(self, environment: str) -> list[str]:
         return list(_unwrap(*await self.scheduler.any_node("GET", f"/environments/{environment}"))["splits"])
+
+    async def code_tool(self, environment: str) -> tuple[str, str] | None:
+        if environment not in self._code_tools:
+            described = _unwrap(*await self.scheduler.any_node("GET", f"/environments/{environment}"))
+            declared = described.get("code_tool")
+            self._code_tools[environment] = (declared["tool"], declared["argument"]) if declared else None
+        return self._code_tools[environment]
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         return _unwrap(*await self.scheduler.create(body))

@@ -31,7 +31,7 @@ def is_step_request(body: dict[str, Any]) -> bool:
 
 def task_name(body: dict[str, Any]) -> Any:
     """The task a StepRequest names: ``task_name``, else ``task.task_name`` or ``task.task_id``."""
-    task = body.get("task") if isinstance(body.get("task"), dict) else {}
+    task = body["task"] if isinstance(body.get("task"), dict) else {}
     return body.get("task_name") or task.get("task_name") or task.get("task_id")
 
 
