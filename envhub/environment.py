@@ -334,6 +334,11 @@ class Environment:
 
         return ToolAdapter(self)
 
+    #: SETA's ``/step`` runs its StepRequests' tasks in this environment unless the
+    #: ``seta_environment`` setting names another (terminal-bench declares it: SETA's
+    #: tasks are its tasks). At most one served environment should.
+    seta_default: ClassVar[bool] = False
+
     def reward_pair(self, evaluation: Evaluation) -> dict[str, float]:
         """The episode's ``dense`` and ``sparse`` rewards (both are in every evaluate reply;
         ``params.sparse`` picks the episode's, AgentEvolver's ``/evaluate`` too). Default:

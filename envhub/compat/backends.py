@@ -75,7 +75,8 @@ class NodeBackend:
         return await self.node.get(instance_id)
 
     async def seta_step(self, body: dict[str, Any]) -> dict[str, Any]:
-        req = seta.rollout_request(body, environment=self.node.settings.seta_environment)
+        environment = seta.environment_for(self.node.environments, self.node.settings.seta_environment)
+        req = seta.rollout_request(body, environment=environment)
         return await run_rollout(self.node, self.ctx.agents, self.ctx.http, req)
 
 
@@ -128,7 +129,8 @@ class SchedulerBackend:
         return _unwrap(
             *await self.scheduler.rollout(
                 body,
-                environment=self.scheduler.settings.seta_environment,
+                # Unset, each node finds the task's environment itself; here it only keys affinity.
+                environment=self.scheduler.settings.seta_environment or "seta",
                 task_id=seta.task_name(body) or body.get("uid"),
                 path="/step",
                 failure_as_reply=True,

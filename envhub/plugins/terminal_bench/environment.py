@@ -125,6 +125,7 @@ class TerminalBench(Environment):
     sandbox = "docker"
     default_warm_pool = 4  # a GRPO group of one task lands on one node: its next creates find a container ready
     code_tool = ("run_command", "command")
+    seta_default = True  # SETA's StepRequests name terminal-bench tasks
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return TOOLS
