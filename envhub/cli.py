@@ -129,9 +129,8 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
 @click.option(
     "--environment",
     "-e",
-    default="terminal-bench",
-    show_default=True,
-    help="The environment whose task images to build.",
+    default=None,
+    help="The environment whose task images to build [default: the one served whose sandbox builds images].",
 )
 @click.option("--all", "all_tasks", is_flag=True, help="Build every task of the environment.")
 @click.option(
@@ -144,7 +143,7 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
 @click.option("--set", "sets", multiple=True, metavar="KEY.PATH=VALUE", help="Set any option.")
 def build(
     tasks: tuple[str, ...],
-    environment: str,
+    environment: str | None,
     all_tasks: bool,
     base_images: bool,
     config: str | None,

@@ -13,27 +13,40 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from envhub.errors import InvalidRequest, StartupError
 from envhub.util import strict_json
 
 if TYPE_CHECKING:
-    from envhub.node.builds import BuildGate
-    from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+    from envhub.openenv import OpenEnvAdapter
+    from envhub.sandbox import BuildRequest, ExecResult, Sandbox, SandboxSpec
+    from envhub.settings import Settings
+
+
+class ImageBuilds(Protocol):
+    """The node's builds of task images (:attr:`EnvContext.builds`)."""
+
+    async def ensure(self, req: BuildRequest) -> str:
+        """Return ``req.image`` once it exists, building it if needed: once per image
+        however many callers ask at once; a failed build raises ``BuildFailed`` (with the
+        log's tail) and is tried again by the next call."""
+        ...
 
 
 @dataclass
 class EnvContext:
     """The node services an environment may use, handed to :meth:`Environment.start`.
 
-    ``builds`` is the node's build gate when a sandbox that builds images (docker) is
-    running, else ``None``. ``sandboxes`` maps names to the started sandbox plugins.
+    ``builds`` builds task images once each when a sandbox that builds images (one with
+    ``build_image``: docker) is running, else ``None``. ``sandboxes`` maps names to the
+    started sandbox plugins. ``data_dir`` is the node's own (an environment may keep files
+    under it, never where episodes can read them).
     """
 
-    settings: Any
+    settings: Settings
     sandboxes: dict[str, Sandbox]
-    builds: BuildGate | None
+    builds: ImageBuilds | None
     data_dir: Path
 
 
@@ -297,6 +310,43 @@ class Environment:
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
         """Adjust the sandbox spec the node proposes (image, limits) for ``task``."""
         return spec
+
+    # -- what the compatibility layers need (AgentEvolver, OpenEnv, rewards) -------------
+
+    #: The tool that runs a bare block of code, and the argument the code goes in (MBPP:
+    #: ``("run_python", "code")``). AgentEvolver's fenced code blocks and OpenEnv's
+    #: ``{"code"}`` action run with it; ``None``: the environment has none.
+    code_tool: ClassVar[tuple[str, str] | None] = None
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools every episode offers (OpenAI function schemas), where they are known
+        before an episode starts: MCP's ``tools/list`` shows them. Episodes' reset
+        observations stay what a client should use. Default: none known."""
+        return []
+
+    def openenv(self) -> OpenEnvAdapter | None:
+        """How OpenEnv's clients drive this environment under ``/openenv/<name>``
+        (envhub/openenv.py); ``None`` serves no OpenEnv routes for it. The default,
+        :class:`~envhub.openenv.ToolAdapter`, drives any environment through its tools
+        (and its :attr:`code_tool`); override it to speak an upstream environment's
+        models."""
+        from envhub.openenv import ToolAdapter
+
+        return ToolAdapter(self)
+
+    #: SETA's ``/step`` runs its StepRequests' tasks in this environment unless the
+    #: ``seta_environment`` setting names another (terminal-bench declares it: SETA's
+    #: tasks are its tasks). At most one served environment should.
+    seta_default: ClassVar[bool] = False
+
+    def reward_pair(self, evaluation: Evaluation) -> dict[str, float]:
+        """The episode's ``dense`` and ``sparse`` rewards (both are in every evaluate reply;
+        ``params.sparse`` picks the episode's, AgentEvolver's ``/evaluate`` too). Default:
+        ``dense`` is the evaluation's reward, ``sparse`` is 1.0 when that is full (at least
+        1.0), else 0.0. Override it for a pair of the environment's own."""
+        return {"dense": float(evaluation.reward), "sparse": 1.0 if evaluation.reward >= 1.0 else 0.0}
+
+    # -- episodes ------------------------------------------------------------------------
 
     async def reset(self, episode: Episode) -> dict[str, Any]:
         """Prepare the episode and return its initial observation."""

@@ -59,7 +59,7 @@ class Settings:
     ca_bundle: Path | None = None
     build_parallel: int = 2
     agents: dict[str, dict[str, Any]] = field(default_factory=dict)
-    seta_environment: str = "terminal-bench"
+    seta_environment: str | None = None  # None: the one served environment that declares seta_default
     nodes_file: Path | None = None
     # The scheduler's POST /config {"config_path"} reads YAML files from this directory
     # only; None: it reads none.

@@ -84,6 +84,12 @@ SCRIPTS = {
         {"content": "Sorry."},
     ],
     "cut": [{"content": "Let me think about this for a very long", "finish_reason": "length"}],
+    # plugins_contrib/envhub-arith's task "mix": compute with its python tool, then answer.
+    "arith": [
+        {"content": "", "tool_calls": [call("python", code="print((7 + 3) * 11 - 4)")]},
+        {"content": "", "tool_calls": [call("answer", value=106)]},
+        {"content": "Done."},
+    ],
 }
 
 

@@ -65,3 +65,76 @@ def test_every_builtin_plugin_is_a_package_that_registers_its_hooks():
         assert Path(module.__file__).name == "__init__.py", f"{name} is not a package"
         hooks = [attr for attr in vars(module) if attr.startswith("register_")]
         assert hooks, f"{name} registers nothing in its __init__.py"
+
+
+# The public contracts plugin authors import: they promise only what they hold.
+CONTRACTS = ("__init__", "hookspecs", "environment", "sandbox", "network", "agent", "errors", "settings", "openenv")
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports anywhere (at module level, under TYPE_CHECKING,
+    inside functions), absolute names."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_contract_module_imports_the_node_the_scheduler_or_a_plugin():
+    for name in CONTRACTS:
+        path = ROOT / f"{name}.py"
+        bad = sorted(
+            m for m in _all_imports(path) if m.startswith(("envhub.node", "envhub.scheduler", "envhub.plugins"))
+        )
+        assert not bad, f"envhub/{name}.py is a contract, yet imports {', '.join(bad)}"
+
+
+def _builtin_environments() -> dict[str, str]:
+    """Each built-in environment's name -> the package that registers it."""
+    out = {}
+    for module_name in DEFAULT_PLUGINS:
+        hook = getattr(importlib.import_module(module_name), "register_environments", None)
+        for cls in hook() if hook else []:
+            out[cls.name] = module_name
+    return out
+
+
+def _strings(path: Path) -> set[str]:
+    """The string constants of a module's code, docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    }
+
+
+def test_no_module_outside_an_environments_package_names_it():
+    """What other parts need of an environment it declares (code_tool, openenv(),
+    reward_pair(), seta_default, ...): no module but the environment's own names it, by
+    its name or by importing its package."""
+    builtins = _builtin_environments()
+    assert {"mbpp", "terminal-bench", "appworld"} <= set(builtins), "the check must know the built-ins"
+    offences = []
+    for module, path in _modules().items():
+        for env_name, package in builtins.items():
+            if module == package or module.startswith(package + "."):
+                continue
+            if env_name in _strings(path):
+                offences.append(f"{module} names {env_name!r}")
+            imported = sorted(m for m in _all_imports(path) if m == package or m.startswith(package + "."))
+            if imported:
+                offences.append(f"{module} imports {', '.join(imported)}")
+    assert not offences, "\n".join(offences)

@@ -15,9 +15,10 @@ Actions, from the first of these the assistant message has (AgentEvolver's train
 2. tool calls written in its content: ``<tool_call>`` blocks in the Hermes/Qwen JSON or
    the Qwen3-Coder XML form (``envhub/util/toolcalls.py``), one step each; a block that
    cannot be read is answered with why, and runs nothing;
-3. its first fenced code block, run with the environment's code tool (``run_python``
-   for MBPP, where code may call ``submit_solution(code)``; ``run_command`` for
-   terminal-bench; ``appworld`` for AppWorld);
+3. its first fenced code block, run with the tool the environment declares as its code
+   tool (``Environment.code_tool``: ``run_python`` for MBPP, where code may call
+   ``submit_solution(code)``; ``run_command`` for terminal-bench; ``appworld`` for
+   AppWorld); an environment that declares none takes no code blocks;
 4. with ``params.simple`` at create (AppWorld's raw-code mode), the whole content.
 
 A call of a tool the environment does not have is answered with a message saying so, as
@@ -36,18 +37,14 @@ import json
 import re
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from envhub.compat.backends import Backend
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.util import strict_json, toolcalls
 
-# The tool that runs a bare code block, per environment; others: the first tool that takes "code".
-CODE_TOOLS = {
-    "mbpp": ("run_python", "code"),
-    "terminal-bench": ("run_command", "command"),
-    "appworld": ("appworld", "code"),
-}
+T = TypeVar("T")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|$)", re.S)
 
 
@@ -67,7 +64,7 @@ def required(body: dict[str, Any], key: str) -> str:
     return str(value)
 
 
-async def call(fn, *args) -> Any:
+async def call(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """Run a backend call and turn envhub errors into AgentEvolver's 400/500."""
     try:
         return await fn(*args)
@@ -133,12 +130,17 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     instance = await call(backend.get, instance_id)
     tools = (instance.get("observation") or {}).get("tools") or []
     raw = (instance.get("params") or {}).get("simple") is True
-    actions, unreadable = _actions(message, instance["environment"], tools, raw=raw)
-    known = {(t.get("function") or {}).get("name") for t in tools}
+    actions, unreadable = _actions(message, raw=raw)
     state: list[dict[str, Any]] = [
         {"role": "user", "tool_calls": [], "content": f"Your tool call could not be read: {why}"} for why in unreadable
     ]
-    reward, done, info = 0.0, False, {}
+    code = _code_block(message, raw=raw) if not actions and not unreadable else None
+    if code is not None:  # the environment's declared code tool runs it
+        declared = await call(backend.code_tool, instance["environment"])
+        if declared is not None:
+            actions = [("", declared[0], {declared[1]: code})]
+    known = {(t.get("function") or {}).get("name") for t in tools}
+    reward, done, info = 0.0, False, dict[str, Any]()
     for call_id, tool, arguments in actions:
         if tools and tool not in known:
             content = f"tools not found in the existing tool list, please check the tool name of {tool}"
@@ -153,20 +155,17 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
         if done:
             break
     if not actions and not unreadable:
-        state.append(
-            {
-                "role": "user",
-                "tool_calls": [],
-                "content": "No tool call and no code block found in your message. Call a tool.",
-            }
+        why = (
+            "This environment runs no code blocks: call one of its tools."
+            if code is not None
+            else "No tool call and no code block found in your message. Call a tool."
         )
+        state.append({"role": "user", "tool_calls": [], "content": why})
     return {"state": state, "reward": reward, "is_terminated": done, "info": info}
 
 
-def _actions(
-    message: dict[str, Any], environment: str, tools: list[dict[str, Any]], *, raw: bool = False
-) -> tuple[list[tuple[str, str, Any]], list[str]]:
-    """The steps a message asks for, as ``(call id, tool, arguments)``, and why each tool
+def _actions(message: dict[str, Any], *, raw: bool = False) -> tuple[list[tuple[str, str, Any]], list[str]]:
+    """The tool calls a message makes, as ``(call id, tool, arguments)``, and why each tool
     call written in its content that could not be read was not."""
     out = []
     tool_calls = message.get("tool_calls") or []
@@ -175,7 +174,7 @@ def _actions(
     for tc in tool_calls:
         if not isinstance(tc, dict):
             raise AEError(400, "each tool call must be an object")
-        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
+        fn = tc["function"] if isinstance(tc.get("function"), dict) else tc
         args = fn.get("arguments") or "{}"
         try:
             args = strict_json.loads(args) if isinstance(args, str) else args
@@ -188,23 +187,17 @@ def _actions(
     if not isinstance(content, str):
         return [], []
     written = toolcalls.parse(content)
-    if written:
-        return [(c["id"], c["name"], c["arguments"]) for c in written.calls], written.errors
+    return [(c["id"], c["name"], c["arguments"]) for c in written.calls], written.errors
+
+
+def _code_block(message: dict[str, Any], *, raw: bool) -> str | None:
+    """The code a message without tool calls holds: its first fenced block, or with
+    ``raw`` (AppWorld's simple mode) its whole content."""
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        return None
     match = _FENCE.search(content)
-    code = match.group(2) if match else content if raw and content.strip() else None
-    if code is not None:
-        tool, key = CODE_TOOLS.get(environment) or _code_tool(tools)
-        if tool:
-            return [("", tool, {key: code})], []
-    return [], []
-
-
-def _code_tool(tools: list[dict[str, Any]]) -> tuple[str | None, str]:
-    for t in tools:
-        fn = t.get("function") or {}
-        if "code" in ((fn.get("parameters") or {}).get("properties") or {}):
-            return fn.get("name"), "code"
-    return None, "code"
+    return match.group(2) if match else content if raw and content.strip() else None
 
 
 async def evaluate(backend: Backend, body: dict[str, Any]) -> float:

@@ -20,7 +20,15 @@ from envhub.scheduler.service import SchedulerService
 
 
 class Backend(Protocol):
+    """What the compatibility layers may ask of a role. Every call raises ``EnvhubError``
+    subclasses with the node's own status and code."""
+
     async def task_ids(self, environment: str, split: str | None) -> list[str]: ...
+    async def splits(self, environment: str) -> list[str]: ...
+    async def code_tool(self, environment: str) -> tuple[str, str] | None:
+        """The environment's declared code tool (``Environment.code_tool``)."""
+        ...
+
     async def create(self, body: dict[str, Any]) -> dict[str, Any]: ...
     async def step(self, instance_id: str, body: dict[str, Any]) -> dict[str, Any]: ...
     async def evaluate(self, instance_id: str) -> dict[str, Any]: ...
@@ -40,6 +48,9 @@ class NodeBackend:
 
     async def splits(self, environment: str) -> list[str]:
         return self.node.environment(environment).splits()
+
+    async def code_tool(self, environment: str) -> tuple[str, str] | None:
+        return self.node.environment(environment).code_tool
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         reply, _ = await self.node.create(
@@ -64,13 +75,15 @@ class NodeBackend:
         return await self.node.get(instance_id)
 
     async def seta_step(self, body: dict[str, Any]) -> dict[str, Any]:
-        req = seta.rollout_request(body, environment=self.node.settings.seta_environment)
+        environment = seta.environment_for(self.node.environments, self.node.settings.seta_environment)
+        req = seta.rollout_request(body, environment=environment)
         return await run_rollout(self.node, self.ctx.agents, self.ctx.http, req)
 
 
 class SchedulerBackend:
     def __init__(self, scheduler: SchedulerService) -> None:
         self.scheduler = scheduler
+        self._code_tools: dict[str, tuple[str, str] | None] = {}  # an environment's is fixed by its class
 
     async def task_ids(self, environment: str, split: str | None) -> list[str]:
         ids: list[str] = []
@@ -85,6 +98,13 @@ class SchedulerBackend:
 
     async def splits(self, environment: str) -> list[str]:
         return list(_unwrap(*await self.scheduler.any_node("GET", f"/environments/{environment}"))["splits"])
+
+    async def code_tool(self, environment: str) -> tuple[str, str] | None:
+        if environment not in self._code_tools:
+            described = _unwrap(*await self.scheduler.any_node("GET", f"/environments/{environment}"))
+            declared = described.get("code_tool")
+            self._code_tools[environment] = (declared["tool"], declared["argument"]) if declared else None
+        return self._code_tools[environment]
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         return _unwrap(*await self.scheduler.create(body))
@@ -109,7 +129,8 @@ class SchedulerBackend:
         return _unwrap(
             *await self.scheduler.rollout(
                 body,
-                environment=self.scheduler.settings.seta_environment,
+                # Unset, each node finds the task's environment itself; here it only keys affinity.
+                environment=self.scheduler.settings.seta_environment or "seta",
                 task_id=seta.task_name(body) or body.get("uid"),
                 path="/step",
                 failure_as_reply=True,

@@ -5,7 +5,8 @@ A StepRequest is ``{task: {task_name, instruction?, ...}, uid, traj_i, model_url
 model_api_key, dataset_name, task_name, trial_name}``; the reply is SETA's StepResponse,
 ``{run_info, reward, error}``, which ``envhub.node.rollouts`` already produces, with the
 ``agent_summary`` keys SETA's trainer reads. The task runs in the environment named by
-the ``seta_environment`` setting (default ``terminal-bench``); ``uid`` becomes the
+the ``seta_environment`` setting, or where that is unset, in the one environment served
+that declares ``seta_default`` (terminal-bench, whose tasks SETA's are); ``uid`` becomes the
 instance id, ``trial_name`` the trial, and ``task.instruction``, when given, is what the
 agent is told instead of the task's own instruction. ``dataset_name`` (or
 ``task.dataset_name``) must name the dataset the task is in, the dir the environment
@@ -15,8 +16,10 @@ in SETA's ``<DATASET_ROOT>/<dataset_name>/<task_name>``; a task of another is 40
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from envhub.environment import Environment
 from envhub.errors import InvalidRequest
 from envhub.node.rollouts import RolloutRequest
 
@@ -31,7 +34,7 @@ def is_step_request(body: dict[str, Any]) -> bool:
 
 def task_name(body: dict[str, Any]) -> Any:
     """The task a StepRequest names: ``task_name``, else ``task.task_name`` or ``task.task_id``."""
-    task = body.get("task") if isinstance(body.get("task"), dict) else {}
+    task = body["task"] if isinstance(body.get("task"), dict) else {}
     return body.get("task_name") or task.get("task_name") or task.get("task_id")
 
 
@@ -61,3 +64,15 @@ def rollout_request(body: dict[str, Any], *, environment: str) -> RolloutRequest
             **{k: body[k] for k in _PASSED_THROUGH if k in body},
         }
     )
+
+
+def environment_for(environments: Mapping[str, Environment], setting: str | None) -> str:
+    """The environment SETA's StepRequests run in: ``setting`` (``seta_environment``) when
+    set, else the one served environment that declares ``seta_default``."""
+    if setting:
+        return setting
+    declared = sorted(name for name, env in environments.items() if env.seta_default)
+    if len(declared) != 1:
+        why = f"several declare it ({', '.join(declared)})" if declared else "none served here declares it"
+        raise InvalidRequest(f"no environment for SETA's /step: set seta_environment ({why})", field="task_name")
+    return declared[0]

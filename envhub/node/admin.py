@@ -12,17 +12,33 @@ from __future__ import annotations
 from typing import Any
 
 from envhub.environment import Environment
-from envhub.errors import EnvhubError, InvalidRequest
+from envhub.errors import EnvhubError, InvalidRequest, NotFound
+from envhub.node.capacity import Slots
+from envhub.node.episodes import Episodes
+from envhub.sandbox import Sandbox
+from envhub.settings import Settings, non_finite
 from envhub.settings import check as settings_check
-from envhub.settings import non_finite
 
 
 class Administration:
-    """``config``, ``reconfigure`` and ``cleanup`` of :class:`~envhub.node.service.NodeService`,
-    mixed into it; uses its ``settings``, ``environments``, ``sandboxes``, ``slots``, live
-    instances, ``environment()`` and ``release()``."""
+    """A node's running config and cleanup. ``environments`` is the node's own mapping,
+    updated in place by :meth:`reconfigure`; ``settings`` too."""
 
     RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
+
+    def __init__(
+        self,
+        settings: Settings,
+        environments: dict[str, Environment],
+        sandboxes: dict[str, Sandbox],
+        slots: Slots,
+        episodes: Episodes,
+    ) -> None:
+        self.settings = settings
+        self.environments = environments
+        self.sandboxes = sandboxes
+        self.slots = slots
+        self.episodes = episodes
 
     def config(self) -> dict[str, Any]:
         return {
@@ -53,7 +69,10 @@ class Administration:
                     raise InvalidRequest(str(e), field=key) from None
         reloaded: dict[str, Environment] = {}
         for name, section in sections.items():
-            env = self.environment(name)
+            env = self.environments.get(name)
+            if env is None:
+                known = ", ".join(sorted(self.environments))
+                raise NotFound(f"no environment {name!r} (this node serves: {known})", extra={"environment": name})
             field = f"environments.{name}"
             if not isinstance(section, dict):
                 raise InvalidRequest(f"{field} must be a mapping", field=field)
@@ -100,7 +119,7 @@ class Administration:
     async def cleanup(self) -> dict[str, Any]:
         """Release every live instance (what SETA's /cleanup does to its containers)."""
         released = 0
-        for instance_id in list(self._live):
-            result = await self.release(instance_id, reason="released")
+        for instance_id in self.episodes.ids():
+            result = await self.episodes.release(instance_id, reason="released")
             released += bool(result.get("released"))
         return {"status": "ok", "released": released}

@@ -1,9 +1,5 @@
 """One instance as a node holds it: :class:`Live`, what it keeps in memory of a live
-episode, and the rule every instance id follows.
-
-The scheduler checks a client's id with the same rule before it picks a node, so an id
-one accepts the other accepts too.
-"""
+episode, and :func:`spec_for`, the sandbox spec every episode of a task starts from."""
 
 from __future__ import annotations
 
@@ -12,12 +8,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from envhub.environment import Environment, Episode
-from envhub.errors import InvalidRequest
+from envhub.environment import Environment, Episode, Task
 from envhub.node.trial_log import TrialLog
+from envhub.sandbox import SandboxSpec
 from envhub.store import instances
-
-_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:")
 
 
 @dataclass
@@ -31,13 +25,24 @@ class Live:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_active: float = field(default_factory=time.monotonic)
     done: bool = False
-    grading: asyncio.Task | None = None  # the evaluation in progress (or done), shared by its callers
+    grading: asyncio.Future[tuple[dict[str, Any], tuple[str, Any]]] | None = None  # the evaluation under way (or done)
     graded_recorded: bool = False  # that evaluation is in SQLite
 
 
-def validate_instance_id(value: Any) -> str:
-    if not isinstance(value, str) or not 1 <= len(value) <= 128 or not set(value) <= _ID_CHARS:
-        raise InvalidRequest(
-            "'instance_id' must be 1-128 characters of letters, digits and . _ - :", field="instance_id"
-        )
-    return value
+def spec_for(node_id: str, env: Environment, task: Task, params: dict[str, Any], instance_id: str) -> SandboxSpec:
+    """The sandbox spec of an episode of ``task``: the node's proposal (its labels, so
+    that what a node leaves behind can be found), adjusted by the environment."""
+    return env.sandbox_spec(
+        task,
+        params,
+        SandboxSpec(
+            instance_id=instance_id,
+            environment=env.name,
+            task_id=task.id,
+            labels={
+                "envhub.node": node_id,
+                "envhub.instance": instance_id,
+                "envhub.task": f"{env.name}/{task.id}",
+            },
+        ),
+    )

@@ -20,12 +20,18 @@ import asyncio
 import logging
 import time
 
-from envhub.environment import Episode
+from envhub.environment import Environment, Episode
 from envhub.errors import EnvhubError, NotFound
-from envhub.node.instance import Live
-from envhub.node.trial_log import TrialLog
+from envhub.metrics.node import NodeMetrics
+from envhub.node.creating import exec_recorder
+from envhub.node.episodes import Episodes
+from envhub.node.instance import Live, spec_for
+from envhub.node.pool import WarmPool
+from envhub.node.trial_log import TrialLog, TrialWriter
+from envhub.sandbox import Sandbox
+from envhub.settings import Settings
 from envhub.store import instances
-from envhub.store.db import delete_in_batches
+from envhub.store.db import Database, delete_in_batches
 
 log = logging.getLogger("envhub.node")
 
@@ -34,9 +40,28 @@ _PRUNE_PER_PASS = 20_000  # and per reaper pass
 
 
 class Lifecycle:
-    """``reconcile``, the reaper and ``shutdown`` of :class:`~envhub.node.service.NodeService`,
-    mixed into it; uses its state (live instances, slots, pools, sandboxes, ``db``) and
-    its ``_spec``, ``_hold``, ``_end`` and ``_exec_recorder``."""
+    """What happens to a node's episodes around them: reconciliation at start, the idle
+    reaper and retention while it runs, shutdown at stop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        db: Database,
+        environments: dict[str, Environment],
+        sandboxes: dict[str, Sandbox],
+        episodes: Episodes,
+        pool: WarmPool,
+        trial_writer: TrialWriter,
+        metrics: NodeMetrics,
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.environments = environments  # the node's own mapping (a reconfigure updates it)
+        self.sandboxes = sandboxes
+        self.episodes = episodes
+        self.pool = pool
+        self.trial_writer = trial_writer
+        self.metrics = metrics
 
     # -- background ------------------------------------------------------------------
 
@@ -44,13 +69,14 @@ class Lifecycle:
         """Expire every live instance idle for longer than ``idle_ttl``; returns their ids."""
         now = time.monotonic() if now is None else now
         reaped = []
-        for instance_id, live in list(self._live.items()):
+        for live in self.episodes:
+            instance_id = live.row.id
             if live.lock.locked() or now - live.last_active < self.settings.idle_ttl:
                 continue
             async with live.lock:
-                if self._live.get(instance_id) is not live:
+                if self.episodes.find(instance_id) is not live:
                     continue
-                await self._end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
+                await self.episodes.end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
             self.metrics.expired(live.env.name)
             reaped.append(instance_id)
             log.info("expired idle instance %s", instance_id)
@@ -100,10 +126,10 @@ class Lifecycle:
                 await instances.end(self.db, row.id, "lost", error="the node restarted and the sandbox is gone")
                 lost += 1
                 continue
-            self._live[row.id] = live
-            self.slots.used += 1  # may pass capacity for a while: adopted work is not refused
-            self._hold(row.id)
-            adopted[row.sandbox].add(row.sandbox_handle)
+            self.episodes.admit(live)
+            self.episodes.slots.used += 1  # may pass capacity for a while: adopted work is not refused
+            self.episodes.hold(row.id)
+            adopted[row.sandbox].add(live.episode.handle)
         for name, sandbox in self.sandboxes.items():
             for handle, labels in await sandbox.list_pooled(str(self.settings.node_id)):
                 environment, _, task_id = labels.get("envhub.task", "").partition("/")
@@ -118,7 +144,7 @@ class Lifecycle:
                 adopted[name].add(handle)
         removed = 0
         for name, sandbox in self.sandboxes.items():
-            removed += await sandbox.remove_unknown(self.settings.node_id, adopted[name])
+            removed += await sandbox.remove_unknown(str(self.settings.node_id), adopted[name])
         return {"adopted": sum(len(h) for h in adopted.values()), "lost": lost, "removed": removed}
 
     async def _adopt(self, row: instances.InstanceRow) -> Live | None:
@@ -136,7 +162,7 @@ class Lifecycle:
             task = env.task(row.task_id)
         except NotFound:
             return None
-        spec = self._spec(env, task, row.params, row.id)
+        spec = spec_for(str(self.settings.node_id), env, task, row.params, row.id)
         try:
             if not await sandbox.adopt(row.sandbox_handle, spec):
                 return None
@@ -153,32 +179,29 @@ class Lifecycle:
             spec=spec,
             state=row.env_state,
             log_dir=trial_log.dir,
-            on_exec=self._exec_recorder(sandbox.name),
+            on_exec=exec_recorder(self.metrics, sandbox.name),
         )
         trial_log.record("adopted")
         return Live(row=row, env=env, episode=episode, log=trial_log, done=row.state == "done")
-
-    def stop_accepting(self) -> None:
-        self._accepting = False
 
     async def shutdown(self, *, release_all: bool | None = None) -> None:
         """Stop taking creates; release every live instance whose sandbox cannot survive
         the restart, and leave the others running for the next start to adopt (unless
         ``release_on_shutdown``); flush the trial logs."""
-        self._accepting = False
+        self.episodes.accepting = False
         release_all = self.settings.release_on_shutdown if release_all is None else release_all
         # Idle warm sandboxes are cheap to start again: a stop removes them. Those a crash
         # leaves are taken back into the pools at the next start (reconcile).
         await self.pool.shutdown(keep=False)
-        for live in list(self._live.values()):
+        for live in self.episodes:
             sandbox = live.episode.sandbox
             try:
                 if sandbox.survives_restart and not release_all:
-                    self._live.pop(live.row.id, None)
+                    self.episodes.forget(live.row.id)
                     await sandbox.detach(live.episode.handle)
                     live.log.record("detached")
                 else:
-                    await self._end(live, "released", error="node shut down")
+                    await self.episodes.end(live, "released", error="node shut down")
             except Exception:
                 log.exception("releasing %s at shutdown", live.row.id)
         await asyncio.to_thread(self.trial_writer.close)

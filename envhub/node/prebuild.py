@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import click
 
-from envhub.errors import EnvhubError, NotFound
+from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.node.runtime import NodeRuntime
 from envhub.plugins import collect, get_plugin_manager
 from envhub.settings import Settings
@@ -21,16 +21,17 @@ from envhub.store.db import Database, migrate
 
 async def prebuild(
     settings: Settings,
-    environment: str,
+    environment: str | None,
     task_ids: list[str] | None,
     *,
     base_images: bool = False,
     echo: Callable[[str], None] = print,
 ) -> dict[str, str | None]:
-    """Build the images of ``task_ids`` (all tasks when ``None``) of ``environment``,
-    in parallel up to ``build_parallel``; returns ``{task_id: error or None}``. With
-    ``base_images``, first make the environment's stand-in base images (an environment
-    offers them with a ``build_base_images(echo)`` method: terminal-bench does)."""
+    """Build the images of ``task_ids`` (all tasks when ``None``) of ``environment`` (when
+    ``None``, the one environment served whose sandbox builds images), in parallel up to
+    ``build_parallel``; returns ``{task_id: error or None}``. With ``base_images``, first
+    make the environment's stand-in base images (an environment offers them with a
+    ``build_base_images(echo)`` method: terminal-bench does)."""
     pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
     db = await Database.open(settings.db_path)
     runtime = NodeRuntime(settings, db)
@@ -39,6 +40,8 @@ async def prebuild(
         await runtime.start(
             collect(pm, "register_environments", "environment"), collect(pm, "register_sandboxes", "sandbox")
         )
+        if environment is None:
+            environment = _the_one_that_builds(runtime)
         env = runtime.environments.get(environment)
         if env is None:
             why = runtime.skipped.get(environment, "it is not registered or not enabled")
@@ -68,3 +71,17 @@ async def prebuild(
     finally:
         await runtime.stop()
         await db.close()
+
+
+def _the_one_that_builds(runtime: NodeRuntime) -> str:
+    """The environment ``envhub build`` means when it names none: the one served whose
+    sandbox builds images."""
+    building = sorted(
+        name for name, env in runtime.environments.items() if hasattr(runtime.sandboxes.get(env.sandbox), "build_image")
+    )
+    if len(building) == 1:
+        return building[0]
+    if building:
+        raise InvalidRequest(f"several environments build images ({', '.join(building)}): name one with --environment")
+    skipped = "; ".join(f"{n}: {why}" for n, why in runtime.skipped.items())
+    raise NotFound("no environment served here builds images" + (f" ({skipped})" if skipped else ""))

@@ -25,8 +25,8 @@ from typing import Any
 import aiohttp
 
 from envhub.agent import Agent, AgentResult, AgentSession, Budgets, ModelClient
+from envhub.calls import validate_instance_id
 from envhub.errors import EnvhubError, InvalidRequest
-from envhub.node.instance import validate_instance_id
 from envhub.node.service import NodeService
 from envhub.node.trial_log import TrialLog
 

@@ -77,7 +77,8 @@ async def call(
     headers = {"X-API-Key": api_key} if api_key else {}
     if data is not None:
         headers["Content-Type"] = "application/json"
-    extra = {"timeout": aiohttp.ClientTimeout(total=timeout, connect=10)} if timeout is not None else {}
+    # Without a timeout of its own, the call has the session's.
+    extra: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout, connect=10)} if timeout is not None else {}
     attempts = retry.attempts if idempotent else 1
 
     async def once() -> PeerReply:

@@ -38,20 +38,20 @@ import asyncio
 import json as jsonlib
 import logging
 import math
-import secrets
 import time
 from typing import Any
 
 import aiohttp
 
+from envhub.calls import CreateRequest, new_instance_id
 from envhub.errors import EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
 from envhub.metrics import scheduler as causes
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
-from envhub.node.instance import validate_instance_id
 from envhub.scheduler import peers
 from envhub.scheduler.fleet import Fleet, Node, NodeSource
 from envhub.scheduler.health import FleetHealth
+from envhub.scheduler.view import FleetView
 from envhub.settings import Settings
 from envhub.store import routes
 from envhub.store.db import Database
@@ -67,9 +67,9 @@ class AllNodesBusy(EnvhubError):
     code = "capacity_exceeded"
 
 
-class SchedulerService(FleetHealth):
-    """Placement and routing; start-up, health rounds and fleet changes are mixed in from
-    health.py."""
+class SchedulerService:
+    """Placement and routing over a :class:`~envhub.scheduler.view.FleetView` (view.py),
+    kept current by :class:`~envhub.scheduler.health.FleetHealth` (health.py)."""
 
     def __init__(
         self,
@@ -85,19 +85,71 @@ class SchedulerService(FleetHealth):
         self.metrics = metrics or NoSchedulerMetrics()
         self.db = db
         self.http = http
-        self.nodes = list(fleet.nodes)  # changed in place by set_fleet: metrics read it at scrape
-        self.metrics.watch_nodes(self.nodes)
-        self.by_url = {n.url: n for n in self.nodes}
-        self.source = source
+        self.view = FleetView(fleet.nodes)
+        self.metrics.watch_nodes(self.view.nodes)  # changed in place by set_fleet: metrics read it at scrape
+        self.health_checks = FleetHealth(settings, db, http, self.view, source)
         self.network = network
         self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
         self._lock = asyncio.Lock()
-        self._freed = asyncio.Event()
-        self._affinity: dict[str, tuple[str, float]] = {}
-        # instance id -> node url for live routes: routes never move, so the hot path
-        # (every step) needs no SQLite read. Filled on create and on first lookup.
-        self._route_cache: dict[str, str] = {}
         self._creating: SingleFlight[tuple[int, bytes]] = SingleFlight()  # creates in flight, by id
+
+    @property
+    def nodes(self) -> list[Node]:
+        return self.view.nodes
+
+    @property
+    def by_url(self) -> dict[str, Node]:
+        return self.view.by_url
+
+    def mark_down(self, node: Node, why: str) -> None:
+        """Take ``node`` out of placement until its next good health check."""
+        self.view.mark_down(node, why)
+
+    def set_fleet(self, fleet: Fleet) -> tuple[list[str], list[str]]:
+        """Make ``fleet.nodes`` the fleet (view.py); returns the URLs that joined and left."""
+        return self.view.set_fleet(fleet)
+
+    # -- start-up and health (health.py) --------------------------------------------------
+
+    async def start(self) -> None:
+        """Routes and affinity from SQLite, a first health round, then the creates a killed
+        scheduler left half-done settled."""
+        window = self.settings.affinity_window
+        self.view.affinity.update(await routes.affinities(self.db, newer_than=time.time() - window))
+        counts = await routes.live_counts(self.db)
+        for node in self.nodes:
+            node.active = counts.get(node.url, 0)
+        await self.check_health()
+        await self._settle_unfinished_creates()
+
+    async def _settle_unfinished_creates(self) -> None:
+        """Creates a killed scheduler left half-done: keep the route if the node has the
+        instance, drop it if not (the client's retry, carrying the same id, then lands).
+        A ``failed`` row (a create the node abandoned when the scheduler died mid-call) or a
+        ``lost`` one (the node restarted) has no instance to give either: the client never
+        got its create answer, so its retry is placed afresh instead of replaying a dead id."""
+        for instance_id, node_url in await routes.unfinished(self.db):
+            node = self.by_url.get(node_url)
+            if node is None or not node.healthy:
+                continue
+            try:
+                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True, answers_client=False)
+                state = reply.json().get("state") if reply.status == 200 else None
+            except (UpstreamUnavailable, ValueError, AttributeError):
+                continue
+            if reply.status == 404 or state in ("failed", "lost"):
+                await routes.delete(self.db, instance_id)
+            elif reply.status == 200:
+                await routes.set_state(self.db, instance_id, "live")
+
+    async def check_health(self) -> None:
+        await self.health_checks.check_health()
+
+    async def health_forever(self) -> None:
+        await self.health_checks.forever()
+
+    async def prune_routes(self) -> int:
+        return await self.health_checks.prune_routes()
 
     # -- choosing a node -----------------------------------------------------------------
 
@@ -114,9 +166,9 @@ class SchedulerService(FleetHealth):
                         node.pending += 1
                     else:
                         node.creating.add(instance_id)
-                    self._affinity[task_key] = (node.url, time.time())
+                    self.view.affinity[task_key] = (node.url, time.time())
                     return node
-                self._freed.clear()
+                self.view.freed.clear()
             left = deadline - time.monotonic()
             if left <= 0:
                 healthy = [n for n in self.nodes if n.healthy]
@@ -129,14 +181,14 @@ class SchedulerService(FleetHealth):
                     extra={"retry_after": 2},
                 )
             try:
-                await asyncio.wait_for(self._freed.wait(), left)
+                await asyncio.wait_for(self.view.freed.wait(), left)
             except TimeoutError:
                 pass
 
     def _choose(self, task_key: str) -> tuple[Node | None, str]:
         """The node for a create of ``task_key``, and how affinity served it: ``hit``
         (its last node), ``miss`` (that node is down or full) or ``none``."""
-        seen = self._affinity.get(task_key)
+        seen = self.view.affinity.get(task_key)
         affinity = "none"
         if seen is not None and time.time() - seen[1] <= self.settings.affinity_window:
             node = self.by_url.get(seen[0])
@@ -152,21 +204,12 @@ class SchedulerService(FleetHealth):
     # -- client calls --------------------------------------------------------------------
 
     async def create(self, body: dict[str, Any]) -> tuple[int, bytes]:
-        environment, task_id = body.get("environment"), body.get("task_id")
-        if not isinstance(environment, str) or not environment:
-            raise InvalidRequest("'environment' must be a string", field="environment")
-        if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
-            raise InvalidRequest("'task_id' must be a string", field="task_id")
-        params = body.get("params") or {}
-        if not isinstance(params, dict):
-            raise InvalidRequest("'params' must be an object", field="params")
-        instance_id = body.get("instance_id")
-        instance_id = (
-            validate_instance_id(instance_id) if instance_id is not None else f"{environment}-{secrets.token_hex(8)}"
-        )
+        request = CreateRequest.parse(body)  # the node's own rule: refused here before a node is picked
+        instance_id = request.instance_id or new_instance_id(request.environment)
         # A concurrent retry (a client that timed out while this runs) joins the attempt.
         (status, data), ran = await self._creating.run(
-            instance_id, lambda: self._create(body, environment, str(task_id), params, instance_id)
+            instance_id,
+            lambda: self._create(body, request.environment, request.task_id, request.params, instance_id),
         )
         if not ran and status == 201:
             status = 200  # as a node answers a replay
@@ -226,14 +269,14 @@ class SchedulerService(FleetHealth):
             created = status in (200, 201)
             if created or status == 409:  # 409: the id names an instance there already
                 await routes.set_state(self.db, instance_id, "live")
-                self._route_cache[instance_id] = node.url
+                self.view.routes[instance_id] = node.url
             return reply.status, reply.body
         finally:
             node.answered(instance_id, created, mark)
             if not created:
                 if status is not None and status != 409:  # the node answered: it holds no such instance
                     await asyncio.shield(routes.delete(self.db, instance_id))
-                self._freed.set()
+                self.view.freed.set()
 
     async def rollout(
         self,
@@ -270,19 +313,19 @@ class SchedulerService(FleetHealth):
             return 200, jsonlib.dumps({"run_info": None, "reward": None, "error": f"Node error: {e.message}"}).encode()
         finally:
             node.rollouts -= 1
-            self._freed.set()
+            self.view.freed.set()
 
     async def forward(
         self, instance_id: str, method: str, suffix: str = "", body: bytes | None = None, *, idempotent: bool
     ) -> tuple[int, bytes]:
         """Send a call for ``instance_id`` to its node; ``body`` is the client's raw JSON,
         passed through unparsed (the node validates it and answers as it would directly)."""
-        node_url = self._route_cache.get(instance_id)
+        node_url = self.view.routes.get(instance_id)
         if node_url is None:
             route = await routes.get(self.db, instance_id)
             node_url = route.node_url
             if route.state == "live":
-                self._route_cache[instance_id] = node_url
+                self.view.routes[instance_id] = node_url
         node = self.by_url.get(node_url)
         if node is None:
             raise self._left(instance_id, node_url)
@@ -319,7 +362,7 @@ class SchedulerService(FleetHealth):
     async def evaluate(self, instance_id: str, body: bytes | None) -> tuple[int, bytes]:
         """Forward an evaluate; one that also released the instance (``{"release": true}``)
         ends its route as a release does. Only such a request's reply is parsed."""
-        releasing = bool(body) and b'"release"' in body
+        releasing = body is not None and b'"release"' in body
         status, data = await self.forward(instance_id, "POST", "/evaluate", body, idempotent=releasing)
         if releasing and status == 200:
             try:
@@ -332,14 +375,14 @@ class SchedulerService(FleetHealth):
 
     async def _ended(self, instance_id: str) -> None:
         """The node ended the instance: drop its route and count its slot free."""
-        self._route_cache.pop(instance_id, None)
+        self.view.routes.pop(instance_id, None)
         route = await routes.get(self.db, instance_id)
         if route.state != "ended":
             await routes.set_state(self.db, instance_id, "ended")
             node = self.by_url.get(route.node_url)
             if node is not None:
                 node.end(instance_id)
-            self._freed.set()
+            self.view.freed.set()
 
     # -- OpenEnv sessions (envhub/web/openenv_proxy.py) ----------------------------------
 
@@ -355,7 +398,7 @@ class SchedulerService(FleetHealth):
 
     def session_closed(self, node: Node, *, opened: bool) -> None:
         node.session_closed(opened=opened)
-        self._freed.set()  # a create waiting for a slot (scheduler_wait) may go now
+        self.view.freed.set()  # a create waiting for a slot (scheduler_wait) may go now
 
     async def any_node(self, method: str, path: str, params: dict[str, str] | None = None) -> tuple[int, bytes]:
         """Read-only calls any node can answer (environment and task listings)."""
@@ -451,12 +494,12 @@ class SchedulerService(FleetHealth):
                     "last_seen_s": None if node.last_seen is None else round(now - node.last_seen, 3),
                     "task_affinity": {
                         k: round(now - t, 3)
-                        for k, (url, t) in self._affinity.items()
+                        for k, (url, t) in self.view.affinity.items()
                         if url == node.url and now - t <= window
                     },
                 }
             )
-        return {"nodes": out, "cached_routes": len(self._route_cache)}
+        return {"nodes": out, "cached_routes": len(self.view.routes)}
 
     def overview(self) -> dict[str, Any]:
         """What the dashboard shows: the totals, and each node's status with what its last

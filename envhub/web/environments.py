@@ -1,4 +1,8 @@
-"""GET /environments and GET /environments/<name>/tasks (split filter, paging)."""
+"""GET /environments and GET /environments/<name>/tasks (split filter, paging).
+
+An environment's description includes what it declares for the compatibility layers:
+its ``code_tool`` (``{"tool", "argument"}`` or null) and whether it is served over
+``openenv``; a scheduler reads them from its nodes."""
 
 from __future__ import annotations
 
@@ -33,12 +37,15 @@ async def list_environments(request: Request):
 @bp.get("/<name>")
 async def get_environment(request: Request, name: str):
     env = request.app.ctx.node.environment(name)
+    code_tool = {"tool": env.code_tool[0], "argument": env.code_tool[1]} if env.code_tool else None
     return json(
         {
             "name": env.name,
             "description": env.description,
             "sandbox": env.sandbox,
             "splits": {s: len(env.tasks(s)) for s in env.splits()},
+            "code_tool": code_tool,
+            "openenv": env.openenv() is not None,
         }
     )
 

@@ -89,7 +89,8 @@ async def refuse(ws: Any, frame: dict[str, Any], wait: float = 2.0) -> None:
         try:
             await ws.recv(timeout=wait)  # whatever it is, it is not answered
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():  # a real cancellation (shutdown)
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():  # a real cancellation (shutdown)
                 raise
             return  # Sanic's recv raises CancelledError when the client has closed
     await close_with(ws, None, wait=wait)
@@ -119,7 +120,8 @@ async def close_with(
                 try:
                     await ws.recv(timeout=left)  # frames after our close are dropped
                 except asyncio.CancelledError:
-                    if asyncio.current_task().cancelling():  # a real cancellation (shutdown)
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():  # a real cancellation (shutdown)
                         raise
                     break  # Sanic's recv raises CancelledError when the close reply arrives
         # The close reply ends the read; the closing handshake itself may still be running.

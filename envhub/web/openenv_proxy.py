@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 from sanic import Blueprint, Request
 
-from envhub.compat.openenv import ADAPTERS, WireError, capacity_reached
+from envhub.compat.openenv import WireError, capacity_reached
 from envhub.errors import NotFound, UpstreamUnavailable
 from envhub.scheduler.fleet import Node
 from envhub.scheduler.service import AllNodesBusy, SchedulerService
@@ -39,10 +39,10 @@ MAX_FRAME = 100 * 2**20  # the OpenEnv client's own limit (max_message_size_mb=1
 @bp.on_request
 async def known_environment(request: Request) -> None:
     environment = request.match_info["environment"]
+    # Nodes say which environments they serve over OpenEnv (/health's "openenv"); with
+    # no node healthy, the socket's own refusal says so.
     healthy = [n for n in request.app.ctx.scheduler.nodes if n.healthy]
-    if environment not in ADAPTERS or (
-        healthy and not any(environment in n.info.get("environments", ()) for n in healthy)
-    ):
+    if healthy and not any(environment in n.info.get("openenv", ()) for n in healthy):
         raise NotFound(
             f"no OpenEnv environment {environment!r} behind this scheduler", extra={"environment": environment}
         )

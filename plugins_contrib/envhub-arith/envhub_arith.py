@@ -9,11 +9,31 @@ import envhub
 
 QUESTIONS = {"add": "17 + 25", "mul": "12 * 12", "pow": "2 ** 20", "mix": "(7 + 3) * 11 - 4"}
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code in your sandbox; variables persist between calls.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "answer",
+            "description": "Give your final answer; this ends the episode.",
+            "parameters": {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]},
+        },
+    },
+]
+
 
 class Arith(envhub.Environment):
     name = "arith"
     description = "Arithmetic questions answered with a Python tool"
     sandbox = "process"
+    code_tool = ("python", "code")  # what runs a model's bare code block (AgentEvolver, OpenEnv)
 
     def tasks(self, split=None):
         return [
@@ -22,29 +42,12 @@ class Arith(envhub.Environment):
             if split in (None, "train")
         ]
 
+    def tool_schemas(self):
+        return TOOLS
+
     async def reset(self, episode):
         expr = QUESTIONS[episode.task.id]
-        tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": "python",
-                    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
-                },
-            },
-            {
-                "type": "function",
-                "function": {
-                    "name": "answer",
-                    "parameters": {
-                        "type": "object",
-                        "properties": {"value": {"type": "number"}},
-                        "required": ["value"],
-                    },
-                },
-            },
-        ]
-        return {"system_prompt": "Answer with the answer tool.", "instruction": f"What is {expr}?", "tools": tools}
+        return {"system_prompt": "Answer with the answer tool.", "instruction": f"What is {expr}?", "tools": TOOLS}
 
     async def step(self, episode, action):
         if action.tool == "python":

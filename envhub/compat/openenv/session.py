@@ -1,10 +1,11 @@
 """OpenEnv sessions over envhub episodes, in plain Python (the blueprints only move frames).
 
 An OpenEnv client talks to one environment per path prefix (``/openenv/<environment>``).
-Each environment with an OpenEnv mapping has an :class:`Adapter` that turns OpenEnv's
-action, observation and state shapes into envhub tool calls and back: ``mbpp`` speaks
-``coding_env``'s (``CodeAction`` / ``CodeObservation`` / ``CodeState``), ``terminal-bench``
-speaks ``tbench2_env``'s. Invariants:
+Each environment declares how: its ``openenv()`` returns an adapter (envhub/openenv.py)
+that turns OpenEnv's action, observation and state shapes into envhub tool calls and
+back; an environment whose ``openenv()`` is ``None`` has no OpenEnv routes. A
+:class:`Session` is what an adapter drives its episode through (``OpenEnvSession``).
+Invariants:
 
 - One WebSocket is one :class:`Session`, and a session has at most one envhub instance at
   a time: ``reset`` releases the previous one and creates a new one; ``close``, a dropped
@@ -34,11 +35,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from envhub import __version__
-from envhub.compat.openenv.adapters import ADAPTERS, Adapter, Wire
 from envhub.compat.openenv.wire import (
     JSONRPC_FIELDS,
     MESSAGE_FIELDS,
-    METADATA,
     RESET_FIELDS,
     STEP_FIELDS,
     NotReady,
@@ -52,6 +51,7 @@ from envhub.compat.openenv.wire import (
 )
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.node.service import NodeService
+from envhub.openenv import OpenEnvAdapter, Wire
 from envhub.util import strict_json
 
 log = logging.getLogger("envhub.openenv")
@@ -60,9 +60,10 @@ log = logging.getLogger("envhub.openenv")
 
 
 class Session:
-    """One OpenEnv session: the envhub instance it holds, its clock and its state fields."""
+    """One OpenEnv session: the envhub instance it holds, its clock and its state fields;
+    to its adapter, the ``OpenEnvSession`` it drives the episode through."""
 
-    def __init__(self, service: OpenEnvService, adapter: Adapter, *, reserved: bool) -> None:
+    def __init__(self, service: OpenEnvService, adapter: OpenEnvAdapter, *, reserved: bool) -> None:
         self.service = service
         self.node: NodeService = service.node
         self.adapter = adapter
@@ -72,8 +73,9 @@ class Session:
         self.step_count = 0
         self.instruction = ""
         self.extra: dict[str, Any] = {}
+        self.tools: list[dict[str, Any]] = []  # the episode's own, from its reset observation
         self.last_activity = time.monotonic()
-        self.task: asyncio.Task | None = None  # the socket's handler, cancelled at shutdown
+        self.task: asyncio.Task[Any] | None = None  # the socket's handler, cancelled at shutdown
 
     # -- the slot -----------------------------------------------------------------------------
 
@@ -97,6 +99,12 @@ class Session:
                 await asyncio.shield(self.node.release(iid, reason=reason))
             except EnvhubError as e:
                 log.warning("releasing %s: %s", iid, e.message)
+
+    async def close_episode(self) -> None:
+        """Release the episode; the socket is still a session, so it goes on holding a slot
+        (when one is free)."""
+        await self.release_instance()
+        self.reserve()
 
     async def close(self, reason: str = "released") -> None:
         await self.release_instance(reason)
@@ -125,11 +133,13 @@ class Session:
         self.episode_id = data["episode_id"] if isinstance(data.get("episode_id"), str) else self.instance_id
         self.step_count = 0
         self.instruction = created["observation"].get("instruction", "")
+        tools = created["observation"].get("tools")
+        self.tools = tools if isinstance(tools, list) else []
         self.last_activity = time.monotonic()
         return self.adapter.reset(self, task, created)
 
     async def step(self, data: dict[str, Any]) -> Wire:
-        action = validate(data, {**self.adapter.action, "metadata": METADATA})
+        action = validate(data, self.adapter.action_fields())
         if self.instance_id is None:
             raise NotReady(self.adapter.not_ready)
         self.step_count += 1
@@ -140,6 +150,18 @@ class Session:
             raise
         finally:
             self.last_activity = time.monotonic()
+
+    # -- what the adapter drives the episode with (OpenEnvSession) -----------------------------
+
+    async def act(self, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        if self.instance_id is None:
+            raise NotReady(self.adapter.not_ready)
+        return await self.node.step(self.instance_id, {"tool": tool, "arguments": arguments})
+
+    async def evaluate(self) -> dict[str, Any]:
+        if self.instance_id is None:
+            raise NotReady(self.adapter.not_ready)
+        return await self.node.evaluate(self.instance_id)
 
     async def call_tool(self, name: str, arguments: Any) -> dict[str, Any]:
         """An envhub tool call in the session's episode (MCP ``tools/call``); counts as a step."""
@@ -215,15 +237,20 @@ class OpenEnvService:
         self.sessions: set[Session] = set()
         self._closing: dict[Session, asyncio.Future[None]] = {}
 
-    def adapter(self, environment: str) -> Adapter:
+    def adapter(self, environment: str) -> OpenEnvAdapter:
         env = self.node.environments.get(environment)
-        if env is None or environment not in ADAPTERS:
-            known = ", ".join(sorted(n for n in self.node.environments if n in ADAPTERS)) or "none"
+        adapter = env.openenv() if env is not None else None
+        if adapter is None:
+            known = ", ".join(self.environments()) or "none"
             raise NotFound(
                 f"no OpenEnv environment {environment!r} on this node (OpenEnv environments: {known})",
                 extra={"environment": environment},
             )
-        return ADAPTERS[environment](env)
+        return adapter
+
+    def environments(self) -> list[str]:
+        """The environments this node serves over OpenEnv (those that declare an adapter)."""
+        return sorted(name for name, env in self.node.environments.items() if env.openenv() is not None)
 
     def open(self, environment: str) -> Session:
         """A new session holding a slot; ``WireError(CAPACITY_REACHED)`` when none is free."""
@@ -268,7 +295,7 @@ class OpenEnvService:
     # -- stateless HTTP (an episode per call, released before the reply) ----------------------
 
     async def _one_shot(
-        self, adapter: Adapter, data: dict[str, Any], then: Callable[[Session], Awaitable[Any]] | None = None
+        self, adapter: OpenEnvAdapter, data: dict[str, Any], then: Callable[[Session], Awaitable[Any]] | None = None
     ) -> Any:
         session = Session(self, adapter, reserved=False)
         try:
@@ -284,7 +311,7 @@ class OpenEnvService:
     async def http_step(self, environment: str, body: Any) -> Wire:
         data = validate(body, STEP_FIELDS, loc=("body",), extra=True)
         adapter = self.adapter(environment)
-        validate(data["action"], {**adapter.action, "metadata": METADATA})  # 422 before an episode starts
+        validate(data["action"], adapter.action_fields())  # 422 before an episode starts
         return _http_reward(await self._one_shot(adapter, data, lambda session: session.step(data["action"])))
 
     def fresh_state(self, environment: str) -> dict[str, Any]:
@@ -312,7 +339,7 @@ class OpenEnvService:
             return rpc_error(None, -32700, "Parse error")
         return await self.mcp(adapter, body)
 
-    async def mcp(self, adapter: Adapter, body: Any, *, session: Session | None = None) -> dict[str, Any]:
+    async def mcp(self, adapter: OpenEnvAdapter, body: Any, *, session: Session | None = None) -> dict[str, Any]:
         """One JSON-RPC 2.0 request: ``tools/list``, and ``tools/call`` in the session's
         episode (over the socket) or in a one-call episode (over HTTP)."""
         try:
@@ -329,13 +356,20 @@ class OpenEnvService:
                 + "; ".join(f"{'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}" for err in e.errors),
             )
         rid, method, params = request["id"], request["method"], request["params"]
+        # The episode's own tools once a session has one; before that, those the
+        # environment declares.
+        tools = (session.tools if session is not None else []) or adapter.tools()
         if method == "tools/list":
             return rpc_result(
                 rid,
                 {
                     "tools": [
-                        {"name": f["name"], "description": f.get("description", ""), "inputSchema": f["parameters"]}
-                        for f in (t["function"] for t in adapter.tools())
+                        {
+                            "name": f["name"],
+                            "description": f.get("description", ""),
+                            "inputSchema": f.get("parameters") or {"type": "object"},
+                        }
+                        for f in (t["function"] for t in tools if isinstance(t.get("function"), dict))
                     ]
                 },
             )
@@ -344,7 +378,7 @@ class OpenEnvService:
         name, arguments = params.get("name"), params.get("arguments") or {}
         if not name:
             return rpc_error(rid, -32602, "Missing 'name' in params")
-        if name not in {t["function"]["name"] for t in adapter.tools()}:
+        if name not in {t["function"].get("name") for t in tools if isinstance(t.get("function"), dict)}:
             return rpc_error(rid, -32602, f"Tool not found: {name}")
         try:
             if session is not None:

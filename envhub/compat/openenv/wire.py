@@ -4,43 +4,12 @@ models, error frames and JSON-RPC replies. No I/O and no envhub state here."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from envhub.errors import EnvhubError
+from envhub.openenv import KINDS, Field
 
 # -- validation in pydantic's error shape (what upstream servers send back) ------------------
-
-_REQUIRED = object()
-_KINDS = {  # kind: (JSON Schema type, pydantic error type, message)
-    "str": ("string", "string_type", "Input should be a valid string"),
-    "bool": ("boolean", "bool_type", "Input should be a valid boolean"),
-    "number": ("number", "float_type", "Input should be a valid number"),
-    "int": ("integer", "int_type", "Input should be a valid integer"),
-    "dict": ("object", "dict_type", "Input should be a valid dictionary"),
-    "id": (None, "int_type", "Input should be a valid integer or string"),  # a JSON-RPC id
-}
-
-
-@dataclass(frozen=True)
-class Field:
-    kind: str
-    default: Any = _REQUIRED
-    nullable: bool = False
-    ge: float | None = None
-    gt: float | None = None
-    max_length: int | None = None
-
-    def schema(self, name: str) -> dict[str, Any]:
-        typ = {"type": _KINDS[self.kind][0]} if _KINDS[self.kind][0] else {"type": ["string", "integer"]}
-        for key, bound in (("minimum", self.ge), ("exclusiveMinimum", self.gt), ("maxLength", self.max_length)):
-            if bound is not None:
-                typ[key] = bound
-        out: dict[str, Any] = {"anyOf": [typ, {"type": "null"}]} if self.nullable else typ
-        out["title"] = name.replace("_", " ").title()
-        if self.default is not _REQUIRED:
-            out["default"] = self.default
-        return out
 
 
 def error(kind: str, loc: tuple, msg: str, value: Any, **ctx: Any) -> dict[str, Any]:
@@ -62,7 +31,7 @@ def _type_ok(kind: str, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "id":
         return isinstance(value, (str, int)) and not isinstance(value, bool)
-    return isinstance(value, {"str": str, "bool": bool, "dict": dict}[kind])
+    return isinstance(value, {"str": str, "bool": bool, "dict": dict, "list": list}[kind])
 
 
 def validate(data: Any, fields: dict[str, Field], *, loc: tuple = (), extra: bool = False) -> dict[str, Any]:
@@ -73,7 +42,7 @@ def validate(data: Any, fields: dict[str, Field], *, loc: tuple = (), extra: boo
     errors, out = [], {}
     for name, f in fields.items():
         if name not in data:
-            if f.default is _REQUIRED:
+            if f.required:
                 errors.append(error("missing", loc + (name,), "Field required", data))
             else:
                 out[name] = json.loads(json.dumps(f.default))  # a fresh copy of a mutable default
@@ -82,7 +51,7 @@ def validate(data: Any, fields: dict[str, Field], *, loc: tuple = (), extra: boo
         if value is None and f.nullable:
             out[name] = None
         elif not _type_ok(f.kind, value):
-            _, kind, msg = _KINDS[f.kind]
+            _, kind, msg = KINDS[f.kind]
             errors.append(error(kind, loc + (name,), msg, value))
         elif f.ge is not None and value < f.ge:
             errors.append(
@@ -121,22 +90,6 @@ def validate(data: Any, fields: dict[str, Field], *, loc: tuple = (), extra: boo
     return out
 
 
-def model_schema(title: str, fields: dict[str, Field], *, description: str = "", extra: bool = False) -> dict:
-    required = [n for n, f in fields.items() if f.default is _REQUIRED]
-    out: dict[str, Any] = {
-        "title": title,
-        "type": "object",
-        "description": description,
-        "properties": {n: f.schema(n) for n, f in fields.items()},
-    }
-    if required:
-        out["required"] = required
-    if not extra:
-        out["additionalProperties"] = False
-    return out
-
-
-METADATA = Field("dict", {})
 RESET_FIELDS = {
     "seed": Field("int", None, nullable=True, ge=0),
     "episode_id": Field("str", None, nullable=True, max_length=255),

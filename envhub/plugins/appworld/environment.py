@@ -20,11 +20,14 @@ grading happens in a grader process of its own (``sandbox.py``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import InvalidRequest, StartupError
 from envhub.plugins.appworld import prompts
+
+if TYPE_CHECKING:
+    from envhub.openenv import OpenEnvAdapter
 
 _FLAGS = ("sparse", "simple", "prompt")
 
@@ -38,6 +41,23 @@ class AppWorld(Environment):
     name = "appworld"
     description = "AppWorld: simulated apps and people; tasks graded by checks of the final database state"
     sandbox = "appworld"
+    code_tool = ("appworld", "code")
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return prompts.TOOLS
+
+    def openenv(self) -> OpenEnvAdapter:
+        from envhub.plugins.appworld.openenv import AppWorldAdapter  # it imports this module
+
+        return AppWorldAdapter(self)
+
+    def reward_pair(self, evaluation: Evaluation) -> dict[str, float]:
+        """Both of AppWorld's rewards, as its grader computed them (``details["rewards"]``):
+        ``dense`` the share of checks passed, ``sparse`` 1.0 only when all passed."""
+        own = evaluation.details.get("rewards")
+        if isinstance(own, dict) and all(isinstance(own.get(k), (int, float)) for k in ("dense", "sparse")):
+            return {"dense": float(own["dense"]), "sparse": float(own["sparse"])}
+        return super().reward_pair(evaluation)
 
     def load(self) -> None:
         self.reward = str(self.config.get("reward", "dense"))

@@ -29,12 +29,15 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envhub.environment import Action, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import InvalidRequest, StartupError
 from envhub.plugins.mbpp import _mbpp_harness, grading
 from envhub.sandbox import SandboxSpec
+
+if TYPE_CHECKING:
+    from envhub.openenv import OpenEnvAdapter
 
 _HARNESS = "_mbpp_harness"  # preloaded into the sandbox from _mbpp_harness.py beside this module
 _PROBE_CELL = f"import {_HARNESS}\n{_HARNESS}.probe(submission, setup, tests, cpu)"
@@ -142,6 +145,15 @@ class MBPP(Environment):
     name = "mbpp"
     description = "Mostly Basic Python Problems, with a live interpreter per episode"
     sandbox = "process"
+    code_tool = ("run_python", "code")
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return TOOLS
+
+    def openenv(self) -> OpenEnvAdapter:
+        from envhub.plugins.mbpp.openenv import CodingAdapter  # it imports this module
+
+        return CodingAdapter(self)
 
     def load(self) -> None:
         path = self.config.get("path")

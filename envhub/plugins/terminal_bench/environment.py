@@ -29,7 +29,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -41,6 +41,9 @@ from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
 from envhub.plugins.terminal_bench.verifier import cd_workdir
 from envhub.sandbox import BuildRequest, Limits, SandboxSpec
+
+if TYPE_CHECKING:
+    from envhub.openenv import OpenEnvAdapter
 
 log = logging.getLogger("envhub.terminal_bench")
 
@@ -121,6 +124,16 @@ class TerminalBench(Environment):
     description = "Terminal-Bench tasks (tb1 and tb2 formats), one Docker container per episode"
     sandbox = "docker"
     default_warm_pool = 4  # a GRPO group of one task lands on one node: its next creates find a container ready
+    code_tool = ("run_command", "command")
+    seta_default = True  # SETA's StepRequests name terminal-bench tasks
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return TOOLS
+
+    def openenv(self) -> OpenEnvAdapter:
+        from envhub.plugins.terminal_bench.openenv import Tbench2Adapter  # it imports this module
+
+        return Tbench2Adapter(self)
 
     def load(self) -> None:
         roots = self.config.get("datasets") or [str(BUNDLED)]

@@ -1,0 +1,214 @@
+"""The node's live instances and the slots they hold: one table every part of the node
+shares (create, step, grading, administration, lifecycle).
+
+Invariants:
+
+- Every live instance holds exactly one slot, from before its sandbox starts until its
+  sandbox is destroyed: ``slots.used == len(live) + creates in flight`` (+ OpenEnv
+  sessions holding a slot before their instance exists, + warm sandboxes in pools, see
+  envhub/node/pool.py).
+- The ids holding a slot are ``slot_ids``, and every change to that set (or to the pools'
+  slots) advances ``slot_seq``. /health reports both and a create's reply carries the
+  mark it was answered at (``X-Envhub-Slots``), so a scheduler can tell whether a health
+  report already counts a create it has seen answered (see envhub/scheduler/service.py).
+- :meth:`Episodes.end` is the one way out of the table: it destroys the sandbox, frees
+  the slot and records the end in SQLite and the trial log, whatever fails on the way.
+- A call whose environment raises ``Gone`` (the sandbox died, and the episode's state
+  with it) ends the instance as ``lost`` and frees its slot before the 410 goes out;
+  later calls get 410 too.
+- Calls on one instance are serialised by its lock; ``release`` holds it, so it never
+  ends an instance under a running step.
+- ``ended_counts`` counts every instance that ended since the start, by environment and
+  end state; every release is counted once in ``metrics`` with its outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import secrets
+import time
+from collections.abc import Awaitable, Iterator
+from typing import Any, TypeVar
+
+from envhub.errors import Conflict, Gone
+from envhub.metrics import UNKNOWN, outcome_of
+from envhub.metrics.node import NodeMetrics
+from envhub.node.capacity import Slots
+from envhub.node.instance import Live
+from envhub.store import instances
+from envhub.store.db import Database
+
+T = TypeVar("T")
+
+
+class Episodes:
+    """The live instances of one node, by id, and the accounting of the slots they hold."""
+
+    def __init__(self, db: Database, slots: Slots, metrics: NodeMetrics) -> None:
+        self.db = db
+        self.slots = slots
+        self.metrics = metrics
+        self.accepting = True  # false once the node is stopping: no new instances
+        self.ended_counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (environment, state)
+        self.creating: dict[str, str] = {}  # creates holding a slot: instance id -> environment
+        # Instances of whole rollouts that hold a slot (so are live too). Joined and left
+        # together with the slot, so /health never counts a rollout twice or not at all.
+        self.rollouts: set[str] = set()
+        self.slot_ids: set[str] = set()
+        self.slot_seq = 0
+        self.slot_boot = secrets.token_hex(4)  # a restarted node counts its seq from 0 again
+        self._live: dict[str, Live] = {}
+
+    # -- the table ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Live]:
+        """The live instances, as a snapshot: ending one while iterating is safe."""
+        return iter(list(self._live.values()))
+
+    def ids(self) -> list[str]:
+        return list(self._live)
+
+    def find(self, instance_id: str) -> Live | None:
+        return self._live.get(instance_id)
+
+    def admit(self, live: Live) -> None:
+        """``live`` (its slot already held) joins the table."""
+        self._live[live.row.id] = live
+        self.creating.pop(live.row.id, None)
+
+    def forget(self, instance_id: str) -> None:
+        """Drop an instance from the table without ending it (its sandbox detached at
+        shutdown, for the next start to adopt)."""
+        self._live.pop(instance_id, None)
+
+    def environment_of(self, instance_id: str) -> str:
+        """The environment of a live instance, for metrics labels."""
+        live = self._live.get(instance_id)
+        return live.env.name if live is not None else UNKNOWN
+
+    async def require(self, instance_id: str) -> Live:
+        """The live instance, or the error its row's state calls for: ``NotFound`` for an
+        unknown id, ``Conflict`` while it is created or once it ended, ``Gone`` when lost."""
+        live = self._live.get(instance_id)
+        if live is not None:
+            return live
+        row = await instances.get(self.db, instance_id)  # NotFound for unknown ids
+        if row.state == "creating":
+            raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
+        if row.state == "lost":
+            raise Gone(
+                f"instance {instance_id!r} is lost: {row.error}", extra={"state": row.state, "instance_id": instance_id}
+            )
+        raise Conflict(
+            f"instance {instance_id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
+            extra={"state": row.state, "instance_id": instance_id},
+        )
+
+    def ensure_still_live(self, live: Live) -> None:
+        """Raise ``Conflict`` when ``live`` ended while the caller waited for its lock."""
+        if self._live.get(live.row.id) is not live:
+            raise Conflict(
+                f"instance {live.row.id!r} was released while this call waited", extra={"instance_id": live.row.id}
+            )
+
+    # -- slots -------------------------------------------------------------------------
+
+    def hold(self, instance_id: str) -> None:
+        self.slot_ids.add(instance_id)
+        self.slot_seq += 1
+
+    def unhold(self, instance_id: str) -> None:
+        self.slot_ids.discard(instance_id)
+        self.rollouts.discard(instance_id)
+        self.slot_seq += 1
+
+    def moved(self) -> None:
+        """A slot changed hands outside the table (a warm pool's)."""
+        self.slot_seq += 1
+
+    def slot_mark(self) -> str:
+        """``<boot>.<seq>``: where this node's slot events stand now."""
+        return f"{self.slot_boot}.{self.slot_seq}"
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Instances holding a slot, by (environment, state): ``creating``, ``active`` or
+        ``done``."""
+        counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        for environment in self.creating.values():
+            counts[environment, "creating"] += 1
+        for live in self._live.values():
+            counts[live.env.name, "done" if live.done else "active"] += 1
+        return dict(counts)
+
+    # -- ending ------------------------------------------------------------------------
+
+    async def end(
+        self, live: Live, state: str, error: str | None = None, *, also: list[tuple[str, Any]] | None = None
+    ) -> None:
+        """Destroy the sandbox, free the slot and record the end (with ``also``, statements
+        to commit in the same transaction)."""
+        instance_id = live.row.id
+        self._live.pop(instance_id, None)
+        self.ended_counts[live.env.name, state] += 1
+        try:
+            await live.episode.sandbox.destroy(live.episode.handle)
+        finally:
+            self.slots.release()
+            self.unhold(instance_id)
+            await self.db.write_many([*(also or []), instances.end_statement(instance_id, state, error=error)])
+            live.log.record(state, {"error": error} if error else None)
+
+    async def unless_lost(self, live: Live, call: Awaitable[T]) -> T:
+        """Await an environment's call; when it raises ``Gone`` (its sandbox died and the
+        episode's state with it), end the instance as ``lost`` and free its slot first."""
+        try:
+            return await call
+        except Gone as e:
+            self.metrics.sandbox_lost(live.episode.sandbox.name)
+            await asyncio.shield(self.end(live, "lost", error=e.message))
+            raise Gone(
+                f"instance {live.row.id!r} is lost: {e.message}", extra={"state": "lost", "instance_id": live.row.id}
+            ) from None
+
+    async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
+        """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op
+        (counted with the outcome ``noop``)."""
+        environment = self.environment_of(instance_id)
+        try:
+            reply = await self._release(instance_id, reason)
+        except BaseException as e:
+            self.metrics.call("release", environment, outcome_of(e))
+            raise
+        self.metrics.call("release", environment, "ok" if reply["released"] else "noop")
+        return reply
+
+    async def _release(self, instance_id: str, reason: str) -> dict[str, Any]:
+        live = self._live.get(instance_id)
+        if live is None:
+            row = await instances.get(self.db, instance_id)
+            if row.state == "creating":
+                raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
+            return {"instance_id": instance_id, "released": False, "state": row.state}
+        async with live.lock:
+            if self._live.get(instance_id) is not live:  # released while we waited for the lock
+                row = await instances.get(self.db, instance_id)
+                return {"instance_id": instance_id, "released": False, "state": row.state}
+            await asyncio.shield(self.end(live, reason))
+        return {"instance_id": instance_id, "released": True, "state": reason}
+
+
+async def timed(metrics: NodeMetrics, call: str, environment: str, work: Awaitable[T]) -> T:
+    """Await one call on an instance and count it in ``metrics`` with its outcome and
+    latency, whatever ends it."""
+    started = time.perf_counter()
+    try:
+        result = await work
+    except BaseException as e:
+        metrics.call(call, environment, outcome_of(e), time.perf_counter() - started)
+        raise
+    metrics.call(call, environment, "ok", time.perf_counter() - started)
+    return result

@@ -1,0 +1,166 @@
+"""terminal-bench as OpenEnv's ``tbench2_env`` in Docker mode.
+
+``exec`` runs a command (``run_command``; stdout then stderr in ``output``, ``success`` =
+exit code 0), ``write_file`` writes ``content`` to ``file_path``, ``evaluate`` grades the
+episode (reward, ``done``), ``close`` releases the instance (the session keeps its slot).
+``write``, ``view``, ``wait`` and ``kill`` need a local terminal process and are
+unsupported, as in upstream Docker mode. A failed step is an observation
+(``success: false`` with the error), as upstream's is. What the model reads of a grade is
+counts only: the verifier's output and the tests' names stay in the trainer's evaluate
+details and the trial log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from envhub.environment import Task
+from envhub.errors import EnvhubError
+from envhub.openenv import Field, OpenEnvAdapter, OpenEnvSession, Wire, wire
+from envhub.plugins.terminal_bench.environment import TOOLS, TerminalBench
+
+
+class Tbench2Adapter(OpenEnvAdapter):
+    env: TerminalBench
+
+    titles = ("Tbench2Action", "Tbench2Observation", "Tbench2State")
+    action = {
+        "action_type": Field("str", "exec"),
+        "command": Field("str", ""),
+        "session_id": Field("str", None, nullable=True),
+        "block": Field("bool", True),
+        "wait_seconds": Field("number", None, nullable=True),
+        "file_path": Field("str", ""),
+        "content": Field("str", ""),
+    }
+    observation = {
+        "instruction": Field("str", ""),
+        "output": Field("str", ""),
+        "success": Field("bool", True),
+        "error": Field("str", ""),
+        "task_id": Field("str", ""),
+        "task_path": Field("str", ""),
+        "session_id": Field("str", None, nullable=True),
+        "action_type": Field("str", ""),
+        "info": Field("dict", {}),
+    }
+    state = {
+        "episode_id": Field("str", None, nullable=True),
+        "step_count": Field("int", 0, ge=0),
+        "task_id": Field("str", ""),
+        "task_path": Field("str", ""),
+        "session_id": Field("str", None, nullable=True),
+        "terminal_ready": Field("bool", False),
+        "last_action_type": Field("str", ""),
+        "last_command": Field("str", ""),
+        "last_output": Field("str", ""),
+    }
+    not_ready = "TB2 environment not initialized. Call reset() first."
+
+    def task(self, data: dict[str, Any]) -> Task:
+        path = data.get("task_path") or data.get("path")
+        if not (data.get("task_id") or data.get("task_name")) and isinstance(path, str) and path.strip("/"):
+            data = {**data, "task_id": path.rstrip("/").rsplit("/", 1)[-1]}  # a task's directory is its id
+        return super().task(data)
+
+    def reset(self, session: OpenEnvSession, task: Task, created: dict[str, Any]) -> Wire:
+        tb = self.env.tb(task)
+        session.extra = {
+            "task_id": task.id,
+            "task_path": str(tb.path),
+            "session_id": None,
+            "terminal_ready": True,
+            "last_action_type": "",
+            "last_command": "",
+            "last_output": "",
+        }
+        info = {
+            "verifier_timeout_sec": tb.test_timeout_sec,
+            "command_timeout_s": self.env.command_timeout,
+        }
+        return wire(self._observation(session, "reset", instruction=tb.instruction, session_id=None, info=info), 0.0)
+
+    def _observation(self, session: OpenEnvSession, action_type: str, **fields: Any) -> dict[str, Any]:
+        obs = {
+            "instruction": session.instruction,
+            "output": "",
+            "success": True,
+            "error": "",
+            "task_id": session.extra["task_id"],
+            "task_path": session.extra["task_path"],
+            "session_id": session.extra["session_id"],
+            "action_type": action_type,
+            "info": {},
+        }
+        obs.update(fields)
+        return obs
+
+    async def step(self, session: OpenEnvSession, action: dict[str, Any]) -> Wire:
+        kind = action["action_type"]
+        session.extra.update(
+            last_action_type=kind, last_command=action["command"], session_id=action["session_id"] or "tb2-session"
+        )
+        try:
+            reward, done, fields = await self._act(session, kind, action)
+        except EnvhubError as e:  # upstream turns a failed step into an observation, not an error frame
+            await session.end_if_episode_gone(e)
+            reward, done, fields = None, False, {"success": False, "error": e.message}
+        obs = self._observation(session, kind, **fields)
+        session.extra["last_output"] = obs["output"]
+        return wire(obs, reward, done)
+
+    async def _act(self, session: OpenEnvSession, kind: str, action: dict[str, Any]) -> tuple[Any, bool, dict]:
+        if kind == "exec":
+            ran = (await session.act("run_command", {"command": action["command"]}))["observation"]
+            fields = {
+                "output": ran.get("stdout", "") + ran.get("stderr", ""),
+                "success": ran.get("exit_code") == 0 and not ran.get("timed_out"),
+                "info": {"exit_code": ran.get("exit_code"), "timed_out": bool(ran.get("timed_out"))},
+            }
+            if ran.get("timed_out"):
+                fields["error"] = "the command timed out and was killed"
+            return None, False, fields
+        if kind == "write_file":
+            wrote = (await session.act("write_file", {"path": action["file_path"], "content": action["content"]}))[
+                "observation"
+            ]
+            return (
+                None,
+                False,
+                (
+                    {"output": f"Wrote content to {action['file_path']}"}
+                    if wrote.get("ok")
+                    else {"success": False, "error": str(wrote.get("content", "write failed"))}
+                ),
+            )
+        if kind == "evaluate":
+            graded = await session.evaluate()
+            details = graded["details"]
+            # The model reads this: counts only. The verifier's output and the tests' names
+            # tell it what the hidden tests check; they stay in the trainer's own evaluate
+            # details and the trial log.
+            return (
+                graded["reward"],
+                True,
+                {
+                    "output": f"{details.get('passed', 0)}/{details.get('total', 0)} tests passed.",
+                    "success": "error" not in details,
+                    "error": "the verifier gave no verdict" if "error" in details else "",
+                    "info": {
+                        "tests_passed": graded["reward"] == 1.0,
+                        "passed": details.get("passed"),
+                        "total": details.get("total"),
+                        "harness": details.get("format"),
+                    },
+                },
+            )
+        if kind == "close":
+            await session.close_episode()  # the socket is still a session: it goes on holding its slot
+            session.extra["terminal_ready"] = False
+            return None, True, {"output": "Closed TB2 environment."}
+        if kind in ("write", "view", "wait", "kill"):
+            return None, False, {"success": False, "error": f"Unsupported action_type in Docker mode: {kind}"}
+        return None, False, {"success": False, "error": f"Unsupported action_type: {kind}"}
+
+    def tools(self) -> list[dict[str, Any]]:
+        return TOOLS
