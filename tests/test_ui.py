@@ -492,10 +492,20 @@ def test_the_page_needs_no_key_but_its_data_does_and_carries_a_strict_csp(node):
     assert page.headers["x-content-type-options"] == "nosniff"
     # Everything the page loads is served here: no URL to anywhere else.
     assert not re.search(r"(src|href)=\"(https?:)?//", page.text)
-    script = httpx.get(node.url + "/ui/app.js")
-    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
-    assert not re.search(r"https?://", script.text.replace("http://www.w3.org/2000/svg", ""))
-    assert ".innerHTML" not in script.text and "insertAdjacentHTML" not in script.text
+    # The page's one script and every module it imports, each served here as JavaScript.
+    modules: dict[str, str] = {}
+    todo = ["app.js"]
+    while todo:
+        name = todo.pop()
+        if name not in modules:
+            script = httpx.get(node.url + "/ui/" + name)
+            assert script.status_code == 200 and "javascript" in script.headers["content-type"], name
+            modules[name] = script.text
+            todo += re.findall(r'from "\./([\w-]+\.js)"', script.text)
+    assert set(modules) == {p.name for p in (REPO / "envhub" / "web" / "ui").glob("*.js")}
+    for name, text in modules.items():
+        assert not re.search(r"https?://", text.replace("http://www.w3.org/2000/svg", "")), name
+        assert ".innerHTML" not in text and "insertAdjacentHTML" not in text and "outerHTML" not in text, name
     for path in ("/dashboard", "/trials", f"/trials/{TRIAL}", f"/trials/{TRIAL}/episodes"):
         assert httpx.get(node.url + path).status_code == 401, path
         assert httpx.get(node.url + path, headers={"X-API-Key": "wrong"}).status_code == 403, path
