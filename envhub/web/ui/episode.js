@@ -1,102 +1,124 @@
 // One episode (#/trials/<trial>/<instance>): the instance, its trajectory in order from
-// the trial log, a whole rollout's summary and conversation, a verifier's files.
+// the trial log (the first observation, each action and observation, each evaluation,
+// how it ended), a whole rollout's summary and conversation, a verifier's files. What the
+// episode wrote is shown by values.js, by its shape, the same way for every environment.
 
-import { asText, el, fmtReward, fmtSeconds, fmtTime, fold, trialHref } from "./dom.js";
+import { el, fmtReward, fmtSeconds, fmtTime, fold, trialHref } from "./dom.js";
 import { api, show } from "./page.js";
+import { isPlainObject, kvTable, messageList, renderValue, repeats } from "./values.js";
 
-function kv(rows) {
-  return el(
-    "table",
-    { class: "kv" },
-    el("tbody", {}, rows.filter(([, v]) => v !== null && v !== undefined && v !== "").map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v instanceof Node ? v : String(v)))))
-  );
+// The instance's facts, leaving out those it does not have.
+function facts(rows) {
+  return kvTable(rows.filter(([, v]) => v !== null && v !== undefined && v !== "").map(([k, v]) => [k, v instanceof Node ? v : String(v)]));
 }
 
+// An observation: its main output (``content``) first, then its other fields, leaving out
+// those that only repeat text already shown (a traceback that is both the output and the
+// ``exception``, say), named in one line so that nothing is silently dropped.
 function observationBlock(observation) {
   if (observation === null || observation === undefined) return el("p", { class: "muted" }, "none");
-  if (typeof observation !== "object") return fold(observation);
-  const main = observation.content !== undefined ? "content" : null;
+  if (!isPlainObject(observation)) return renderValue(observation);
+  const shown = [];
+  const content = observation.content;
+  if (typeof content === "string") shown.push(content);
+  const rest = {};
+  const repeated = [];
+  for (const [k, v] of Object.entries(observation)) {
+    if (k === "content" || v === null || v === undefined || v === false || v === "") continue;
+    if (repeats(v, shown)) repeated.push(k);
+    else {
+      rest[k] = v;
+      if (typeof v === "string") shown.push(v);
+    }
+  }
   return el(
     "div",
     { class: "observation" },
-    main ? fold(observation.content, "text output") : null,
-    Object.entries(observation)
-      .filter(([k, v]) => k !== main && v !== null && v !== false && v !== "")
-      .map(([k, v]) => el("div", { class: "field" }, el("div", { class: "field-name" }, k), fold(v)))
+    content === undefined ? null : typeof content === "string" ? fold(content, "text output") : renderValue(content),
+    Object.keys(rest).length ? renderValue(rest) : null,
+    repeated.length ? el("p", { class: "muted repeated", "data-testid": "repeated" }, `Not shown again, the same text as above: ${repeated.join(", ")}`) : null
   );
 }
 
 function actionBlock(action) {
   if (!action) return null;
-  const args = action.arguments || {};
+  const args = isPlainObject(action.arguments) ? action.arguments : {};
   return el(
     "div",
     { class: "action" },
     el("div", { class: "tool" }, el("span", { class: "muted" }, "tool "), el("code", {}, action.tool)),
-    Object.entries(args).map(([k, v]) => el("div", { class: "field" }, el("div", { class: "field-name" }, k), fold(v, typeof v === "string" ? "code" : "text")))
+    Object.entries(args).map(([k, v]) => el("div", { class: "field" }, el("div", { class: "field-name" }, k), typeof v === "string" ? fold(v, "code") : renderValue(v)))
   );
 }
 
-function evaluationBlock(event) {
+function evaluationBlock(event, live) {
   const details = event.details;
-  const parts = [el("div", {}, "reward ", el("strong", { "data-testid": "evaluation-reward" }, fmtReward(event.reward)))];
-  if (typeof details === "string") {
-    parts.push(el("p", { class: "muted", "data-testid": "evaluation-hidden" }, `Per-test details are ${details}.`));
-  } else if (details && Array.isArray(details.tests)) {
-    const rest = Object.fromEntries(Object.entries(details).filter(([k]) => k !== "tests"));
-    parts.push(kv(Object.entries(rest).map(([k, v]) => [k, typeof v === "object" ? asText(v) : v])));
-    parts.push(
-      el(
-        "table",
-        { class: "tests", "data-testid": "evaluation-tests" },
-        el("thead", {}, el("tr", {}, el("th", {}, "test"), el("th", {}, "status"), el("th", {}, "detail"))),
-        el(
-          "tbody",
-          {},
-          details.tests.map((t, i) => {
-            const test = typeof t === "object" && t !== null ? t : { test: i, status: t };
-            const extra = Object.fromEntries(Object.entries(test).filter(([k]) => k !== "test" && k !== "status"));
-            return el(
-              "tr",
-              {},
-              el("td", {}, fold(test.test ?? test.name ?? String(i), "code")),
-              el("td", {}, el("span", { class: `badge ${test.status === "passed" ? "passed" : "failed"}` }, test.status)),
-              el("td", {}, Object.keys(extra).length ? fold(Object.keys(extra).length === 1 && extra.error ? extra.error : extra) : "")
-            );
-          })
-        )
-      )
-    );
-  } else if (details && typeof details.tests === "object") {
-    parts.push(kv(Object.entries(details.tests).map(([k, v]) => [k, v])));
-    const rest = Object.fromEntries(Object.entries(details).filter(([k]) => k !== "tests"));
-    if (Object.keys(rest).length) parts.push(fold(rest));
-  } else if (details !== undefined) {
-    parts.push(fold(details));
+  const rewards = isPlainObject(event.rewards) ? Object.entries(event.rewards) : [];
+  const head = el(
+    "div",
+    {},
+    "reward ",
+    el("strong", { "data-testid": "evaluation-reward" }, fmtReward(event.reward)),
+    rewards.length ? el("span", { class: "muted" }, ` (${rewards.map(([k, v]) => `${k} ${typeof v === "number" ? fmtReward(v) : v}`).join(" · ")})`) : null
+  );
+  if (live && typeof details === "string") {
+    return el("div", { class: "evaluation" }, head, el("p", { class: "muted", "data-testid": "evaluation-hidden" }, `Per-test details are ${details}.`));
   }
-  return el("div", { class: "evaluation" }, parts);
+  if (details === undefined || details === null) return el("div", { class: "evaluation" }, head);
+  const shown = el("div", { class: "details", "data-testid": "evaluation-details" }, renderValue(details));
+  for (const table of shown.querySelectorAll('table[data-kind="tests"]')) table.setAttribute("data-testid", "evaluation-tests");
+  return el("div", { class: "evaluation" }, head, shown);
+}
+
+function stepBlock(e, head) {
+  const info = isPlainObject(e.info) ? Object.entries(e.info) : [];
+  return el(
+    "li",
+    { class: "event step", "data-event": "step", "data-step": e.step, "data-testid": "step" },
+    head(`step ${e.step}`),
+    el("div", { class: "label" }, "action"),
+    actionBlock(e.action),
+    el("div", { class: "label" }, "observation"),
+    observationBlock(e.observation),
+    el("div", { class: "muted" }, `reward ${fmtReward(e.reward)}`, e.done ? " · done" : "", info.length ? ` · ${info.map(([k, v]) => `${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`).join(", ")}` : "")
+  );
+}
+
+function eventBlock(e, live, at) {
+  const head = (title) =>
+    el("div", { class: "event-head" }, el("span", { class: "event-name" }, title), el("span", { class: "muted" }, ` ${at(e)}`), e.duration_s !== undefined ? el("span", { class: "muted" }, ` · took ${fmtSeconds(e.duration_s)}`) : null);
+  if (e.event === "created") {
+    return el("li", { class: "event created", "data-event": "created" }, head("created: the observation the model saw"), observationBlock(e.observation));
+  }
+  if (e.event === "step") return stepBlock(e, head);
+  if (e.event === "evaluation") {
+    return el("li", { class: "event evaluation", "data-event": "evaluation" }, head("evaluation"), evaluationBlock(e, live));
+  }
+  const rest = Object.fromEntries(Object.entries(e).filter(([k]) => k !== "event" && k !== "time"));
+  return el("li", { class: `event other ${e.event}`, "data-event": e.event }, head(e.event), Object.keys(rest).length ? renderValue(rest) : null);
 }
 
 function conversationBlock(conversation) {
-  const messages = (conversation && conversation.messages) || [];
+  const messages = (conversation && Array.isArray(conversation.messages) && conversation.messages) || [];
   if (!messages.length) return null;
+  return [el("h2", {}, `Conversation with the model (${messages.length} messages)`), messageList(messages, "conversation")];
+}
+
+function rolloutBlock(runInfo) {
+  if (!runInfo) return null;
+  const summary = runInfo.agent_summary || {};
+  const error = runInfo.error_info;
   return [
-    el("h2", {}, `Conversation with the model (${messages.length} messages)`),
-    el(
-      "ol",
-      { class: "conversation", "data-testid": "conversation" },
-      messages.map((m) =>
-        el(
-          "li",
-          { class: `message role-${m.role}` },
-          el("div", { class: "message-role" }, m.role, m.name ? ` (${m.name})` : "", m.tool_call_id ? ` · ${m.tool_call_id}` : ""),
-          m.content !== null && m.content !== undefined && m.content !== "" ? fold(m.content) : null,
-          (m.tool_calls || []).map((c) =>
-            el("div", { class: "tool-call" }, el("code", {}, (c.function && c.function.name) || c.type || "call"), fold((c.function && c.function.arguments) || c, "code"))
-          )
-        )
-      )
-    ),
+    el("h2", {}, "Rollout"),
+    facts([
+      ["agent", summary.agent],
+      ["termination", summary.termination_reason],
+      ["model calls", summary.model_calls],
+      ["tokens", summary.tokens],
+      ["error", error && error.error_message ? `${error.stage}: ${error.error_message}` : ""],
+    ]),
+    el("h3", {}, "Timings"),
+    facts(Object.entries(runInfo.timings || {}).map(([k, v]) => [k, fmtSeconds(v)])),
   ];
 }
 
@@ -105,37 +127,12 @@ export async function drawEpisode(view, trial, id) {
   const inst = d.instance;
   const t0 = (d.events.find((e) => e.event === "created") || d.events[0] || {}).time;
   const at = (e) => (t0 && e.time ? `+${fmtSeconds(e.time - t0)}` : "");
-  const timeline = d.events.map((e) => {
-    const head = (title) =>
-      el("div", { class: "event-head" }, el("span", { class: "event-name" }, title), el("span", { class: "muted" }, ` ${at(e)}`), e.duration_s !== undefined ? el("span", { class: "muted" }, ` · took ${fmtSeconds(e.duration_s)}`) : null);
-    if (e.event === "created") {
-      return el("li", { class: "event created", "data-event": "created" }, head("created: the observation the model saw"), observationBlock(e.observation));
-    }
-    if (e.event === "step") {
-      return el(
-        "li",
-        { class: "event step", "data-event": "step", "data-step": e.step, "data-testid": "step" },
-        head(`step ${e.step}`),
-        el("div", { class: "label" }, "action"),
-        actionBlock(e.action),
-        el("div", { class: "label" }, "observation"),
-        observationBlock(e.observation),
-        el("div", { class: "muted" }, `reward ${fmtReward(e.reward)}`, e.done ? " · done" : "", e.info && Object.keys(e.info).length ? ` · info ${JSON.stringify(e.info)}` : "")
-      );
-    }
-    if (e.event === "evaluation") {
-      return el("li", { class: "event evaluation", "data-event": "evaluation" }, head("evaluation"), evaluationBlock(e));
-    }
-    const rest = Object.fromEntries(Object.entries(e).filter(([k]) => k !== "event" && k !== "time"));
-    return el("li", { class: `event other ${e.event}`, "data-event": e.event }, head(e.event), Object.keys(rest).length ? fold(rest) : null);
-  });
-  const runInfo = d.run_info;
   show(
     view,
     el("p", { class: "crumbs" }, el("a", { href: "#/trials" }, "Trials"), " / ", el("a", { href: trialHref(trial) }, trial), " / ", el("span", {}, id)),
     el("h1", {}, "Episode ", el("span", { "data-testid": "episode-id" }, id)),
     d.live ? el("p", { class: "warn", "data-testid": "live-note" }, "This episode is live: it updates itself, and its evaluation's details are shown once it has ended.") : null,
-    kv([
+    facts([
       ["environment", inst.environment],
       ["task", inst.task_id],
       ["trial", inst.trial],
@@ -149,22 +146,11 @@ export async function drawEpisode(view, trial, id) {
       ["params", Object.keys(inst.params || {}).length ? JSON.stringify(inst.params) : ""],
       ["error", inst.error],
     ]),
-    runInfo
-      ? [
-          el("h2", {}, "Rollout"),
-          kv([
-            ["agent", runInfo.agent_summary && runInfo.agent_summary.agent],
-            ["termination", runInfo.agent_summary && runInfo.agent_summary.termination_reason],
-            ["model calls", runInfo.agent_summary && runInfo.agent_summary.model_calls],
-            ["tokens", runInfo.agent_summary && runInfo.agent_summary.tokens],
-            ["error", runInfo.error_info && runInfo.error_info.error_message ? `${runInfo.error_info.stage}: ${runInfo.error_info.error_message}` : ""],
-          ]),
-          el("h3", {}, "Timings"),
-          kv(Object.entries(runInfo.timings || {}).map(([k, v]) => [k, fmtSeconds(v)])),
-        ]
-      : null,
+    rolloutBlock(d.run_info),
     el("h2", {}, "Trajectory"),
-    d.events.length ? el("ol", { class: "timeline", "data-testid": "timeline" }, timeline) : el("p", { class: "muted" }, "The trial log has no event for this episode (yet)."),
+    d.events.length
+      ? el("ol", { class: "timeline", "data-testid": "timeline" }, d.events.map((e) => eventBlock(e, d.live, at)))
+      : el("p", { class: "muted" }, "The trial log has no event for this episode (yet)."),
     d.events_cut ? el("p", { class: "warn" }, "The log is longer than the viewer reads; the rest is on the node.") : null,
     conversationBlock(d.conversation),
     d.verifier && d.verifier.length
