@@ -503,6 +503,27 @@ def test_a_failed_assert_says_what_failed_in_its_row(node, tab):
 
 
 @needs_browser
+def test_a_fragment_that_names_no_page_clears_the_page_and_says_so(node, tab):
+    from playwright.sync_api import expect
+
+    t = tab(node.url).open()
+    expect(by_testid(t.page, "slots-capacity")).to_have_text("4")
+    for fragment in ("#/no/such/page", "#/trials/a/b/c", "#/trials/%E0%A4%A"):
+        t.page.evaluate("f => { location.hash = f; }", fragment)
+        expect(by_testid(t.page, "no-such-page")).to_have_text("No such page")
+        expect(by_testid(t.page, "no-such-page-path")).to_have_text(fragment)
+        assert by_testid(t.page, "slots-capacity").count() == 0
+        assert t.page.locator("header nav a.active").count() == 0
+        t.page.evaluate("() => { location.hash = '#/'; }")
+        expect(by_testid(t.page, "slots-capacity")).to_have_text("4")
+    t.page.evaluate("() => { location.hash = '#/nowhere'; }")
+    t.page.wait_for_timeout(2500)  # longer than a poll of the dashboard that was on screen
+    assert by_testid(t.page, "slots-capacity").count() == 0
+    expect(by_testid(t.page, "no-such-page")).to_be_visible()
+    assert t.errors == [], t.errors
+
+
+@needs_browser
 def test_markup_a_plugins_episode_wrote_shows_as_text_in_every_renderer(node, tab):
     """The output of a step, an evaluation's details table and a per-test table's detail."""
     from playwright.sync_api import expect

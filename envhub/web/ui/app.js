@@ -9,6 +9,7 @@
 // followed), the key form, and the start.
 
 import { drawFleet, drawNode } from "./dashboard.js";
+import { el } from "./dom.js";
 import { drawEpisode } from "./episode.js";
 import { askForKey, KEY, NeedsKey, session, setStatus, show } from "./page.js";
 import { drawTrial, drawTrials } from "./trials.js";
@@ -17,28 +18,43 @@ const POLL_MS = 2000;
 
 let timer = null; // the pending poll of the view on screen
 
-function parseHash() {
-  const hash = location.hash.replace(/^#/, "") || "/";
-  const [path, query] = hash.split("?");
-  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
-  return { parts, params: new URLSearchParams(query || "") };
+// The page a fragment names, as [nav section, draw]; a fragment that names none (or
+// cannot be decoded) gets a page that says so, never the page that was on screen.
+function pageFor(hash) {
+  const [path, query] = (hash.replace(/^#/, "") || "/").split("?");
+  let parts;
+  try {
+    parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+  } catch {
+    parts = null; // a malformed %-escape
+  }
+  const params = new URLSearchParams(query || "");
+  if (parts && parts.length === 0) return ["dashboard", (view) => (session.role === "scheduler" ? drawFleet(view) : drawNode(view))];
+  if (parts && parts[0] === "trials") {
+    if (parts.length === 1) return ["trials", (view) => drawTrials(view)];
+    if (parts.length === 2) return ["trials", (view) => drawTrial(view, parts[1], params)];
+    if (parts.length === 3) return ["trials", (view) => drawEpisode(view, parts[1], parts[2])];
+  }
+  return [null, (view) => drawNoSuchPage(view, hash)];
+}
+
+async function drawNoSuchPage(view, hash) {
+  show(
+    view,
+    el("h1", { "data-testid": "no-such-page" }, "No such page"),
+    el("p", {}, "Nothing is at ", el("code", { "data-testid": "no-such-page-path" }, hash || "#"), ". Go to the ", el("a", { href: "#/" }, "dashboard"), " or the ", el("a", { href: "#/trials" }, "trials"), ".")
+  );
+  return false;
 }
 
 async function route() {
   clearTimeout(timer);
   const mine = ++session.generation;
-  const { parts, params } = parseHash();
-  for (const a of document.querySelectorAll("header nav a")) {
-    a.classList.toggle("active", a.dataset.nav === (parts[0] === "trials" ? "trials" : "dashboard"));
-  }
+  const [section, draw] = pageFor(location.hash);
+  for (const a of document.querySelectorAll("header nav a")) a.classList.toggle("active", a.dataset.nav === section);
   // What a drawing of this page may draw into: nothing, once the page has changed.
   const view = { mine };
-  let draw;
-  if (parts[0] === "trials" && parts.length === 1) draw = () => drawTrials(view);
-  else if (parts[0] === "trials" && parts.length === 2) draw = () => drawTrial(view, parts[1], params);
-  else if (parts[0] === "trials" && parts.length >= 3) draw = () => drawEpisode(view, parts[1], parts[2]);
-  else draw = () => (session.role === "scheduler" ? drawFleet(view) : drawNode(view));
-  await run(draw, mine);
+  await run(() => draw(view), mine);
 }
 
 // Draw the view, then again while it is on screen and asks for it: every POLL_MS, or ten
