@@ -412,6 +412,14 @@ def test_a_live_episode_shows_no_hidden_test_until_it_has_ended(node, tab):
     assert t.errors == [], t.errors
 
 
+RED = "rgb(192, 57, 43)"  # style.css's --bad, the alarm colour
+
+
+def css(locator, prop: str) -> str:
+    """The computed value of a CSS property, as the person sees it."""
+    return locator.evaluate(f"e => getComputedStyle(e).{prop}")
+
+
 @needs_browser
 def test_a_plugins_episode_shows_its_details_as_a_table_and_its_tools_as_a_list(node, scheduler, tab):
     """plugins_contrib/envhub-arith, pip-installed: no line of the viewer knows it."""
@@ -520,6 +528,26 @@ def test_a_fragment_that_names_no_page_clears_the_page_and_says_so(node, tab):
     t.page.wait_for_timeout(2500)  # longer than a poll of the dashboard that was on screen
     assert by_testid(t.page, "slots-capacity").count() == 0
     expect(by_testid(t.page, "no-such-page")).to_be_visible()
+    assert t.errors == [], t.errors
+
+
+@needs_browser
+def test_a_zero_count_is_not_red(node, tab):
+    from playwright.sync_api import expect
+
+    trial = "ui-zero"
+    with node.client() as c:
+        episode(c, "zero-0", WRONG_FIB, trial=trial)
+        episode(c, "zero-1", FIB, trial=trial)
+    t = tab(node.url).open(f"/trials/{trial}")
+    expect(by_testid(t.page, "outcome-error")).to_have_text("0")
+    expect(by_testid(t.page, "outcome-failed")).to_have_text("1")
+    for outcome in ("error", "live", "unscored"):  # counted 0: neutral
+        badge, count = by_testid(t.page, f"outcome-badge-{outcome}"), by_testid(t.page, f"outcome-{outcome}")
+        for element in (badge, count):
+            assert RED not in (css(element, "color"), css(element, "backgroundColor")), outcome
+    # Counted 1: the failure is drawn in red.
+    assert css(by_testid(t.page, "outcome-badge-failed"), "color") == RED
     assert t.errors == [], t.errors
 
 

@@ -85,6 +85,18 @@ function rewardPlot(rewards) {
   return chart;
 }
 
+// An outcome and its count. The badge takes its outcome's colour only when the count is
+// above zero: "error 0" or "failed 0" is no alarm, and red that is always there is
+// soon not seen.
+function outcomeRow(outcome, count, href) {
+  return el(
+    "tr",
+    { "data-outcome": outcome },
+    el("td", {}, el("a", { href }, el("span", { class: `badge ${count > 0 ? outcome : "zero"}`, "data-testid": `outcome-badge-${outcome}` }, outcome))),
+    el("td", { class: "num", "data-testid": `outcome-${outcome}` }, count)
+  );
+}
+
 export async function drawTrial(view, trial, params) {
   const filters = { task: params.get("task") || "", outcome: params.get("outcome") || "" };
   const query = new URLSearchParams();
@@ -133,7 +145,7 @@ export async function drawTrial(view, trial, params) {
         el(
           "table",
           { "data-testid": "outcomes-table" },
-          el("tbody", {}, OUTCOMES.map((o) => el("tr", {}, el("td", {}, el("a", { href: trialHref(trial, { ...filters, outcome: o }) }, el("span", { class: `badge ${o}` }, o))), el("td", { class: "num", "data-testid": `outcome-${o}` }, summary.outcomes[o] || 0))))
+          el("tbody", {}, OUTCOMES.map((o) => outcomeRow(o, summary.outcomes[o] || 0, trialHref(trial, { ...filters, outcome: o }))))
         )
       )
     ),
