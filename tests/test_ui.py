@@ -1,9 +1,11 @@
 """The dashboard and the trial viewer (GET /ui/) in headless Chromium, against real nodes
-and a real scheduler driving real MBPP episodes through the process sandbox: what a
-person sees (counts, a reward plot, an episode's steps in order), that text an episode
-wrote is shown as text and runs nothing, that the key is asked once and kept in the
-tab's sessionStorage, and that a live episode shows no hidden test. The JSON routes the
-page reads are checked for their bad inputs (4xx envelopes) without a browser.
+and a real scheduler driving real MBPP episodes through the process sandbox, and real
+episodes of plugins_contrib/envhub-arith pip-installed as a third party would: what a
+person sees (counts, a reward plot, an episode's steps in order, evaluation details as
+tables and tool schemas as lists whichever environment wrote them), that text an
+episode wrote is shown as text and runs nothing, that the key is asked once and kept in
+the tab's sessionStorage, and that a live episode shows no hidden test. The JSON routes
+the page reads are checked for their bad inputs (4xx envelopes) without a browser.
 
 The browser is Debian's ``chromium`` driven by Playwright for Python (Playwright's own
 browser download is never used). scripts/test installs both; where Chromium is missing
@@ -15,7 +17,10 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -93,7 +98,31 @@ def tab(browser) -> Iterator:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory) -> Iterator[EnvhubProcess]:
+def arith_site(tmp_path_factory) -> Path:
+    """The contrib plugin pip-installed (without deps) into a folder of its own, as
+    tests/test_plugins.py installs it: the venv is never touched."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO / "plugins_contrib" / "envhub-arith"),
+        ],
+        check=True,
+    )
+    return target
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, arith_site) -> Iterator[EnvhubProcess]:
+    """A node serving MBPP and the pip-installed arith plugin side by side."""
     proc = EnvhubProcess(
         tmp_path_factory.mktemp("ui") / "data",
         "--capacity",
@@ -101,18 +130,21 @@ def node(tmp_path_factory) -> Iterator[EnvhubProcess]:
         "--set",
         "environments.terminal-bench.enabled=false",
         api_key=KEY,
+        env={"PYTHONPATH": str(arith_site)},
     ).start()
     yield proc
     assert proc.stop() == 0, proc.log()
 
 
-def create(c: httpx.Client, iid: str, *, trial: str = TRIAL, task: str = "13") -> None:
-    r = c.post("/instances", json={"environment": "mbpp", "task_id": task, "instance_id": iid, "trial": trial})
+def create(c: httpx.Client, iid: str, *, trial: str = TRIAL, task: str = "13", environment: str = "mbpp") -> None:
+    r = c.post("/instances", json={"environment": environment, "task_id": task, "instance_id": iid, "trial": trial})
     assert r.status_code == 201, r.text
 
 
-def step(c: httpx.Client, iid: str, tool: str, code: str) -> dict:
-    r = c.post(f"/instances/{iid}/step", json={"action": {"tool": tool, "arguments": {"code": code}}})
+def step(c: httpx.Client, iid: str, tool: str, code: str | None = None, **arguments) -> dict:
+    if code is not None:
+        arguments["code"] = code
+    r = c.post(f"/instances/{iid}/step", json={"action": {"tool": tool, "arguments": arguments}})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -380,6 +412,172 @@ def test_a_live_episode_shows_no_hidden_test_until_it_has_ended(node, tab):
     assert t.errors == [], t.errors
 
 
+RED = "rgb(192, 57, 43)"  # style.css's --bad, the alarm colour
+
+
+def css(locator, prop: str) -> str:
+    """The computed value of a CSS property, as the person sees it."""
+    return locator.evaluate(f"e => getComputedStyle(e).{prop}")
+
+
+@needs_browser
+def test_a_plugins_episode_shows_its_details_as_a_table_and_its_tools_as_a_list(node, scheduler, tab):
+    """plugins_contrib/envhub-arith, pip-installed: no line of the viewer knows it."""
+    from playwright.sync_api import expect
+
+    trial, iid = "ui-arith", "ui-arith-1"
+    with node.client() as c:
+        create(c, iid, trial=trial, task="add", environment="arith")
+        assert step(c, iid, "python", "print(17 + 25)")["observation"]["content"] == "42\n"
+        step(c, iid, "answer", value=41)
+        evaluation = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
+    assert evaluation["reward"] == 0.0 and evaluation["details"] == {"expected": 42, "given": 41}
+    t = tab(node.url).open()
+    # The dashboard lists it with the node's other episodes, and links to it.
+    expect(by_testid(t.page, "count-arith-released")).to_have_text("1")
+    row = by_testid(t.page, "recent-table").locator(f'tr[data-instance="{iid}"]')
+    expect(row).to_contain_text("arith")
+    expect(row).to_contain_text("failed")
+    row.get_by_role("link", name=iid).click()
+    expect(by_testid(t.page, "episode-id")).to_have_text(iid)
+    for page_tab in (t, tab(scheduler.url).open(f"/trials/{trial}/{iid}")):  # and through a scheduler
+        page = page_tab.page
+        expect(by_testid(page, "episode-id")).to_have_text(iid)
+        created = page.locator('li[data-event="created"]')
+        # Each tool with its parameters: name, type, and whether it is required.
+        tools = created.locator('[data-testid="tools"] > li')
+        expect(tools).to_have_count(2)
+        assert [tools.nth(i).get_attribute("data-tool") for i in range(2)] == ["python", "answer"]
+        for tool, param, kind in (("python", "code", "string"), ("answer", "value", "number")):
+            cells = created.locator(f'li[data-tool="{tool}"] tr[data-param="{param}"] td')
+            assert [cells.nth(i).inner_text() for i in range(3)] == [param, kind, "required"]
+        assert '"type"' not in created.inner_text() and '"properties"' not in created.inner_text()
+        # The details as a key/value table, not as JSON.
+        details = by_testid(page, "evaluation-details")
+        expect(details.locator('table.kv tr[data-key="expected"] td')).to_have_text("42")
+        expect(details.locator('table.kv tr[data-key="given"] td')).to_have_text("41")
+        assert "{" not in details.inner_text() and '"expected"' not in page.locator("body").inner_text()
+        expect(by_testid(page, "evaluation-reward")).to_have_text("0")
+        expect(by_testid(page, "step").first.locator("pre.output")).to_have_text("42")
+        assert "[object " not in page.locator("body").inner_text()
+        assert page_tab.errors == [], page_tab.errors
+
+
+@needs_browser
+def test_code_that_raised_shows_its_traceback_once(node, tab):
+    from playwright.sync_api import expect
+
+    iid = "ui-raised"
+    code = "def inner():\n    raise ValueError('inner went wrong')\n\ninner()"
+    with node.client() as c:
+        create(c, iid)
+        observation = step(c, iid, "run_python", code)["observation"]
+        c.post(f"/instances/{iid}/release")
+    # The node's observation holds the traceback twice: as the output and as the exception.
+    assert "ValueError: inner went wrong" in observation["content"]
+    assert "ValueError: inner went wrong" in observation["exception"]
+    t = tab(node.url).open(f"/trials/{TRIAL}/{iid}")
+    shown = by_testid(t.page, "step").first
+    expect(shown).to_contain_text("ValueError: inner went wrong")
+    text = shown.inner_text()
+    assert text.count("Traceback (most recent call last)") == 1, text
+    assert text.count("ValueError: inner went wrong") == 1, text
+    # What was left out is named, not silently dropped; the exit code is still there.
+    expect(shown.locator('[data-testid="repeated"]')).to_contain_text("exception")
+    expect(shown.locator('tr[data-key="exit_code"] td')).to_have_text("1")
+    assert t.errors == [], t.errors
+
+
+@needs_browser
+def test_a_failed_assert_says_what_failed_in_its_row(node, tab):
+    from playwright.sync_api import expect
+
+    iid = "ui-assert"
+    with node.client() as c:
+        create(c, iid)
+        step(c, iid, "submit_solution", WRONG_FIB)
+        tests = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()["details"]["tests"]
+    assert {"test": HIDDEN_TEST, "status": "failed"} in tests  # the details say no more than that
+    t = tab(node.url).open(f"/trials/{TRIAL}/{iid}")
+    table = by_testid(t.page, "evaluation-tests")
+    expect(table.locator("tbody tr")).to_have_count(4)
+    failed = table.locator(f'tr[data-name="{HIDDEN_TEST}"]')
+    expect(failed).to_have_attribute("data-status", "failed")
+    expect(failed.locator("td.detail")).to_have_text("assertion failed: fib(10) == 55 is false")
+    passed = table.locator('tr[data-name="assert fib(0) == 0"]')
+    expect(passed).to_have_attribute("data-status", "passed")
+    expect(passed.locator("td.detail")).to_have_text("")
+    assert t.errors == [], t.errors
+
+
+@needs_browser
+def test_a_fragment_that_names_no_page_clears_the_page_and_says_so(node, tab):
+    from playwright.sync_api import expect
+
+    t = tab(node.url).open()
+    expect(by_testid(t.page, "slots-capacity")).to_have_text("4")
+    for fragment in ("#/no/such/page", "#/trials/a/b/c", "#/trials/%E0%A4%A"):
+        t.page.evaluate("f => { location.hash = f; }", fragment)
+        expect(by_testid(t.page, "no-such-page")).to_have_text("No such page")
+        expect(by_testid(t.page, "no-such-page-path")).to_have_text(fragment)
+        assert by_testid(t.page, "slots-capacity").count() == 0
+        assert t.page.locator("header nav a.active").count() == 0
+        t.page.evaluate("() => { location.hash = '#/'; }")
+        expect(by_testid(t.page, "slots-capacity")).to_have_text("4")
+    t.page.evaluate("() => { location.hash = '#/nowhere'; }")
+    t.page.wait_for_timeout(2500)  # longer than a poll of the dashboard that was on screen
+    assert by_testid(t.page, "slots-capacity").count() == 0
+    expect(by_testid(t.page, "no-such-page")).to_be_visible()
+    assert t.errors == [], t.errors
+
+
+@needs_browser
+def test_a_zero_count_is_not_red(node, tab):
+    from playwright.sync_api import expect
+
+    trial = "ui-zero"
+    with node.client() as c:
+        episode(c, "zero-0", WRONG_FIB, trial=trial)
+        episode(c, "zero-1", FIB, trial=trial)
+    t = tab(node.url).open(f"/trials/{trial}")
+    expect(by_testid(t.page, "outcome-error")).to_have_text("0")
+    expect(by_testid(t.page, "outcome-failed")).to_have_text("1")
+    for outcome in ("error", "live", "unscored"):  # counted 0: neutral
+        badge, count = by_testid(t.page, f"outcome-badge-{outcome}"), by_testid(t.page, f"outcome-{outcome}")
+        for element in (badge, count):
+            assert RED not in (css(element, "color"), css(element, "backgroundColor")), outcome
+    # Counted 1: the failure is drawn in red.
+    assert css(by_testid(t.page, "outcome-badge-failed"), "color") == RED
+    assert t.errors == [], t.errors
+
+
+@needs_browser
+def test_markup_a_plugins_episode_wrote_shows_as_text_in_every_renderer(node, tab):
+    """The output of a step, an evaluation's details table and a per-test table's detail."""
+    from playwright.sync_api import expect
+
+    with node.client() as c:
+        create(c, "ui-arith-inject", trial="ui-inject", task="mul", environment="arith")
+        step(c, "ui-arith-inject", "python", f"print({INJECTED!r})")
+        step(c, "ui-arith-inject", "answer", value=INJECTED)
+        assert evaluate(c, "ui-arith-inject") == 0.0
+        create(c, "ui-mbpp-inject", trial="ui-inject")
+        step(c, "ui-mbpp-inject", "submit_solution", f"def fib(n):\n    raise ValueError({INJECTED!r})\n")
+        evaluate(c, "ui-mbpp-inject")
+    t = tab(node.url).open("/trials/ui-inject/ui-arith-inject")
+    details = by_testid(t.page, "evaluation-details")
+    expect(details.locator('tr[data-key="given"] td')).to_have_text(INJECTED)
+    expect(by_testid(t.page, "step").first).to_contain_text(INJECTED)
+    t.page.goto("/ui/#/trials/ui-inject/ui-mbpp-inject")
+    rows = by_testid(t.page, "evaluation-tests").locator("tbody tr")
+    expect(rows).to_have_count(4)
+    expect(rows.first.locator("td.detail")).to_have_text(f"ValueError: {INJECTED}")
+    assert t.page.locator("#view script, #view img").count() == 0
+    t.page.wait_for_timeout(500)
+    assert t.page.evaluate("window.__pwned") is None
+    assert t.errors == [], t.errors
+
+
 @needs_browser
 def test_the_scheduler_shows_every_node_its_health_and_the_fleets_trials(tmp_path, tab):
     from playwright.sync_api import expect
@@ -492,10 +690,26 @@ def test_the_page_needs_no_key_but_its_data_does_and_carries_a_strict_csp(node):
     assert page.headers["x-content-type-options"] == "nosniff"
     # Everything the page loads is served here: no URL to anywhere else.
     assert not re.search(r"(src|href)=\"(https?:)?//", page.text)
-    script = httpx.get(node.url + "/ui/app.js")
-    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
-    assert not re.search(r"https?://", script.text.replace("http://www.w3.org/2000/svg", ""))
-    assert ".innerHTML" not in script.text and "insertAdjacentHTML" not in script.text
+    # The page's one script and every module it imports, each served here as JavaScript.
+    modules: dict[str, str] = {}
+    todo = ["app.js"]
+    while todo:
+        name = todo.pop()
+        if name not in modules:
+            script = httpx.get(node.url + "/ui/" + name)
+            assert script.status_code == 200 and "javascript" in script.headers["content-type"], name
+            modules[name] = script.text
+            todo += re.findall(r'from "\./([\w-]+\.js)"', script.text)
+    assert set(modules) == {p.name for p in (REPO / "envhub" / "web" / "ui").glob("*.js")}
+    with node.client() as c:
+        environments = {e["name"] for e in c.get("/environments").json()["environments"]}
+    assert {"mbpp", "arith"} <= environments
+    for name, text in modules.items():
+        assert not re.search(r"https?://", text.replace("http://www.w3.org/2000/svg", "")), name
+        assert ".innerHTML" not in text and "insertAdjacentHTML" not in text and "outerHTML" not in text, name
+        # Every environment is shown the same way, by the shape of what it wrote.
+        named = [e for e in environments | {"terminal-bench", "appworld"} if e in text.lower()]
+        assert not named, (name, named)
     for path in ("/dashboard", "/trials", f"/trials/{TRIAL}", f"/trials/{TRIAL}/episodes"):
         assert httpx.get(node.url + path).status_code == 401, path
         assert httpx.get(node.url + path, headers={"X-API-Key": "wrong"}).status_code == 403, path

@@ -1,8 +1,9 @@
 """GET /ui/: the dashboard and trial viewer, a page served by every node and scheduler.
 
-No build step and nothing from elsewhere: the page, its script and its style are files
-in the package (envhub/web/ui/), read once at import and served from memory; the
-script draws the reward plot as SVG itself. The page needs no key, as it holds no data:
+No build step and nothing from elsewhere: the page, its script (an ES module importing
+one module per page, each a plain file), its style and icon are the files in the
+package's envhub/web/ui/, read once at import and served from memory; the script draws
+the reward plot as SVG itself. The page needs no key, as it holds no data:
 it asks for the key once, keeps it in the tab's sessionStorage, and sends it with every
 data call (GET /health, /dashboard, /trials...), which the API checks as any other.
 
@@ -24,12 +25,25 @@ from envhub.errors import NotFound
 bp = Blueprint("ui")
 
 _TYPES = {
-    "index.html": "text/html; charset=utf-8",
-    "app.js": "text/javascript; charset=utf-8",
-    "style.css": "text/css; charset=utf-8",
-    "favicon.svg": "image/svg+xml",
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",  # app.js is an ES module: it must be served as JavaScript
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
 }
-_FILES = {name: (importlib.resources.files("envhub.web") / "ui" / name).read_bytes() for name in _TYPES}
+
+
+def _load() -> dict[str, tuple[bytes, str]]:
+    """Every file of ui/ with a type above, by name: the page, its modules, style, icon."""
+    folder = importlib.resources.files("envhub.web") / "ui"
+    files = {}
+    for f in folder.iterdir():
+        kind = _TYPES.get("." + f.name.rpartition(".")[2])
+        if kind is not None and f.is_file():
+            files[f.name] = (f.read_bytes(), kind)
+    return files
+
+
+_FILES = _load()
 
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
@@ -57,4 +71,5 @@ async def asset(request: Request, name: str):
 def _file(name: str) -> HTTPResponse:
     if name not in _FILES:
         raise NotFound(f"no file {name!r} in the dashboard")
-    return HTTPResponse(_FILES[name], content_type=_TYPES[name], headers=HEADERS)
+    body, kind = _FILES[name]
+    return HTTPResponse(body, content_type=kind, headers=HEADERS)
