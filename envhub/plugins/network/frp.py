@@ -73,7 +73,7 @@ def _load_tunnel(config: Mapping[str, Any]) -> Mapping[str, Any]:
     path, inline = config.get("tunnel_config"), config.get("tunnel")
     if (path is None) == (inline is None):
         raise _fail("give exactly one of tunnel_config (a YAML file) and tunnel (the same, inline)")
-    if inline is not None:
+    if path is None:
         if not isinstance(inline, Mapping):
             raise _fail(f"tunnel must be a mapping, not {type(inline).__name__}")
         return inline
@@ -382,11 +382,10 @@ class FrpNetwork(NetworkMode):
 
     def status(self) -> dict[str, Any]:
         """``{"running", "pid", "restarts", "binary", "config"}`` of the frpc process."""
-        proc = self._proc
-        running = proc is not None and proc.returncode is None
+        proc = self._proc if self._proc is not None and self._proc.returncode is None else None
         return {
-            "running": running,
-            "pid": proc.pid if running else None,
+            "running": proc is not None,
+            "pid": proc.pid if proc is not None else None,
             "restarts": self.restarts,
             "binary": self._binary,
             "config": str(self.frpc_config_path) if self.frpc_config_path else None,
