@@ -187,6 +187,7 @@ def db_migrate(config: str | None, data_dir: str | None) -> None:
     from envhub.store.db import Database, migrate
 
     async def run(settings: Settings) -> int:
+        assert settings.db_path is not None  # Settings.__post_init__ derives it from data_dir
         database = await Database.open(settings.db_path)
         try:
             return await migrate(database)

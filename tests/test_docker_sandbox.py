@@ -426,8 +426,12 @@ async def test_nodes_installing_the_policy_at_once_keep_it_whole_and_keep_each_o
             "from envhub.plugins.docker_sandbox.egress import EgressPolicy\n"
             "for _ in range(3): EgressPolicy('172.31.254.0/24').install()\n"
         )
-        procs = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(4)]
-        assert await asyncio.to_thread(lambda: [p.wait(120) for p in procs]) == [0] * 4
+
+        def install_four_at_once() -> list[int]:
+            procs = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(4)]
+            return [p.wait(120) for p in procs]
+
+        assert await asyncio.to_thread(install_four_at_once) == [0] * 4
         rules = [r for r in policy.rules().splitlines() if r.startswith(f"-A {CHAIN} ")]
         fixed = [r for r in rules if " -s " not in r]
         # The last install wins; the host's addresses are read again at each one.

@@ -418,7 +418,7 @@ async def wait_for_starts(calls: Path, n: int, timeout: float = 30.0) -> list[tu
     """``(pid, args, child pid, start time)`` of the first ``n`` starts, once all of them are logged."""
     deadline = time.monotonic() + timeout
     while True:
-        text = calls.read_text() if calls.exists() else ""
+        text = await asyncio.to_thread(lambda: calls.read_text() if calls.exists() else "")
         # Whole lines only, and whole starts: a script may be between its two lines.
         lines = text[: text.rfind("\n") + 1].splitlines()
         lines = lines[: len(lines) // 2 * 2]

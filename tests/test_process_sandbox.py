@@ -410,11 +410,11 @@ async def test_path_escapes_and_planted_symlinks_are_rejected(sandboxes, handle,
 @pytest.mark.asyncio
 async def test_destroy_is_idempotent_and_removes_the_working_dir(sandboxes, handle, tmp_path):
     cwd = (await sandboxes.exec(handle, "import os\nos.getcwd()", timeout=5)).value
-    assert os.path.isdir(cwd) and cwd.startswith(str(tmp_path))
+    assert await asyncio.to_thread(os.path.isdir, cwd) and cwd.startswith(str(tmp_path))
     await sandboxes.destroy(handle)
     await sandboxes.destroy(handle)
     await sandboxes.destroy("never-existed")
-    assert not os.path.exists(cwd)
+    assert not await asyncio.to_thread(os.path.exists, cwd)
     with pytest.raises(NotFound):
         await sandboxes.exec(handle, "1", timeout=5)
 
@@ -555,12 +555,16 @@ async def test_common_modules_are_preloaded_and_rare_heavy_ones_import_on_use(sa
     assert r.value == 2
 
 
+def _roomy_dev_shm() -> bool:
+    st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+    return st is not None and st.f_bavail * st.f_frsize >= 1 << 30 and os.access("/dev/shm", os.W_OK)
+
+
 @pytest.mark.asyncio
 async def test_default_work_root_is_a_tmpfs_dir_of_the_node_removed_at_stop(tmp_path):
     from envhub.settings import Settings
 
-    st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
-    if st is None or st.f_bavail * st.f_frsize < 1 << 30 or not os.access("/dev/shm", os.W_OK):
+    if not await asyncio.to_thread(_roomy_dev_shm):
         pytest.skip("no roomy /dev/shm: the default stays on disk")
     plugin = ProcessSandbox({}, Settings(data_dir=tmp_path))
     other = ProcessSandbox({}, Settings(data_dir=tmp_path / "other"))
@@ -574,7 +578,7 @@ async def test_default_work_root_is_a_tmpfs_dir_of_the_node_removed_at_stop(tmp_
         assert os.path.dirname(cwd) == plugin.work_root
     finally:
         await plugin.stop()
-    assert not os.path.exists(plugin.work_root)
+    assert not await asyncio.to_thread(os.path.exists, plugin.work_root)
     configured = ProcessSandbox({"work_root": str(tmp_path / "w")}, Settings(data_dir=tmp_path))
     assert configured.work_root == str(tmp_path / "w")
 

@@ -178,6 +178,11 @@ def test_tb1_defaults_are_terminal_bench_0_2_18(tmp_path):
     assert t.extra["author_name"] == "unknown"
 
 
+def test_tb1_test_timeout_set_to_null_is_the_default(tmp_path):
+    t = load_task(make_tb1(tmp_path, task_yaml="instruction: do it\nmax_test_timeout_sec: null\n"))
+    assert t.test_timeout_sec == 60.0
+
+
 def test_tb2_defaults_are_harbors(tmp_path):
     t = load_task(make_tb2(tmp_path, task_toml=""))
     assert (t.test_timeout_sec, t.agent_timeout_sec, t.build_timeout_sec) == (600.0, None, 600.0)

@@ -202,14 +202,14 @@ class _NodeState:
         if node is None:
             return
         health = node.health()
-        for key, doc in (
+        for gauge, doc in (
             ("capacity", "Slots: episodes this node runs at once"),
             ("active", "Slots held by episodes (creating, live or rollouts)"),
             ("free", "Slots free, warm-pool sandboxes counted as free"),
             ("queued", "Creates waiting for a slot"),
             ("pooled", "Slots held by warm-pool sandboxes"),
         ):
-            yield GaugeMetricFamily(f"envhub_slots_{key}", doc, value=health[key])
+            yield GaugeMetricFamily(f"envhub_slots_{gauge}", doc, value=health[gauge])
         yield GaugeMetricFamily("envhub_rollouts_active", "Whole rollouts running", value=health["rollouts"])
         yield GaugeMetricFamily(
             "envhub_accepting", "1 while the node takes creates, 0 once it is stopping", value=int(health["accepting"])

@@ -19,6 +19,7 @@ Every machine of the cluster needs envhub installed where Ray's workers import i
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Iterable
@@ -64,7 +65,7 @@ def _connect(address: str | None) -> tuple[Any, bool]:
     if ray.is_initialized():
         return ray, False
     try:
-        ray.init(address=address or "auto", logging_level="WARNING", log_to_driver=False)
+        ray.init(address=address or "auto", logging_level=logging.WARNING, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise StartupError(f"cannot connect to the Ray cluster at {address or 'auto'}: {e}") from None
     return ray, True

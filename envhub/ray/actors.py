@@ -62,7 +62,9 @@ def _this_ray_node() -> dict[str, Any]:
     return next(n for n in ray.nodes() if n["NodeID"] == me)
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+# The ignore: ray's overloads of remote() list only a task's options, and max_concurrency
+# is an actor's (ray.actor.ActorClass.options takes it).
+@ray.remote(num_cpus=0, max_concurrency=4)  # type: ignore[call-overload]
 class NodeActor:
     def __init__(self, spec: dict[str, Any]) -> None:
         me = _this_ray_node()
@@ -173,7 +175,7 @@ class _Member:
     asking: Any = None  # an info() call in flight
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@ray.remote(num_cpus=0, max_concurrency=4)  # type: ignore[call-overload]  # as NodeActor's
 class Controller:
     def __init__(self, spec: dict[str, Any]) -> None:
         started = time.monotonic()

@@ -46,6 +46,8 @@ async def start(
             (environment, task_id, context_hash, image, time.time()),
         )
         build_id = cursor.lastrowid
+        if build_id is None:  # sqlite3 sets it after every successful INSERT
+            raise RuntimeError("the builds INSERT reported no row id")
         log_path = Path(logs_dir) / f"{build_id}.log"
         await db.conn.execute("UPDATE builds SET log_path = ? WHERE id = ?", (str(log_path), build_id))
     return build_id, log_path

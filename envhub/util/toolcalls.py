@@ -63,8 +63,8 @@ def _one(body: str) -> dict[str, Any]:
         m = _FUNCTION.match(body)
         if m is None:
             raise ValueError("a <function=...> block is malformed")
-        arguments = {name: value for name, value in _PARAMETER.findall(m.group(2))}
-        return _call(m.group(1), arguments)
+        parameters = {name: value for name, value in _PARAMETER.findall(m.group(2))}
+        return _call(m.group(1), parameters)
     try:
         data = strict_json.loads(body)  # nested past any limit: an error, not a RecursionError
     except ValueError as e:

@@ -59,7 +59,9 @@ def setup_auth(app: Sanic) -> None:
     if not metrics_keys:
         return
 
-    @app.on_request(priority=100)
+    # middleware("request") is what on_request(priority=...) calls, but typed: Sanic
+    # annotates on_request as returning a middleware even when it returns a decorator.
+    @app.middleware("request", priority=100)
     async def require_api_key(request: Request) -> None:
         path = request.path
         if path == METRICS_PATH:

@@ -30,7 +30,7 @@ class Faulty(envhub.Environment):
             gate = episode.params.get("gate")
             if gate:  # wait until the test opens the gate (creates the file), at most a minute
                 for _ in range(6000):
-                    if os.path.exists(gate):
+                    if await asyncio.to_thread(os.path.exists, gate):
                         break
                     await asyncio.sleep(0.01)
             else:

@@ -73,7 +73,7 @@ def _load_tunnel(config: Mapping[str, Any]) -> Mapping[str, Any]:
     path, inline = config.get("tunnel_config"), config.get("tunnel")
     if (path is None) == (inline is None):
         raise _fail("give exactly one of tunnel_config (a YAML file) and tunnel (the same, inline)")
-    if inline is not None:
+    if path is None:
         if not isinstance(inline, Mapping):
             raise _fail(f"tunnel must be a mapping, not {type(inline).__name__}")
         return inline
@@ -288,17 +288,9 @@ class FrpNetwork(NetworkMode):
         if self.frpc_config_path is not None:
             return
         binary = self._find_binary()
-        work_dir = self.config.get("work_dir")
-        if work_dir is None:
-            self._temp_dir = work_dir = tempfile.mkdtemp(prefix="envhub-frp-")
-        work = Path(work_dir)
-        work.mkdir(parents=True, exist_ok=True)
-        config_path = work / "frpc.toml"
-        staging = work / "frpc.toml.tmp"
-        staging.write_text(self.render_frpc_toml())
-        os.replace(staging, config_path)  # frpc never reads a half-written file
+        config_path = await asyncio.to_thread(self._write_config)
         self.frpc_config_path = config_path
-        self.frpc_log_path = work / "frpc.log"
+        self.frpc_log_path = config_path.parent / "frpc.log"
         if binary is None:
             log.warning(
                 "no frpc binary (set frpc_path or put frpc on PATH): only URL rewrites are active; "
@@ -311,9 +303,23 @@ class FrpNetwork(NetworkMode):
         log.info("frpc started (pid %s) for machine %s: %s", self._proc.pid, self.machine, config_path)
         self._watcher = asyncio.create_task(self._watch(), name="network.frp.watch")
 
+    def _write_config(self) -> Path:
+        """Write ``frpc.toml`` into ``work_dir`` (made if missing; a temp dir when unset)."""
+        work_dir = self.config.get("work_dir")
+        if work_dir is None:
+            self._temp_dir = work_dir = tempfile.mkdtemp(prefix="envhub-frp-")
+        work = Path(work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        config_path = work / "frpc.toml"
+        staging = work / "frpc.toml.tmp"
+        staging.write_text(self.render_frpc_toml())
+        os.replace(staging, config_path)  # frpc never reads a half-written file
+        return config_path
+
     async def _spawn(self) -> asyncio.subprocess.Process:
         assert self._binary is not None and self.frpc_config_path is not None and self.frpc_log_path is not None
-        with open(self.frpc_log_path, "ab") as out:  # the child keeps its own copy of the fd
+        log_file = await asyncio.to_thread(open, self.frpc_log_path, "ab")
+        with log_file as out:  # the child keeps its own copy of the fd
             return await asyncio.create_subprocess_exec(
                 self._binary,
                 "-c",
@@ -382,11 +388,10 @@ class FrpNetwork(NetworkMode):
 
     def status(self) -> dict[str, Any]:
         """``{"running", "pid", "restarts", "binary", "config"}`` of the frpc process."""
-        proc = self._proc
-        running = proc is not None and proc.returncode is None
+        proc = self._proc if self._proc is not None and self._proc.returncode is None else None
         return {
-            "running": running,
-            "pid": proc.pid if running else None,
+            "running": proc is not None,
+            "pid": proc.pid if proc is not None else None,
             "restarts": self.restarts,
             "binary": self._binary,
             "config": str(self.frpc_config_path) if self.frpc_config_path else None,

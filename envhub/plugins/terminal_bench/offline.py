@@ -236,7 +236,7 @@ async def build_base_images(
     """
     made = []
     bundle = Path(ca_bundle or "/etc/ssl/certs/ca-certificates.crt")
-    ca = bundle.read_bytes() if bundle.is_file() else b""
+    ca = await asyncio.to_thread(lambda: bundle.read_bytes() if bundle.is_file() else b"")
     uv, uvx = await asyncio.to_thread(uv_binaries, tools_dir)
     for name, base in BASE_IMAGES.items():
         if await sandbox.image_exists(name):
@@ -245,7 +245,7 @@ async def build_base_images(
         if not await sandbox.image_exists(base.rootfs):
             await asyncio.to_thread(debootstrap, base.suite, base.rootfs, mirror=mirror, api=sandbox._api, echo=echo)
         echo(f"{name}: building on {base.rootfs} (tools, uv {UV_VERSION}, warmed cache)")
-        logs_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(logs_dir.mkdir, parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as empty:
             await sandbox.build_image(
                 context_dir=Path(empty),

@@ -89,7 +89,7 @@ def _load_tb1(path: Path) -> TbTask:
         build_context=compose.context,
         docker_image=None,
         agent_timeout_sec=cfg.number("max_agent_timeout_sec", TB1_AGENT_TIMEOUT_SEC, positive=True),
-        test_timeout_sec=cfg.number("max_test_timeout_sec", TB1_TEST_TIMEOUT_SEC, positive=True),
+        test_timeout_sec=_number(cfg, "max_test_timeout_sec", TB1_TEST_TIMEOUT_SEC, positive=True),
         build_timeout_sec=TB2_BUILD_TIMEOUT_SEC,
         tests_dir=path / "tests",
         test_script=require_file(path / "run-tests.sh", "run-tests.sh"),
@@ -177,7 +177,7 @@ def _load_tb2(path: Path) -> TbTask:
     meta, pkg = cfg.table("metadata"), cfg.table("task")
     envc, agent, verifier = cfg.table("environment"), cfg.table("agent"), cfg.table("verifier")
     agent_timeout = agent.number("timeout_sec", positive=True)
-    test_timeout = verifier.number("timeout_sec", TB2_VERIFIER_TIMEOUT_SEC, positive=True)
+    test_timeout = _number(verifier, "timeout_sec", TB2_VERIFIER_TIMEOUT_SEC, positive=True)
     steps = _tb2_steps(path, cfg, agent_timeout, test_timeout)
     if steps:
         first = steps[0]
@@ -236,7 +236,7 @@ def _load_tb2(path: Path) -> TbTask:
         docker_image=docker_image,
         agent_timeout_sec=agent_timeout,
         test_timeout_sec=test_timeout,
-        build_timeout_sec=envc.number("build_timeout_sec", TB2_BUILD_TIMEOUT_SEC, positive=True),
+        build_timeout_sec=_number(envc, "build_timeout_sec", TB2_BUILD_TIMEOUT_SEC, positive=True),
         tests_dir=path / "tests",
         test_script=test_script,
         solution=solution,
@@ -289,7 +289,7 @@ def _tb2_steps(path: Path, cfg: Table, agent_timeout: float | None, test_timeout
                 solution=first_existing(base / "solution" / "solve.sh"),
                 workdir_upload=base / "workdir" if (base / "workdir").is_dir() else None,
                 agent_timeout_sec=s.table("agent").number("timeout_sec", agent_timeout, positive=True),
-                test_timeout_sec=verifier.number("timeout_sec", test_timeout, positive=True),
+                test_timeout_sec=_number(verifier, "timeout_sec", test_timeout, positive=True),
                 min_reward=_min_reward(s),
                 verifier_env=verifier.env("env"),
                 healthcheck=s.data.get("healthcheck"),
@@ -303,8 +303,19 @@ def _min_reward(s: Table) -> float | dict[str, float] | None:
     value = s.data.get("min_reward")
     if isinstance(value, dict):
         t = s.table("min_reward")
-        return {str(k): t.number(k) for k in value}
+        return {str(k): _number(t, k, None) for k in value}
     return s.number("min_reward")
+
+
+def _number(table: Table, key: str, default: float | None, *, positive: bool = False) -> float:
+    """``table.number`` for a number the task must have: ``default`` when the file leaves it
+    out or sets it to null (YAML; TOML has no null); null with no default is an error."""
+    value = table.number(key, default, positive=positive)
+    if value is not None:
+        return value
+    if default is None:
+        raise table.error(key, "expected a number, got null")
+    return default
 
 
 @overload
