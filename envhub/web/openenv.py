@@ -125,8 +125,9 @@ async def close_with(
                         raise
                     break  # Sanic's recv raises CancelledError when the close reply arrives
         # The close reply ends the read; the closing handshake itself may still be running.
+        # The protocol's state has no event to wait on: poll it, bounded by the deadline.
         proto = getattr(ws, "ws_proto", None)
-        while proto is not None and proto.state is not State.CLOSED and loop.time() < deadline:
+        while proto is not None and proto.state is not State.CLOSED and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
 
 
