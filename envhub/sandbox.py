@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 
 @dataclass
@@ -245,6 +245,7 @@ class BuildRequest:
     exclude: tuple[str, ...] = ()
 
 
+@runtime_checkable
 class ImageBuilder(Protocol):
     """What a container sandbox offers the gate (the docker sandbox implements it)."""
 

@@ -156,13 +156,15 @@ class MBPP(Environment):
         return CodingAdapter(self)
 
     def load(self) -> None:
+        self._source: str | None  # the dataset's file, when it is one (hidden from episodes)
         path = self.config.get("path")
         if path:
             try:
                 text = Path(path).read_text()
             except OSError as e:
                 raise StartupError(f"mbpp: cannot read dataset {path}: {e}") from None
-            where = self._source = str(path)
+            where = str(path)
+            self._source = where
         else:
             bundled = importlib.resources.files("envhub.plugins.mbpp") / "data" / "mbpp_sample.jsonl"
             text = bundled.read_text()
@@ -316,12 +318,14 @@ _SHADOWABLE = frozenset(grading.SAFE_CALLABLES) | frozenset(grading.MODULES)
 
 def _verdict(test: grading.TestPlan, reported: Any) -> dict[str, Any]:
     """One test's result from what the untrusted interpreter reported for its probes."""
+    status: str
+    error: str | None
     if not isinstance(reported, dict):
         status, error = "error", "the interpreter reported nothing for this test"
     elif "values" in reported and isinstance(reported["values"], list):
         status, error = grading.judge(test, reported["values"])
     else:
-        status = reported.get("status") if reported.get("status") in ("failed", "error", "timeout") else "error"
+        status = str(reported["status"]) if reported.get("status") in ("failed", "error", "timeout") else "error"
         error = str(reported.get("error") or "")[:2000]
     if test.template is None:
         status, error = "error", test.error

@@ -40,7 +40,7 @@ from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_
 from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
 from envhub.plugins.terminal_bench.verifier import cd_workdir
-from envhub.sandbox import BuildRequest, Limits, SandboxSpec
+from envhub.sandbox import BuildRequest, ImageBuilder, Limits, SandboxSpec
 
 if TYPE_CHECKING:
     from envhub.openenv import OpenEnvAdapter
@@ -176,7 +176,7 @@ class TerminalBench(Environment):
         """Use the stand-in base images that exist on the engine (a registry base the
         configured image_map does not map goes to them)."""
         sandbox = self.context.sandboxes.get(self.sandbox) if self.context else None
-        if sandbox is None or not hasattr(sandbox, "image_exists"):
+        if not isinstance(sandbox, ImageBuilder):
             return
         present = {image for image in set(offline.DEFAULT_IMAGE_MAP.values()) if await sandbox.image_exists(image)}
         self._stand_ins = {k: v for k, v in offline.DEFAULT_IMAGE_MAP.items() if v in present}
@@ -247,9 +247,12 @@ class TerminalBench(Environment):
         if self.verifier_tools and tb.dockerfile is not None:
             tools = await asyncio.to_thread(offline.uv_binaries, self._tools_dir())
         req = self.build_request(task, tools)
-        if req is None:
+        if req is None:  # the task names a prebuilt image instead of a Dockerfile
+            assert tb.docker_image is not None, "a task without a Dockerfile names its image (model.py)"
             image = self._image_map().get(tb.docker_image, tb.docker_image)
-            sandbox = self.context.sandboxes[self.sandbox]
+            sandbox = self.context.sandboxes.get(self.sandbox) if self.context else None
+            if not isinstance(sandbox, ImageBuilder):
+                raise SandboxError(f"terminal-bench needs a sandbox that holds images, not {self.sandbox!r}")
             if not await sandbox.image_exists(image):
                 raise SandboxError(
                     f"task {tb.id} names image {image!r}, which is not on this node's engine "
