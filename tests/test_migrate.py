@@ -116,7 +116,7 @@ def test_files_are_numbered_without_gaps_and_open_with_a_comment():
         assert "BEGIN" not in text.upper().split() and "COMMIT" not in text.upper()
 
 
-def test_wheel_ships_the_migrations_and_the_sample(tmp_path):
+def test_wheel_ships_the_migrations_the_sample_and_the_types(tmp_path):
     subprocess.run(
         [
             sys.executable,
@@ -137,3 +137,4 @@ def test_wheel_ships_the_migrations_and_the_sample(tmp_path):
     for f in migration_files():
         assert f"envhub/migrations/{f.name}" in names
     assert "envhub/plugins/mbpp/data/mbpp_sample.jsonl" in names
+    assert "envhub/py.typed" in names, "plugin authors' type checkers read envhub's types (PEP 561)"
