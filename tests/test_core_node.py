@@ -15,6 +15,7 @@ from sanic import Sanic
 
 from envhub.app import create_app
 from envhub.errors import InvalidRequest, NotFound
+from envhub.store import builds as builds_store
 
 pytestmark = pytest.mark.fast
 
@@ -209,6 +210,33 @@ async def test_cleanup_releases_every_live_instance(node):
     assert await service.cleanup() == {"status": "ok", "released": 2}
     assert service.health()["active"] == 0
     assert [(await service.get(i))["state"] for i in ("c-1", "c-2")] == ["released", "released"]
+
+
+async def test_a_large_build_log_is_served_by_its_tail(node, tmp_path):
+    """GET /builds/<id> reads only the end of a log (off the event loop): a 64 MiB log
+    answers with its last lines."""
+    build_id, log_path = await builds_store.start(
+        node.ctx.db,
+        environment="terminal-bench",
+        task_id="big-log",
+        context_hash="0" * 16,
+        image="envhub-test/big-log:0",
+        logs_dir=tmp_path / "builds",
+    )
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    line = b"x" * 1023 + b"\n"
+    with open(log_path, "wb") as f:
+        for _ in range(64):
+            f.write(line * 1024)
+        f.write(b"step 41/42\nstep 42/42\ndone\n")
+    r = await node.http.get(f"/builds/{build_id}", params={"lines": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["log_tail"] == "step 41/42\nstep 42/42\ndone"
+    assert r.json()["state"] == "building"
+    many = (await node.http.get(f"/builds/{build_id}", params={"lines": 10_000})).json()["log_tail"].splitlines()
+    assert 900 < len(many) < 1030 and many[0] == "x" * 1023, "whole lines from the log's last MiB"
+    assert_envelope(await node.http.get(f"/builds/{build_id}", params={"lines": 0}), 400, "invalid_request")
+    assert_envelope(await node.http.get("/builds/999999"), 404, "not_found")
 
 
 async def test_a_node_starts_and_stops_cleanly_around_one_request_of_sanic_testings_client(tmp_path, monkeypatch):
