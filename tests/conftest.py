@@ -4,7 +4,8 @@ Everything here keeps a test's outcome independent of the machine and of other e
 nodes on it: every node gets a node id of its own (and start() checks that the process
 answering is that node), counts of processes cover only the uids a node itself holds,
 and tests that read the published datasets in ../shared skip, with one summary line,
-where that folder is absent.
+where that folder is absent. A test waits for an event with eventually() (or
+eventually_async()), never with a deadline loop of its own or a fixed sleep.
 """
 
 from __future__ import annotations
