@@ -63,6 +63,8 @@ class InProcessApp:
             await self._lifespan_event("startup")
         except BaseException:
             await self._end_lifespan()
+            if self.app.ctx.db is not None:  # no stop listener runs after a failed start
+                await self.app.ctx.db.close()
             raise
         transport = httpx.ASGITransport(app=functools.partial(_ASGI, self.app))
         self.http = httpx.AsyncClient(transport=transport, base_url="http://envhub.test", timeout=30)

@@ -185,7 +185,7 @@ async def test_reap_idle_expires_only_instances_idle_past_the_ttl_and_frees_thei
     await service.create("mbpp", "11", instance_id="idle-1")
     assert await service.reap_idle() == [], "not idle long enough"
     # The reaper's clock, moved past the TTL rather than waited for.
-    assert await service.reap_idle(now=time.monotonic() + service.settings.idle_ttl + 1) == ["idle-1"]
+    assert await service.reap_idle(now=time.monotonic() + node.settings.idle_ttl + 1) == ["idle-1"]
     got = await service.get("idle-1")
     assert got["state"] == "expired" and "idle" in got["error"]
     assert service.health()["active"] == 0
