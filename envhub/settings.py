@@ -6,7 +6,8 @@ has a flag or variable of its own (``capacity`` -> ``ENVHUB_CAPACITY``); nested
 plugin sections are reached with a double underscore
 (``ENVHUB_ENVIRONMENTS__MBPP__PATH=/data/mbpp.jsonl``). Values from variables and
 ``--set`` are parsed as YAML scalars, so ``true``, ``3`` and ``[a, b]`` work.
-Unknown top-level keys are refused at start rather than silently ignored.
+Unknown top-level keys are refused at start rather than silently ignored, and so is a
+boolean setting whose value is not one of true/false, yes/no, on/off, 1/0 (any case).
 
 Every numeric setting has one rule (``_BOUNDS``), applied at start and, through
 :func:`check`, to the settings a node may change at run time, so both accept the same
@@ -276,6 +277,8 @@ def _deep_merge(into: dict[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
 def _coerce(name: str, annotation: Any, value: Any, error: type[Exception] = StartupError) -> Any:
     kind = str(annotation)
     try:
+        if kind == "bool":
+            return _boolean(value)  # an empty value (``metrics:``) is no boolean either
         if value is None:
             return None
         if kind.startswith("Path"):
@@ -289,10 +292,6 @@ def _coerce(name: str, annotation: Any, value: Any, error: type[Exception] = Sta
             if isinstance(value, float) and math.isfinite(value) and number != value:
                 raise ValueError("expected a whole number")
             return number
-        if kind == "bool":
-            if isinstance(value, str):
-                return value.strip().lower() in ("1", "true", "yes", "on")
-            return bool(value)
         if kind == "list[Any]":
             if not isinstance(value, list):
                 raise TypeError("expected a list")
@@ -312,6 +311,25 @@ def _coerce(name: str, annotation: Any, value: Any, error: type[Exception] = Sta
         return str(value)
     except (TypeError, ValueError, OverflowError) as e:
         raise error(f"setting {name!r} has a bad value {_short(value)}: {_short(e)}") from None
+
+
+# The spellings a boolean setting accepts, in any case. YAML (a config file, and the values of
+# ENVHUB_* variables and --set, which are parsed as YAML scalars) already turns most of them
+# into booleans; anything else is a mistake to report, not a false (``ture``).
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+    raise ValueError(f"expected a boolean: one of {', '.join(_TRUE + _FALSE)} (any case)")
 
 
 def _short(value: Any) -> str:

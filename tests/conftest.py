@@ -4,11 +4,14 @@ Everything here keeps a test's outcome independent of the machine and of other e
 nodes on it: every node gets a node id of its own (and start() checks that the process
 answering is that node), counts of processes cover only the uids a node itself holds,
 and tests that read the published datasets in ../shared skip, with one summary line,
-where that folder is absent.
+where that folder is absent. A test waits for an event with eventually() (or
+eventually_async()), never with a deadline loop of its own or a fixed sleep.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import re
 import socket
@@ -16,11 +19,17 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 import pytest
+from sanic import Sanic
+
+# In-process apps (tests/test_core_*.py): create_app() names each app uniquely, and
+# sanic-testing's clients serve it on an ephemeral port.
+Sanic.test_mode = True
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -106,6 +115,69 @@ needs_browser = pytest.mark.skipif(
 )
 
 
+T = TypeVar("T")
+Message = str | Callable[[], str] | None
+
+
+def _timed_out(message: Message, timeout: float, calls: int, last: Any, error: AssertionError | None) -> AssertionError:
+    text = message() if callable(message) else message
+    what = f"{text}: " if text else ""
+    if error is not None:
+        return AssertionError(f"{what}not within {timeout:g} s ({calls} tries); the last try failed: {error}")
+    return AssertionError(f"{what}not within {timeout:g} s ({calls} tries); the last value was {last!r}")
+
+
+def eventually(check: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.05, message: Message = None) -> T:
+    """Call ``check()`` until it returns a truthy value, which is returned, or until
+    ``timeout`` seconds have passed, which fails the test with ``message`` (a string, or
+    a callable giving one, called only then) and the last value or the last assertion.
+
+    An ``AssertionError`` from ``check`` counts as "not yet" (so a check may assert, and
+    the failure shown is its last one); any other exception ends the wait at once. The
+    check runs at least once, and once more at the deadline, however long it takes.
+    The timeout is a deadline for a failing test only: a passing one returns as soon as
+    the event happens, so it may be generous.
+    """
+    deadline = time.monotonic() + timeout
+    calls, last, error = 0, None, None
+    while True:
+        calls += 1
+        try:
+            last, error = check(), None
+        except AssertionError as e:
+            error = e
+        else:
+            if last:
+                return last
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _timed_out(message, timeout, calls, last, error) from error
+        time.sleep(min(interval, remaining))
+
+
+async def eventually_async(
+    check: Callable[[], T | Awaitable[T]], *, timeout: float = 30.0, interval: float = 0.05, message: Message = None
+) -> T:
+    """:func:`eventually` for async tests: waits with ``asyncio.sleep`` (so the code under
+    test runs meanwhile), and ``check`` may be a coroutine function."""
+    deadline = time.monotonic() + timeout
+    calls, last, error = 0, None, None
+    while True:
+        calls += 1
+        try:
+            value = check()
+            last, error = (await value if inspect.isawaitable(value) else value), None
+        except AssertionError as e:
+            error = e
+        else:
+            if last:
+                return last
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _timed_out(message, timeout, calls, last, error) from error
+        await asyncio.sleep(min(interval, remaining))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,21 +239,28 @@ class EnvhubProcess:
             env=self.env,
             cwd=REPO,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+        proc = self.proc
+
+        def answers() -> bool:
+            if proc.poll() is not None:
                 self._log.close()
-                raise RuntimeError(f"envhub exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"envhub exited with {proc.returncode}:\n{self.log()}")
             try:
                 r = httpx.get(self.url + "/health", timeout=1)
-                # The port was free when picked, not reserved: make sure it is this node.
-                if r.status_code == 200 and (self.node_id is None or r.json().get("node_id") == self.node_id):
-                    return self
-            except (httpx.TransportError, ValueError):
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"envhub did not answer within {timeout} s:\n{self.log()}")
+            except httpx.TransportError:
+                return False
+            # The port was free when picked, not reserved: make sure it is this node.
+            try:
+                return r.status_code == 200 and (self.node_id is None or r.json().get("node_id") == self.node_id)
+            except ValueError:
+                return False
+
+        try:
+            eventually(answers, timeout=timeout)
+        except AssertionError:
+            self.stop()
+            raise RuntimeError(f"envhub did not answer within {timeout} s:\n{self.log()}") from None
+        return self
 
     def stop(self, timeout: float = 30) -> int:
         assert self.proc is not None

@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import REPO, EnvhubProcess
+from conftest import REPO, EnvhubProcess, eventually
 
 from envhub.client import NO_RETRY, AsyncEnvhubClient, EnvhubClient, EnvhubClientError, EnvhubUnavailable, RetryPolicy
 
@@ -47,13 +47,6 @@ def names(listing: dict[str, Any]) -> set[str]:
 def active_ids(node: EnvhubProcess) -> set[str]:
     r = httpx.get(f"{node.url}/instances", params={"state": "active", "limit": 1000})
     return {i["instance_id"] for i in r.json()["instances"]}
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 class LossyProxy:
@@ -178,9 +171,8 @@ def test_sync_client_drives_an_mbpp_episode_on_a_node(light_node):
         record = env.get(iid)
         assert record["state"] == "released" and record["step_count"] == 3 and record["trial"] == "client"
     log = light_node.data_dir / "trials" / "client" / iid / "episode.jsonl"
-    deadline = time.monotonic() + 5  # the node's log thread writes in batches
-    while '"event": "released"' not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # The node's log thread writes in batches: the released line comes a moment later.
+    eventually(lambda: log.exists() and '"event": "released"' in log.read_text(), timeout=5, message=str(log))
     assert '"event": "evaluation"' in log.read_text()
 
 
@@ -325,8 +317,9 @@ def test_the_timeout_is_drawn_once_per_client_and_bounds_each_call(light_node):
         try:
             started = time.monotonic()
             with pytest.raises(EnvhubUnavailable) as e:
-                hasty.step(iid, "run_python", {"code": "import time; time.sleep(2.5)"})
-            assert e.value.code == "timeout" and time.monotonic() - started < 2.0
+                hasty.step(iid, "run_python", {"code": "import time; time.sleep(5)"})
+            # A call the timeout did not bound would last the step's 5 s at least.
+            assert e.value.code == "timeout" and time.monotonic() - started < 5
         finally:
             env.release(iid)
 
@@ -358,6 +351,8 @@ async def test_sync_and_async_calls_wait_out_a_node_restart(start_node):
         async with AsyncEnvhubClient(node.url, retry=PATIENT) as async_env:
             listing = pool.submit(sync_env.environments)
             created = asyncio.create_task(async_env.create("mbpp", "11", instance_id="after-restart-1"))
+            # Part of what is tested: half a second of refused connections, which a client
+            # without retries would have failed on at once.
             await asyncio.sleep(0.5)
             assert not listing.done() and not created.done(), "both calls are still retrying"
             await asyncio.to_thread(node.start)
@@ -373,7 +368,11 @@ def test_calls_through_a_scheduler_wait_for_its_only_node_to_come_back(start_nod
         "--set", f"nodes_file={write_nodes_yaml(tmp_path / 'nodes.yaml', node)}", *SCHEDULER_ARGS, role="scheduler"
     )
     node.stop()
-    wait_until(lambda: not httpx.get(f"{sched.url}/status").json()["nodes"][0]["healthy"])
+    eventually(
+        lambda: not httpx.get(f"{sched.url}/status").json()["nodes"][0]["healthy"],
+        timeout=10,
+        message="the scheduler never saw its node go",
+    )
     with EnvhubClient(sched.url, retry=NO_RETRY) as env:
         with pytest.raises(EnvhubUnavailable) as e:
             env.environments()
@@ -383,6 +382,8 @@ def test_calls_through_a_scheduler_wait_for_its_only_node_to_come_back(start_nod
         assert (e.value.status, e.value.code, e.value.retry_after) == (503, "capacity_exceeded", 2.0)
     with EnvhubClient(sched.url, retry=PATIENT) as env, ThreadPoolExecutor(1) as pool:
         pending = pool.submit(lambda: (env.environments(), env.create("mbpp", "11")))
+        # Part of what is tested: half a second of 503s, which a client without retries
+        # would have failed on at once.
         time.sleep(0.5)
         assert not pending.done(), "the calls are still retrying"
         node.start()
@@ -408,7 +409,8 @@ def test_a_full_node_answers_429_and_the_client_waits_its_retry_after(start_node
         started = time.monotonic()
         with pytest.raises(EnvhubUnavailable) as e:
             env.create("mbpp", "12")
-        assert e.value.status == 429 and e.value.attempts == 3 and 0.35 <= time.monotonic() - started < 3.0
+        # Two waits of max_wait (0.2 s) at least; waits of the full Retry-After would take 4 s.
+        assert e.value.status == 429 and e.value.attempts == 3 and 0.35 <= time.monotonic() - started < 4.0
     # Without the header the backoff would be milliseconds and every attempt would meet a full node.
     with EnvhubClient(node.url, retry=RetryPolicy(attempts=3, multiplier=0.01, max_wait=10)) as env:
         releaser = threading.Timer(1.0, lambda: httpx.post(f"{node.url}/instances/{first}/release"))
@@ -418,7 +420,7 @@ def test_a_full_node_answers_429_and_the_client_waits_its_retry_after(start_node
             second = env.create("mbpp", "12")["instance_id"]
         finally:
             releaser.join()
-        assert time.monotonic() - started >= 1.9
+        assert time.monotonic() - started >= 1.9  # it waited out Retry-After's 2 s (a sleep is never shorter)
         assert active_ids(node) == {second}
         env.release(second)
 

@@ -98,6 +98,7 @@ async def test_writes_wait_for_an_open_transaction_and_survive_its_rollback(db):
         async with db.transaction():
             await db.conn.execute("INSERT INTO t VALUES ('in-tx', 0)")
             waiting = asyncio.ensure_future(db.write("INSERT INTO t VALUES ('outside', 1)"))
+            # Part of what is tested: the write has had time to run, and must not have.
             await asyncio.sleep(0.05)
             assert not waiting.done(), "a batch never runs inside another task's transaction"
             raise RuntimeError("roll back")
@@ -125,7 +126,9 @@ async def writes_during(db: Database, read, tag: str) -> tuple[int, bool]:
     """Start ``read``, then write one row at a time until it returns: how many writes
     committed meanwhile, and whether the read was still running after the first."""
     reading = asyncio.ensure_future(read(SLOW_READ))
-    await asyncio.sleep(0.01)  # the read has begun in its thread
+    # One turn of the loop: the reading task takes its first step, which (on the one
+    # connection) queues its query ahead of any write below.
+    await asyncio.sleep(0)
     n, still_reading = 0, False
     while not reading.done():
         await db.write("INSERT INTO t VALUES (?, ?)", (f"{tag}-{n}", n))

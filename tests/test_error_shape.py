@@ -6,11 +6,10 @@ import contextlib
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
-from conftest import FAULTY_UID_BASE, node_sandbox_uids, processes_of_uids, sandbox_dirs
+from conftest import FAULTY_UID_BASE, eventually, node_sandbox_uids, processes_of_uids, sandbox_dirs
 
 
 def test_unexpected_exception_is_a_500_envelope_without_traceback(faulty_node):
@@ -75,10 +74,11 @@ def test_create_cut_off_by_its_client_can_be_retried_with_the_same_id(faulty_nod
     with faulty_node.client() as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/instances", json=body, timeout=0.3)
-        deadline = time.monotonic() + 10
-        while c.get("/instances/cut-off").json()["state"] != "failed":
-            assert time.monotonic() < deadline, "the abandoned create never ended"
-            time.sleep(0.05)
+        eventually(
+            lambda: c.get("/instances/cut-off").json()["state"] == "failed",
+            timeout=10,
+            message="the abandoned create never ended",
+        )
         r = c.post("/instances", json=body, timeout=10)
         assert r.status_code == 201, r.text
         assert c.get("/instances/cut-off").json()["state"] == "active"
@@ -106,38 +106,44 @@ def test_create_cut_off_while_its_row_is_being_activated_can_be_retried(faulty_n
     db = sqlite3.connect(faulty_node.data_dir / "envhub.db", isolation_level=None, check_same_thread=False)
     with faulty_node.client() as c:
         try:
-            deadline = time.monotonic() + 10
             with _raw_post(faulty_node.port, "/instances", body) as conn:
-                while c.get("/instances/cut-late").status_code != 200:  # inserted: reset waits at the gate
-                    assert time.monotonic() < deadline, "the create never started"
-                    time.sleep(0.02)
+                # Inserted: its reset waits at the gate.
+                eventually(
+                    lambda: c.get("/instances/cut-late").status_code == 200,
+                    timeout=10,
+                    message="the create never started",
+                )
                 db.execute("BEGIN IMMEDIATE")  # the activation after reset waits on this lock
                 gate.touch()
-                while "created" not in _events(log):  # reset is over: the activation is next
-                    assert time.monotonic() < deadline, "the reset never ended"
-                    time.sleep(0.02)
+                # The reset is over: the activation is next.
+                eventually(lambda: "created" in _events(log), timeout=10, message="the reset never ended")
                 local_port = conn.getsockname()[1]
             # The client is gone; hold the lock until the node has closed its end of that
             # connection (which is when Sanic cancels the create), then let the write through.
-            while _node_holds_connection_from(faulty_node.proc.pid, local_port):
-                assert time.monotonic() < deadline, "the node never saw its client go"
-                time.sleep(0.02)
+            eventually(
+                lambda: not _node_holds_connection_from(faulty_node.proc.pid, local_port),
+                timeout=10,
+                message="the node never saw its client go",
+            )
             db.execute("COMMIT")
         finally:
             db.close()  # rolls back a transaction a failed assertion left open
-        deadline = time.monotonic() + 10
-        while (row := c.get("/instances/cut-late").json())["state"] != "failed":
-            assert time.monotonic() < deadline, f"the abandoned create never ended: {row}"
-            time.sleep(0.05)
+
+        def abandoned() -> bool:
+            row = c.get("/instances/cut-late").json()
+            assert row["state"] == "failed", f"the abandoned create never ended: {row}"
+            return True
+
+        eventually(abandoned, timeout=10)
         r = c.post("/instances", json=body, timeout=10)
         assert (r.status_code, r.json()["state"]) == (201, "active"), r.text
         ok = c.post("/instances/cut-late/step", json={"action": {"tool": "run", "arguments": {"code": "print(3)"}}})
         assert ok.json()["observation"]["content"] == "3\n"
         assert c.get("/health").json()["active"] == 1
         c.post("/instances/cut-late/release")
-    deadline = time.monotonic() + 5
-    while (events := _events(log))[-1:] != ["released"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # The node's log thread writes the released line a moment after the release.
+    eventually(lambda: _events(log)[-1:] == ["released"], timeout=5, message=lambda: str(_events(log)))
+    events = _events(log)
     assert events == ["created", "failed", "created", "step", "released"], events
 
 

@@ -15,14 +15,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 
 import docker
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, needs_docker
+from conftest import BASE_IMAGE, REPO, eventually, needs_docker
 
 pytestmark = [needs_docker, pytest.mark.slow]
 
@@ -70,17 +69,20 @@ def run_container():
         container.reload()
         port = int(container.ports["8000/tcp"][0]["HostPort"])
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
+
+        def serving() -> bool:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return container, url
+                    return True
             except httpx.TransportError:
                 pass
             container.reload()
-            assert container.status in ("created", "running"), container.logs().decode()[-3000:]
-            assert time.monotonic() < deadline, container.logs().decode()[-3000:]
-            time.sleep(0.2)
+            if container.status not in ("created", "running"):  # exited: no use waiting
+                pytest.fail(container.logs().decode()[-3000:])
+            return False
+
+        eventually(serving, timeout=60, interval=0.2, message=lambda: container.logs().decode()[-3000:])
+        return container, url
 
     yield run
     try:

@@ -12,11 +12,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, EnvhubProcess
+from conftest import REPO, EnvhubProcess, eventually
 
 import envhub
 from envhub.plugins.process_sandbox.zygote import landlock as _landlock
@@ -180,11 +179,11 @@ def test_landlock_hides_the_tests_and_the_network_where_namespaces_cannot(scenar
             )
             assert client.post(f"/instances/{graded}/evaluate", json={"release": True}).json()["reward"] == 1.0
             log = data / "trials" / "hidden" / graded / "episode.jsonl"
-            for _ in range(100):
-                if log.exists() and "fib(30)" in log.read_text():
-                    break
-                time.sleep(0.05)
-            assert "fib(30)" in log.read_text(), "the log holds the hidden tests"
+            eventually(
+                lambda: log.exists() and "fib(30)" in log.read_text(),
+                timeout=5,
+                message="the log holds the hidden tests",
+            )
             iid = client.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
             paths = [
                 str(dataset),

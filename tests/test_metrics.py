@@ -4,13 +4,13 @@ labels never carry an id, the key rules hold, and metrics: false turns it all of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +19,7 @@ import docker
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, EnvhubProcess, free_port, needs_docker
+from conftest import BASE_IMAGE, EnvhubProcess, eventually, free_port, needs_docker
 from prometheus_client.parser import text_string_to_metric_families
 
 TB_BUNDLED = Path(__file__).resolve().parents[1] / "envhub" / "plugins" / "terminal_bench" / "data"
@@ -164,12 +164,13 @@ def test_trial_log_writes_are_timed(metered):
     with metered.client() as c:
         before = scrape(c)
         episode(c, "m-log", FIB)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # the writer thread flushes within ~20 ms
+
+        def written():  # the writer thread flushes a moment after the calls
             after = scrape(c)
-            if after.get("envhub_trial_log_write_seconds_count") > before.get("envhub_trial_log_write_seconds_count"):
-                break
-            time.sleep(0.05)
+            count = "envhub_trial_log_write_seconds_count"
+            return after if after.get(count) > before.get(count) else None
+
+        after = eventually(written, timeout=5, message="no trial log write was timed")
     assert after.get("envhub_trial_log_write_seconds_count") > before.get("envhub_trial_log_write_seconds_count")
     assert "envhub_trial_log_queue" in after.families
     assert after.get("envhub_trial_log_write_errors_total") == 0
@@ -182,9 +183,7 @@ def test_the_reaper_counts_what_it_expires(start_node):
         live = scrape(c)
         assert live.get("envhub_instances_live", environment="mbpp", state="active") == 1
         assert live.get("envhub_slots_active") == 1
-        deadline = time.monotonic() + 10
-        while c.get("/instances/idle-1").json()["state"] != "expired" and time.monotonic() < deadline:
-            time.sleep(0.1)
+        eventually(lambda: c.get("/instances/idle-1").json()["state"] == "expired", timeout=10, message="not reaped")
         after = scrape(c)
     assert after.get("envhub_reaper_expirations_total", environment="mbpp") == 1
     assert after.get("envhub_instances_ended_total", environment="mbpp", state="expired") == 1
@@ -343,12 +342,9 @@ def test_image_builds_are_counted_by_outcome_and_timed(tmp_path):
             seen_running = []
 
             def watch() -> None:
-                with node.client() as w:
-                    deadline = time.monotonic() + 60
-                    while time.monotonic() < deadline and not seen_running:
-                        if scrape(w).get("envhub_builds_running") == 1:
-                            seen_running.append(True)
-                        time.sleep(0.05)
+                with node.client() as w, contextlib.suppress(AssertionError):  # the test says what it missed
+                    eventually(lambda: scrape(w).get("envhub_builds_running") == 1, timeout=60)
+                    seen_running.append(True)
 
             watcher = threading.Thread(target=watch)
             watcher.start()
@@ -362,12 +358,16 @@ def test_image_builds_are_counted_by_outcome_and_timed(tmp_path):
             # A warm pool of the built task: its containers are read at scrape.
             pool = c.post("/builds", json={"environment": "terminal-bench", "task_id": "fresh-ok", "pool": 2})
             assert pool.status_code == 200, pool.text
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+
+            def filled():
                 pooled = scrape(c)
-                if pooled.get("envhub_warm_pool_sandboxes", environment="terminal-bench", state="idle") == 2:
-                    break
-                time.sleep(0.2)
+                return (
+                    pooled
+                    if pooled.get("envhub_warm_pool_sandboxes", environment="terminal-bench", state="idle") == 2
+                    else None
+                )
+
+            pooled = eventually(filled, timeout=60, interval=0.2, message="the pool never filled")
             assert pooled.get("envhub_warm_pool_sandboxes", environment="terminal-bench", state="idle") == 2
             assert pooled.get("envhub_slots_pooled") == 2 and pooled.get("envhub_slots_free") == 2
     finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import os
 import shlex
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import eventually_async
 
 from envhub.errors import InvalidRequest, StartupError
 from envhub.plugins import collect, get_plugin_manager
@@ -414,22 +414,19 @@ def fake_frpc(tmp_path: Path) -> tuple[Path, Path]:
     return script, calls
 
 
-async def wait_for_starts(calls: Path, n: int, timeout: float = 30.0) -> list[tuple[int, str, int, float]]:
-    """``(pid, args, child pid, start time)`` of the first ``n`` starts, once all of them are logged."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = await asyncio.to_thread(lambda: calls.read_text() if calls.exists() else "")
-        # Whole lines only, and whole starts: a script may be between its two lines.
-        lines = text[: text.rfind("\n") + 1].splitlines()
-        lines = lines[: len(lines) // 2 * 2]
-        starts = [
-            (int(a.split()[1]), a.split(" ", 3)[3], int(b.split()[1]), float(a.split()[2]))
-            for a, b in zip(lines[0::2], lines[1::2], strict=True)
-        ]
-        if len(starts) >= n:
-            return starts
-        assert time.monotonic() < deadline, f"only {len(starts)} of {n} frpc starts: {lines}"
-        await asyncio.sleep(0.02)
+def frpc_starts(calls: Path, n: int) -> list[tuple[int, str, int, float]]:
+    """``(pid, args, child pid, start time)`` of every start logged so far; asserts that
+    there are ``n`` at least (a check for ``eventually_async``)."""
+    text = calls.read_text() if calls.exists() else ""
+    # Whole lines only, and whole starts: a script may be between its two lines.
+    lines = text[: text.rfind("\n") + 1].splitlines()
+    lines = lines[: len(lines) // 2 * 2]
+    starts = [
+        (int(a.split()[1]), a.split(" ", 3)[3], int(b.split()[1]), float(a.split()[2]))
+        for a, b in zip(lines[0::2], lines[1::2], strict=True)
+    ]
+    assert len(starts) >= n, f"only {len(starts)} of {n} frpc starts: {lines}"
+    return starts
 
 
 def alive(pid: int) -> bool:
@@ -439,20 +436,6 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-async def wait_until_gone(pid: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        assert time.monotonic() < deadline, f"pid {pid} still running"
-        await asyncio.sleep(0.02)
-
-
-async def eventually(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.02)
 
 
 async def test_frp_runs_frpc_restarts_it_when_killed_and_stop_leaves_nothing(tmp_path):
@@ -474,7 +457,7 @@ async def test_frp_runs_frpc_restarts_it_when_killed_and_stop_leaves_nothing(tmp
     )
     await mode.start()
     try:
-        [(pid1, args, child1, _)] = await wait_for_starts(calls, 1)
+        [(pid1, args, child1, _)] = await eventually_async(lambda: frpc_starts(calls, 1))
         assert args == f"-c {mode.frpc_config_path}"
         assert mode.status() == {
             "running": True,
@@ -484,18 +467,19 @@ async def test_frp_runs_frpc_restarts_it_when_killed_and_stop_leaves_nothing(tmp
             "config": str(mode.frpc_config_path),
         }
         os.kill(pid1, signal.SIGKILL)
-        starts = await wait_for_starts(calls, 2)
+        starts = await eventually_async(lambda: frpc_starts(calls, 2))
         pid2, args2, child2, _ = starts[1]
         assert pid2 != pid1 and args2 == args
-        await wait_until_gone(child1)
+        await eventually_async(lambda: not alive(child1), message=f"the killed frpc's child {child1} still runs")
         # The new frpc can log its start before the watcher has recorded its process.
-        await eventually(lambda: mode.status()["pid"] == pid2, "the watcher records the new frpc")
+        await eventually_async(lambda: mode.status()["pid"] == pid2, message="the watcher records the new frpc")
         status = mode.status()
         assert status["running"] and status["pid"] == pid2 and status["restarts"] == 1
     finally:
         await mode.stop()
-    await wait_until_gone(pid2)  # SIGKILL is delivered asynchronously: give it a moment
-    await wait_until_gone(child2)
+    # SIGKILL is delivered asynchronously: give it a moment.
+    await eventually_async(lambda: not alive(pid2), message=f"frpc {pid2} still runs")
+    await eventually_async(lambda: not alive(child2), message=f"frpc's child {child2} still runs")
     assert mode.status()["running"] is False
     assert len(calls.read_text().splitlines()) == 4  # stopped means no restart after the SIGTERM
     with warnings.catch_warnings(record=True) as caught:
@@ -507,9 +491,9 @@ async def test_frp_runs_frpc_restarts_it_when_killed_and_stop_leaves_nothing(tmp
 async def test_frp_limits_restarts_per_window(tmp_path):
     """The bash script stands in for the frpc binary, which cannot be downloaded here."""
     script, calls = fake_frpc(tmp_path)
-    # Without the limit the next restart would come 0.02 s after the second exit: the
-    # window is long enough that the slack allowed below for a loaded machine (the time
-    # each frpc takes to start, up to half the window) cannot hide that.
+    # Without the limit the next restart would come 0.02 s after the second exit; with it,
+    # not before the window has passed since the first restart, which came after the
+    # first kill.
     window = 4.0
     mode = FrpNetwork(
         {
@@ -525,13 +509,15 @@ async def test_frp_limits_restarts_per_window(tmp_path):
     )
     await mode.start()
     try:
-        [(pid1, _, _, _)] = await wait_for_starts(calls, 1)
+        [(pid1, _, _, _)] = await eventually_async(lambda: frpc_starts(calls, 1))
+        killed = time.monotonic()
         os.kill(pid1, signal.SIGKILL)
-        pid2, _, _, first_restart = (await wait_for_starts(calls, 2))[1]
+        pid2 = (await eventually_async(lambda: frpc_starts(calls, 2)))[1][0]
         os.kill(pid2, signal.SIGKILL)
-        _, _, _, second_restart = (await wait_for_starts(calls, 3))[2]
-        # When each restarted frpc itself began, not when this test noticed it.
-        assert second_restart - first_restart >= 0.5 * window
+        await eventually_async(lambda: frpc_starts(calls, 3), timeout=30 + window)
+        # Seen here after it happened, so no earlier than the limit allowed: the watcher
+        # counts the window from its first restart, which it made after the first kill.
+        assert time.monotonic() - killed >= window
         assert mode.status()["restarts"] == 2
     finally:
         await mode.stop()

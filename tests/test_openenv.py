@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -28,7 +27,7 @@ import docker
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker
 
 # OpenEnv's client is installed by scripts/test. Locally a venv without it skips this module;
 # in CI the import must not be skipped (a missing client fails loudly there).
@@ -159,7 +158,7 @@ def fleet(tmp_path_factory):
     sched = scheduler_for(tmp, small, slots=1)
     start_all(node, small, sched)
     try:
-        wait_for(lambda: node_is_up(sched), what="the scheduler to see its node")
+        eventually(lambda: node_is_up(sched), timeout=WAIT, message="the scheduler to see its node")
     except BaseException:
         stop_all(node, small, sched)
         raise
@@ -191,17 +190,6 @@ def closed_with(ws, timeout: float = WAIT) -> int | None:
         extra = ws.recv(timeout=timeout)
         pytest.fail(f"unexpected frame before the close: {extra}")
     return ws.close_code
-
-
-def wait_for(check: Callable[[], Any], timeout: float = WAIT, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} (last value {value!r})")
-        time.sleep(0.05)
 
 
 def active(proc: EnvhubProcess) -> int:
@@ -290,9 +278,11 @@ def test_an_mbpp_episode_with_the_stock_client_keeps_state_and_scores_a_submissi
             wrong = env.step({"code": "def count_vowels(s):\n    return 0", "metadata": {"submit": True}})
             assert wrong.done is True and 0.1 <= wrong.reward < 1.0
             assert active(holder) == 1
-    wait_for(lambda: active(holder) == 0, what="the session's slot to be freed")
+    eventually(lambda: active(holder) == 0, timeout=WAIT, message="the session's slot to be freed")
     if via == "sched":  # the scheduler frees its own count once the node's socket has closed
-        wait_for(lambda: scheduler_sees_free_slots(target), what="the scheduler to free the session's slot")
+        eventually(
+            lambda: scheduler_sees_free_slots(target), timeout=WAIT, message="the scheduler to free the session's slot"
+        )
 
 
 @pytest.mark.parametrize("via", ["node", "sched"])
@@ -318,9 +308,11 @@ def test_the_typed_coding_env_client_submits_by_calling_submit_solution(fleet, v
         wrong = ask(ws, {"type": "step", "data": {"code": "submit_solution('def count_vowels(s):\\n    return 0')"}})
         assert wrong["data"]["done"] is True and 0.0 < wrong["data"]["reward"] < 1.0
         assert wrong["data"]["observation"]["exit_code"] == 1
-    wait_for(lambda: active(holder) == 0, what="the session's slot to be freed")
+    eventually(lambda: active(holder) == 0, timeout=WAIT, message="the session's slot to be freed")
     if via == "sched":  # the scheduler frees its own count once the node's socket has closed
-        wait_for(lambda: scheduler_sees_free_slots(target), what="the scheduler to free the session's slot")
+        eventually(
+            lambda: scheduler_sees_free_slots(target), timeout=WAIT, message="the scheduler to free the session's slot"
+        )
 
 
 # -- the socket protocol -----------------------------------------------------------------------
@@ -383,7 +375,7 @@ def test_every_error_frame_has_its_code_and_the_session_survives_them(fleet):
         assert tools["data"]["result"]["structuredContent"]["value_repr"] == "42"
         ws.send(json.dumps({"type": "close"}))
         assert closed_with(ws) == 1000
-    wait_for(lambda: active(node) == 0, what="the closed session's slot to be freed")
+    eventually(lambda: active(node) == 0, timeout=WAIT, message="the closed session's slot to be freed")
     assert instance_state(node, state["data"]["episode_id"]) == "released"
 
 
@@ -398,7 +390,7 @@ def test_an_episode_released_behind_the_sessions_back_ends_it_with_session_error
         assert frame["type"] == "error" and frame["data"]["code"] == "SESSION_ERROR", frame
         assert iid in frame["data"]["message"] and "released" in frame["data"]["message"]
         assert closed_with(ws) == 1000
-    wait_for(lambda: active(node) == 0, what="no slot to be held")
+    eventually(lambda: active(node) == 0, timeout=WAIT, message="no slot to be held")
 
 
 def test_a_full_node_sends_capacity_reached_after_accept_and_closes_1000(fleet):
@@ -430,8 +422,8 @@ def test_a_full_node_sends_capacity_reached_after_accept_and_closes_1000(fleet):
                 else:
                     assert refused.match(r"Server at capacity.*\(code: CAPACITY_REACHED\)")
             assert ask(first, {"type": "reset"})["type"] == "observation", "the first session is unharmed"
-        wait_for(lambda: active(small) == 0, what="the slot to be freed")
-    wait_for(lambda: scheduler_sees_free_slots(sched), what="the scheduler to see the slot free")
+        eventually(lambda: active(small) == 0, timeout=WAIT, message="the slot to be freed")
+    eventually(lambda: scheduler_sees_free_slots(sched), timeout=WAIT, message="the scheduler to see the slot free")
     with GenericEnvClient(base_url=f"{sched.url}/openenv/mbpp").sync() as env:  # free again, via the scheduler
         assert env.reset().reward == 0.0
 
@@ -448,7 +440,7 @@ def test_a_session_the_node_turns_away_gives_its_slot_back_at_once(fleet, tmp_pa
     )
     start_all(sched)
     try:
-        wait_for(lambda: node_is_up(sched), what="the scheduler to see its node")
+        eventually(lambda: node_is_up(sched), timeout=WAIT, message="the scheduler to see its node")
         with open_ws(sched) as ws:  # silent: the close waits up to 2 s
             frame = json.loads(ws.recv(timeout=WAIT))
             assert frame["data"]["code"] == "SESSION_ERROR" and "did not take the session" in frame["data"]["message"]
@@ -467,7 +459,7 @@ def test_a_connection_dropped_without_a_close_frame_releases_its_instance(fleet)
     iid = raw_ask(sock, {"type": "state"})["data"]["episode_id"]
     assert active(node) == 1
     sock.close()  # FIN, no close frame
-    wait_for(lambda: active(node) == 0, what="the dropped session's instance to be released")
+    eventually(lambda: active(node) == 0, timeout=WAIT, message="the dropped session's instance to be released")
     assert instance_state(node, iid) == "released"
 
 
@@ -477,7 +469,7 @@ def test_a_socket_that_stops_answering_pings_is_dropped_and_released(fleet):
     try:
         assert raw_ask(sock, {"type": "reset"})["type"] == "observation"
         assert active(node) == 1
-        wait_for(lambda: active(node) == 0, what="the half-open session to be reaped by pings")
+        eventually(lambda: active(node) == 0, timeout=WAIT, message="the half-open session to be reaped by pings")
     finally:
         sock.close()
 
@@ -506,12 +498,12 @@ def test_an_idle_session_is_closed_with_its_episode_expired(fleet, short_idle_tt
     with open_ws(small, key=KEY) as ws:  # a session that never reset holds a slot: idle ends it too
         assert json.loads(ws.recv(timeout=WAIT))["data"]["code"] == "SESSION_ERROR"
         assert closed_with(ws) == 1000
-    wait_for(lambda: active(small) == 0, what="the idle sessions' slots to be freed")
+    eventually(lambda: active(small) == 0, timeout=WAIT, message="the idle sessions' slots to be freed")
 
 
 def test_a_node_lost_mid_session_is_a_session_error_through_the_scheduler(fleet):
     small, sched = fleet["small"], fleet["sched"]
-    wait_for(lambda: scheduler_sees_free_slots(sched), what="the scheduler to see the slot free")
+    eventually(lambda: scheduler_sees_free_slots(sched), timeout=WAIT, message="the scheduler to see the slot free")
     with connect(ws_url(sched), open_timeout=WAIT) as ws:
         reply = ask(ws, {"type": "reset"})
         assert reply["type"] == "observation", reply
@@ -526,9 +518,11 @@ def test_a_node_lost_mid_session_is_a_session_error_through_the_scheduler(fleet)
             assert closed_with(ws) == 1000
         finally:
             small.proc.send_signal(signal.SIGCONT)
-    wait_for(lambda: active(small) == 0, what="the node to release the orphaned session")
+    eventually(lambda: active(small) == 0, timeout=WAIT, message="the node to release the orphaned session")
     with sched.client(timeout=WAIT) as c:
-        wait_for(lambda: c.get("/status").json()["nodes"][0]["healthy"], what="the node to be healthy again")
+        eventually(
+            lambda: c.get("/status").json()["nodes"][0]["healthy"], timeout=WAIT, message="the node to be healthy again"
+        )
 
 
 # -- HTTP routes and auth ----------------------------------------------------------------------
@@ -623,7 +617,7 @@ def tb_fleet(tmp_path_factory):
     sched = scheduler_for(tmp, node, slots=4)
     start_all(node, sched)
     try:
-        wait_for(lambda: node_is_up(sched), what="the scheduler to see its node")
+        eventually(lambda: node_is_up(sched), timeout=WAIT, message="the scheduler to see its node")
     except BaseException:
         stop_all(node, sched)
         raise
@@ -683,4 +677,4 @@ def test_a_terminal_bench_episode_with_the_stock_client_solves_and_scores_one(tb
                 env.step({"command": "ls"})
             assert env.state()["terminal_ready"] is False
             assert active(node) == 1, "the socket still holds its slot"
-    wait_for(lambda: active(node) == 0, what="the episode's container to be released")
+    eventually(lambda: active(node) == 0, timeout=WAIT, message="the episode's container to be released")

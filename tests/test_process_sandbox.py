@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 import pytest_asyncio
-from conftest import node_sandbox_uids
+from conftest import eventually_async, node_sandbox_uids
 
 import envhub.plugins.process_sandbox as plugin
 from envhub.errors import InvalidRequest, NotFound, StartupError
@@ -84,15 +84,6 @@ STARTED = "int(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19])"
 def marked(tmp_path, name: str) -> bool:
     """Whether a sandbox working dir under ``tmp_path`` (the work root) holds ``name``."""
     return any(os.path.exists(os.path.join(tmp_path, d, name)) for d in os.listdir(tmp_path))
-
-
-async def wait_until(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
 
 
 @pytest_asyncio.fixture
@@ -296,14 +287,14 @@ async def test_fork_bomb_is_contained_and_destroy_leaves_no_process_of_its_uid(s
     uid = (await sandboxes.exec(bomb, "import os\nos.getuid()", timeout=5)).value
     assert uid >= 200000 and uid != (await sandboxes.exec(other, "import os\nos.getuid()", timeout=5)).value
     run = asyncio.ensure_future(sandboxes.exec(bomb, "import os\nwhile True:\n    os.fork()", timeout=2))
-    assert await wait_until(lambda: run.done() or len(pids_of_uid(uid)) > 8), "the bomb did not go off"
+    await eventually_async(lambda: run.done() or len(pids_of_uid(uid)) > 8, message="the bomb did not go off")
     r = await sandboxes.exec(other, "sum(range(100))", timeout=5)  # unaffected meanwhile
     assert r.value == 4950
     r = await run
     assert r.timed_out or "BlockingIOError" in (r.exception or ""), r
     assert len(pids_of_uid(uid)) <= 64 + 2  # RLIMIT_NPROC held it
     await sandboxes.destroy(bomb)
-    assert await wait_until(lambda: not pids_of_uid(uid)), pids_of_uid(uid)
+    await eventually_async(lambda: not pids_of_uid(uid), message=lambda: f"left under uid {uid}: {pids_of_uid(uid)}")
     r = await sandboxes.exec(other, "'still fine'", timeout=5)
     assert r.value == "still fine"
 
@@ -442,7 +433,9 @@ async def test_stop_leaves_no_processes_and_no_dirs(tmp_path):
     assert set(children_of(os.getpid())) <= children_before
     assert os.listdir(tmp_path) == []
     if ROOT:  # without root a setsid() escapee survives: the documented weakness
-        assert await wait_until(lambda: not any(is_alive(*e) for e in escapees)), escapees
+        await eventually_async(
+            lambda: not any(is_alive(*e) for e in escapees), message=lambda: f"escapees alive: {escapees}"
+        )
 
 
 @pytest.mark.asyncio
@@ -471,7 +464,7 @@ async def test_cancelled_exec_does_not_leak_its_reply_into_the_next_one(sandboxe
     code = f"import time\nopen({marker!r}, 'w').close()\ntime.sleep(10)\n'late'"
     task = asyncio.ensure_future(sandboxes.exec(handle, code, timeout=30))
     # Cancelled once the code runs (its marker is in the working dir), long before it ends.
-    assert await wait_until(lambda: task.done() or marked(tmp_path, marker))
+    await eventually_async(lambda: task.done() or marked(tmp_path, marker))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -491,7 +484,7 @@ async def test_an_exec_cancelled_while_its_interpreter_starts_leaks_nothing(sand
     os.kill(zygote_pid, signal.SIGSTOP)
     try:
         task = asyncio.ensure_future(sandboxes.exec(handle, code, timeout=30))
-        assert await wait_until(lambda: any(w for w in sandboxes._waiters if w)), "the spawn request never left"
+        await eventually_async(lambda: any(w for w in sandboxes._waiters if w), message="the spawn request never left")
         task.cancel()
     finally:
         os.kill(zygote_pid, signal.SIGCONT)
@@ -505,7 +498,7 @@ async def test_an_exec_cancelled_while_its_interpreter_starts_leaks_nothing(sand
 async def test_sandboxes_recover_when_the_zygote_is_killed(sandboxes, handle):
     interpreter = (await sandboxes.exec(handle, f"import os\n(os.getpid(), {STARTED})", timeout=5)).value
     os.kill(sandboxes._proc.pid, signal.SIGKILL)
-    assert await wait_until(lambda: not is_alive(*interpreter))  # it dies with its zygote
+    await eventually_async(lambda: not is_alive(*interpreter))  # it dies with its zygote
     r = await sandboxes.exec(handle, "1", timeout=5)
     assert r.exit_code is None and "died" in r.exception
     r = await sandboxes.exec(handle, "2", timeout=5)
@@ -592,7 +585,7 @@ async def test_a_released_uid_stays_claimed_by_the_node_until_stop(tmp_path):
         h = await plugin.create(spec())
         uid = (await plugin.exec(h, "import os\nos.getuid()", timeout=5)).value
         await plugin.destroy(h)
-        assert await wait_until(lambda: not pids_of_uid(uid))
+        await eventually_async(lambda: not pids_of_uid(uid))
         # Still this process's claim: its next sandbox claims nothing new.
         assert uid in node_sandbox_uids(os.getpid())
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
@@ -615,11 +608,11 @@ async def test_a_one_shot_run_answers_then_leaves_no_process_and_no_dir(sandboxe
     assert r.exit_code == 0 and cwd.startswith(str(tmp_path))
     assert not sandboxes._boxes, "the node forgets it at once"
     # The zygote reaps it and removes its dir on its own: no kill request was sent.
-    assert await wait_until(lambda: not is_alive(pid, started) and not os.path.exists(cwd))
-    assert await wait_until(lambda: children_of(zygote_pid) == [])
+    await eventually_async(lambda: not is_alive(pid, started) and not os.path.exists(cwd))
+    await eventually_async(lambda: children_of(zygote_pid) == [])
     timed_out = await sandboxes.run_once(spec(), "while True: pass", timeout=0.5)
     assert timed_out.timed_out and not sandboxes._boxes
-    assert await wait_until(lambda: os.listdir(tmp_path) == [] and children_of(zygote_pid) == [])
+    await eventually_async(lambda: os.listdir(tmp_path) == [] and children_of(zygote_pid) == [])
 
 
 @needs_root

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +12,16 @@ from pathlib import Path
 import docker
 import httpx
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, faulty_plugin_env, needs_docker, sandbox_dirs, start_scheduler
+from conftest import (
+    BASE_IMAGE,
+    REPO,
+    EnvhubProcess,
+    eventually,
+    faulty_plugin_env,
+    needs_docker,
+    sandbox_dirs,
+    start_scheduler,
+)
 
 BUNDLED = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 TIMEOUT = 60  # for each HTTP call made here: generous, a loaded machine is slow to answer
@@ -176,24 +185,22 @@ def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path
     sent = threading.Semaphore(0)  # released once per client as its first create goes out
 
     def create_until_done(iid: str) -> None:
-        deadline = time.monotonic() + 120
-        first = True
-        while time.monotonic() < deadline:
-            if first:
-                sent.release()
-                first = False
+        def created() -> bool:
             try:
                 r = httpx.post(
                     sched.url + "/instances",
                     json={"environment": "mbpp", "task_id": "13", "instance_id": iid},
                     timeout=TIMEOUT,
                 )
-                if r.status_code in (200, 201):
-                    done[iid] = r.status_code
-                    return
             except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+                return False
+            if r.status_code in (200, 201):
+                done[iid] = r.status_code
+            return iid in done
+
+        sent.release()
+        with contextlib.suppress(AssertionError):  # the test's own check names the ids never created
+            eventually(created, timeout=120, interval=0.1)
 
     try:
         threads = [threading.Thread(target=create_until_done, args=(i,)) for i in ids]
@@ -256,22 +263,23 @@ def test_a_node_dying_mid_step_gives_a_clear_error_and_the_slot_returns(tmp_path
 
         t = threading.Thread(target=slow_step)
         t.start()
-        deadline = time.monotonic() + 30
-        while not any((d / marker).exists() for d in sandbox_dirs(node.data_dir)):
-            assert time.monotonic() < deadline, "the step did not start running on the node"
-            time.sleep(0.05)
+        eventually(
+            lambda: any((d / marker).exists() for d in sandbox_dirs(node.data_dir)),
+            timeout=30,
+            message="the step did not start running on the node",
+        )
         kill9(node)
         t.join(60)
         r = result["r"]
         assert r.status_code == 503 and r.json()["code"] == "upstream_unavailable" and node.url in r.json()["error"]
         node.start()
-        deadline = time.monotonic() + 30
-        while True:
+
+        def back_and_empty() -> bool:
             status = httpx.get(sched.url + "/status", timeout=TIMEOUT).json()["nodes"][0]
-            if status["healthy"] and status["active_slots"] == 0:
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(0.1)
+            assert status["healthy"] and status["active_slots"] == 0, status
+            return True
+
+        eventually(back_and_empty, timeout=30, interval=0.1)
         gone = httpx.post(
             f"{sched.url}/instances/{iid}/step",
             json={"action": {"tool": "run_python", "arguments": {"code": "1"}}},
@@ -309,12 +317,6 @@ def test_a_restarted_scheduler_holds_creates_whose_node_missed_a_check_and_makes
             httpx.get(n.url + "/instances", params={"state": state}, timeout=TIMEOUT).json()["total"] for n in nodes
         )
 
-    def wait_until(check, what: str) -> None:
-        deadline = time.monotonic() + TIMEOUT
-        while not check():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)
-
     def create(iid: str) -> httpx.Response:
         return httpx.post(sched.url + "/instances", json={**body, "instance_id": iid}, timeout=TIMEOUT)
 
@@ -322,10 +324,10 @@ def test_a_restarted_scheduler_holds_creates_whose_node_missed_a_check_and_makes
     try:
         for iid in ids:
             pool.submit(create, iid)  # these clients never see an answer: the scheduler dies
-        wait_until(lambda: total("creating") == len(ids), "the creates to reach the nodes")
+        eventually(lambda: total("creating") == len(ids), timeout=TIMEOUT, message="the creates to reach the nodes")
         sched.proc.send_signal(signal.SIGSTOP)  # the scheduler stalls...
         gate.touch()  # ...while the nodes finish every create
-        wait_until(lambda: total("active") == len(ids), "the nodes to finish the creates")
+        eventually(lambda: total("active") == len(ids), timeout=TIMEOUT, message="the nodes to finish the creates")
         kill9(sched)
         held = [iid for iid in ids if httpx.get(f"{nodes[0].url}/instances/{iid}", timeout=TIMEOUT).status_code == 200]
         assert held and len(held) < len(ids), f"the creates did not spread: {held}"
@@ -342,16 +344,20 @@ def test_a_restarted_scheduler_holds_creates_whose_node_missed_a_check_and_makes
         nodes[0].proc.send_signal(signal.SIGCONT)
         stopped.clear()
         pending = {iid for iid, r in first.items() if r.status_code != 200}
-        deadline = time.monotonic() + TIMEOUT
-        while pending:
-            assert time.monotonic() < deadline, f"never created: {sorted(pending)}"
+        unexpected: list[tuple[str, int, str]] = []  # any answer but a 503 with Retry-After ends the wait
+
+        def all_created() -> bool:
             for iid in sorted(pending):
                 r = create(iid)
                 if r.status_code in (200, 201):
                     pending.discard(iid)
-                else:
-                    assert r.status_code == 503 and r.headers.get("Retry-After"), (iid, r.status_code, r.text)
-            time.sleep(0.1)
+                elif not (r.status_code == 503 and r.headers.get("Retry-After")):
+                    unexpected.append((iid, r.status_code, r.text))
+                    return True
+            return not pending
+
+        eventually(all_created, timeout=TIMEOUT, interval=0.1, message=lambda: f"never created: {sorted(pending)}")
+        assert not unexpected, unexpected
         for iid in ids:
             states = [
                 r.json()["state"]

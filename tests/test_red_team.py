@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, EnvhubProcess, sandbox_dirs
+from conftest import REPO, EnvhubProcess, eventually, sandbox_dirs
 
 from envhub.plugins.process_sandbox.cgroups import Cgroups
 
@@ -250,11 +250,7 @@ def test_another_node_s_records_and_a_copy_of_the_dataset_are_out_of_sight(clien
             oc.post(f"/instances/{iid}/step", json={"action": {"tool": "submit_solution", "arguments": {"code": "x"}}})
             oc.post(f"/instances/{iid}/evaluate", json={"release": True})
         log = other.data_dir / "trials" / "t" / iid / "episode.jsonl"
-        for _ in range(200):
-            if log.exists() and "remove_Occ" in log.read_text():
-                break
-            time.sleep(0.05)
-        assert "remove_Occ" in log.read_text()
+        eventually(lambda: log.exists() and "remove_Occ" in log.read_text(), timeout=10, message=str(log))
         # Modes: nobody but the node's user can open them, whatever the view.
         assert stat.S_IMODE(other.data_dir.stat().st_mode) == 0o700
         assert stat.S_IMODE((other.data_dir / "envhub.db").stat().st_mode) == 0o600
@@ -342,22 +338,24 @@ def test_processes_a_killed_node_left_are_killed_when_a_node_starts(tmp_path):
     os.kill(first.proc.pid, signal.SIGKILL)
     first.proc.wait()
     first._log.close()
+    # Part of what is tested: the process is still there a while after its node died
+    # (nothing else would have ended it), which is the trick the next node must undo.
     time.sleep(0.5)
     assert _alive(survivor), "the trick: it outlives its node"
     uid = os.stat(f"/proc/{survivor}").st_uid
     second = EnvhubProcess(data, *args).start()
     try:
-        deadline = time.monotonic() + 5
-        while _alive(survivor) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(survivor), f"pid {survivor} (uid {uid}) still runs after a node started"
+        eventually(
+            lambda: not _alive(survivor),
+            timeout=5,
+            message=f"pid {survivor} (uid {uid}) still runs after a node started",
+        )
 
         def said() -> list[str]:  # the node logs the sweep once its kills are done
             return [line for line in second.log().splitlines() if "killed what an earlier node left" in line]
 
-        while not said() and time.monotonic() < deadline + 5:
-            time.sleep(0.05)
-        assert said() and str(uid) in said()[0], second.log()
+        eventually(said, timeout=10, message=second.log)
+        assert str(uid) in said()[0], second.log()
     finally:
         assert second.stop() == 0
 
@@ -369,11 +367,16 @@ def _pid_of_sleep(node_pid: int, out: dict) -> int:
     assert out["exception"] is None, out
     # The pid the episode saw is its pid namespace's, which is the host's (no pid namespace).
     pid = int(out["value_repr"])
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        status = "(gone)"
-    assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == b"sleep", status
+
+    def status() -> str:
+        try:
+            return Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return "(gone)"
+
+    # Popen may return while the kernel still shows the forked Python (an empty cmdline)
+    # finishing its exec.
+    eventually(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == b"sleep", timeout=5, message=status)
     return pid
 
 

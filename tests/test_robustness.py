@@ -13,13 +13,12 @@ import asyncio
 import json
 import signal
 import threading
-import time
 import uuid
 
 import httpx
 import pytest
 import yaml
-from conftest import EnvhubProcess, sandbox_dirs, start_scheduler
+from conftest import EnvhubProcess, eventually, sandbox_dirs, start_scheduler
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -349,22 +348,21 @@ def test_calls_in_flight_to_a_frozen_node_end_with_503_naming_it(tmp_path):
 
         t = threading.Thread(target=slow_step)
         t.start()
-        deadline = time.monotonic() + WAIT
-        while not any((d / marker).exists() for d in sandbox_dirs(node.data_dir)):
-            assert time.monotonic() < deadline, "the step did not start running on the node"
-            time.sleep(0.05)
+        eventually(
+            lambda: any((d / marker).exists() for d in sandbox_dirs(node.data_dir)),
+            timeout=WAIT,
+            message="the step did not start running on the node",
+        )
         node.proc.send_signal(signal.SIGSTOP)
         stopped = True
-        t0 = time.monotonic()
         t.join(WAIT + 5)
         r = result["r"]
+        # An answer at all: the call's own timeout (WAIT) is far below forward_timeout's hour.
         assert isinstance(r, httpx.Response), f"the call in flight hung: {r!r}"
-        took = time.monotonic() - t0
         err = r.json()
         assert r.status_code == 503 and err["code"] == "upstream_unavailable", r.text
         assert node.url in err["error"] and err["node"] == node.url, err
-        assert "health checks" in err["error"], err
-        assert took < WAIT, took  # a few health rounds, not forward_timeout
+        assert "health checks" in err["error"], err  # a few health rounds ended it, not forward_timeout
         again = httpx.post(
             f"{sched.url}/instances/{iid}/step",
             json={"action": {"tool": "run_python", "arguments": {"code": "1"}}},

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker
 from openai_standin import StandIn
 
 pytestmark = [needs_docker]
@@ -82,9 +82,7 @@ def test_a_model_that_solves_the_task_gets_reward_one(node, model):
     assert {t["function"]["name"] for t in sent[0]["body"]["tools"]} == {"run_command", "write_file", "read_file"}
     assert any(m["role"] == "tool" and "Hello, Ada!" in m["content"] for m in sent[-1]["body"]["messages"])
     trial = node.data_dir / "trials" / "rollouts" / "solve-1"
-    deadline = time.monotonic() + 5
-    while not (trial / "conversation.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: (trial / "conversation.json").exists(), timeout=5, message=f"no conversation.json in {trial}")
     assert json.loads((trial / "run_info.json").read_text())["reward"] == 1.0
     assert len(json.loads((trial / "conversation.json").read_text())["messages"]) >= 8
     assert (trial / "verifier" / "reward.txt").read_text().strip() == "1"
@@ -118,7 +116,7 @@ def test_tool_call_arguments_nested_past_any_limit_are_a_malformed_turn_not_a_cr
 def test_a_model_that_times_out_is_reported_not_waited_for(node, model):
     t0 = time.monotonic()
     out = rollout(node, model, "slow-1", model_timeout=1)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 30  # the stand-in answers after 30 s: a run that waited would take that
     assert out["run_info"]["agent_summary"]["termination_reason"] == "model_timeout"
     assert out["run_info"]["error_info"]["stage"] == "agent" and out["reward"] == 0.0
 
@@ -245,10 +243,11 @@ def test_health_counts_a_rollout_once_from_the_moment_it_holds_a_slot(faulty_nod
     with faulty_node.client(timeout=60) as c:
         t = threading.Thread(target=lambda: done.append(c.post("/rollouts", json=body)))
         t.start()
-        deadline = time.monotonic() + 10
-        while (health := c.get("/health").json())["active"] == 0:
-            assert time.monotonic() < deadline, "the rollout never took a slot"
-            time.sleep(0.02)
+        health = eventually(
+            lambda: (h := c.get("/health").json())["active"] != 0 and h,
+            timeout=10,
+            message="the rollout never took a slot",
+        )
         assert c.get("/instances/counted-once").json()["state"] == "creating"
         assert (health["active"], health["rollouts"]) == (1, 1)
         (tmp_path / "reset.gate").touch()  # the reset waited at the gate until now

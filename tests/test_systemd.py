@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import REPO, EnvhubProcess
+from conftest import REPO, EnvhubProcess, eventually
 
 from envhub.systemd import notify, watchdog_interval
 
@@ -82,41 +82,49 @@ def serve_under_notify(tmp_path: Path, address: str, *, role: str = "node", watc
 def test_a_node_sends_ready_only_once_it_answers_health_then_watchdog_pings_then_stopping(tmp_path, where):
     address = f"@envhub-test-{uuid.uuid4().hex}" if where == "abstract" else str(tmp_path / "notify.sock")
     proc, listener = serve_under_notify(tmp_path, address, watchdog_usec=200_000)
+    interval = 0.1  # WATCHDOG_USEC / 2
     try:
-        proc.start()
-        deadline = time.monotonic() + 10
-        while len(listener.lines("WATCHDOG=1")) < 4:
-            assert time.monotonic() < deadline, listener.messages
-            time.sleep(0.05)
-        ready = listener.lines("READY=1")
-        assert len(ready) == 1, listener.messages
-        assert ready[0][2] is True, "READY=1 only once /health answers"
-        assert "STATUS=envhub node serving" in ready[0][1]
-        assert listener.messages[0][1].startswith("READY=1"), "nothing before READY"
-        pings = [t for t, _, _ in listener.lines("WATCHDOG=1")]
-        gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
-        assert all(0.05 < g < 0.5 for g in gaps), f"a ping every WATCHDOG_USEC / 2 (0.1 s): {gaps}"
+        try:
+            started = time.monotonic()
+            proc.start()
+            eventually(
+                lambda: len(listener.lines("WATCHDOG=1")) >= 4, timeout=10, message=lambda: str(listener.messages)
+            )
+            ready = listener.lines("READY=1")
+            assert len(ready) == 1, listener.messages
+            assert ready[0][2] is True, "READY=1 only once /health answers"
+            assert "STATUS=envhub node serving" in ready[0][1]
+            assert listener.messages[0][1].startswith("READY=1"), "nothing before READY"
+            # The node waits the interval between two pings, so its k-th ping cannot arrive
+            # before k intervals have passed since it started. (Arrival gaps themselves say
+            # little: the listener may take two pings in one go.)
+            pings = [t for t, _, _ in listener.lines("WATCHDOG=1")]
+            early = [(k, t - started) for k, t in enumerate(pings) if t - started < k * interval - 0.001]
+            assert early == [], f"pings faster than one per WATCHDOG_USEC / 2 (0.1 s): {early}"
+        finally:
+            assert proc.stop() == 0, proc.log()
+        # Sent as the stop began; the listener records it a moment after.
+        eventually(lambda: listener.lines("STOPPING=1"), timeout=10, message=lambda: str(listener.messages))
     finally:
-        assert proc.stop() == 0, proc.log()
-        time.sleep(0.2)
         listener.close()
-    assert listener.lines("STOPPING=1"), listener.messages
 
 
 def test_without_watchdog_usec_no_pings_and_a_scheduler_notifies_too(tmp_path):
     proc, listener = serve_under_notify(tmp_path, f"@envhub-test-{uuid.uuid4().hex}", role="scheduler")
     try:
-        proc.start()
-        deadline = time.monotonic() + 10
-        while not listener.lines("READY=1"):
-            assert time.monotonic() < deadline, listener.messages
-            time.sleep(0.05)
-        time.sleep(0.5)
-        assert listener.lines("READY=1")[0][2] is True
-        assert "STATUS=envhub scheduler serving" in listener.lines("READY=1")[0][1]
+        try:
+            proc.start()
+            eventually(lambda: listener.lines("READY=1"), timeout=10, message=lambda: str(listener.messages))
+            assert listener.lines("READY=1")[0][2] is True
+            assert "STATUS=envhub scheduler serving" in listener.lines("READY=1")[0][1]
+        finally:
+            assert proc.stop() == 0, proc.log()
+        # A datagram socket keeps the order of what one process sends: once STOPPING=1 is
+        # in, so is any ping the process sent in its whole life (a watchdog loop would
+        # have sent its first one right after READY).
+        eventually(lambda: listener.lines("STOPPING=1"), timeout=10, message=lambda: str(listener.messages))
         assert listener.lines("WATCHDOG=1") == []
     finally:
-        assert proc.stop() == 0, proc.log()
         listener.close()
 
 

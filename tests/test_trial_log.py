@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
+
+from conftest import eventually
 
 from envhub.node.trial_log import TrialLog, TrialWriter
 
@@ -29,10 +30,8 @@ def test_a_record_is_written_within_the_flush_interval_while_the_node_runs(tmp_p
         log = TrialLog(writer, tmp_path, "t", "i")
         log.record("created")
         path = log.dir / "episode.jsonl"
-        deadline = time.monotonic() + 5
         # The writer opens the file before it writes the line: wait for a whole line.
-        while not (path.exists() and path.read_text().endswith("\n")) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        eventually(lambda: path.exists() and path.read_text().endswith("\n"), timeout=5, interval=0.005)
         assert json.loads(path.read_text())["event"] == "created"
     finally:
         writer.close()

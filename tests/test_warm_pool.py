@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import docker
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, needs_docker
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker
 
 pytestmark = [needs_docker]
 
@@ -53,13 +52,6 @@ def containers(node_id: str, **labels: str) -> list[dict]:
         engine.close()
 
 
-def wait_for(condition, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def create(c: httpx.Client, task_id: str = "hello-envhub") -> str:
     r = c.post("/instances", json={"environment": "terminal-bench", "task_id": task_id})
     assert r.status_code == 201, r.text
@@ -86,7 +78,7 @@ def test_creates_take_warm_containers_each_once_and_the_pool_refills(tmp_path):
     try:
         with node.client(timeout=300) as c:
             first = create(c)
-            wait_for(lambda: idle(c) == 3, "the pool never filled")
+            eventually(lambda: idle(c) == 3, timeout=60, interval=0.1, message="the pool never filled")
             health = c.get("/health").json()
             assert (health["active"], health["free"], health["pooled"]) == (1, 7, 3), health
             warm = {row["Id"] for row in containers(node.node_id, envhub_pool="1")}
@@ -98,7 +90,7 @@ def test_creates_take_warm_containers_each_once_and_the_pool_refills(tmp_path):
             assert {handle_of(node, i) for i in taken} <= pool_made and warm <= pool_made
             run(c, taken[0], "echo mine > /app/note")
             assert "No such file" in run(c, taken[1], "cat /app/note 2>&1 || true"), "each has its own container"
-            wait_for(lambda: idle(c) == 3, "the pool never refilled")
+            eventually(lambda: idle(c) == 3, timeout=60, interval=0.1, message="the pool never refilled")
             used = handle_of(node, taken[0])
             c.post(f"/instances/{taken[0]}/release")
             assert used not in {row["Id"] for row in containers(node.node_id)}, "a released container is removed"
@@ -126,7 +118,7 @@ def test_pooled_containers_count_against_capacity_but_give_way_to_any_create(tmp
     try:
         with node.client(timeout=300) as c:
             first = create(c, "hello-envhub")
-            wait_for(lambda: pooled(c) == 3, "the pool never filled")
+            eventually(lambda: pooled(c) == 3, timeout=60, interval=0.1, message="the pool never filled")
             assert c.get("/health").json()["free"] == 3, "pooled containers are taken back on demand"
             # The node is at capacity with 1 episode and 3 pooled containers: creates of
             # another task still get slots, each by removing a pooled container.
@@ -145,9 +137,14 @@ def test_a_pool_unused_for_the_affinity_window_is_drained(tmp_path):
     try:
         with node.client(timeout=300) as c:
             c.post(f"/instances/{create(c)}/release")
-            wait_for(lambda: pooled(c) == 3, "the pool never filled")
-            wait_for(lambda: pooled(c) == 0, "the pool was never drained")
-            wait_for(lambda: containers(node.node_id) == [], "drained containers were not removed")
+            eventually(lambda: pooled(c) == 3, timeout=60, interval=0.1, message="the pool never filled")
+            eventually(lambda: pooled(c) == 0, timeout=60, interval=0.1, message="the pool was never drained")
+            eventually(
+                lambda: containers(node.node_id) == [],
+                timeout=60,
+                interval=0.1,
+                message="drained containers were not removed",
+            )
             assert c.get("/health").json()["free"] == c.get("/health").json()["capacity"]
     finally:
         assert node.stop() == 0
@@ -159,7 +156,7 @@ def test_post_builds_with_a_pool_size_warms_a_task_before_any_create(tmp_path):
         with node.client(timeout=300) as c:
             r = c.post("/builds", json={"environment": "terminal-bench", "task_id": "word-count", "pool": 2})
             assert r.status_code == 200 and r.json()["pool"] == 2, r.text
-            wait_for(lambda: pooled(c) == 2, "the requested pool never filled")
+            eventually(lambda: pooled(c) == 2, timeout=60, interval=0.1, message="the requested pool never filled")
             bad = c.post("/builds", json={"environment": "terminal-bench", "task_id": "word-count", "pool": -1})
             assert (bad.status_code, bad.json()["field"]) == (400, "pool")
             iid = create(c, "word-count")
@@ -174,7 +171,7 @@ def test_a_node_killed_with_warm_containers_takes_them_back_at_start(tmp_path):
     try:
         with node.client(timeout=300) as c:
             c.post(f"/instances/{create(c)}/release")
-            wait_for(lambda: idle(c) == 3, "the pool never filled")
+            eventually(lambda: idle(c) == 3, timeout=60, interval=0.1, message="the pool never filled")
         warm = {row["Id"] for row in containers(node.node_id, envhub_pool="1")}
         node.proc.send_signal(signal.SIGKILL)
         node.proc.wait()

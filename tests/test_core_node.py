@@ -1,0 +1,262 @@
+"""The node core in process: create_app(Settings(...)) for a node with only MBPP and the
+process sandbox, driven over HTTP through its ASGI interface (tests/inprocess.py) and
+through NodeService's public methods. A failure here names one route or one method."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from conftest import eventually_async
+from inprocess import InProcessApp, assert_envelope, node_settings
+from sanic import Sanic
+
+from envhub.app import create_app
+from envhub.errors import InvalidRequest, NotFound
+from envhub.store import builds as builds_store
+
+pytestmark = pytest.mark.fast
+
+FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
+
+
+@pytest.fixture
+async def node(tmp_path):
+    async with InProcessApp(node_settings(tmp_path / "data", capacity=2, queue_timeout=10)) as app:
+        yield app
+
+
+def run(code: str) -> dict:
+    return {"action": {"tool": "run_python", "arguments": {"code": code}}}
+
+
+def submit(code: str) -> dict:
+    return {"action": {"tool": "submit_solution", "arguments": {"code": code}}}
+
+
+async def health(app: InProcessApp) -> dict:
+    r = await app.http.get("/health")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_an_episode_is_created_stepped_evaluated_and_released(node):
+    http = node.http
+    created = await http.post("/instances", json={"environment": "mbpp", "task_id": "13", "trial": "core"})
+    assert created.status_code == 201, created.text
+    iid = created.json()["instance_id"]
+    assert created.json()["state"] == "active" and created.json()["observation"]["tools"]
+    assert "test_list" not in json.dumps(created.json()), "the hidden tests are never shown"
+    assert (await health(node))["active"] == 1
+
+    step = (await http.post(f"/instances/{iid}/step", json=run(f"{FIB}\nfib(10)"))).json()
+    assert step["observation"]["value_repr"] == "55" and step["done"] is False
+    assert (await http.post(f"/instances/{iid}/step", json=submit(FIB))).json()["done"] is True
+    graded = (await http.post(f"/instances/{iid}/evaluate")).json()
+    assert graded["reward"] == 1.0 and graded["details"]["passed"] == graded["details"]["total"]
+
+    released = (await http.post(f"/instances/{iid}/release")).json()
+    assert released == {"instance_id": iid, "released": True, "state": "released"}
+    got = (await http.get(f"/instances/{iid}")).json()
+    assert (got["state"], got["step_count"], got["reward"]) == ("released", 2, 1.0)
+    after = await health(node)
+    assert (after["active"], after["free"]) == (0, after["capacity"]), "the release freed the slot"
+    assert (await http.post(f"/instances/{iid}/release")).json()["released"] is False, "a second release is a no-op"
+
+
+async def test_a_create_with_the_clients_id_is_made_once_and_replayed(node):
+    body = {"environment": "mbpp", "task_id": "11", "instance_id": "client-1"}
+    first = await node.http.post("/instances", json=body)
+    again = await node.http.post("/instances", json=body)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json() == first.json(), "the replay is the first reply"
+    assert (await health(node))["active"] == 1, "one instance, one slot"
+    other_task = await node.http.post("/instances", json={**body, "task_id": "12"})
+    assert assert_envelope(other_task, 409, "conflict")["instance_id"] == "client-1"
+
+
+async def test_concurrent_creates_with_one_id_make_one_instance(node):
+    body = {"environment": "mbpp", "task_id": "11", "instance_id": "twice"}
+    replies = await asyncio.gather(*(node.http.post("/instances", json=body) for _ in range(3)))
+    assert sorted(r.status_code for r in replies) == [200, 200, 201]
+    assert len({r.json()["instance_id"] for r in replies}) == 1
+    assert (await health(node))["active"] == 1
+
+
+async def test_a_create_on_a_full_node_waits_for_the_slot_a_release_frees(node):
+    held = [(await node.http.post("/instances", json={"environment": "mbpp", "task_id": t})).json() for t in "12"]
+    assert [h["state"] for h in held] == ["active", "active"]
+    waiting = asyncio.ensure_future(node.http.post("/instances", json={"environment": "mbpp", "task_id": "13"}))
+    await eventually_async(lambda: node.ctx.node.health()["queued"] == 1, timeout=10, message="never queued")
+    assert (await health(node))["free"] == 0
+    await node.http.post(f"/instances/{held[0]['instance_id']}/release")
+    got = await waiting
+    assert got.status_code == 201, got.text
+    now = await health(node)
+    assert (now["active"], now["queued"], now["free"]) == (2, 0, 0), "the released slot went to the waiter"
+
+
+async def test_a_full_node_answers_429_at_once_when_nobody_may_wait(tmp_path):
+    async with InProcessApp(node_settings(tmp_path / "data", capacity=1, queue_size=0)) as app:
+        assert (await app.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})).status_code == 201
+        full = await app.http.post("/instances", json={"environment": "mbpp", "task_id": "12"})
+        body = assert_envelope(full, 429, "capacity_exceeded")
+        assert int(full.headers["Retry-After"]) >= 1 and body["capacity"] == 1
+        assert "queue is full" in body["error"]
+        assert (await health(app))["active"] == 1, "the refused create holds nothing"
+
+
+async def test_a_queued_create_gives_up_after_the_queue_timeout_and_holds_nothing(tmp_path):
+    async with InProcessApp(node_settings(tmp_path / "data", capacity=1, queue_timeout=0.2)) as app:
+        assert (await app.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})).status_code == 201
+        late = await app.http.post("/instances", json={"environment": "mbpp", "task_id": "12"})
+        assert "waited 0.2 s" in assert_envelope(late, 429, "capacity_exceeded")["error"]
+        now = await health(app)
+        assert (now["active"], now["queued"]) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status, code",
+    [
+        ("POST", "/instances", b"{not json", 400, "invalid_request"),
+        ("POST", "/instances", {"environment": "nope", "task_id": "11"}, 404, "not_found"),
+        ("POST", "/instances", {"environment": "mbpp", "task_id": "no-such-task"}, 404, "not_found"),
+        ("POST", "/instances", {"environment": "mbpp", "task_id": ["11"]}, 400, "invalid_request"),
+        ("POST", "/instances", {"environment": "mbpp", "task_id": "11", "params": []}, 400, "invalid_request"),
+        ("POST", "/instances", {"environment": "mbpp", "task_id": "11", "instance_id": "a b"}, 400, "invalid_request"),
+        ("POST", "/instances", {"environment": "mbpp", "task_id": "11", "trial": " "}, 400, "invalid_request"),
+        ("POST", "/instances/never-made/step", run("1"), 404, "not_found"),
+        ("POST", "/instances/never-made/evaluate", None, 404, "not_found"),
+        ("GET", "/instances/never-made", None, 404, "not_found"),
+        ("GET", "/instances?limit=lots", None, 400, "invalid_request"),
+        ("GET", "/no/such/route", None, 404, "http_404"),
+        ("PUT", "/health", None, 405, "http_405"),
+    ],
+)
+async def test_bad_input_gets_one_json_error_envelope_and_holds_no_slot(node, method, path, body, status, code):
+    content = body if isinstance(body, bytes) else None
+    payload = body if isinstance(body, dict) else None
+    r = await node.http.request(method, path, json=payload, content=content)
+    assert_envelope(r, status, code)
+    assert (await health(node))["active"] == 0
+
+
+async def test_a_bad_step_is_a_400_and_the_episode_goes_on(node):
+    iid = (await node.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})).json()["instance_id"]
+    for action in ({"tool": "no_such_tool", "arguments": {}}, {"tool": "run_python"}, "run_python", None):
+        assert_envelope(await node.http.post(f"/instances/{iid}/step", json={"action": action}), 400)
+    ok = await node.http.post(f"/instances/{iid}/step", json=run("6 * 7"))
+    assert ok.json()["observation"]["value_repr"] == "42"
+
+
+async def test_health_counts_follow_creates_and_releases(node):
+    fresh = await health(node)
+    assert (fresh["role"], fresh["capacity"], fresh["active"], fresh["free"], fresh["queued"]) == ("node", 2, 0, 2, 0)
+    assert fresh["environments"] == ["mbpp"] and fresh["accepting"] is True
+    a = (await node.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})).json()["instance_id"]
+    assert ((await health(node))["active"], (await health(node))["free"]) == (1, 1)
+    assert a in (await health(node))["slot_ids"]
+    await node.http.delete(f"/instances/{a}")
+    after = await health(node)
+    assert (after["active"], after["free"], after["slot_ids"]) == (0, 2, [])
+
+
+async def test_the_service_methods_drive_an_episode_without_http(node):
+    service = node.ctx.node
+    reply, created = await service.create("mbpp", "13", instance_id="direct-1", trial="core")
+    assert created and reply["instance_id"] == "direct-1"
+    assert (await service.create("mbpp", "13", instance_id="direct-1"))[1] is False, "a replay"
+    assert (await service.step("direct-1", run("6 * 7")["action"]))["observation"]["value_repr"] == "42"
+    await service.step("direct-1", submit(FIB)["action"])
+    graded = await service.evaluate("direct-1", release=True)
+    assert graded["reward"] == 1.0
+    assert (await service.get("direct-1"))["state"] == "released"
+    assert service.health()["active"] == 0
+    with pytest.raises(NotFound):
+        await service.get("never-made")
+    with pytest.raises(InvalidRequest):
+        await service.create("mbpp", "13", params="not an object")
+
+
+async def test_reap_idle_expires_only_instances_idle_past_the_ttl_and_frees_their_slots(node):
+    service = node.ctx.node
+    await service.create("mbpp", "11", instance_id="idle-1")
+    assert await service.reap_idle() == [], "not idle long enough"
+    # The reaper's clock, moved past the TTL rather than waited for.
+    assert await service.reap_idle(now=time.monotonic() + node.settings.idle_ttl + 1) == ["idle-1"]
+    got = await service.get("idle-1")
+    assert got["state"] == "expired" and "idle" in got["error"]
+    assert service.health()["active"] == 0
+
+
+async def test_reconfigure_changes_what_it_may_and_refuses_the_rest(node):
+    service = node.ctx.node
+    assert (await service.reconfigure({"idle_ttl": 5, "queue_timeout": 1}))["idle_ttl"] == 5
+    assert service.config()["queue_timeout"] == 1
+    for bad in ({"capacity": 9}, {"idle_ttl": -1}, {"environments": {"nope": {}}}):
+        with pytest.raises((InvalidRequest, NotFound)):
+            await service.reconfigure(bad)
+    assert service.config()["idle_ttl"] == 5, "a refused change applies nothing"
+    r = await node.http.post("/config", json={"queue_timeout": "soon"})
+    assert_envelope(r, 400, "invalid_request")
+
+
+async def test_cleanup_releases_every_live_instance(node):
+    service = node.ctx.node
+    for iid in ("c-1", "c-2"):
+        await service.create("mbpp", "11", instance_id=iid)
+    assert await service.cleanup() == {"status": "ok", "released": 2}
+    assert service.health()["active"] == 0
+    assert [(await service.get(i))["state"] for i in ("c-1", "c-2")] == ["released", "released"]
+
+
+async def test_a_large_build_log_is_served_by_its_tail(node, tmp_path):
+    """GET /builds/<id> reads only the end of a log (off the event loop): a 64 MiB log
+    answers with its last lines."""
+    build_id, log_path = await builds_store.start(
+        node.ctx.db,
+        environment="terminal-bench",
+        task_id="big-log",
+        context_hash="0" * 16,
+        image="envhub-test/big-log:0",
+        logs_dir=tmp_path / "builds",
+    )
+
+    def write_log() -> None:  # 64 MiB, then the lines the tail must hold
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        line = b"x" * 1023 + b"\n"
+        with open(log_path, "wb") as f:
+            for _ in range(64):
+                f.write(line * 1024)
+            f.write(b"step 41/42\nstep 42/42\ndone\n")
+
+    await asyncio.to_thread(write_log)
+    r = await node.http.get(f"/builds/{build_id}", params={"lines": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["log_tail"] == "step 41/42\nstep 42/42\ndone"
+    assert r.json()["state"] == "building"
+    many = (await node.http.get(f"/builds/{build_id}", params={"lines": 10_000})).json()["log_tail"].splitlines()
+    assert 900 < len(many) < 1030 and many[0] == "x" * 1023, "whole lines from the log's last MiB"
+    assert_envelope(await node.http.get(f"/builds/{build_id}", params={"lines": 0}), 400, "invalid_request")
+    assert_envelope(await node.http.get("/builds/999999"), 404, "not_found")
+
+
+async def test_a_node_starts_and_stops_cleanly_around_one_request_of_sanic_testings_client(tmp_path, monkeypatch):
+    """sanic-testing's asgi_client runs every start-up and stop listener around a request
+    (which is why the other tests here use tests/inprocess.py): a node comes up (database
+    migrated, MBPP loaded, the process sandbox started), answers, and stops leaving nothing
+    open (the suite runs with -W error::ResourceWarning)."""
+    # The client replaces Sanic.__call__ for every app; the monkeypatch puts it back after.
+    monkeypatch.setattr(Sanic, "__call__", Sanic.__call__)
+    app = create_app(node_settings(tmp_path / "data"))
+    try:
+        _, r = await app.asgi_client.get("/health")
+        assert r.status_code == 200 and r.json["environments"] == ["mbpp"] and r.json["active"] == 0
+        assert app.ctx.db is None, "the stop listeners closed the database"
+    finally:
+        tasks = [task for task in app.tasks if not task.done()]  # its reaper: Sanic's server would cancel it
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
