@@ -1,4 +1,5 @@
-"""Landlock for the "process" sandbox: what episode code may open and connect to, without root.
+"""Landlock for sandboxes forked from a zygote: what episode code may open and connect to,
+without root.
 
 As root, the zygote hides the node's records and the datasets behind mounts in its own
 mount namespace, and cuts sandboxes off the network with a network namespace of their
@@ -8,7 +9,7 @@ dataset or the node's database, call the node's HTTP API, or signal the node. La
 (Linux 5.13+) needs no privilege: a process restricts itself, and every process it
 forks inherits the restriction, which nothing can lift.
 
-Like the zygote, this file uses only the standard library; the zygote loads it by path
+Like the zygote, this file uses only the standard library; a zygote loads it by path
 (``python -I`` puts no script dir on ``sys.path``), the node imports it for tests.
 
 Invariants:
