@@ -59,6 +59,7 @@ import shutil
 import stat
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from envhub.confine.cgroups import Cgroups
@@ -372,6 +373,12 @@ class AppWorldSandbox(Sandbox):
         raise InvalidRequest("AppWorld episodes have no files to write; use the appworld tool")
 
     async def read_file(self, handle: str, path: str) -> bytes:
+        raise InvalidRequest("AppWorld episodes have no files to read; use the appworld tool")
+
+    async def copy_dir(self, handle: str, src_dir: Path, dest: str) -> None:
+        raise InvalidRequest("AppWorld episodes have no files to write; use the appworld tool")
+
+    async def fetch_dir(self, handle: str, path: str) -> dict[str, bytes]:
         raise InvalidRequest("AppWorld episodes have no files to read; use the appworld tool")
 
 
