@@ -506,7 +506,7 @@ async def test_cancelled_create_leaves_no_container(sandbox, engine):
     """The caller is cancelled while the worker is inside the engine's create call: the
     container the engine then makes must be removed, not left running."""
     s = spec()
-    api = sandbox._client.api
+    api = sandbox.engine.api
     real_create = api.create_container
     reached, cancelled = threading.Event(), threading.Event()
     made: list[str] = []
@@ -549,7 +549,7 @@ async def test_cancelled_create_leaves_no_container(sandbox, engine):
 async def test_parallel_creates_keep_the_event_loop_responsive(sandbox):
     """Every engine call of a create or an exec runs in the sandbox's worker threads, none
     on the event loop's, so the loop keeps ticking while eight of each are in flight."""
-    api = sandbox._client.api
+    api = sandbox.engine.api
     real_request = api.request
     loop_thread = threading.get_ident()
     on_loop: list[str] = []
