@@ -141,9 +141,9 @@ _FS_READ_DIR = 1 << 3
 
 
 def view_rules(readable: Iterable[str], writable: Iterable[str], hidden: Iterable[str]) -> list[tuple[str, bool]]:
-    """``(path, writable)`` rules that grant only the allow-list view (see ``view.py``): a
-    granted tree that holds a hidden path is granted as its parts but that path (the
-    sibling walk of :func:`allowed_paths`, inside the tree)."""
+    """``(path, writable)`` rules that grant only the allow-list view (see the process
+    sandbox's ``zygote/view.py``): a granted tree that holds a hidden path is granted as
+    its parts but that path (the sibling walk of :func:`allowed_paths`, inside the tree)."""
     hidden = [os.path.realpath(h) for h in hidden]
     rules: list[tuple[str, bool]] = []
     for grant, rw in [*((p, False) for p in readable), *((p, True) for p in writable)]:
