@@ -9,10 +9,23 @@ after which nothing the plugin started may still run.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import posixpath
+import shlex
+import stat
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from envhub.errors import SandboxError
+
+#: The most file data :meth:`Sandbox.fetch_dir` returns, all files together (64 MiB).
+FETCH_DIR_MAX_BYTES = 64 << 20
+# Each exec of the default copy_dir and fetch_dir: they create dirs, set modes, list files.
+_DIR_EXEC_TIMEOUT = 60.0
 
 
 @dataclass
@@ -175,6 +188,75 @@ class Sandbox:
         """Return the bytes of ``path`` inside the sandbox; ``NotFound`` when missing."""
         raise NotImplementedError
 
+    async def copy_dir(self, handle: str, src_dir: Path, dest: str) -> None:
+        """Copy the contents of ``src_dir``, a directory on the node, into the directory
+        ``dest`` inside the sandbox (relative to its working dir, as for
+        :meth:`write_file`), creating ``dest`` and its parents.
+
+        The copy is merged into what is there: other files stay, and a file of the same
+        name is replaced. Subdirectories are created, empty ones too; regular files keep
+        their permission bits (``mode & 0o777``). How a symbolic link is copied is the
+        sandbox's choice: the default skips it, the docker sandbox copies it as a link.
+        ``SandboxError`` when ``src_dir`` is not a directory on the node or the sandbox
+        cannot make the directories or set the modes; :meth:`write_file`'s errors
+        otherwise.
+
+        The default uses only the rest of the contract: one :meth:`exec` that creates the
+        directories (``mkdir -p`` for a shell sandbox, ``os.makedirs`` for a Python one),
+        one :meth:`write_file` per file, and one :meth:`exec` that sets their modes. A
+        sandbox with a cheaper way overrides it (the docker sandbox sends one archive).
+        """
+        src = Path(src_dir)
+        dirs, files = await asyncio.to_thread(_host_tree, src)
+        top = dest.rstrip("/") or ("/" if dest.startswith("/") else ".")
+        await self._dir_exec(handle, _make_dirs_code(self.language, [top, *(posixpath.join(top, d) for d in dirs)]))
+        modes: dict[int, list[str]] = {}
+        for rel, mode in files:
+            data = await asyncio.to_thread((src / rel).read_bytes)
+            target = posixpath.join(top, rel)
+            await self.write_file(handle, target, data)
+            modes.setdefault(mode, []).append(target)
+        if modes:
+            await self._dir_exec(handle, _chmod_code(self.language, modes))
+
+    async def fetch_dir(self, handle: str, path: str) -> dict[str, bytes]:
+        """The regular files under the directory ``path`` inside the sandbox (relative to
+        its working dir, as for :meth:`read_file`), subdirectories included, as
+        ``{path relative to it, POSIX: bytes}``; ``{}`` when there is no directory at
+        ``path``. A symbolic link at ``path`` is followed; links under it are left out.
+
+        At most :data:`FETCH_DIR_MAX_BYTES` (64 MiB) of file data, all files together:
+        past that it raises ``SandboxError``, as it does when the files cannot be listed.
+
+        The default uses only the rest of the contract: one :meth:`exec` that lists the
+        files (``find`` for a shell sandbox, ``os.walk`` for a Python one), then one
+        :meth:`read_file` each. A sandbox with a cheaper way overrides it (the docker
+        sandbox fetches one archive).
+        """
+        listing = await self._dir_exec(handle, _list_files_code(self.language, path))
+        if listing.truncated:
+            raise SandboxError(f"fetch_dir: too many files under {path!r} to list")
+        files: dict[str, bytes] = {}
+        size = 0
+        for rel in _parse_listing(self.language, listing.stdout):
+            data = await self.read_file(handle, posixpath.join(path, rel))
+            size += len(data)
+            if size > FETCH_DIR_MAX_BYTES:
+                raise SandboxError(f"fetch_dir: {path!r} holds more than {FETCH_DIR_MAX_BYTES} bytes of files")
+            files[rel] = data
+        return files
+
+    async def _dir_exec(self, handle: str, code: str) -> ExecResult:
+        """Run a command of the default copy_dir or fetch_dir; ``SandboxError`` if it fails."""
+        result = await self.exec(handle, code, timeout=_DIR_EXEC_TIMEOUT)
+        if result.timed_out or result.exit_code != 0 or result.exception:
+            why = (result.exception or result.stderr or result.stdout or "").strip().splitlines()
+            raise SandboxError(
+                f"sandbox {self.name!r}: a file operation failed"
+                + (" (timed out)" if result.timed_out else f": {why[-1] if why else result.exit_code}")
+            )
+        return result
+
     async def destroy(self, handle: str) -> None:
         """Stop the sandbox and free everything it holds. Idempotent."""
         raise NotImplementedError
@@ -227,6 +309,67 @@ def bind_inputs(inputs: Mapping[str, Any]) -> str:
     """Python source assigning each of ``inputs`` (JSON values, whose ``repr`` is a
     Python literal) to its name."""
     return "".join(f"{name} = {value!r}\n" for name, value in check_inputs(inputs).items())
+
+
+def _host_tree(src: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """The subdirectories of ``src`` and its regular files with their permission bits,
+    as POSIX paths relative to it, parents first; symbolic links are left out."""
+    if not src.is_dir():
+        raise SandboxError(f"copy_dir: {src} is not a directory on the node")
+    dirs: list[str] = []
+    files: list[tuple[str, int]] = []
+    for root, dirnames, filenames in os.walk(src):  # never into a linked dir
+        dirnames.sort()
+        here = Path(root)
+        rel = here.relative_to(src)
+        dirs += [(rel / d).as_posix() for d in dirnames if not (here / d).is_symlink()]
+        for name in sorted(filenames):
+            st = os.lstat(here / name)
+            if stat.S_ISREG(st.st_mode):
+                files.append(((rel / name).as_posix(), stat.S_IMODE(st.st_mode)))
+    return dirs, files
+
+
+# The Python code below runs in the episode's own interpreter: a single expression, so
+# that it leaves no name behind in the episode's namespace.
+
+
+def _make_dirs_code(language: str, dirs: list[str]) -> str:
+    if language == "python":
+        return f"(lambda os: [os.makedirs(d, exist_ok=True) for d in {dirs!r}] and None)(__import__('os'))"
+    return "mkdir -p -- " + " ".join(shlex.quote(d) for d in dirs)
+
+
+def _chmod_code(language: str, modes: dict[int, list[str]]) -> str:
+    if language == "python":
+        pairs = [(p, mode) for mode, paths in modes.items() for p in paths]
+        return f"(lambda os: [os.chmod(p, m) for p, m in {pairs!r}] and None)(__import__('os'))"
+    return " && ".join(f"chmod {mode:o} -- " + " ".join(shlex.quote(p) for p in paths) for mode, paths in modes.items())
+
+
+def _list_files_code(language: str, path: str) -> str:
+    """Code that prints the regular files under ``path``, relative to it: NUL-separated
+    (shell), or a JSON list (Python)."""
+    if language == "python":
+        return (
+            "(lambda os, sys, json, top: sys.stdout.write(json.dumps(sorted("
+            "os.path.relpath(os.path.join(d, f), top) for d, _, fs in os.walk(top) for f in fs "
+            "if os.path.isfile(os.path.join(d, f)) and not os.path.islink(os.path.join(d, f))))) and None)"
+            f"(__import__('os'), __import__('sys'), __import__('json'), {path!r})"
+        )
+    return f"if cd -- {shlex.quote(path)} 2>/dev/null; then find . -type f -print0; fi"
+
+
+def _parse_listing(language: str, stdout: str) -> list[str]:
+    if language == "python":
+        try:
+            names = json.loads(stdout)
+        except ValueError as e:
+            raise SandboxError(f"fetch_dir: the sandbox's listing is not JSON: {stdout[:200]!r}") from e
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise SandboxError("fetch_dir: the sandbox's listing is not a list of names")
+        return [n.replace(os.sep, "/") for n in names]
+    return sorted(n[2:] if n.startswith("./") else n for n in stdout.split("\0") if n)
 
 
 @dataclass

@@ -345,7 +345,7 @@ _UID_CLAIM = re.compile(r"@envhub-process-sandbox-uid-(\d+)$")
 def node_sandbox_uids(pid: int) -> set[int]:
     """The sandbox uids the process ``pid`` (a node) holds: each is claimed host-wide by an
     abstract Unix socket that stays open from the uid's first use to the sandbox's stop
-    (envhub/plugins/process_sandbox/uids.py), so this names the node's own uids only."""
+    (envhub/confine/uids.py), so this names the node's own uids only."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:

@@ -29,9 +29,9 @@ from conftest import REPO, EnvhubProcess, eventually
 from test_agentevolver import req
 from test_landlock import NOBODY, SCENARIOS, _python_for
 
+from envhub.confine.zygote import landlock
 from envhub.plugins.appworld.data import APPS, BASE_DBS
 from envhub.plugins.appworld.sandbox import default_run_dir
-from envhub.plugins.process_sandbox.zygote import landlock
 
 PROBLEM = None if PYTHON.is_file() else f"no AppWorld venv at {PYTHON} (scripts/test makes it)"
 needs_appworld = pytest.mark.skipif(PROBLEM is not None and not os.environ.get("CI"), reason=PROBLEM or "")

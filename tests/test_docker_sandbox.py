@@ -23,7 +23,7 @@ from conftest import eventually_async, needs_docker
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.docker_sandbox.sandbox import DEFAULT_CAPS, DockerSandbox
-from envhub.sandbox import Limits, SandboxSpec
+from envhub.sandbox import Limits, Sandbox, SandboxSpec
 
 NODE = f"test-{uuid.uuid4().hex[:12]}"
 pytestmark = [needs_docker, pytest.mark.asyncio(loop_scope="module")]
@@ -249,6 +249,26 @@ async def test_copy_dir_and_fetch_dir(sandbox, box, tmp_path: Path):
         "run.sh": (src / "run.sh").read_bytes(),
     }
     assert await sandbox.fetch_dir(box, f"{dest}/nothing-here") == {}
+
+
+async def test_the_contract_s_default_copy_dir_and_fetch_dir_agree_with_the_archive_ones(sandbox, box, tmp_path: Path):
+    """The defaults of envhub.Sandbox (exec, write_file and read_file only) in a real
+    container: what they copy in, the archive-based fetch_dir gets back, and the reverse."""
+    src = tmp_path / "tests"
+    (src / "sub" / "empty").mkdir(parents=True)
+    (src / "sub" / "data.bin").write_bytes(bytes(range(256)))
+    (src / "run me.sh").write_text("#!/bin/sh\necho ran\n")
+    (src / "run me.sh").chmod(0o755)
+    by_default, by_archive = (f"/opt/eval-{uuid.uuid4().hex[:8]}/{kind}" for kind in ("default", "archive"))
+    await Sandbox.copy_dir(sandbox, box, src, by_default)
+    await sandbox.copy_dir(box, src, by_archive)
+    expected = {"sub/data.bin": bytes(range(256)), "run me.sh": b"#!/bin/sh\necho ran\n"}
+    for where in (by_default, by_archive):
+        assert await sandbox.fetch_dir(box, where) == expected
+        assert await Sandbox.fetch_dir(sandbox, box, where) == expected
+        ran = await sandbox.exec(box, f"cd {where} && './run me.sh' && test -d sub/empty", timeout=30)
+        assert (ran.exit_code, ran.stdout) == (0, "ran\n"), ran.stderr
+    assert await Sandbox.fetch_dir(sandbox, box, f"{by_default}/nothing-here") == {}
 
 
 # --- container settings -------------------------------------------------------------
@@ -486,7 +506,7 @@ async def test_cancelled_create_leaves_no_container(sandbox, engine):
     """The caller is cancelled while the worker is inside the engine's create call: the
     container the engine then makes must be removed, not left running."""
     s = spec()
-    api = sandbox._client.api
+    api = sandbox.engine.api
     real_create = api.create_container
     reached, cancelled = threading.Event(), threading.Event()
     made: list[str] = []
@@ -529,7 +549,7 @@ async def test_cancelled_create_leaves_no_container(sandbox, engine):
 async def test_parallel_creates_keep_the_event_loop_responsive(sandbox):
     """Every engine call of a create or an exec runs in the sandbox's worker threads, none
     on the event loop's, so the loop keeps ticking while eight of each are in flight."""
-    api = sandbox._client.api
+    api = sandbox.engine.api
     real_request = api.request
     loop_thread = threading.get_ident()
     on_loop: list[str] = []

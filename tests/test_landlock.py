@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, EnvhubProcess, eventually
 
 import envhub
-from envhub.plugins.process_sandbox.zygote import landlock as _landlock
+from envhub.confine.zygote import landlock as _landlock
 
 NOBODY = 65534
 FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"

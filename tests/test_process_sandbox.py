@@ -415,7 +415,7 @@ async def test_stop_leaves_no_processes_and_no_dirs(tmp_path):
     children_before = set(children_of(os.getpid()))  # what other tests of this process left
     plugin = ProcessSandbox({"work_root": str(tmp_path)}, None)
     await plugin.start()
-    zygote = (plugin._proc.pid, start_time(plugin._proc.pid))
+    zygote = (plugin.zygote.proc.pid, start_time(plugin.zygote.proc.pid))
     escapees = []  # (pid, start time) of a setsid() child left by each sandbox
     for _ in range(2):
         h = await plugin.create(spec())
@@ -478,13 +478,15 @@ async def test_an_exec_cancelled_while_its_interpreter_starts_leaks_nothing(sand
     and run it after its caller was cancelled. Held here for certain by stopping the
     zygote (SIGSTOP) while the request waits on it: the next exec must still get a clean
     interpreter, not the stale one's ready frame as its answer."""
-    zygote_pid = sandboxes._proc.pid
+    zygote_pid = sandboxes.zygote.proc.pid
     marker = f"running-{uuid.uuid4().hex[:8]}"
     code = f"import time\nopen({marker!r}, 'w').close()\ntime.sleep(10)\n'late'"
     os.kill(zygote_pid, signal.SIGSTOP)
     try:
         task = asyncio.ensure_future(sandboxes.exec(handle, code, timeout=30))
-        await eventually_async(lambda: any(w for w in sandboxes._waiters if w), message="the spawn request never left")
+        await eventually_async(
+            lambda: any(w for w in sandboxes.zygote.waiters if w), message="the spawn request never left"
+        )
         task.cancel()
     finally:
         os.kill(zygote_pid, signal.SIGCONT)
@@ -497,7 +499,7 @@ async def test_an_exec_cancelled_while_its_interpreter_starts_leaks_nothing(sand
 @pytest.mark.asyncio
 async def test_sandboxes_recover_when_the_zygote_is_killed(sandboxes, handle):
     interpreter = (await sandboxes.exec(handle, f"import os\n(os.getpid(), {STARTED})", timeout=5)).value
-    os.kill(sandboxes._proc.pid, signal.SIGKILL)
+    os.kill(sandboxes.zygote.proc.pid, signal.SIGKILL)
     await eventually_async(lambda: not is_alive(*interpreter))  # it dies with its zygote
     r = await sandboxes.exec(handle, "1", timeout=5)
     assert r.exit_code is None and "died" in r.exception
@@ -602,7 +604,7 @@ async def test_a_released_uid_stays_claimed_by_the_node_until_stop(tmp_path):
 
 @pytest.mark.asyncio
 async def test_a_one_shot_run_answers_then_leaves_no_process_and_no_dir(sandboxes, tmp_path):
-    zygote_pid = sandboxes._proc.pid
+    zygote_pid = sandboxes.zygote.proc.pid
     r = await sandboxes.run_once(spec(), f"import os\n(os.getpid(), {STARTED}, os.getcwd())", timeout=5)
     pid, started, cwd = r.value
     assert r.exit_code == 0 and cwd.startswith(str(tmp_path))
@@ -666,7 +668,7 @@ def test_the_node_s_cgroups_are_found_from_its_own_and_limited_per_uid(tmp_path)
     the node finds its own cgroup under the mount, hands the controllers down, makes
     ``envhub-<name>/u<uid>`` and writes the limits, only when they change. The v1 path,
     the real one here, is exercised by the red-team tests through real nodes."""
-    from envhub.plugins.process_sandbox.cgroups import Cgroups
+    from envhub.confine.cgroups import Cgroups
 
     if os.geteuid() != 0:
         pytest.skip("a node makes cgroups only as root")

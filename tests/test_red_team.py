@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, EnvhubProcess, eventually, sandbox_dirs
 
-from envhub.plugins.process_sandbox.cgroups import Cgroups
+from envhub.confine.cgroups import Cgroups
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the node confines episode code this way as root")
 

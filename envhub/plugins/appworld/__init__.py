@@ -2,7 +2,9 @@
 AppWorld's own venv.
 
 - ``environment.py``: the environment (tasks, the ``appworld`` tool, rewards).
-- ``sandbox.py``: the ``appworld`` sandbox: the zygote, the warm pool of workers, grading.
+- ``sandbox.py``: the ``appworld`` sandbox, which holds its parts: its zygote
+  (``launcher.py``), the warm pool of workers and the calls to them (``workers.py``),
+  grading (``grader.py``), and ``envhub.confine``'s uid pool and cgroups.
 - ``worker/``: what runs in the AppWorld venv (the zygote, workers, graders); the node
   never imports it, nor ``appworld`` itself.
 - ``data.py``: splits, task specs and the data checks, read without ``appworld``.

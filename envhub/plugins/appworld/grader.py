@@ -14,31 +14,41 @@ import json
 import socket
 from typing import Any
 
-from envhub.plugins.appworld.workers import Worker
+from envhub.confine.control import Claim, ZygoteControl
+from envhub.confine.uids import UidPool
+from envhub.plugins.appworld.workers import Worker, WorkerPool
 
 _RESULT_LIMIT = 64 << 20
 
 
 class Grader:
-    """A mixin of :class:`~.sandbox.AppWorldSandbox`: ``grade``. Uses the sandbox's zygote
-    (``_ctl_call``), ``_graders``, ``grade_timeout`` and ``_worker()``, and the worker
-    pool's ``_allocate_uid``, ``_purge``, ``_limits``, ``_cgroup`` and ``_kill``."""
+    """Grading an episode of the AppWorld sandbox in a grader forked by ``zygote``, with a
+    uid of ``uids``, rlimits and cgroup as ``pool`` gives its workers. As root,
+    :attr:`group` is the claim on the uid whose group may read outputs dirs: the sandbox
+    claims it at start and gives it back at stop."""
 
-    async def grade(self, handle: str) -> dict[str, Any]:
-        """``evaluate_task`` of the episode in a fresh grader: ``{"result": tracker dict}``
-        or ``{"error": why}`` (a grader that failed, died or ran past ``grade_timeout``)."""
-        worker = self._worker(handle)
-        uid, claim = self._allocate_uid()
+    def __init__(self, zygote: ZygoteControl, pool: WorkerPool, uids: UidPool, *, grade_timeout: float) -> None:
+        self.zygote = zygote
+        self.pool = pool
+        self.uids = uids
+        self.grade_timeout = grade_timeout
+        self.group: Claim | None = None
+
+    async def grade(self, worker: Worker, handle: str) -> dict[str, Any]:
+        """``evaluate_task`` of the episode ``handle`` (served by ``worker``) in a fresh
+        grader: ``{"result": tracker dict}`` or ``{"error": why}`` (a grader that failed,
+        died or ran past ``grade_timeout``)."""
+        uid, claim = self.pool.allocate_uid()
         pid = 0
         try:
-            msg, fds = await self._ctl_call(
+            msg, fds = await self.zygote.call(
                 {
                     "op": "grader",
                     "uid": uid,
-                    "gid": self._graders[0] if self._graders else uid,
-                    "purge": self._purge(uid),
-                    "limits": self._limits(),
-                    "cgroup": self._cgroup(uid),
+                    "gid": self.group[0] if self.group else uid,
+                    "purge": self.pool.purge(uid),
+                    "limits": self.pool.limits(),
+                    "cgroup": self.pool.cgroup(uid),
                     "task_id": worker.task_id,
                     "experiment_name": handle,
                 }
@@ -52,7 +62,7 @@ class Grader:
                 except TimeoutError:
                     return {"error": f"grading ran past {self.grade_timeout:g} s"}
             if not data:
-                status = await self._kill(Worker(uid=uid, claim=None, pid=pid))
+                status = await self.pool.kill(Worker(uid=uid, claim=None, pid=pid))
                 pid = 0
                 return {"error": f"the grader died ({status or 'no result'})"}
             try:
@@ -61,14 +71,15 @@ class Grader:
                 return {"error": "the grader wrote no result"}
         finally:
             if pid:
-                await asyncio.shield(self._kill(Worker(uid=uid, claim=None, pid=pid)))
-            if claim is not None:
-                self._uids.release(uid, claim)
+                await asyncio.shield(self.pool.kill(Worker(uid=uid, claim=None, pid=pid)))
+            if uid is not None and claim is not None:
+                self.uids.release(uid, claim)
 
 
 async def _read_all(sock: socket.socket) -> bytes:
     loop = asyncio.get_running_loop()
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while size < _RESULT_LIMIT:
         chunk = await loop.sock_recv(sock, 1 << 16)
         if not chunk:

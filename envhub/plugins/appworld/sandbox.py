@@ -9,9 +9,13 @@ world, needs the main thread and allows one world per process.
 Policy and invariants:
 
 - :meth:`AppWorldSandbox.start` checks the venv and launches the zygote
-  (``worker/``, run with the venv's ``python -I``) without waiting for its preload
-  (seconds to half a minute): a node that serves AppWorld comes up as fast as one that
-  does not, and the first create waits for the zygote instead.
+  (``worker/``, run with the venv's ``python -I``; ``launcher.py``) without waiting for
+  its preload (seconds to half a minute): a node that serves AppWorld comes up as fast as
+  one that does not, and the first create waits for the zygote instead.
+- The sandbox holds its parts and hands each what it needs: ``zygote``
+  (:class:`~.launcher.AppWorldZygote`), ``pool`` (:class:`~.workers.WorkerPool`, the warm
+  pool and the workers serving episodes), ``grader`` (:class:`~.grader.Grader`), ``uids``
+  and ``cgroups`` (from ``envhub.confine``).
 - A warm pool: ``pool_size`` workers are kept forked and listening, refilled in the
   background. They are not episodes and hold no slot of the node's: :meth:`create` takes
   one (or waits for the next), so a create pays an ``/initialize`` (a fraction of a
@@ -46,35 +50,30 @@ Policy and invariants:
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import json
 import logging
 import math
 import os
 import shutil
-import socket
 import stat
-import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from envhub.confine.cgroups import Cgroups
+from envhub.confine.records import node_records
+from envhub.confine.uids import UidPool, sweep
 from envhub.errors import Gone, InvalidRequest, SandboxError, StartupError
 from envhub.plugins.appworld.data import APPWORLD_VERSION, VENV_PROBE, Paths, TaskSpec, load_tasks, unreadable
 from envhub.plugins.appworld.grader import Grader
+from envhub.plugins.appworld.launcher import AppWorldZygote
 from envhub.plugins.appworld.workers import Worker, WorkerPool
-from envhub.plugins.process_sandbox import zygote as process_zygote
-from envhub.plugins.process_sandbox.cgroups import Cgroups
-from envhub.plugins.process_sandbox.channel import ZygoteControl
-from envhub.plugins.process_sandbox.sandbox import _node_records
-from envhub.plugins.process_sandbox.uids import UidPool, sweep
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 
 log = logging.getLogger("envhub.plugins.appworld")
 
-WORKER_MAIN = Path(__file__).with_name("worker") / "__main__.py"
 _MIN_SHM_FREE = 256 << 20
 
 
@@ -92,7 +91,7 @@ def default_run_dir(data_dir: Any) -> str:
     return os.path.join("/tmp", f"envhub-appworld-{digest}")
 
 
-class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
+class AppWorldSandbox(Sandbox):
     """AppWorld workers. Its settings are the ``environments.appworld`` section (the
     ``sandboxes.appworld`` section, if any, is laid over it): ``python``, ``root``,
     ``pool_size`` (2), ``execute_timeout`` (100 s, AppWorld's per-call timeout),
@@ -105,8 +104,6 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
     name = "appworld"
     description = "AppWorld worker processes (one per episode) forked from a preloaded zygote in AppWorld's own venv"
     language = "python"
-    sandbox_label = "appworld sandbox"
-    zygote_label = "AppWorld zygote"
 
     def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(config, settings)
@@ -122,7 +119,7 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
         self.start_timeout = float(section.get("start_timeout", 300))
         self.memory_mb = int(section.get("memory_mb", 2048))
         self.cpu_seconds = int(section.get("cpu_seconds", 3600))
-        self.max_processes = section.get("max_processes")
+        max_processes = section.get("max_processes")
         self.max_file_mb = int(section.get("max_file_mb", 256))
         self.uid_base = int(section.get("uid_base", 250000))
         self.max_workers = int(section.get("max_workers", 1024))
@@ -130,8 +127,9 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
         self.run_dir = os.path.abspath(str(section.get("run_dir") or default_run_dir(data_dir)))
         self.view = os.path.join(self.run_dir, "root")
         self.outputs_root = os.path.join(self.view, "experiments", "outputs")
-        self.hide = [os.path.abspath(p) for p in _node_records(settings)]
+        self.hide = [os.path.abspath(p) for p in node_records(settings)]
         self.root = os.geteuid() == 0
+        self.nproc = int(max_processes) if max_processes is not None else (64 if self.root else None)
         if self.pool_size < 0 or self.max_workers < 1:
             raise StartupError("appworld: pool_size must be >= 0 and max_workers >= 1")
         self.env = {
@@ -142,28 +140,39 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
             "HOME": self.run_dir,
             "MALLOC_ARENA_MAX": "2",  # each arena reserves address space, which RLIMIT_AS counts
         }
-        self.hello: dict[str, Any] = {}
         self.tasks: list[TaskSpec] = []  # read at start, for the environment
-        self._uids = UidPool(self.uid_base, self.max_workers)
-        self._killer: tuple[int, socket.socket] | None = None  # see process_sandbox/zygote/forkserver.kill_uid
-        self._graders: tuple[int, socket.socket] | None = None  # its uid is the group of outputs dirs
+        self.uids = UidPool(self.uid_base, self.max_workers)
         self.use_cgroups = bool(section.get("cgroups", True))
-        self._cgroups = Cgroups(hashlib.sha256(self.run_dir.encode()).hexdigest()[:16], label="appworld")
-        self._ctl: socket.socket | None = None
-        self._proc: subprocess.Popen | None = None
-        self._ctl_lock = asyncio.Lock()
-        self._waiters: dict[int, asyncio.Future] = {}
-        self._req_id = 0
-        self._generation = 0
-        self._started = False
-        self._live: dict[str, Worker] = {}
-        self._ready: collections.deque[Worker] = collections.deque()
-        self._spawning = 0
-        self._takers = 0
-        self._pool_error: str | None = None
-        self._pool_changed: asyncio.Condition | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._log_file: Any = None
+        self.cgroups = Cgroups(hashlib.sha256(self.run_dir.encode()).hexdigest()[:16], label="appworld", log=log)
+        self.zygote = AppWorldZygote(
+            python=self.python,
+            root=self.paths.root,
+            run_dir=self.run_dir,
+            env=self.env,
+            hide=self.hide,
+            isolate_network=self.isolate_network,
+            start_timeout=self.start_timeout,
+            cgroups=self.cgroups,
+            is_root=self.root,
+            uid_base=self.uid_base,
+            memory_mb=self.memory_mb,
+            nproc=self.nproc,
+        )
+        self.pool = WorkerPool(
+            self.zygote,
+            self.uids,
+            self.cgroups,
+            pool_size=self.pool_size,
+            start_timeout=self.start_timeout,
+            init_timeout=self.init_timeout,
+            max_workers=self.max_workers,
+            root=self.root,
+            memory_mb=self.memory_mb,
+            cpu_seconds=self.cpu_seconds,
+            max_file_mb=self.max_file_mb,
+            nproc=self.nproc,
+        )
+        self.grader = Grader(self.zygote, self.pool, self.uids, grade_timeout=self.grade_timeout)
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -174,14 +183,14 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
             raise StartupError(f"appworld: run_dir {self.run_dir} is too long for a Unix socket path under it")
         if self.root:
             try:
-                self._killer = self._uids.allocate()
-                self._graders = self._uids.allocate()
+                self.zygote.killer = self.uids.allocate()
+                self.grader.group = self.uids.allocate()  # its uid is the group of outputs dirs
             except SandboxError as e:
-                self._uids.close()
+                self.uids.close()
                 raise StartupError(f"appworld: no uid left: {e.message}") from e
         await asyncio.to_thread(self._prepare_run_dir)
         if self.root and self.use_cgroups:
-            log.info("appworld: %s", self._cgroups.start())
+            log.info("appworld: %s", self.cgroups.start())
         if self.root:
             closed = await asyncio.to_thread(unreadable, self.paths.data)
             if closed:
@@ -192,10 +201,10 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
                     self.paths.data,
                     closed[0],
                 )
-        self._pool_changed = asyncio.Condition()
-        self._started = True
-        await self._ctl_lock.acquire()  # held until the zygote answers: control calls wait for it
-        self._spawn_task(self._boot())
+        self.pool.open()
+        self.zygote.running = True
+        await self.zygote.lock.acquire()  # held until the zygote answers: control calls wait for it
+        self.pool.track(self._boot())
 
     async def _check_venv(self) -> None:
         python = self.paths.python
@@ -236,170 +245,71 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
 
     async def _boot(self) -> None:
         try:
-            await self._launch()
+            await self.zygote.launch()
         except StartupError as e:
-            self._pool_error = e.message
+            self.pool.error = e.message
             log.error("%s", e.message)
         finally:
-            self._ctl_lock.release()
-        if self.root and self._ctl is not None:
-            # What a node kill -9-ed left under these uids (see process_sandbox/uids.py).
+            self.zygote.lock.release()
+        if self.root and self.zygote.alive:
+            # What a node kill -9-ed left under these uids (see envhub/confine/uids.py).
             try:
-                swept = await sweep(self._uids, lambda uid: self._ctl_call({"op": "kill", "pid": None, "uid": uid}))
+                swept = await sweep(self.uids, self.zygote.kill_uid)
             except SandboxError as e:
                 log.error("appworld: could not kill what an earlier node left under its uids: %s", e.message)
             else:
                 if swept:
                     log.warning("appworld: killed what an earlier node left under uids %s", ", ".join(map(str, swept)))
-        await self._pool_notify()
-
-    async def _launch(self) -> None:
-        """Start the zygote and wait for its hello. Called with ``_ctl_lock`` held."""
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        conf = {
-            "ctl_fd": theirs.fileno(),
-            "parent_pid": os.getpid(),
-            "process_zygote": os.path.dirname(os.path.abspath(process_zygote.__file__)),
-            "root": str(self.paths.root),
-            "run_dir": self.run_dir,
-            "hide": self.hide,
-            "isolate_network": self.isolate_network,
-            "killer_uid": self._killer[0] if self._killer else None,
-            "cgroups": [str(parent) for _, parent in self._cgroups.parents],
-        }
-        if self._log_file is None:  # only for the node: workers can open a file by name in run_dir
-            fd = os.open(os.path.join(self.run_dir, "zygote.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self._log_file = os.fdopen(fd, "ab")
-        started = time.monotonic()
-        try:
-            self._proc = subprocess.Popen(
-                [self.python, "-I", "-B", str(WORKER_MAIN), json.dumps(conf)],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=self._log_file,
-                stderr=self._log_file,
-                env=self.env,
-                cwd=self.run_dir,
-                start_new_session=True,
-            )
-        except OSError as e:
-            ours.close()
-            raise StartupError(f"appworld: cannot run {self.python}: {e}") from e
-        finally:
-            theirs.close()
-        ours.setblocking(False)
-        self._ctl = ours
-        self._generation += 1
-        loop.add_reader(ours.fileno(), self._on_ctl_readable)
-        self._waiters[0] = hello_waiter = loop.create_future()
-        try:
-            async with asyncio.timeout(self.start_timeout):
-                hello, _ = await hello_waiter
-            if not hello.get("ready"):
-                raise SandboxError(hello.get("error") or "no hello")
-        except (TimeoutError, SandboxError) as e:
-            await self._close_zygote()
-            why = e.message if isinstance(e, SandboxError) else f"no answer within {self.start_timeout:g} s"
-            raise StartupError(f"appworld: the zygote did not start: {why}\n{self._log_tail()}") from None
-        self.hello = hello
-        if hello.get("unreachable"):
-            await self._close_zygote()
-            raise StartupError(
-                f"appworld: worker uids cannot traverse {', '.join(hello['unreachable'])} "
-                "(on the way to the data, the venv or run_dir); grant o+x or move them"
-            )
-        log.info(
-            "appworld: zygote ready in %.1f s (preload %.1f s); %s",
-            time.monotonic() - started,
-            hello.get("preload_s", 0),
-            self.protections(),
-        )
-        if hello.get("unhidden"):
-            log.warning("appworld: model code can read %s", "; ".join(hello["unhidden"]))
+        await self.pool.notify()
 
     def protections(self) -> str:
         """What confines a worker, in words (logged when the zygote is ready)."""
-        h = self.hello
-        parts = [f"workers as their own uids from {self.uid_base}" if self.root else "workers as the node's user"]
-        parts.append("no network" if h.get("network_isolated") else "NETWORK REACHABLE")
-        hidden_by = h.get("ground_truth_hidden_by")
-        parts.append(
-            f"ground truth of {h.get('ground_truths', 0)} tasks hidden by {hidden_by}"
-            if hidden_by
-            else "GROUND TRUTH READABLE"
-        )
-        if h.get("landlock"):
-            parts.append(f"Landlock ABI {h['landlock']['abi']}")
-        nproc = self._nproc()
-        parts.append(f"RLIMIT_AS {self.memory_mb} MB" + (f", {nproc} processes" if nproc else ""))
-        parts.append("writes only their episode's outputs" if self.root else "writes not confined to outputs (no root)")
-        return ", ".join(parts)
-
-    def _log_tail(self) -> str:
-        try:
-            with open(os.path.join(self.run_dir, "zygote.log"), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 3000))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return self.zygote.protections()
 
     async def stop(self) -> None:
-        self._started = False
-        await asyncio.gather(*(self.destroy(h) for h in list(self._live)), return_exceptions=True)
-        ready, self._ready = list(self._ready), collections.deque()
-        await asyncio.gather(*(self._discard(w) for w in ready), return_exceptions=True)
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._close_zygote()
-        self._cgroups.stop()
-        for claim in (self._killer, self._graders):
+        self.zygote.running = False
+        await asyncio.gather(*(self.destroy(h) for h in list(self.pool.live)), return_exceptions=True)
+        await self.pool.close()
+        await self.zygote.close()
+        self.cgroups.stop()
+        for claim in (self.zygote.killer, self.grader.group):
             if claim is not None:
-                self._uids.release(*claim)
-        self._killer = self._graders = None
-        self._uids.close()
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+                self.uids.release(*claim)
+        self.zygote.killer = self.grader.group = None
+        self.uids.close()
+        self.zygote.close_log()
         await asyncio.to_thread(shutil.rmtree, self.run_dir, True)
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "ready": len(self._ready),
-            "spawning": self._spawning,
-            "live": len(self._live),
-            "zygote_pid": self._proc.pid if self._proc else None,
-        }
+        proc = self.zygote.proc
+        return {**self.pool.stats(), "zygote_pid": proc.pid if proc else None}
 
     # --- episodes -------------------------------------------------------------------
 
     async def create(self, spec: SandboxSpec) -> str:
         handle = spec.instance_id
-        if not self._started:
+        if not self.zygote.running:
             raise SandboxError("the appworld sandbox is not running")
         if handle in (".", "..") or "/" in handle:
             raise InvalidRequest(f"{handle!r} cannot name an AppWorld experiment", field="instance_id")
-        if handle in self._live:
+        if handle in self.pool.live:
             raise SandboxError(f"sandbox {handle!r} already exists")
-        worker = await self._take()
+        worker = await self.pool.take()
         try:
             outputs = os.path.join(self.outputs_root, handle)
             os.mkdir(outputs, 0o700)
-            if worker.uid is not None and self._graders is not None:
-                os.chown(outputs, worker.uid, self._graders[0])
+            if worker.uid is not None and self.grader.group is not None:
+                os.chown(outputs, worker.uid, self.grader.group[0])
                 os.chmod(outputs, 0o2750)  # the worker writes, graders read, other workers see nothing
             worker.handle, worker.outputs = handle, outputs
-            self._live[handle] = worker
+            self.pool.live[handle] = worker
         except BaseException:
-            await asyncio.shield(self._discard(worker))
+            await asyncio.shield(self.pool.discard(worker))
             raise
         return handle
 
     def _worker(self, handle: str) -> Worker:
-        worker = self._live.get(handle)
+        worker = self.pool.live.get(handle)
         if worker is None:
             raise SandboxError(f"no AppWorld worker for {handle!r}")
         return worker
@@ -417,7 +327,7 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
         }
         async with worker.lock:
             try:
-                reply = await self._call(worker, "/initialize", body, self.init_timeout)
+                reply = await self.pool.call(worker, "/initialize", body, self.init_timeout)
             except Gone as e:  # no episode yet: the create fails
                 raise SandboxError(f"the world of {task_id} did not open: {e.message}") from None
             worker.task_id = task_id
@@ -428,10 +338,10 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
         the task is now completed. ``Gone`` when the worker died or had to be killed."""
         worker = self._worker(handle)
         async with worker.lock:
-            output = await self._call(
+            output = await self.pool.call(
                 worker, "/execute", {"task_id": worker.task_id, "code": code}, self.execute_timeout + self.kill_grace
             )
-            completed = await self._call(worker, "/task_completed", {"task_id": worker.task_id}, self.init_timeout)
+            completed = await self.pool.call(worker, "/task_completed", {"task_id": worker.task_id}, self.init_timeout)
         return str(output), bool(completed)
 
     async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
@@ -441,18 +351,20 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
         output, _ = await self.execute(handle, code)
         return ExecResult(stdout=output, duration_s=time.monotonic() - started)
 
+    async def grade(self, handle: str) -> dict[str, Any]:
+        """``evaluate_task`` of the episode in a fresh grader: ``{"result": tracker dict}``
+        or ``{"error": why}`` (a grader that failed, died or ran past ``grade_timeout``)."""
+        return await self.grader.grade(self._worker(handle), handle)
+
     async def destroy(self, handle: str) -> None:
-        worker = self._live.pop(handle, None)
+        worker = self.pool.live.pop(handle, None)
         if worker is None:
             return
-        task = asyncio.ensure_future(self._teardown(worker))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        await asyncio.shield(task)
+        await asyncio.shield(self.pool.track(self._teardown(worker)))
 
     async def _teardown(self, worker: Worker) -> None:
         try:
-            await self._discard(worker)  # first: nothing of its uid may write there any more
+            await self.pool.discard(worker)  # first: nothing of its uid may write there any more
         finally:
             if worker.outputs:
                 await asyncio.to_thread(_remove, worker.outputs)
@@ -461,6 +373,12 @@ class AppWorldSandbox(ZygoteControl, WorkerPool, Grader, Sandbox):
         raise InvalidRequest("AppWorld episodes have no files to write; use the appworld tool")
 
     async def read_file(self, handle: str, path: str) -> bytes:
+        raise InvalidRequest("AppWorld episodes have no files to read; use the appworld tool")
+
+    async def copy_dir(self, handle: str, src_dir: Path, dest: str) -> None:
+        raise InvalidRequest("AppWorld episodes have no files to write; use the appworld tool")
+
+    async def fetch_dir(self, handle: str, path: str) -> dict[str, bytes]:
         raise InvalidRequest("AppWorld episodes have no files to read; use the appworld tool")
 
 

@@ -1,8 +1,11 @@
 """Running commands in a container: through its shell agent, else one docker exec each.
 
-A mixin of :class:`~envhub.plugins.docker_sandbox.sandbox.DockerSandbox`: it uses the
-sandbox's engine client (``_api``), thread pool (``_call``), config and agent table.
-Never raises because of what the command did (see the sandbox's invariants).
+:class:`DockerExec` holds the sandbox's engine connection, the exec settings and the
+shell agent of each container (``shell_agent.py``: an agent, or False where the container
+has none or its agent broke; never used again then). Every call runs in the engine's
+thread pool. Never raises because of what the command did (see the sandbox's
+invariants); the container enforces the timeout itself, the node stops reading
+``kill_grace`` seconds later.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from typing import Any
 
 from envhub.errors import InvalidRequest
+from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.engine import (
     ENGINE_ERRORS,
     EXEC_FRAME,
@@ -30,6 +34,28 @@ log = logging.getLogger("envhub.plugins.docker_sandbox")
 
 
 class DockerExec:
+    """Commands in the containers of ``engine``: the command line is appended to ``shell``;
+    ``use_agent``: through a shell agent per container where one starts; past the
+    timeout the node keeps reading for ``kill_grace`` s; ``output_limit`` bytes are kept
+    per stream."""
+
+    def __init__(
+        self, engine: Engine, *, shell: list[str], use_agent: bool, kill_grace: float, output_limit: int
+    ) -> None:
+        self.engine = engine
+        self.shell = shell
+        self.use_agent = use_agent
+        self.kill_grace = kill_grace
+        self.output_limit = output_limit
+        # container id -> its shell agent, or False where it has none (see shell_agent.py)
+        self._agents: dict[str, ShellAgent | bool] = {}
+
+    def forget(self, cid: str) -> None:
+        """Close the shell agent of ``cid`` (removed, or no longer this node's)."""
+        agent = self._agents.pop(cid, None)
+        if isinstance(agent, ShellAgent):
+            agent.close()
+
     async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
         if not isinstance(code, str):
             raise InvalidRequest("code must be a string", field="code")
@@ -37,14 +63,14 @@ class DockerExec:
             raise InvalidRequest("code must not contain NUL characters", field="code")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest("timeout must be positive", field="timeout")
-        return await self._call(self._exec_fast_or_plain, handle, code, float(timeout))
+        return await self.engine.call(self._exec_fast_or_plain, handle, code, float(timeout))
 
     def _exec_fast_or_plain(self, cid: str, code: str, timeout: float) -> ExecResult:
         """Through the container's shell agent when it has one, else one docker exec."""
         agent = self._agents.get(cid)
         if agent is None and self.use_agent and self.shell == ["bash", "-c"]:
             agent = self._agents[cid] = self._start_agent(cid) or False
-        if agent:
+        if isinstance(agent, ShellAgent):
             try:
                 return agent.run(code, timeout, time.monotonic() + timeout + self.kill_grace + 5)
             except AgentBroken as e:
@@ -57,10 +83,10 @@ class DockerExec:
                     duration_s=timeout,
                     stderr=f"envhub: the command's result was lost ({e})\n",
                 )
-        return self._exec_sync(cid, [*self.shell, code], timeout)
+        return self.run(cid, [*self.shell, code], timeout)
 
     def _start_agent(self, cid: str) -> ShellAgent | None:
-        api = self._api
+        api = self.engine.api
         try:
             exec_id = api.exec_create(
                 cid, ["sh", "-c", ShellAgent.script(self.output_limit)], stdin=True, stdout=True, stderr=True, tty=False
@@ -89,8 +115,10 @@ class DockerExec:
             return None
         return agent
 
-    def _exec_sync(self, cid: str, argv: list[str], timeout: float) -> ExecResult:
-        api = self._api
+    def run(self, cid: str, argv: list[str], timeout: float) -> ExecResult:
+        """``argv`` in ``cid`` by one docker exec, under coreutils ``timeout`` (in a worker
+        thread)."""
+        api = self.engine.api
         started = time.monotonic()
         # -k: a command that ignores TERM still ends inside the container. Short options:
         # busybox's timeout knows no long ones.

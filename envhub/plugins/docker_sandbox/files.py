@@ -1,8 +1,12 @@
 """Moving files in and out of a container, as tar archives through the engine's API.
 
-A mixin of :class:`~envhub.plugins.docker_sandbox.sandbox.DockerSandbox`. Paths are
-resolved against the container's working dir; symlinks are followed by the engine, up to
-a fixed number of hops.
+:class:`DockerFiles` holds the sandbox's engine connection, its exec (a ``mkdir -p`` when
+a directory to write into is missing), the configured working dir and each container's
+working dir once looked up. Every call runs in the engine's thread pool. Paths are
+resolved against the container's working dir; symlinks are followed by the engine, up
+to a fixed number of hops. :meth:`~DockerFiles.copy_dir` and
+:meth:`~DockerFiles.fetch_dir` are the contract's (``envhub.Sandbox``), by one archive
+each way instead of a call per file.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import docker.types
 import requests.exceptions
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError
+from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.engine import (
     ENGINE_ERRORS,
     GO_MODE_DIR,
@@ -33,13 +38,32 @@ from envhub.plugins.docker_sandbox.engine import (
     release_response,
     tar_bytes,
 )
+from envhub.plugins.docker_sandbox.exec import DockerExec
+from envhub.sandbox import FETCH_DIR_MAX_BYTES
 
 
 class DockerFiles:
+    """Files in the containers of ``engine``; ``workdir`` (None: each image's WORKDIR) is
+    what relative paths are resolved against; ``api_timeout`` bounds the stat call."""
+
+    def __init__(self, engine: Engine, execs: DockerExec, *, workdir: str | None, api_timeout: float) -> None:
+        self.engine = engine
+        self.execs = execs
+        self.workdir = workdir
+        self.api_timeout = api_timeout
+        self._workdirs: dict[str, str] = {}  # container id -> its working dir, once looked up
+
+    def forget(self, cid: str) -> None:
+        """Drop what is known of ``cid`` (removed, or no longer this node's)."""
+        self._workdirs.pop(cid, None)
+
+    def clear(self) -> None:
+        self._workdirs.clear()
+
     async def write_file(self, handle: str, path: str, data: bytes) -> None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidRequest("data must be bytes", field="data")
-        await self._call(self._write_file_sync, handle, path, bytes(data))
+        await self.engine.call(self._write_file_sync, handle, path, bytes(data))
 
     def _write_file_sync(self, cid: str, path: str, data: bytes) -> None:
         target = self._resolve(cid, path)
@@ -55,7 +79,7 @@ class DockerFiles:
         self._put_tar(cid, parent, tar_bytes(lambda tf: tf.addfile(info, io.BytesIO(data))))
 
     async def read_file(self, handle: str, path: str) -> bytes:
-        return await self._call(self._read_file_sync, handle, path)
+        return await self.engine.call(self._read_file_sync, handle, path)
 
     def _read_file_sync(self, cid: str, path: str) -> bytes:
         target = self._resolve(cid, path)
@@ -68,21 +92,21 @@ class DockerFiles:
                 continue
             with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
                 member = tf.next()
-                if member is None or not member.isfile():
+                fobj = tf.extractfile(member) if member is not None and member.isfile() else None
+                if fobj is None:
                     raise InvalidRequest(f"{target!r} is not a regular file", field="path")
-                return tf.extractfile(member).read()
+                return fobj.read()
         raise InvalidRequest(f"{path!r}: too many levels of symbolic links", field="path")
 
     async def copy_dir(self, handle: str, host_dir: Path, container_dir: str) -> None:
         """Copy the contents of ``host_dir`` (a node-side folder) into ``container_dir``,
         creating it and its parents. Files keep their mode, are owned by root, and
         replace files of the same name; symlinks are copied as links."""
-        host_dir = Path(host_dir)
-        if not host_dir.is_dir():
-            raise SandboxError(f"copy_dir: {host_dir} is not a directory on the node")
-        await self._call(self._copy_dir_sync, handle, host_dir, container_dir)
+        await self.engine.call(self._copy_dir_sync, handle, Path(host_dir), container_dir)
 
     def _copy_dir_sync(self, cid: str, host_dir: Path, container_dir: str) -> None:
+        if not host_dir.is_dir():
+            raise SandboxError(f"copy_dir: {host_dir} is not a directory on the node")
         target = self._resolve(cid, container_dir)
 
         def add_children(tf: tarfile.TarFile) -> None:
@@ -95,9 +119,9 @@ class DockerFiles:
 
     async def fetch_dir(self, handle: str, container_dir: str) -> dict[str, bytes]:
         """Every regular file under ``container_dir``, as ``{relative path: bytes}``;
-        ``{}`` when it does not exist. A symlinked ``container_dir`` is followed, links
-        inside it are not."""
-        return await self._call(self._fetch_dir_sync, handle, container_dir)
+        ``{}`` when it does not exist; ``SandboxError`` past ``FETCH_DIR_MAX_BYTES`` in
+        all. A symlinked ``container_dir`` is followed, links inside it are not."""
+        return await self.engine.call(self._fetch_dir_sync, handle, container_dir)
 
     def _fetch_dir_sync(self, cid: str, container_dir: str) -> dict[str, bytes]:
         target = self._resolve(cid, container_dir)
@@ -107,11 +131,15 @@ class DockerFiles:
         if archive is None:
             return {}
         files: dict[str, bytes] = {}
+        size = 0
         with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
             for member in tf:
                 # islnk: the engine stores a second name of a file as a hard link entry
                 if not (member.isfile() or member.islnk()):
                     continue
+                size += member.size
+                if size > FETCH_DIR_MAX_BYTES:
+                    raise SandboxError(f"{target!r} holds more than {FETCH_DIR_MAX_BYTES} bytes of files")
                 _, _, rel = member.name.partition("/")  # drop the folder's own name
                 fobj = tf.extractfile(member)
                 if fobj is not None:
@@ -130,7 +158,7 @@ class DockerFiles:
             return self.workdir
         if cid not in self._workdirs:
             try:
-                config = self._api.inspect_container(cid)["Config"]
+                config = self.engine.api.inspect_container(cid)["Config"]
             except ENGINE_ERRORS as e:
                 raise container_error(cid, "inspect", e) from e
             self._workdirs[cid] = config.get("WorkingDir") or "/"
@@ -138,7 +166,7 @@ class DockerFiles:
 
     def _stat(self, cid: str, path: str) -> dict[str, Any] | None:
         """The engine's stat of ``path``, or None when it (or the container) is missing."""
-        api = self._api
+        api = self.engine.api
         try:
             # HEAD is the stat-only form of the archive endpoint; docker-py has no method for it.
             res = api.head(api._url("/containers/{0}/archive", cid), params={"path": path}, timeout=self.api_timeout)
@@ -152,7 +180,7 @@ class DockerFiles:
 
     def _get_tar(self, cid: str, path: str) -> tuple[bytes | None, dict[str, Any] | None]:
         try:
-            stream, stat = self._api.get_archive(cid, path)
+            stream, stat = self.engine.api.get_archive(cid, path)
             return b"".join(stream), stat
         except docker.errors.NotFound as e:
             release_response(e)
@@ -167,7 +195,7 @@ class DockerFiles:
         """Extract ``archive`` into ``directory``, creating it first if it is missing."""
         for attempt in (1, 2):
             try:
-                self._api.put_archive(cid, directory, archive)
+                self.engine.api.put_archive(cid, directory, archive)
                 return
             except docker.errors.NotFound as e:
                 if no_such_container(e) or attempt == 2:
@@ -178,7 +206,7 @@ class DockerFiles:
                 raise container_error(cid, "write", e) from e
             except requests.exceptions.RequestException as e:
                 raise container_error(cid, "write", e) from e
-            made = self._exec_sync(cid, ["mkdir", "-p", "--", directory], self.api_timeout)
+            made = self.execs.run(cid, ["mkdir", "-p", "--", directory], self.api_timeout)
             if made.exit_code != 0:
                 raise InvalidRequest(
                     f"cannot create {directory!r}: {made.stderr.strip() or made.stdout.strip()}", field="path"

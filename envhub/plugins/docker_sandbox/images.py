@@ -1,9 +1,10 @@
-"""Image building for the docker sandbox: what the build gate (envhub/node/builds.py) calls.
+"""Image building for the docker sandbox: what the build gate (envhub/node/builds.py) calls,
+through the sandbox's :class:`~envhub.sandbox.ImageBuilder` methods.
 
-A mixin of :class:`~envhub.plugins.docker_sandbox.sandbox.DockerSandbox`: it uses the sandbox's
-engine client (``_api``) and thread pool (``_call``), so builds never block the event
-loop and never run a docker CLI. The build context is sent as an in-memory tar with the
-Dockerfile text added under a reserved name, so the task folder is never written to.
+:class:`DockerImages` holds nothing but the sandbox's engine connection; every call runs
+in its thread pool, so builds never block the event loop and never run a docker CLI. The
+build context is sent as an in-memory tar with the Dockerfile text added under a
+reserved name, so the task folder is never written to.
 """
 
 from __future__ import annotations
@@ -16,18 +17,24 @@ from pathlib import Path
 import docker.errors
 
 from envhub.errors import BuildFailed
+from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.engine import ENGINE_ERRORS, explain, owned_by_root, tar_bytes
 
 _DOCKERFILE_NAME = ".envhub.Dockerfile"  # reserved name in the build context
 
 
 class DockerImages:
+    """Image lookups and builds on ``engine``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
     async def image_exists(self, image: str) -> bool:
-        return await self._call(self._image_exists_sync, image)
+        return await self.engine.call(self._image_exists_sync, image)
 
     def _image_exists_sync(self, image: str) -> bool:
         try:
-            self._api.inspect_image(image)
+            self.engine.api.inspect_image(image)
             return True
         except docker.errors.ImageNotFound:
             return False
@@ -50,7 +57,7 @@ class DockerImages:
         ``exclude`` (relative to the context) are left out of it. The build's output goes
         to ``log_path``; a failure raises ``BuildFailed`` with the log's tail.
         """
-        await self._call(
+        await self.engine.call(
             self._build_sync,
             Path(context_dir),
             dockerfile,
@@ -91,7 +98,7 @@ class DockerImages:
         with open(log_path, "w") as logf:
             try:
                 context = io.BytesIO(tar_bytes(fill))
-                stream = self._api.build(
+                stream = self.engine.api.build(
                     fileobj=context,
                     custom_context=True,
                     dockerfile=_DOCKERFILE_NAME,

@@ -2,7 +2,13 @@
 
 Policy and invariants:
 
-- Every Docker SDK call (and every tar built or unpacked for one) runs in this plugin's
+- The sandbox holds its parts and hands each what it needs: ``engine``
+  (:class:`~.connection.Engine`: the SDK client and the thread pool), ``images``
+  (:class:`~.images.DockerImages`, builds for the gate), ``execs``
+  (:class:`~.exec.DockerExec`, commands and each container's shell agent) and ``files``
+  (:class:`~.files.DockerFiles`); it keeps the containers' lifecycle and the egress
+  policy itself.
+- Every Docker SDK call (and every tar built or unpacked for one) runs in the engine's
   own ``ThreadPoolExecutor`` (config ``threads``); the event loop never blocks on the
   engine. The SDK client is built and pinged in :meth:`DockerSandbox.start`, which turns
   an unreachable engine into ``StartupError``. No docker CLI is ever run, no image is
@@ -38,20 +44,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
-import os
 import secrets
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import docker
 import docker.errors
 import docker.types
 import requests.exceptions
-from docker.constants import DEFAULT_UNIX_SOCKET
 
 from envhub.errors import InvalidRequest, SandboxError, StartupError
+from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.egress import EgressError, EgressPolicy, validate_cidrs
 from envhub.plugins.docker_sandbox.engine import (
     DEFAULT_CAPS,
@@ -61,22 +66,18 @@ from envhub.plugins.docker_sandbox.engine import (
     network_problem,
     remove_quietly,
     sanitize,
-    unix_socket_problem,
 )
 from envhub.plugins.docker_sandbox.exec import DockerExec
 from envhub.plugins.docker_sandbox.files import DockerFiles
 from envhub.plugins.docker_sandbox.images import DockerImages
-from envhub.plugins.docker_sandbox.shell_agent import ShellAgent
-from envhub.sandbox import Sandbox, SandboxSpec
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 SANDBOX_NETWORK = "envhub-sandbox"  # the network the egress policy guards
 
 
-class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
+class DockerSandbox(Sandbox):
     """Runs shell commands in one Docker container per sandbox.
 
     The handle is the container id. Config keys (``sandboxes: {docker: {...}}``):
@@ -112,9 +113,11 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
     - ``output_limit`` (65536): bytes kept per stream; past it the head and tail are
       kept around a ``[... N bytes truncated ...]`` line and ``truncated`` is set.
 
-    Beyond the :class:`~envhub.Sandbox` contract: :meth:`copy_dir` and :meth:`fetch_dir`
-    move folders in and out, :meth:`list_managed` and :meth:`remove_managed` find and
-    remove the containers of a node.
+    Beyond the :class:`~envhub.Sandbox` contract: :meth:`image_exists` and
+    :meth:`build_image` (an :class:`~envhub.sandbox.ImageBuilder` for the build gate),
+    :meth:`list_managed` and :meth:`remove_managed`, which find and remove the containers
+    of a node. :meth:`copy_dir` and :meth:`fetch_dir` move a folder in or out as one
+    archive each, instead of the contract's default of a call per file.
     """
 
     name = "docker"
@@ -149,34 +152,36 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
             raise StartupError("docker sandbox config: threads, cpus, memory_mb (>= 8) and pids_limit must be positive")
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise StartupError(f"docker sandbox config: workdir {self.workdir!r} must be absolute")
-        self._client: docker.DockerClient | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._host_cpus: float | None = None
-        self._created: set[str] = set()  # container ids this process created and has not removed
-        self._workdirs: dict[str, str] = {}  # container id -> its working dir, once looked up
-        # container id -> its shell agent, or False where it has none (see shell_agent.py)
-        self._agents: dict[str, ShellAgent | bool] = {}
         self.use_agent = bool(c.get("shell_agent", True))
+        self._created: set[str] = set()  # container ids this process created and has not removed
         self._egress: EgressPolicy | None = None
         self._allowed: dict[str, tuple[str, list[str]]] = {}  # container id -> (its ip, allowed cidrs)
+        self.engine = Engine(docker_host=self.docker_host, api_timeout=self.api_timeout, threads=self.threads)
+        self.images = DockerImages(self.engine)
+        self.execs = DockerExec(
+            self.engine,
+            shell=self.shell,
+            use_agent=self.use_agent,
+            kill_grace=self.kill_grace,
+            output_limit=self.output_limit,
+        )
+        self.files = DockerFiles(self.engine, self.execs, workdir=self.workdir, api_timeout=self.api_timeout)
 
     # --- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="envhub-docker")
+        await self.engine.start()
         try:
-            self._client, self._host_cpus = await self._call(self._connect)
             if self.egress == "deny-private" and self.network not in ("none",):
-                await self._call(self._install_egress)
+                await self.engine.call(self._install_egress)
         except BaseException:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+            self.engine.abandon()
             raise
 
     def _install_egress(self) -> None:
         """The sandbox network (no traffic between containers) and its egress policy; if
         the node cannot enforce the policy it gives containers no network (fail closed)."""
-        api = self._api
+        api = self.engine.api
         try:
             nets = api.networks(names=[self.network])
             net = next((n for n in nets if n.get("Name") == self.network), None)
@@ -205,55 +210,61 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
             self._egress = None
             self.network = "none"
 
-    def _connect(self) -> tuple[docker.DockerClient, float | None]:
-        # Each running exec holds one pooled connection for its stream and briefly a second
-        # one to inspect it; a smaller pool would open and discard connections.
-        kw = {"timeout": self.api_timeout, "max_pool_size": 2 * self.threads}
-        where = self.docker_host or os.environ.get("DOCKER_HOST") or DEFAULT_UNIX_SOCKET
-        problem = unix_socket_problem(where)
-        if problem:
-            raise StartupError(f"docker sandbox: the Docker engine at {where} is not reachable: {problem}")
-        client = None
-        try:
-            client = docker.DockerClient(base_url=self.docker_host, **kw) if self.docker_host else docker.from_env(**kw)
-            client.ping()
-            ncpu = client.info().get("NCPU")
-        except ENGINE_ERRORS as e:
-            if client is not None:
-                client.close()
-            raise StartupError(f"docker sandbox: the Docker engine at {where} is not reachable: {e}") from e
-        return client, float(ncpu) if ncpu else None
-
     async def stop(self) -> None:
-        if self._executor is None:
+        if not self.engine.running:
             return
         await asyncio.gather(*(self.destroy(cid) for cid in list(self._created)), return_exceptions=True)
-        executor, self._executor = self._executor, None
         # A create still running in a worker may record a container after the sweep
         # above: wait for the workers, then remove whatever they left.
-        await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
-        client, self._client = self._client, None
+        client = await self.engine.stop()
         if client is not None:
             for cid in list(self._created):
                 await asyncio.to_thread(remove_quietly, client, cid)
             client.close()
         self._created.clear()
-        self._workdirs.clear()
+        self.files.clear()
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._executor is None:
-            raise SandboxError("the docker sandbox is not running")
-        try:
-            future = asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
-        except RuntimeError as e:  # stop() shut the executor down meanwhile
-            raise SandboxError("the docker sandbox is not running") from e
-        return await future
+    # --- the contract's calls, done by the parts ------------------------------------------
 
-    @property
-    def _api(self) -> docker.APIClient:
-        if self._client is None:
-            raise SandboxError("the docker sandbox is not running")
-        return self._client.api
+    async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        return await self.execs.exec(handle, code, timeout=timeout)
+
+    async def write_file(self, handle: str, path: str, data: bytes) -> None:
+        await self.files.write_file(handle, path, data)
+
+    async def read_file(self, handle: str, path: str) -> bytes:
+        return await self.files.read_file(handle, path)
+
+    async def copy_dir(self, handle: str, src_dir: Path, dest: str) -> None:
+        await self.files.copy_dir(handle, src_dir, dest)
+
+    async def fetch_dir(self, handle: str, path: str) -> dict[str, bytes]:
+        return await self.files.fetch_dir(handle, path)
+
+    async def image_exists(self, image: str) -> bool:
+        return await self.images.image_exists(image)
+
+    async def build_image(
+        self,
+        *,
+        context_dir: Path,
+        dockerfile: str,
+        image: str,
+        log_path: Path,
+        timeout: float,
+        extra_files: dict[str, bytes] | None = None,
+        exclude: tuple[str, ...] = (),
+    ) -> None:
+        """See :meth:`.images.DockerImages.build_image`."""
+        await self.images.build_image(
+            context_dir=context_dir,
+            dockerfile=dockerfile,
+            image=image,
+            log_path=log_path,
+            timeout=timeout,
+            extra_files=extra_files,
+            exclude=exclude,
+        )
 
     # --- create / destroy -----------------------------------------------------------
 
@@ -264,9 +275,7 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
         problem = network_problem(str(network))
         if problem:
             raise SandboxError(f"docker sandbox: {problem}")
-        if self._executor is None:
-            raise SandboxError("the docker sandbox is not running")
-        future = self._executor.submit(self._create_sync, spec, str(network))
+        future = self.engine.submit(self._create_sync, spec, str(network))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -274,22 +283,21 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
             future.add_done_callback(self._discard_orphan)
             raise
 
-    def _discard_orphan(self, future: concurrent.futures.Future) -> None:
+    def _discard_orphan(self, future: concurrent.futures.Future[str]) -> None:
         if future.cancelled() or future.exception() is not None:
             return
         cid = future.result()
         try:
-            if self._executor is not None:
-                self._executor.submit(self._destroy_sync, cid)
-        except RuntimeError:
+            self.engine.submit(self._destroy_sync, cid)
+        except (RuntimeError, SandboxError):
             pass  # shutting down: stop() removes what is still in _created
 
     def _create_sync(self, spec: SandboxSpec, network: str) -> str:
-        api = self._api
+        api = self.engine.api
         limits = spec.limits
         cpus = limits.cpus if limits.cpus is not None else self.cpus
-        if self._host_cpus:
-            cpus = min(cpus, self._host_cpus)  # the engine refuses more CPUs than it has
+        if self.engine.host_cpus:
+            cpus = min(cpus, self.engine.host_cpus)  # the engine refuses more CPUs than it has
         memory_mb = limits.memory_mb if limits.memory_mb is not None else self.memory_mb
         pids = limits.max_processes if limits.max_processes is not None else self.pids_limit
         ulimits = None
@@ -349,12 +357,13 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
         return cid
 
     async def destroy(self, handle: str) -> None:
-        if not handle or (self._executor is None and handle not in self._created):
+        if not handle or (not self.engine.running and handle not in self._created):
             return
-        await self._call(self._destroy_sync, handle)
+        await self.engine.call(self._destroy_sync, handle)
 
     def _allow_sync(self, cid: str, network: str, cidrs: list[str]) -> None:
-        info = self._api.inspect_container(cid)
+        assert self._egress is not None  # create() allows only where the policy holds
+        info = self.engine.api.inspect_container(cid)
         ip = ((info.get("NetworkSettings") or {}).get("Networks") or {}).get(network, {}).get("IPAddress")
         if not ip:
             raise EgressError(f"container {cid[:12]} has no address on {network}")
@@ -367,7 +376,7 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
             self._egress.revoke(*allowed)  # before the address can go to another container
         try:
             # force: SIGKILL, no stop timeout; v: anonymous volumes the image declared go too
-            self._api.remove_container(cid, force=True, v=True)
+            self.engine.api.remove_container(cid, force=True, v=True)
         except docker.errors.NotFound:
             pass
         except docker.errors.APIError as e:
@@ -376,10 +385,8 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
         except requests.exceptions.RequestException as e:
             raise SandboxError(f"cannot remove container {cid[:12]}: {e}") from e
         self._created.discard(cid)
-        self._workdirs.pop(cid, None)
-        agent = self._agents.pop(cid, None)
-        if agent:
-            agent.close()
+        self.files.forget(cid)
+        self.execs.forget(cid)
 
     def _destroy_quietly(self, cid: str) -> None:
         try:
@@ -393,12 +400,12 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
         """Containers on the engine labelled ``envhub.managed=1`` (and ``envhub.node=node_id``
         when given), running or not: ``{"id", "name", "image", "labels", "status"}``
         where ``status`` is the engine's state (``running``, ``exited``, ...)."""
-        return await self._call(self._list_managed_sync, node_id)
+        return await self.engine.call(self._list_managed_sync, node_id)
 
     def _list_managed_sync(self, node_id: str | None) -> list[dict[str, Any]]:
         wanted = ["envhub.managed=1"] + ([f"envhub.node={node_id}"] if node_id else [])
         try:
-            rows = self._api.containers(all=True, filters={"label": wanted})
+            rows = self.engine.api.containers(all=True, filters={"label": wanted})
         except ENGINE_ERRORS as e:
             raise SandboxError(f"cannot list containers: {explain(e)}") from e
         return [
@@ -426,11 +433,11 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
     survives_restart = True
 
     async def adopt(self, handle: str, spec: SandboxSpec) -> bool:
-        return await self._call(self._adopt_sync, handle, spec)
+        return await self.engine.call(self._adopt_sync, handle, spec)
 
     def _adopt_sync(self, cid: str, spec: SandboxSpec) -> bool:
         try:
-            info = self._api.inspect_container(cid)
+            info = self.engine.api.inspect_container(cid)
         except docker.errors.NotFound:
             return False
         except ENGINE_ERRORS as e:
@@ -451,10 +458,8 @@ class DockerSandbox(DockerImages, DockerExec, DockerFiles, Sandbox):
 
     async def detach(self, handle: str) -> None:
         self._created.discard(handle)  # stop() removes only what is in _created
-        agent = self._agents.pop(handle, None)
-        if agent:
-            agent.close()
-        self._workdirs.pop(handle, None)
+        self.execs.forget(handle)
+        self.files.forget(handle)
 
     async def list_pooled(self, node_id: str) -> list[tuple[str, dict[str, str]]]:
         rows = await self.list_managed(node_id)

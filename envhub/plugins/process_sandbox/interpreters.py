@@ -11,6 +11,8 @@ Invariants:
   the next exec starts a fresh one. Its output, in memfds the node holds, is still read.
 - Teardown kills and removes the sandbox's processes and dir once, whatever else is
   waiting on the box, and always gives its uid back.
+- A uid on which something may have been left running (a kill or a cleanup failed) is
+  forgotten as purged, so the zygote kills its leftovers before it runs again.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from envhub.confine.control import ZygoteControl
+from envhub.confine.uids import UidPool
+from envhub.confine.zygote import shared as zygote
 from envhub.errors import SandboxError
 from envhub.plugins.process_sandbox.channel import Channel
-from envhub.plugins.process_sandbox.zygote import shared as zygote
 from envhub.sandbox import ExecResult
 
 # The sandbox's own logger: what is logged here is the process sandbox's.
@@ -52,26 +56,38 @@ class Box:
     generation: int = 0  # which zygote forked ``pid``
     chan: Channel | None = None  # None: no live interpreter, the next exec starts one
     output_fds: tuple[int, int] | None = None  # memfds behind the interpreter's fd 1 and 2
-    pending: asyncio.Task | None = None  # a spawn exchange that owns fds until it ends
+    pending: asyncio.Task[None] | None = None  # a spawn exchange that owns fds until it ends
     spawned: bool = False  # an interpreter was ever started (interpreters start lazily)
     destroyed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class Interpreters:
-    """A mixin of :class:`~.sandbox.ProcessSandbox`: spawning, running, killing and tearing
-    down the interpreter of a :class:`Box`. Uses the sandbox's zygote (``_ctl_call``,
-    ``_generation``), its uid pool, ``kill_grace``, ``start_timeout``, ``output_limit``,
-    ``_closing`` and ``_release_uid``."""
+    """Spawning, running, killing and tearing down the interpreter of a :class:`Box`,
+    through the sandbox's ``zygote``; ``uids`` is the sandbox's uid pool, which gets each
+    box's uid back."""
 
-    async def _run(self, box: Box, cell: dict[str, Any], *, sent: bool = False) -> ExecResult:
-        """Run ``cell`` (already on its way when ``sent``: carried by the spawn)."""
+    def __init__(
+        self, zygote: ZygoteControl, uids: UidPool, *, kill_grace: float, start_timeout: float, output_limit: int
+    ) -> None:
+        self.zygote = zygote
+        self.uids = uids
+        self.kill_grace = kill_grace
+        self.start_timeout = start_timeout
+        self.output_limit = output_limit
+        self._closing: set[asyncio.Task[None]] = set()  # teardowns under way
+
+    async def run(self, box: Box, cell: dict[str, Any], *, sent: bool = False) -> ExecResult:
+        """Run ``cell`` in ``box``'s interpreter (already on its way when ``sent``: carried
+        by the spawn)."""
         timeout = cell["timeout"]
+        chan = box.chan
+        assert chan is not None  # the caller spawned it, holding the box's lock
         try:
             async with asyncio.timeout(timeout + self.kill_grace):
                 if not sent:
-                    await box.chan.send(cell)
-                reply = await box.chan.recv()
+                    await chan.send(cell)
+                reply = await chan.recv()
         except TimeoutError:
             # The code swallowed CellTimeout or is stuck in C: kill what it started too.
             _, stdout, stderr, cut = await self._kill_and_collect(box)
@@ -99,8 +115,9 @@ class Interpreters:
             await self._kill_and_collect(box)
             raise
         calls = reply.get("calls")
+        fields: dict[str, Any] = {k: reply.get(k) for k in _RESULT_FIELDS}
         return ExecResult(
-            **{k: reply.get(k) for k in _RESULT_FIELDS},
+            **fields,
             calls=[c for c in calls[:_MAX_CALLS] if _is_call(c)] if isinstance(calls, list) else [],
         )
 
@@ -113,7 +130,7 @@ class Interpreters:
                 log.warning("process sandbox: killing %s failed: %s", box.handle, e)
                 status = None
                 if box.uid is not None:
-                    self._uids.purged.discard(box.uid)  # kill leftovers before the uid runs again
+                    self.uids.purged.discard(box.uid)  # kill leftovers before the uid runs again
             stdout, stderr, cut = "", "", False
             if box.output_fds is not None:
                 (stdout, c1), (stderr, c2) = (zygote.read_capped(fd, self.output_limit) for fd in box.output_fds)
@@ -122,7 +139,7 @@ class Interpreters:
         finally:
             forget_interpreter(box)
 
-    async def _spawn(self, box: Box, cell: dict[str, Any] | None = None) -> None:
+    async def spawn(self, box: Box, cell: dict[str, Any] | None = None) -> None:
         """Start an interpreter for ``box`` (in its existing dir, if any) and await ready.
 
         ``cell`` (code and timeout) is run by the interpreter right after ready.
@@ -130,7 +147,7 @@ class Interpreters:
         req = dict(box.spawn_req, workdir=box.workdir)
         if cell is not None:
             req["cell"] = cell
-        req["purge"] = box.uid is not None and box.uid not in self._uids.purged
+        req["purge"] = box.uid is not None and box.uid not in self.uids.purged
         pending = box.pending = asyncio.ensure_future(self._spawn_exchange(box, req))
         try:
             await asyncio.shield(pending)
@@ -143,6 +160,7 @@ class Interpreters:
                 await self._kill_and_collect(box)
             raise
         box.pending = None
+        assert box.chan is not None  # the exchange set it or raised
         try:
             async with asyncio.timeout(self.start_timeout):
                 ready = await box.chan.recv()
@@ -158,18 +176,18 @@ class Interpreters:
             raise SandboxError(f"the sandbox interpreter did not start: {e!r}") from e
 
     async def _spawn_exchange(self, box: Box, req: dict[str, Any]) -> None:
-        msg, fds = await self._ctl_call(req)
+        msg, fds = await self.zygote.call(req)
         # Still inside the shielded task: take ownership now, so a cancelled caller leaks nothing.
         if len(fds) != 3:
             for fd in fds:
                 os.close(fd)
             raise SandboxError(f"the zygote passed {len(fds)} fds instead of 3")
-        box.pid, box.workdir, box.generation = msg["pid"], msg["workdir"], self._generation
+        box.pid, box.workdir, box.generation = msg["pid"], msg["workdir"], self.zygote.generation
         box.spawned = True
         box.output_fds = (fds[1], fds[2])
         box.chan = Channel(socket.socket(fileno=fds[0]))
         if box.uid is not None:
-            self._uids.purged.add(box.uid)
+            self.uids.purged.add(box.uid)
 
     async def _kill(self, box: Box, *, remove: bool, wait: bool = False) -> str | None:
         """Kill every process of ``box``; return how the interpreter ended if on its own
@@ -178,15 +196,17 @@ class Interpreters:
         The channel and output fds stay open: an exec may still be reading them.
         """
         # A pid forked by an earlier zygote is not ours to signal; its uid still is.
-        pid = box.pid if box.generation == self._generation else None
+        pid = box.pid if box.generation == self.zygote.generation else None
         box.pid = None
         if pid is None and box.uid is None and not (remove and box.workdir):
             return None
         req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove, "wait": wait}
-        msg, _ = await self._ctl_call(req)  # even if cancelled, the zygote completes it
+        msg, _ = await self.zygote.call(req)  # even if cancelled, the zygote completes it
         return msg.get("status")
 
-    async def _teardown_shielded(self, box: Box) -> None:
+    async def teardown(self, box: Box) -> None:
+        """Kill ``box``'s processes, remove its dir and give its uid back, in a task of its
+        own that a cancelled caller does not stop (:meth:`settle` waits for it)."""
         task = asyncio.ensure_future(self._teardown(box))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -195,12 +215,13 @@ class Interpreters:
     async def _teardown(self, box: Box) -> None:
         box.destroyed = True
         if not box.spawned and box.pending is None and not box.lock.locked():
-            self._release_uid(box)  # no process ever ran under it and no dir was made
+            self.release_uid(box)  # no process ever ran under it and no dir was made
             return
-        if box.pending is not None:
-            await asyncio.wait([box.pending])  # the exchange owns the channel fd until it ends
-            if not box.pending.cancelled():
-                box.pending.exception()  # retrieved here; create() already reported it
+        pending = box.pending
+        if pending is not None:
+            await asyncio.wait([pending])  # the exchange owns the channel fd until it ends
+            if not pending.cancelled():
+                pending.exception()  # retrieved here; create() already reported it
         try:
             if box.lock.locked() and box.pid is not None:
                 # An exec is waiting on the interpreter: kill it so that exec returns now.
@@ -213,9 +234,20 @@ class Interpreters:
         except SandboxError as e:
             log.warning("process sandbox: cleaning up %s failed: %s", box.handle, e)
             if box.uid is not None:
-                self._uids.purged.discard(box.uid)  # kill its leftovers before the uid is used again
+                self.uids.purged.discard(box.uid)  # kill its leftovers before the uid is used again
         finally:
-            self._release_uid(box)
+            self.release_uid(box)
+
+    def release_uid(self, box: Box) -> None:
+        """Give ``box``'s uid back to the pool (once)."""
+        if box.claim is not None and box.uid is not None:
+            self.uids.release(box.uid, box.claim)
+            box.claim = None
+
+    async def settle(self) -> None:
+        """Wait for the teardowns under way."""
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 def _is_call(call: Any) -> bool:

@@ -3,16 +3,21 @@
 Policy and invariants:
 
 - :meth:`ProcessSandbox.start` launches one zygote (``zygote/``, run as a
-  script with ``python -I`` so it never imports envhub); creating a sandbox is a fork of
-  that warm process, not an interpreter start. :meth:`~ProcessSandbox.stop` ends it, and
-  the zygote and every interpreter die with the node (``PR_SET_PDEATHSIG``). A zygote
-  that dies is replaced on the next control request; its sandboxes restart on next exec.
-- The handle is ``SandboxSpec.instance_id``; ``_boxes`` maps it to the node-side state.
+  script with ``python -I`` so it never imports envhub; ``launcher.py``); creating a
+  sandbox is a fork of that warm process, not an interpreter start.
+  :meth:`~ProcessSandbox.stop` ends it, and the zygote and every interpreter die with the
+  node (``PR_SET_PDEATHSIG``). A zygote that dies is replaced on the next control
+  request; its sandboxes restart on next exec.
+- The sandbox holds its parts and hands each what it needs: ``zygote``
+  (:class:`~.launcher.ProcessZygote`), ``interpreters`` (:class:`~.interpreters.Interpreters`,
+  each box's interpreter from spawn to teardown), ``uids`` and ``cgroups`` (from
+  ``envhub.confine``). The handle is ``SandboxSpec.instance_id``; ``_boxes`` maps it to
+  the node-side state (:class:`~.interpreters.Box`).
 - As root, each live sandbox runs as its own uid from ``[uid_base, uid_base +
   max_sandboxes)``, and all sandboxes share one network namespace that holds only a down
   loopback. A uid is claimed host-wide by binding an abstract Unix socket, so two nodes
   on one host never share one, and it returns to the pool only after every process of
-  that uid was killed. The node keeps the claims of the uids it has used (``uids.py``)
+  that uid was killed. The node keeps the claims of the uids it has used (``envhub/confine/uids.py``)
   until :meth:`~ProcessSandbox.stop`, so a new sandbox usually claims nothing. The uid
   makes RLIMIT_NPROC per sandbox and lets destroy kill processes that left the process
   group; one more claimed uid, which no process runs as, lets the zygote do that kill
@@ -25,14 +30,14 @@ Policy and invariants:
   mounts. Each sandbox binds its own ``.tmp`` over ``/tmp``, ``/var/tmp`` and ``/dev/shm``.
   What could not be done is logged at start. A ``POST /config`` to a dataset the view
   shows is refused (:meth:`exposes`).
-- As root each uid slot also has a cgroup (``cgroups.py``) that the sandbox joins before
+- As root each uid slot also has a cgroup (``envhub/confine/cgroups.py``) that the sandbox joins before
   it drops root: ``memory_mb`` and ``max_processes`` bound all of an episode's processes
   together, the tmpfs pages of its files included.
 - :meth:`start` kills what an earlier node left running under the uids of the range that
   no live node holds (``uids.sweep``), before any uid is handed out.
 - Without root (or where root cannot make those namespaces, as in a container without
   CAP_SYS_ADMIN), every interpreter restricts itself with Landlock (Linux 5.13+, see
-  ``zygote/landlock.py``) before it runs a cell: it may read the view's paths and write
+  ``envhub/confine/zygote/landlock.py``) before it runs a cell: it may read the view's paths and write
   its work root, the hidden paths excepted; TCP is denied when ``isolate_network`` is on
   (ABI 4+; UDP is not covered), and signals to processes outside the sandbox, the
   node's included, are refused (ABI 6+). What Landlock cannot cover is logged at start.
@@ -41,8 +46,9 @@ Policy and invariants:
   only (a ``setsid()`` escapee survives), and sandboxes can read each other's dirs. Run
   the node as root for untrusted code.
 - Control requests to the zygote are serialized by one ``asyncio.Lock`` and replies are
-  matched by request id, so a cancelled caller never puts the channel out of step; a
-  spawn runs in a shielded task that takes ownership of the new interpreter's fds.
+  matched by request id, so a cancelled caller never puts the channel out of step
+  (``envhub/confine/control.py``); a spawn runs in a shielded task that takes ownership
+  of the new interpreter's fds (``interpreters.py``).
 - :meth:`exec` never raises because of what the code did. A timeout is first a
   ``CellTimeout`` raised inside the code (state survives); ``kill_grace`` seconds later
   the node kills the sandbox's processes and the next call transparently starts a fresh
@@ -75,17 +81,19 @@ import os
 import re
 import socket
 import stat
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from envhub.confine.cgroups import Cgroups
+from envhub.confine.records import node_records
+from envhub.confine.uids import UidPool, sweep
+from envhub.confine.zygote import rlimits
+from envhub.confine.zygote import shared as zygote
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.process_sandbox.cgroups import Cgroups
-from envhub.plugins.process_sandbox.channel import ZygoteControl
 from envhub.plugins.process_sandbox.interpreters import Box, Interpreters, forget_interpreter
-from envhub.plugins.process_sandbox.uids import UidPool, sweep
+from envhub.plugins.process_sandbox.launcher import ProcessZygote
 from envhub.plugins.process_sandbox.workdirs import (
     default_work_root,
     open_in_workdir,
@@ -93,7 +101,6 @@ from envhub.plugins.process_sandbox.workdirs import (
     relative_parts,
     write_in_workdir,
 )
-from envhub.plugins.process_sandbox.zygote import shared as zygote
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec, check_inputs
 
 log = logging.getLogger(__name__)
@@ -106,7 +113,7 @@ _CARRIED_CELL_CHARS = 4096
 _MAX_ENV_JSON = 16 << 10
 
 
-class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
+class ProcessSandbox(Sandbox):
     """Runs Python cells in a persistent interpreter per sandbox.
 
     Config keys (``sandboxes: {process: {...}}``): ``work_root`` (default: a dir on the
@@ -158,7 +165,7 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
         self.preload = [str(m) for m in _path_list(c, "preload")]
         # envhub itself too: installed into site-packages it lies inside the view, with its
         # bundled datasets; sandboxes never import it.
-        self.hide = [os.path.abspath(p) for p in [*_path_list(c, "hide"), *_node_records(settings), _ENVHUB_PACKAGE]]
+        self.hide = [os.path.abspath(p) for p in [*_path_list(c, "hide"), *node_records(settings), _ENVHUB_PACKAGE]]
         self.start_timeout = float(c.get("start_timeout", 30.0))
         self.lazy_start = bool(c.get("lazy_start", True))
         self.env = {
@@ -167,48 +174,64 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
             **{str(k): str(v) for k, v in (c.get("env") or {}).items()},
         }
         self.root = os.geteuid() == 0
-        self.network_isolated = False  # known once the zygote has started
         self._boxes: dict[str, Box] = {}
         # Uids are reused last-in first-out: few distinct uids get used, so the purge on a
-        # uid's first use in this node (see _spawn) is rare.
-        self._uids = UidPool(self.uid_base, self.max_sandboxes)
-        self._killer: tuple[int, socket.socket] | None = None  # see zygote/forkserver.kill_uid
+        # uid's first use in this node (see Interpreters.spawn) is rare.
+        self.uids = UidPool(self.uid_base, self.max_sandboxes)
         self.use_cgroups = bool(c.get("cgroups", True))
         # Named after the work root, which one node process uses at a time: a restarted
         # node reuses (and re-limits) the cgroups a crashed run left.
-        self._cgroups = Cgroups(hashlib.sha256(self.work_root.encode()).hexdigest()[:16])
-        self._closing: set[asyncio.Task] = set()
-        self._visible: list[str] | None = None  # what the zygote's view shows (see exposes)
-        self._ctl: socket.socket | None = None
-        self._proc: subprocess.Popen | None = None
-        self._ctl_lock = asyncio.Lock()
-        self._waiters: dict[int, asyncio.Future] = {}  # request id -> its reply
-        self._req_id = 0
-        self._generation = 0
-        self._started = False
+        self.cgroups = Cgroups(
+            hashlib.sha256(self.work_root.encode()).hexdigest()[:16],
+            label="process sandbox",
+            log=logging.getLogger("envhub.plugins.process_sandbox"),
+        )
+        self.zygote = ProcessZygote(
+            python=self.python,
+            work_root=self.work_root,
+            env=self.env,
+            preload=self.preload,
+            hide=self.hide,
+            isolate_network=self.isolate_network,
+            start_timeout=self.start_timeout,
+            root=self.root,
+            cgroups=self.cgroups,
+        )
+        self.interpreters = Interpreters(
+            self.zygote,
+            self.uids,
+            kill_grace=self.kill_grace,
+            start_timeout=self.start_timeout,
+            output_limit=self.output_limit,
+        )
+
+    @property
+    def network_isolated(self) -> bool:
+        """Whether sandboxes have no network (known once the zygote has started)."""
+        return self.zygote.network_isolated
 
     # --- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
         self._prepare_work_root()
-        if self.root and self._killer is None:
+        if self.root and self.zygote.killer is None:
             try:
-                self._killer = self._allocate_uid()
+                self.zygote.killer = self.uids.allocate()
             except SandboxError as e:
                 raise StartupError(f"process sandbox: no uid left to kill with: {e.message}") from e
         if self.root and self.use_cgroups:
-            log.info("process sandbox: %s", self._cgroups.start())
-        async with self._ctl_lock:
-            await self._launch()
-        self._started = True
+            log.info("process sandbox: %s", self.cgroups.start())
+        async with self.zygote.lock:
+            await self.zygote.launch()
+        self.zygote.running = True
         if self.root:
             await self._sweep()
 
     async def _sweep(self) -> None:
         """Kill what still runs under this node's sandbox uids (a node ``kill -9``-ed
         leaves its episodes' processes behind, reparented to PID 1) before any is handed
-        out; uids another live node holds are left alone (see uids.py)."""
-        swept = await sweep(self._uids, lambda uid: self._ctl_call({"op": "kill", "pid": None, "uid": uid}))
+        out; uids another live node holds are left alone (see envhub/confine/uids.py)."""
+        swept = await sweep(self.uids, self.zygote.kill_uid)
         if swept:
             log.warning(
                 "process sandbox: killed what an earlier node left running under sandbox uid(s) %s",
@@ -216,16 +239,15 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
             )
 
     async def stop(self) -> None:
-        self._started = False
+        self.zygote.running = False
         await asyncio.gather(*(self.destroy(h) for h in list(self._boxes)), return_exceptions=True)
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
-        await self._close_zygote()
-        self._cgroups.stop()
-        if self._killer is not None:
-            self._uids.release(*self._killer)
-            self._killer = None
-        self._uids.close()
+        await self.interpreters.settle()
+        await self.zygote.close()
+        self.cgroups.stop()
+        if self.zygote.killer is not None:
+            self.uids.release(*self.zygote.killer)
+            self.zygote.killer = None
+        self.uids.close()
         if self._own_shm_root:
             try:
                 os.rmdir(self.work_root)  # empty now; in memory, unlike the disk default
@@ -250,7 +272,7 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
 
     async def create(self, spec: SandboxSpec) -> str:
         handle = spec.instance_id
-        if not self._started:
+        if not self.zygote.running:
             raise SandboxError("the process sandbox is not running")
         if handle in self._boxes:
             raise SandboxError(f"sandbox {handle!r} already exists")
@@ -260,8 +282,8 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
         try:
             req = self._spawn_request(spec, uid)
         except OSError as e:
-            if claim is not None:
-                self._uids.release(uid, claim)
+            if uid is not None and claim is not None:
+                self.uids.release(uid, claim)
             raise SandboxError(f"process sandbox: {e}") from e
         box = Box(handle, uid, claim, req)
         self._boxes[handle] = box
@@ -269,11 +291,11 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
             return handle  # the first exec forks the interpreter; an unused sandbox costs no fork
         try:
             async with box.lock:
-                await self._spawn(box)
+                await self.interpreters.spawn(box)
         except BaseException:
             if self._boxes.get(handle) is box:
                 del self._boxes[handle]
-                await self._teardown_shielded(box)
+                await self.interpreters.teardown(box)
             raise
         return handle
 
@@ -283,9 +305,9 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
             return
         if not box.spawned and box.pending is None and not box.lock.locked():
             box.destroyed = True
-            self._release_uid(box)  # never started (lazy start): no process, no dir, no task
+            self.interpreters.release_uid(box)  # never started (lazy start): no process, no dir, no task
             return
-        await self._teardown_shielded(box)
+        await self.interpreters.teardown(box)
 
     async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
         return await self._exec(handle, code, timeout, None)
@@ -301,20 +323,20 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
                 raise NotFound(f"no sandbox {handle!r}")
             restarted = box.chan is None and box.spawned
             carried = False
-            cell = {"code": code, "timeout": timeout}
+            cell: dict[str, Any] = {"code": code, "timeout": timeout}
             if inputs:
                 cell["inputs"] = inputs
             if box.chan is None:
                 carried = len(code) + (len(zygote.dumps(inputs)) if inputs else 0) <= _CARRIED_CELL_CHARS
-                await self._spawn(box, cell if carried else None)
+                await self.interpreters.spawn(box, cell if carried else None)
             started = time.monotonic()
-            result = await self._run(box, cell, sent=carried)
+            result = await self.interpreters.run(box, cell, sent=carried)
             result.duration_s = time.monotonic() - started
             result.restarted = restarted
             return result
 
     async def run_once(
-        self, spec: SandboxSpec, code: str, *, timeout: float, inputs: dict[str, Any] | None = None
+        self, spec: SandboxSpec, code: str, *, timeout: float, inputs: Mapping[str, Any] | None = None
     ) -> ExecResult:
         """A one-shot interpreter: the spawn carries the code and the interpreter exits
         once it has answered; the zygote then cleans up after it without being asked, so
@@ -324,12 +346,12 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
         take the usual create/exec/destroy path."""
         if not isinstance(code, str) or len(code) > _CARRIED_CELL_CHARS:
             return await super().run_once(spec, code, timeout=timeout, inputs=inputs)
-        inputs = check_inputs(inputs) if inputs else None
+        bound = check_inputs(inputs) if inputs else None
         handle = await self.create(spec)
         box = self._boxes[handle]
         box.spawn_req["once"] = True
         try:
-            result = await self._exec(handle, code, timeout, inputs)
+            result = await self._exec(handle, code, timeout, bound)
         except BaseException:
             await self.destroy(handle)
             raise
@@ -341,7 +363,7 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
         del self._boxes[handle]
         box.destroyed = True
         forget_interpreter(box)
-        self._release_uid(box)
+        self.interpreters.release_uid(box)
         return result
 
     def _box(self, handle: str) -> Box:
@@ -359,19 +381,19 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
             nproc = 64
         cgroup = None
         if uid is not None:  # the episode's memory (its tmpfs files too) and tasks, together
-            cgroup = self._cgroups.for_uid(uid, int(memory_mb) << 20, int(nproc or 64))
+            cgroup = self.cgroups.for_uid(uid, int(memory_mb) << 20, int(nproc or 64))
         return {
             "op": "spawn",
             "uid": uid,
             "cgroup": cgroup,
             "work_root": self.work_root,
             "prefix": re.sub(r"[^A-Za-z0-9_.-]", "_", spec.instance_id)[:40] + "-",
-            "limits": {
-                "as_bytes": int(memory_mb) << 20,
-                "cpu_seconds": int(cpu),
-                "fsize_bytes": self.max_file_mb << 20,
-                "nproc": None if nproc is None else int(nproc),
-            },
+            "limits": rlimits.request(
+                memory_mb=int(memory_mb),
+                cpu_seconds=int(cpu),
+                max_file_mb=self.max_file_mb,
+                nproc=None if nproc is None else int(nproc),
+            ),
             "env": dict(spec.env),
             "functions": [f for f in spec.functions if f.isidentifier()],
             "output_limit": self.output_limit,
@@ -382,12 +404,7 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
             if len(self._boxes) >= self.max_sandboxes:
                 raise SandboxError(f"all {self.max_sandboxes} process sandboxes are in use")
             return None, None
-        return self._uids.allocate()
-
-    def _release_uid(self, box: Box) -> None:
-        if box.claim is not None:
-            self._uids.release(box.uid, box.claim)
-            box.claim = None
+        return self.uids.allocate()
 
     def exposes(self, paths: list[str]) -> list[str]:
         """Where the view holds (root, or Landlock's view rules): the paths inside it
@@ -403,8 +420,9 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
             real = os.path.realpath(p)
             if under(real, hidden):
                 continue
-            if self._visible is not None:
-                if under(real, [os.path.realpath(v) for v in self._visible]):
+            visible = self.zygote.visible
+            if visible is not None:
+                if under(real, [os.path.realpath(v) for v in visible]):
                     out.append(p)
             elif self.root:
                 out.append(p)
@@ -417,7 +435,7 @@ class ProcessSandbox(ZygoteControl, Interpreters, Sandbox):
         if box.workdir is None:
             async with box.lock:
                 if box.workdir is None and not box.destroyed:
-                    await self._spawn(box)
+                    await self.interpreters.spawn(box)
 
     async def write_file(self, handle: str, path: str, data: bytes) -> None:
         box = self._box(handle)
@@ -447,20 +465,3 @@ def _path_list(config: Mapping[str, Any], key: str) -> list[str]:
 
 
 _ENVHUB_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _node_records(settings: Any) -> list[str]:
-    """The node's own files that episode code must not read: its data dir (database,
-    trial logs), a database kept outside it, with its WAL files, and its config file
-    (API keys)."""
-    data_dir = getattr(settings, "data_dir", None)
-    if data_dir is None:
-        return []
-    paths = [os.path.abspath(str(data_dir))]
-    db = getattr(settings, "db_path", None)
-    if db is not None and not os.path.abspath(str(db)).startswith(paths[0] + os.sep):
-        paths += [f"{os.path.abspath(str(db))}{suffix}" for suffix in ("", "-wal", "-shm")]
-    config = getattr(settings, "config_file", None)
-    if config is not None:
-        paths.append(os.path.abspath(str(config)))
-    return paths

@@ -59,6 +59,8 @@ def relative_parts(box: Box, path: str) -> list[str]:
 
 def open_in_workdir(box: Box, parts: list[str], *, write: bool) -> int:
     """Open ``parts`` below the workdir, following no symlink; writing creates dirs."""
+    if box.workdir is None:
+        raise SandboxError(f"sandbox {box.handle!r} is not ready")
     try:
         dfd = os.open(box.workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

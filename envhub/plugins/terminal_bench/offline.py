@@ -243,7 +243,9 @@ async def build_base_images(
             echo(f"{name}: present")
             continue
         if not await sandbox.image_exists(base.rootfs):
-            await asyncio.to_thread(debootstrap, base.suite, base.rootfs, mirror=mirror, api=sandbox._api, echo=echo)
+            await asyncio.to_thread(
+                debootstrap, base.suite, base.rootfs, mirror=mirror, api=sandbox.engine.api, echo=echo
+            )
         echo(f"{name}: building on {base.rootfs} (tools, uv {UV_VERSION}, warmed cache)")
         await asyncio.to_thread(logs_dir.mkdir, parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as empty:

@@ -17,16 +17,17 @@ import asyncio
 import json
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from envhub.environment import Episode, Evaluation
 from envhub.plugins.terminal_bench import grading
 from envhub.plugins.terminal_bench.model import TbTask
 
 
-async def run(episode: Episode, tb: TbTask, mode: str) -> Evaluation:
+async def run(episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_ratio"]) -> Evaluation:
     """Run ``tb``'s tests in ``episode``'s container and grade them by ``mode``
-    (``all_pass`` or ``pass_ratio``)."""
+    (``all_pass`` or ``pass_ratio``). Uses only the sandbox contract (``exec``,
+    ``write_file``, ``copy_dir``, ``fetch_dir``)."""
     # From here on the tests are (or may be) in the container: no more steps. The
     # evaluation counts only once it is complete, so a failed or cut-off run can be
     # retried; each run starts from a fresh copy of the tests.
@@ -36,7 +37,8 @@ async def run(episode: Episode, tb: TbTask, mode: str) -> Evaluation:
     if tb.format == "tb1":
         await episode.exec("rm -rf /tests", timeout=30)
         await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
-        await sandbox.write_file(episode.handle, "/tests/run-tests.sh", tb.test_script.read_bytes())
+        script = await asyncio.to_thread(tb.test_script.read_bytes)
+        await sandbox.write_file(episode.handle, "/tests/run-tests.sh", script)
         result = await episode.exec(
             f"{cd_workdir(tb)}TEST_DIR=/tests bash /tests/run-tests.sh 2>&1", timeout=tb.test_timeout_sec
         )
@@ -55,7 +57,7 @@ async def run(episode: Episode, tb: TbTask, mode: str) -> Evaluation:
         await episode.exec("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier /tests", timeout=30)
         # The task's shared tests/ first, then the step's own (a multi-step task runs as
         # its first step), as harbor stages them.
-        if tb.tests_dir.is_dir():
+        if await asyncio.to_thread(tb.tests_dir.is_dir):
             await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
         if tb.test_script.parent != tb.tests_dir:
             await sandbox.copy_dir(episode.handle, tb.test_script.parent, "/tests")

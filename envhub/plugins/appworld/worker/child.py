@@ -20,13 +20,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import signal
 import socket
 import traceback
 from typing import Any
 
-from _envhub_zygote import isolation
+from _envhub_zygote import isolation, rlimits
 from _envhub_zygote.isolation import _mount
 from _envhub_zygote.shared import CLONE_NEWNS, MNT_DETACH, MS_BIND, PR_SET_PDEATHSIG, _libc, _prctl
 
@@ -44,13 +43,6 @@ def prepare_app() -> None:
         return PlainTextResponse("".join(traceback.format_exception(exc))[-4000:], status_code=500)
 
     app.add_exception_handler(Exception, traceback_reply)
-
-
-def _limit(res: int, soft: int, hard: int) -> None:
-    cur = resource.getrlimit(res)[1]
-    if cur != resource.RLIM_INFINITY:
-        soft, hard = min(soft, cur), min(hard, cur)
-    resource.setrlimit(res, (soft, hard))
 
 
 def _cover(dirs: list[str], scratch: str) -> None:
@@ -72,13 +64,7 @@ def _confine(req: dict[str, Any], zygote_pid: int, landlock_fd: int) -> None:
     isolation.join_cgroup(req.get("cgroup"))  # as root, and first: it closes fds that lead out
     os.setsid()
     os.umask(0o022)
-    limits = req["limits"]
-    _limit(resource.RLIMIT_AS, limits["as_bytes"], limits["as_bytes"])
-    _limit(resource.RLIMIT_CPU, limits["cpu_seconds"], limits["cpu_seconds"] + 5)
-    _limit(resource.RLIMIT_FSIZE, limits["fsize_bytes"], limits["fsize_bytes"])
-    _limit(resource.RLIMIT_CORE, 0, 0)
-    if limits.get("nproc") is not None:
-        _limit(resource.RLIMIT_NPROC, limits["nproc"], limits["nproc"])
+    rlimits.apply(req["limits"])
     uid = req.get("uid")
     if uid is not None:
         gid = req.get("gid", uid)

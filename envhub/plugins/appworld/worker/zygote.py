@@ -16,8 +16,9 @@ with an ``id`` its reply echoes:
 - ``kill`` ``{pid, uid, scratch}``: kill a child and everything of its uid, remove its
   scratch dir; the reply's ``status`` says how it ended if it died on its own.
 
-The loop, the reaping of children, ``kill`` and the shutdown are the process sandbox's
-fork server's (``Zygote`` below subclasses it); what differs is what is forked.
+The loop, the reaping of children, ``kill`` and the shutdown are the fork server's that
+every zygote runs (``envhub/confine/zygote/forkserver.py``; ``Zygote`` below subclasses
+it); what differs is what is forked.
 
 Invariants:
 
@@ -56,8 +57,7 @@ import traceback
 from typing import Any
 
 from _envhub_zygote import isolation
-from _envhub_zygote.forkserver import Zygote as ForkServer
-from _envhub_zygote.forkserver import kill_uid
+from _envhub_zygote.forkserver import ForkServer, kill_uid
 from _envhub_zygote.shared import (
     CLONE_NEWNET,
     PR_SET_CHILD_SUBREAPER,
@@ -114,9 +114,8 @@ def preload() -> float:
 
 
 class Zygote(ForkServer):
-    """The process sandbox's fork server (its loop, reaping, kill and shutdown), forking
-    workers and graders instead of interpreters. ``live`` maps pid -> (uid, scratch dir,
-    False): no child is one of the fork server's one-shot interpreters."""
+    """The fork server (its loop, reaping, kill and shutdown), forking workers and graders.
+    ``live`` maps pid -> (uid, scratch dir, False): no child is a one-shot one."""
 
     def __init__(self, ctl: socket.socket, conf: dict[str, Any], landlock_fds: dict[str, int], covers: list[str]):
         super().__init__(ctl, conf.get("killer_uid"))
@@ -167,6 +166,7 @@ class Zygote(ForkServer):
                     if other != fd:
                         os.close(other)
                 if kind == "worker":
+                    assert scratch is not None  # made above for a worker
                     child.serve_worker(req, theirs, scratch, self.pid, fd, self.covers)
                 else:
                     child.grade(req, theirs, self.pid, fd)
@@ -192,9 +192,9 @@ class Zygote(ForkServer):
         server's kill would take it for alive and say nothing of how it died. A zombie
         main thread did die on its own: its last threads are killed and it is waited for
         here, so that its status is what the node reports."""
-        pid = req.get("pid")
-        info = self.live.get(pid)
-        if info is not None and pid not in self.exited and _main_thread_exited(pid):
+        pid: int | None = req.get("pid")
+        info = self.live.get(pid) if pid is not None else None
+        if pid is not None and info is not None and pid not in self.exited and _main_thread_exited(pid):
             uid = info[0]
             if uid is not None:
                 kill_uid(uid, self.killer_uid)

@@ -28,8 +28,8 @@ import traceback
 import types
 from typing import Any
 
-from . import isolation, view
-from .shared import (
+from _envhub_zygote import isolation, rlimits
+from _envhub_zygote.shared import (
     PR_SET_DUMPABLE,
     PR_SET_PDEATHSIG,
     _libc,
@@ -41,6 +41,8 @@ from .shared import (
     read_capped,
     split_frame,
 )
+
+from . import view
 
 # Modules that solutions commonly import: loaded once here so every child starts warm.
 # Not decimal, fractions, random, statistics or datetime: rare in solutions, they add ten
@@ -124,13 +126,7 @@ class Interpreter:
         isolation.join_cgroup(req.get("cgroup"))  # first: the fds it closes lead out of the view
         os.setsid()
         os.chdir(self.workdir)
-        limits = req["limits"]
-        _set_limit(resource.RLIMIT_AS, limits["as_bytes"], limits["as_bytes"])
-        _set_limit(resource.RLIMIT_CPU, limits["cpu_seconds"], limits["cpu_seconds"] + 5)
-        _set_limit(resource.RLIMIT_FSIZE, limits["fsize_bytes"], limits["fsize_bytes"])
-        _set_limit(resource.RLIMIT_CORE, 0, 0)
-        if limits.get("nproc") is not None:
-            _set_limit(resource.RLIMIT_NPROC, limits["nproc"], limits["nproc"])
+        rlimits.apply(req["limits"], _HARD_LIMITS)
         if uid is not None:
             if view.active:  # its own /tmp, /var/tmp and /dev/shm, gone with its work dir
                 view.private_tmp(self.workdir, uid, req["work_root"])
@@ -155,7 +151,7 @@ class Interpreter:
         sys.path.insert(0, self.workdir)
         # A real __main__ module, so pickle and multiprocessing find cell-defined functions.
         main = types.ModuleType("__main__")
-        main.__builtins__ = builtins
+        main.__dict__["__builtins__"] = builtins
         sys.modules["__main__"] = main
         self.globals = main.__dict__
         for name in req.get("functions") or ():
@@ -252,15 +248,9 @@ _MAX_CALL_TEXT = 1 << 20  # the longest string a recorder takes
 
 
 # Without root, the zygote's hard limits, read once by prepare(): a sandbox can only
-# lower its limits to them. Nothing lowers the zygote's own, so they stay valid.
+# lower its limits to them. Nothing lowers the zygote's own, so they stay valid. As root
+# it stays empty: a sandbox's limits are set as asked.
 _HARD_LIMITS: dict[int, int] = {}
-
-
-def _set_limit(res: int, soft: int, hard: int) -> None:
-    cur_hard = _HARD_LIMITS.get(res, resource.RLIM_INFINITY)
-    if cur_hard != resource.RLIM_INFINITY:
-        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
-    resource.setrlimit(res, (soft, hard))
 
 
 # Cells that carry inputs are an environment's fixed program (a grader) run on varying
@@ -286,8 +276,10 @@ def _compile_cell(code: str, filename: str) -> tuple[types.CodeType, types.CodeT
     """Compile like a notebook cell: a trailing expression is evaluated for its value."""
     tree = ast.parse(code, filename, "exec")
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = compile(ast.Expression(tree.body.pop().value), filename, "eval", dont_inherit=True)
+    tail = tree.body[-1] if tree.body else None
+    if isinstance(tail, ast.Expr):
+        tree.body.pop()
+        last = compile(ast.Expression(tail.value), filename, "eval", dont_inherit=True)
     return compile(tree, filename, "exec", dont_inherit=True), last
 
 
@@ -345,22 +337,15 @@ def prepare(preload: list[str]) -> None:
             print(f"envhub zygote: cannot preload {name}: {e}", file=sys.stderr)
     # Like python -u, unbuffered, so output written before a hard kill is kept; on fds 1
     # and 2, where each child puts its capture memfds.
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(  # type: ignore[misc]
         io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
     )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(  # type: ignore[misc]
         io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
     )
     _libc.prctl.restype = ctypes.c_int
     if os.geteuid() != 0:
-        for res in (
-            resource.RLIMIT_AS,
-            resource.RLIMIT_CPU,
-            resource.RLIMIT_FSIZE,
-            resource.RLIMIT_CORE,
-            resource.RLIMIT_NPROC,
-        ):
-            _HARD_LIMITS[res] = resource.getrlimit(res)[1]
+        _HARD_LIMITS.update(rlimits.hard_limits())
     sys.argv = [""]
     _dry_run()
     gc.collect()
@@ -374,6 +359,7 @@ def _dry_run() -> None:
     try:
         scratch: dict[str, Any] = {"__builtins__": builtins}
         body, last = _compile_cell("x = [1, 'a']\nx", "<warm-up>")
+        assert last is not None  # the cell ends in an expression
         exec(body, scratch)
         value = eval(last, scratch)
         frame = encode_frame(

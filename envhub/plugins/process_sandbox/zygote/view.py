@@ -33,8 +33,8 @@ from __future__ import annotations
 import os
 import sys
 
-from . import isolation
-from .shared import CLONE_NEWNS, MS_BIND, MS_REC, _libc
+from _envhub_zygote import isolation
+from _envhub_zygote.shared import CLONE_NEWNS, MS_BIND, MS_REC, _libc
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 

@@ -1,14 +1,17 @@
-"""What keeps episode code from the node's records, the datasets and the network, and
-inside its cgroup.
+"""What keeps a zygote's children from the node's records, the datasets and the network,
+and inside their cgroup.
 
-As root, the zygote makes its own mount namespace, builds the allow-list view in it
-(``view.py``) and covers the hidden paths inside the view with empty, root-only mounts
-(:func:`hide`); the host's view never changes. Where the view cannot be made (root
-without CAP_SYS_ADMIN) the same mounts cover the hidden paths of the host's tree, and
-sandbox uids are let through the dirs on the way to Python (:func:`open_up`). Without
-root (or without namespaces), each interpreter puts itself under a Landlock ruleset that
+As root, a zygote makes its own mount namespace and covers the hidden paths with empty,
+root-only mounts (:func:`hide`); the host's view never changes. The process sandbox's
+zygote first builds an allow-list view in it (its ``zygote/view.py``) and covers what
+must stay hidden inside that view; where the view cannot be made (root without
+CAP_SYS_ADMIN) the same mounts cover the hidden paths of the host's tree, and sandbox
+uids are let through the dirs on the way to Python (:func:`open_up`). Without root (or
+without namespaces), each child puts itself under a Landlock ruleset that
 :func:`use_landlock` prepared and tested in a probe process (``landlock.py``). As root,
-a sandbox joins its cgroup (:func:`join_cgroup`) before anything else.
+a child joins its cgroup (:func:`join_cgroup`) before anything else.
+
+Standard library only (see ``__init__.py``).
 """
 
 from __future__ import annotations
@@ -172,8 +175,8 @@ def hide(paths: list[str], keep: list[str], scratch: str) -> list[str]:
     return left
 
 
-# Set by use_landlock(): the module (landlock.py) and the ruleset that each interpreter
-# puts itself under in Interpreter.setup().
+# Set by use_landlock(): the module (landlock.py) and the ruleset that each child puts
+# itself under (the process sandbox's Interpreter.setup()).
 landlock: Any = None
 landlock_fd = -1
 
@@ -222,7 +225,7 @@ def use_landlock(
     return info, None
 
 
-# The node's parent cgroups (see ../cgroups.py), opened by open_cgroups() before the view
+# The node's parent cgroups (see envhub/confine/cgroups.py), opened by open_cgroups() before the view
 # hides /sys: a sandbox joins its slot's cgroup through them, then closes them.
 cgroup_fds: list[int] = []
 

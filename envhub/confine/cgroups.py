@@ -3,8 +3,9 @@
 rlimits bound each process, so four processes of one episode could take four times its
 memory, and what it writes to its tmpfs work dir or ``/tmp`` counted nowhere. A cgroup
 bounds all of an episode's processes together, and the pages of the tmpfs files they
-write are charged to it too. As root, the node gives each sandbox uid slot a cgroup of
-its own, under the node's own cgroup, in every hierarchy it can write:
+write are charged to it too. As root, the node gives each sandbox uid slot (of the
+process sandbox, of AppWorld's workers and graders) a cgroup of its own, under the node's
+own cgroup, in every hierarchy it can write:
 
 - cgroup v2 with the ``memory`` and ``pids`` controllers: ``memory.max``,
   ``memory.swap.max`` (0), ``pids.max``;
@@ -24,8 +25,6 @@ import logging
 import os
 from pathlib import Path
 
-log = logging.getLogger("envhub.plugins.process_sandbox")
-
 
 def _own_cgroups(proc_self: str = "/proc/self/cgroup") -> dict[str, str]:
     """``{controller or "": path}`` of this process (``""``: the v2 hierarchy)."""
@@ -43,7 +42,7 @@ def _own_cgroups(proc_self: str = "/proc/self/cgroup") -> dict[str, str]:
 
 def _mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str, str, str]]:
     """``(mount point, root, fstype, super options)`` of every cgroup mount."""
-    out = []
+    out: list[tuple[str, str, str, str]] = []
     try:
         lines = Path(mountinfo).read_text().splitlines()
     except OSError:
@@ -59,9 +58,10 @@ def _mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str, str
 class Cgroups:
     """The node's cgroups for its sandboxes: ``<own cgroup>/envhub-<name>/u<uid>``."""
 
-    def __init__(self, name: str, label: str = "process sandbox") -> None:
+    def __init__(self, name: str, label: str = "sandbox", log: logging.Logger | None = None) -> None:
         self.name = name
-        self.label = label  # for the log
+        self.label = label  # for the log: which plugin's cgroups
+        self.log = log or logging.getLogger(__name__)
         self.parents: list[tuple[str, Path]] = []  # (kind, dir) the node made: "v2", "memory", "pids"
         self._limits: dict[tuple[str, int], tuple[int, int]] = {}  # (kind, uid) -> (memory, pids) last written
 
@@ -94,7 +94,7 @@ class Cgroups:
                     _write(parent / "cgroup.subtree_control", "+memory +pids")
                 self.parents.append((kind, parent))
             except OSError as e:
-                log.warning("%s: cannot use the %s cgroup %s: %s", self.label, kind, parent, e)
+                self.log.warning("%s: cannot use the %s cgroup %s: %s", self.label, kind, parent, e)
         if not self.parents:
             return "no per-episode cgroups (none writable here): each process has its own rlimits only"
         return "per-episode cgroups: " + ", ".join(

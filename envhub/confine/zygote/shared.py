@@ -1,9 +1,9 @@
-"""What the node and the zygote share: the frame format, JSON encoding, reading captured
+"""What the node and its zygotes share: the frame format, JSON encoding, reading captured
 output, a few system calls and removing a work dir.
 
-Standard library only: the zygote imports this as part of its own package (see
-``__main__.py``) on the sandbox's interpreter, and the node imports it as
-``envhub.plugins.process_sandbox.zygote.shared``. Nothing runs at import but the
+Standard library only: a zygote imports this as ``_envhub_zygote.shared`` (see
+``__init__.py``) on the sandbox's interpreter, and the node imports it as
+``envhub.confine.zygote.shared``. Nothing runs at import but the
 creation of two JSON encoders and the ``libc`` handle.
 
 Frames on an interpreter's channel (``SOCK_STREAM``) are a 4-byte big-endian length and
@@ -194,6 +194,8 @@ def load_file(path: str, name: str) -> types.ModuleType:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

@@ -1,4 +1,5 @@
-"""Landlock for the "process" sandbox: what episode code may open and connect to, without root.
+"""Landlock for sandboxes forked from a zygote: what episode code may open and connect to,
+without root.
 
 As root, the zygote hides the node's records and the datasets behind mounts in its own
 mount namespace, and cuts sandboxes off the network with a network namespace of their
@@ -8,7 +9,7 @@ dataset or the node's database, call the node's HTTP API, or signal the node. La
 (Linux 5.13+) needs no privilege: a process restricts itself, and every process it
 forks inherits the restriction, which nothing can lift.
 
-Like the zygote, this file uses only the standard library; the zygote loads it by path
+Like the zygote, this file uses only the standard library; a zygote loads it by path
 (``python -I`` puts no script dir on ``sys.path``), the node imports it for tests.
 
 Invariants:
@@ -140,9 +141,9 @@ _FS_READ_DIR = 1 << 3
 
 
 def view_rules(readable: Iterable[str], writable: Iterable[str], hidden: Iterable[str]) -> list[tuple[str, bool]]:
-    """``(path, writable)`` rules that grant only the allow-list view (see ``view.py``): a
-    granted tree that holds a hidden path is granted as its parts but that path (the
-    sibling walk of :func:`allowed_paths`, inside the tree)."""
+    """``(path, writable)`` rules that grant only the allow-list view (see the process
+    sandbox's ``zygote/view.py``): a granted tree that holds a hidden path is granted as
+    its parts but that path (the sibling walk of :func:`allowed_paths`, inside the tree)."""
     hidden = [os.path.realpath(h) for h in hidden]
     rules: list[tuple[str, bool]] = []
     for grant, rw in [*((p, False) for p in readable), *((p, True) for p in writable)]:

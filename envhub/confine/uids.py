@@ -1,15 +1,17 @@
-"""The pool of sandbox uids a root node runs episodes under.
+"""The pool of sandbox uids a root node runs episodes under (the process sandbox's and
+AppWorld's, each with a pool and a range of its own).
 
 Invariants:
 - Uids come from ``[uid_base, uid_base + size)``. A uid is claimed host-wide by binding
-  the abstract Unix socket ``envhub-process-sandbox-uid-<uid>``, so two nodes on one host
+  the abstract Unix socket ``envhub-process-sandbox-uid-<uid>`` (whichever plugin claims
+  it: the name is what every envhub on the host agrees on), so two nodes on one host
   never share one; the claim dies with the process that holds it.
 - A released uid stays claimed by this pool (``idle``) and is handed out again first,
   last in first out, so few distinct uids get used and a new sandbox usually claims
   nothing. :meth:`UidPool.close` gives every claim up.
 - A uid that a process of an earlier node may still run under must be purged (every
   process of it killed) before it runs again; ``purged`` holds the uids this node has
-  cleared, and the sandbox forgets one when a sandbox under it may have left processes.
+  cleared, and the plugin forgets one when a process under it may have been left.
 - At start a node sweeps: :meth:`UidPool.claim_leftovers` claims every uid of the range
   that some process still runs under and no live node holds (the episodes of a node
   that was ``kill -9``-ed, reparented to PID 1), so the node kills them before it hands
