@@ -33,6 +33,7 @@ async def prebuild(
     make the environment's stand-in base images (an environment offers them with a
     ``build_base_images(echo)`` method: terminal-bench does)."""
     pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
+    assert settings.db_path is not None  # Settings.__post_init__ derives it from data_dir
     db = await Database.open(settings.db_path)
     runtime = NodeRuntime(settings, db)
     try:
