@@ -19,6 +19,7 @@ from sanic import Sanic
 from sanic.config import Config
 
 from envhub.compat.backends import NodeBackend, SchedulerBackend
+from envhub.errors import Unavailable
 from envhub.compat.openenv import OpenEnvService
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics
@@ -74,6 +75,7 @@ class AppContext:
     scheduler: SchedulerService | None = None
     metrics: NodeMetrics | SchedulerMetrics | None = None
     metrics_runner: Any = None  # the metrics_port listener (web/metrics.py)
+    serving: bool = False  # every start-up step ran, SIGTERM's graceful stop included (setup_readiness)
 
 
 EnvhubApp: TypeAlias = "Sanic[Config, AppContext]"
@@ -99,6 +101,7 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     setup_http(app)
     setup_metrics(app)
     ROLES[settings.role](app)
+    setup_readiness(app)  # after the role's own start-up listeners
     setup_systemd(app)  # after the role: its READY=1 listener must run last
     for bp in blueprints_for(settings.role):
         app.blueprint(bp)
@@ -122,6 +125,29 @@ def blueprints_for(role: str) -> list[Any]:
             trials.bp,
         ]
     return [fleet.bp, routing.bp, compat.bp, openenv_proxy.bp, metrics.bp, ui.bp, trials_proxy.bp]
+
+
+def setup_readiness(app: Any) -> None:
+    """No request is answered before every start-up step ran: Sanic may accept connections
+    before it installs its SIGTERM handler and runs the after-start listeners, and a
+    process that answered /health then would die at once on a SIGTERM (a supervisor's
+    stop, a scheduler's test) instead of stopping gracefully. Until then every route,
+    /health included, answers 503 ``starting`` with Retry-After, so nothing routes work to
+    a process that is not up yet."""
+
+    @app.after_server_start
+    async def serving(app: Any) -> None:
+        app.ctx.serving = True
+
+    # middleware("request") is on_request(priority=...), typed (see web/auth.py); ahead of auth.
+    @app.middleware("request", priority=1000)
+    async def refuse_while_starting(request: Any) -> None:
+        if not request.app.ctx.serving:
+            raise Unavailable(
+                f"this {request.app.ctx.settings.role} is still starting",
+                extra={"retry_after": 1},
+                headers={"Retry-After": "1"},
+            )
 
 
 def setup_metrics(app: Any) -> None:

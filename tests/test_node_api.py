@@ -653,3 +653,13 @@ def test_a_submission_that_never_ends_times_out_on_every_hidden_test(start_node)
         ev = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
         assert [t["status"] for t in ev["details"]["tests"]] == ["timeout"] * 3, ev
         assert ev["reward"] == 0.1
+
+
+def test_a_node_stopped_as_soon_as_it_answers_stops_gracefully(start_node):
+    """Before: Sanic could answer /health before it installed its SIGTERM handler, and a
+    node stopped at that moment died of the signal (exit -15) in about 4 starts in 10. Now
+    nothing is answered before every start-up step ran: start() returns at the first 200,
+    and the fixture asserts each node exits 0."""
+    for _ in range(5):
+        node = start_node("--set", "environments.terminal-bench.enabled=false")
+        assert node.stop() == 0, node.log()
