@@ -19,8 +19,8 @@ from sanic import Sanic
 from sanic.config import Config
 
 from envhub.compat.backends import NodeBackend, SchedulerBackend
-from envhub.errors import Unavailable
 from envhub.compat.openenv import OpenEnvService
+from envhub.errors import Unavailable
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics
 from envhub.network import NetworkMode
