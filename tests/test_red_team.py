@@ -12,6 +12,7 @@ published MBPP (Austin et al., 2021; CC BY 4.0): the tasks the tricks were first
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -191,6 +192,8 @@ raise RuntimeError("\\n".join(found))
     assert "RuntimeError" in errors, ev  # the trick ran and its exception came back
     assert "remove_Occ(" in errors, "it found the calls it is asked to make, as it must"
     arguments_removed = errors.replace("hello", "").replace("abcda", "")  # the calls' own arguments
+    # Ids and digests in what the trick found are hex, where "bcd" can turn up by chance.
+    arguments_removed = re.sub(r"[0-9a-f]{6,}", "", arguments_removed)
     for expected in ("heo", "bcd", "assert"):  # what the tests expect, and the tests themselves
         assert expected not in arguments_removed, (expected, errors)
 
