@@ -12,8 +12,8 @@ published MBPP (Austin et al., 2021; CC BY 4.0): the tasks the tricks were first
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import stat
