@@ -414,3 +414,23 @@ def faulty_node(start_node, tmp_path):
         "sandboxes.process.max_sandboxes=64",
         env=faulty_plugin_env(tmp_path),
     )
+
+
+# -- the contrib plugins, installed as a user would ---------------------------------------------
+
+
+def install_contrib(target: Path, *dists: str) -> Path:
+    """``plugins_contrib/<dist>`` pip-installed (without deps) into ``target``, to be put on
+    a node's PYTHONPATH: the venv is never touched."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
+        + ["--target", str(target), *(str(REPO / "plugins_contrib" / d) for d in dists)],
+        check=True,
+    )
+    return target
+
+
+@pytest.fixture(scope="session")
+def arith_site(tmp_path_factory) -> Path:
+    """plugins_contrib/envhub-arith, installed once for the whole run (see install_contrib)."""
+    return install_contrib(tmp_path_factory.mktemp("arith-site"), "envhub-arith")

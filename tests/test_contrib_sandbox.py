@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from conftest import free_port, install_contrib
 from prometheus_client.parser import text_string_to_metric_families
 
 import envhub
@@ -30,24 +30,7 @@ SUBPROC = ["--set", "environments.arith.sandbox=subproc"]
 @pytest.fixture(scope="module")
 def contrib_site(tmp_path_factory) -> Path:
     """envhub-arith and envhub-subproc pip-installed (without deps) into one folder."""
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(CONTRIB / "envhub-arith"),
-            str(CONTRIB / "envhub-subproc"),
-        ],
-        check=True,
-    )
-    return target
+    return install_contrib(tmp_path_factory.mktemp("site"), "envhub-arith", "envhub-subproc")
 
 
 def clean_environ(**more: str) -> dict[str, str]:

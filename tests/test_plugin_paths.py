@@ -13,33 +13,19 @@ the real model proxy cannot run here.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 
 import httpx
 import pytest
 import yaml
-from conftest import REPO, EnvhubProcess
+from conftest import EnvhubProcess
 from openai_standin import StandIn
+from test_agentevolver import req as agentevolver_request
 
 from envhub.client import EnvhubClient
 
 MIX = "mix"  # (7 + 3) * 11 - 4
 ANSWER = 106
-
-
-@pytest.fixture(scope="module")
-def arith_site(tmp_path_factory):
-    """plugins_contrib/envhub-arith pip-installed (without deps) into a folder of its own,
-    which the node gets on its PYTHONPATH."""
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
-        + ["--target", str(target), str(REPO / "plugins_contrib" / "envhub-arith")],
-        check=True,
-    )
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -154,28 +140,23 @@ def test_openenvs_own_generic_client_solves_arith_over_a_websocket(fleet, via):
         assert env.state()["step_count"] == 3 and env.state()["episode_id"] == "arith-1"
 
 
-def ae_request(env_type="arith", task_id=None, instance_id=None, messages=None, params=None) -> dict:
-    """AgentEvolver's ServiceRequest exactly as its EnvClient sends it."""
-    return {
-        "env_type": env_type,
-        "task_id": task_id,
-        "instance_id": instance_id,
-        "messages": messages or {},
-        "params": params or {},
-    }
-
-
 @VIA
 def test_agentevolvers_routes_run_arith_tool_calls_and_a_fenced_block(fleet, via):
     url = fleet[via].url
-    profile = httpx.post(url + "/get_env_profile", json=ae_request(params={"split": "train"}), timeout=30).json()
+    profile = httpx.post(
+        url + "/get_env_profile", json=agentevolver_request("arith", params={"split": "train"}), timeout=30
+    ).json()
     assert profile == {"success": True, "data": ["add", "mul", "pow", "mix"]}
     iid = uuid.uuid4().hex
-    created = httpx.post(url + "/create", json=ae_request(task_id=MIX, instance_id=iid), timeout=60).json()
+    created = httpx.post(
+        url + "/create", json=agentevolver_request("arith", task_id=MIX, instance_id=iid), timeout=60
+    ).json()
     assert created["data"]["state"][1] == {"role": "user", "content": "What is (7 + 3) * 11 - 4?"}
 
     def step(message: dict) -> dict:
-        reply = httpx.post(url + "/step", json=ae_request(instance_id=iid, messages=message), timeout=60)
+        reply = httpx.post(
+            url + "/step", json=agentevolver_request("arith", instance_id=iid, messages=message), timeout=60
+        )
         assert reply.status_code == 200, reply.text
         return reply.json()["data"]
 
@@ -184,9 +165,11 @@ def test_agentevolvers_routes_run_arith_tool_calls_and_a_fenced_block(fleet, via
     call = {"id": "c1", "name": "answer", "arguments": json.dumps({"value": ANSWER}), "type": "function"}
     answered = step({"role": "assistant", "content": "", "tool_calls": [call]})
     assert answered["is_terminated"] is True and answered["state"][0]["tool_call_id"] == "c1"
-    reward = httpx.post(url + "/evaluate", json=ae_request(instance_id=iid, params={"sparse": True}), timeout=60)
+    reward = httpx.post(
+        url + "/evaluate", json=agentevolver_request("arith", instance_id=iid, params={"sparse": True}), timeout=60
+    )
     assert reward.json() == {"success": True, "data": 1.0}
-    released = httpx.post(url + "/release", json=ae_request(instance_id=iid), timeout=30).json()
+    released = httpx.post(url + "/release", json=agentevolver_request("arith", instance_id=iid), timeout=30).json()
     assert released == {"success": True, "data": None}, "AgentEvolver's own shape"
 
 

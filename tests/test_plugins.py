@@ -114,28 +114,6 @@ def test_builtins_are_listed_by_the_plugins_command():
     assert listed["envhub.plugins.process_sandbox"]["sandboxes"] == ["process"]
 
 
-@pytest.fixture(scope="module")
-def arith_site(tmp_path_factory):
-    """The contrib plugin pip-installed (without deps) into its own folder."""
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(REPO / "plugins_contrib" / "envhub-arith"),
-        ],
-        check=True,
-    )
-    return target
-
-
 def test_contrib_plugin_is_found_through_its_entry_point(arith_site):
     env = {**_clean_environ(), "PYTHONPATH": str(arith_site)}
     out = subprocess.run(

@@ -17,10 +17,7 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -95,29 +92,6 @@ def tab(browser) -> Iterator:
     yield open_tab
     for t in opened:
         t.close()
-
-
-@pytest.fixture(scope="module")
-def arith_site(tmp_path_factory) -> Path:
-    """The contrib plugin pip-installed (without deps) into a folder of its own, as
-    tests/test_plugins.py installs it: the venv is never touched."""
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(REPO / "plugins_contrib" / "envhub-arith"),
-        ],
-        check=True,
-    )
-    return target
 
 
 @pytest.fixture(scope="module")
