@@ -226,6 +226,7 @@ LAYER1 = [
     D("etc"),
     F("etc/keep.conf", b"keep", 0o640, uid=12, gid=34),
     F("etc/gone.conf", b"gone"),
+    F("etc/reborn.conf", b"old"),
     D("opaque"),
     F("opaque/old.txt", b"old"),
     D("opaque/olddir"),
@@ -244,6 +245,8 @@ LAYER1 = [
 ]
 LAYER2 = [
     F("etc/.wh.gone.conf"),
+    F("etc/reborn.conf", b"new"),
+    F("etc/.wh.reborn.conf"),  # after its own layer's file: hides the lower one only
     F("opaque/new-before.txt", b"before"),
     D("opaque/kept"),
     F("opaque/kept/upper.txt", b"upper"),
@@ -265,6 +268,7 @@ EXPECTED = {
     "etc/keep.conf": ("file", "0o640", h(b"keep")),
     "etc/keep.hard": ("file", "0o640", h(b"keep")),
     "etc/keep.link": ("symlink", None, "keep.conf"),
+    "etc/reborn.conf": ("file", "0o644", h(b"new")),
     "opaque": ("dir", "0o755", None),
     "opaque/new-before.txt": ("file", "0o644", h(b"before")),
     "opaque/new-after.txt": ("file", "0o644", h(b"after")),
