@@ -925,6 +925,7 @@ async def main():
                          "modes": image.original_modes, "tree": listing(str(image.rootfs))}}
         except EnvhubError as e:
             out[name] = {{"error": type(e).__name__, "message": str(e)}}
+    out["_pruned"] = {{"freed": await store.prune([]), "left": sorted(os.listdir(store.root))}}
     print(json.dumps(out))
 
 asyncio.run(main())
@@ -1033,12 +1034,15 @@ async def test_unpacking_as_an_unprivileged_user_gives_the_same_tree_owned_by_it
     for name in hostile:
         assert report[name]["error"] == "InvalidRequest", (name, report[name])
     assert os.listdir(outside) == []
-    assert [n for n in os.listdir(as_nobody.store_root) if ".tmp-" in n] == []
+    # The image's 0555 dir holds a file: removing it as its owner needs write access back.
+    assert report["_pruned"]["freed"] > 0 and report["_pruned"]["left"] == ["names.json"]
 
 
 @needs_docker
 async def test_a_docker_saved_image_unpacks_as_an_unprivileged_user(as_nobody, docker_image):
-    report = as_nobody({"docker": docker_image["archive"]})["docker"]
+    full = as_nobody({"docker": docker_image["archive"]})
+    report = full["docker"]
+    assert full["_pruned"]["left"] == ["names.json"]
     assert report["rootless"] is True and "dev/null" in report["devices"]
     check_data_dir_listing(report["tree"], report["modes"])
     compare_listing_with_docker(report["tree"], report["modes"], docker_image["export"])

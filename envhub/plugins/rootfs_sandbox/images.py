@@ -317,14 +317,18 @@ class RootfsStore:
         if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
             raise InvalidRequest(f"not an image digest: {digest!r}", field="digest")
         async with self._lock:
-            image = self._images.pop(digest, None)
+            image = self._images.get(digest)
             if image is None:
                 raise NotFound(f"no image {digest} in the rootfs store")
-            self._names = {n: d for n, d in self._names.items() if d != digest}
             doomed = self.root / f"{digest[7:]}.rm-{secrets.token_hex(6)}"
-            await asyncio.to_thread(os.rename, image.rootfs.parent, doomed)
+            try:
+                await asyncio.to_thread(os.rename, image.rootfs.parent, doomed)
+            except OSError as e:
+                raise SandboxError(f"cannot remove the image {digest}: {e}") from None
+            del self._images[digest]
+            self._names = {n: d for n, d in self._names.items() if d != digest}
             await asyncio.to_thread(self._save, set())
-        await asyncio.to_thread(_remove_path, doomed)
+        await asyncio.to_thread(_remove_path, doomed)  # a crash here leaves a .rm- dir, removed at the next open
         log.info("rootfs: removed %s (%s), %.1f MB", digest, ", ".join(image.names) or "no name", image.size / 1e6)
         return image.size
 
