@@ -35,8 +35,10 @@ from pathlib import Path
 
 import pytest
 from conftest import BASE_IMAGE, REPO, needs_docker
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from envhub.errors import InvalidRequest, NotFound, SandboxError
+from envhub.errors import EnvhubError, InvalidRequest, NotFound, SandboxError
 from envhub.plugins.rootfs_sandbox.images import RootfsStore, normalize_name
 
 ROOT = os.geteuid() == 0
@@ -598,6 +600,131 @@ async def test_names_move_to_the_image_imported_last(store, tmp_path):
     assert normalize_name("docker.io/acme/tool") == "acme/tool:latest"
     assert normalize_name("ghcr.io/acme/tool@sha256:" + "0" * 64) == "ghcr.io/acme/tool@sha256:" + "0" * 64
     assert normalize_name("localhost:5000/tool") == "localhost:5000/tool:latest"
+
+
+JSON_KEYS = ["manifests", "digest", "mediaType", "size", "config", "layers", "rootfs", "diff_ids", "platform"]
+JSON_KEYS += ["os", "architecture", "annotations", "Config", "Layers", "RepoTags", "imageLayoutVersion", "Env"]
+JSON_ATOMS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-2, 2**40)
+    | st.text(max_size=6)
+    | st.sampled_from(
+        [
+            "sha256:" + "0" * 64,
+            "sha512:" + "0" * 128,
+            "sha256:../../../etc/passwd",
+            "../../etc/passwd",
+            "/etc/passwd",
+            "linux",
+            ARCH,
+            "application/vnd.oci.image.index.v1+json",
+            "application/vnd.oci.image.layer.v1.tar+gzip",
+            "application/vnd.oci.image.layer.v1.tar+bzip2",
+            "0/layer.tar",
+        ]
+    )
+)
+JSON_VALUES = st.recursive(
+    JSON_ATOMS,
+    lambda c: (
+        st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(JSON_KEYS) | st.text(max_size=4), c, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def mutate(doc, data, depth: int = 0):
+    """``doc`` with one part (or all of it) replaced by arbitrary JSON."""
+    if depth > 4 or not isinstance(doc, (dict, list)) or not doc or data.draw(st.booleans(), label="here"):
+        return data.draw(JSON_VALUES, label="value")
+    if isinstance(doc, dict):
+        key = data.draw(st.sampled_from(sorted(doc)), label="key")
+        return {**doc, key: mutate(doc[key], data, depth + 1)}
+    i = data.draw(st.integers(0, len(doc) - 1), label="index")
+    return [*doc[:i], mutate(doc[i], data, depth + 1), *doc[i + 1 :]]
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=250)
+@given(data=st.data())
+def test_any_manifest_index_or_config_gives_an_image_or_an_envhub_error(data):
+    """Whatever the JSON of an archive holds, the import never fails with a bare exception."""
+    which = data.draw(st.sampled_from(["index", "manifest", "config", "docker manifest.json"]), label="doc")
+    layers = [layer(F("a", b"a"), D("d"), link("d/l", "../a"))]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if which == "docker manifest.json":
+            archive = tmp / "archive"
+            with tarfile.open(docker_archive(tmp / "a.tar", layers, tags=["x:1"])) as tf:
+                tf.extractall(archive, filter="data")
+            doc = json.loads((archive / "manifest.json").read_text())
+            (archive / "manifest.json").write_text(json.dumps(mutate(doc, data)))
+        else:
+            archive = oci_layout(tmp / "layout", layers, name="x:1")
+            index = json.loads((archive / "index.json").read_text())
+            manifest = json.loads(blob_of(archive, index["manifests"][0]["digest"]))
+            if which == "config":
+                config = mutate(json.loads(blob_of(archive, manifest["config"]["digest"])), data)
+                manifest["config"].update(write_blob(archive, json.dumps(config).encode()))
+            elif which == "manifest":
+                manifest = mutate(manifest, data)
+            index["manifests"][0].update(write_blob(archive, json.dumps(manifest).encode()))
+            if which == "index":
+                index = mutate(index, data)
+            (archive / "index.json").write_text(json.dumps(index))
+        try:
+            image = asyncio.run(RootfsStore(tmp / "store").import_archive(archive))
+        except EnvhubError:
+            return
+        assert (image.rootfs / "a").read_bytes() == b"a"
+
+
+PARTS = st.sampled_from(["a", "b", "..", ".", "", ".wh.a", ".wh..wh..opq", "OUT"])
+TARGETS = st.sampled_from(["a", "b", "a/b", "..", "../..", "../../../..", "/", "OUT", "OUT/secret", "/etc"])
+MEMBERS = st.tuples(
+    st.sampled_from(["file", "dir", "symlink", "hardlink", "fifo"]), st.lists(PARTS, min_size=1, max_size=3), TARGETS
+)
+
+
+@settings(deadline=None, derandomize=True, database=None, max_examples=300)
+@given(layers=st.lists(st.lists(MEMBERS, min_size=1, max_size=6), min_size=1, max_size=3))
+def test_no_layer_whatever_its_members_writes_outside_the_store(layers):
+    """Random members (``..``, absolute paths, symlinks out and up, hard links, whiteouts)
+    are unpacked or refused, and nothing outside the store changes either way."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        outside = tmp / "outside"
+        outside.mkdir()
+        (outside / "secret").write_text("secret")
+        built = []
+        for members in layers:
+            entries = []
+            for kind, parts, target in members:
+                name = "/".join(parts).replace("OUT", str(outside))
+                target = target.replace("OUT", str(outside))
+                if kind == "file":
+                    entries.append(F(name, b"x"))
+                elif kind == "dir":
+                    entries.append(D(name))
+                elif kind == "fifo":
+                    entries.append(special(name, tarfile.FIFOTYPE))
+                else:
+                    entries.append(link(name, target, hard=kind == "hardlink"))
+            built.append(layer(*entries))
+        archive = docker_archive(tmp / "img.tar", built)
+        before = listing(str(tmp))
+        store = RootfsStore(tmp / "store")
+        try:
+            asyncio.run(store.import_archive(archive))
+        except InvalidRequest:
+            pass
+        after = {p: e for p, e in listing(str(tmp)).items() if p != "store" and not p.startswith("store/")}
+        assert after == before
+        assert leftovers(store.root) == []
+
+
+def blob_of(layout: Path, digest: str) -> bytes:
+    return (layout / "blobs" / "sha256" / digest[7:]).read_bytes()
 
 
 def du(path: Path) -> int:

@@ -576,7 +576,8 @@ def _read_plan(src: _Source) -> _Plan:
 
 def _config(src: _Source, data: bytes, n_layers: int) -> dict[str, Any]:
     config = src.read_json("config", "the image config", data)
-    diff_ids = config.get("rootfs", {}).get("diff_ids") if isinstance(config, dict) else None
+    rootfs = config.get("rootfs") if isinstance(config, dict) else None
+    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
     if not isinstance(diff_ids, list):
         raise InvalidRequest(f"{src.path}: the image config has no rootfs.diff_ids")
     if len(diff_ids) != n_layers or not all(isinstance(d, str) and _DIGEST.fullmatch(d) for d in diff_ids):
@@ -646,10 +647,13 @@ def _manifests(
         doc = src.read_json("blob", "a manifest", src.read_blob(desc.get("digest"), "a manifest"))
         if not isinstance(doc, dict):
             raise InvalidRequest(f"{src.path}: the manifest {desc.get('digest')} is not a JSON object")
-        if desc.get("mediaType") in _INDEX_TYPES or doc.get("mediaType") in _INDEX_TYPES or "manifests" in doc:
+        if any(isinstance(t, str) and t in _INDEX_TYPES for t in (desc.get("mediaType"), doc.get("mediaType"))) or (
+            "manifests" in doc
+        ):
             _manifests(src, doc, below, found, depth + 1)
         elif isinstance(doc.get("config"), dict) and isinstance(doc.get("layers"), list):
             config_digest = doc["config"].get("digest")
+            _blob_name(config_digest, src.path, "the image config")  # a sha256 digest, or refused
             previous = found.get(config_digest, (doc, []))[1]
             found[config_digest] = (doc, previous + below)
         # anything else (an attestation, an artifact) is not an image
