@@ -679,14 +679,13 @@ def test_any_manifest_index_or_config_gives_an_image_or_an_envhub_error(data):
         assert (image.rootfs / "a").read_bytes() == b"a"
 
 
-PARTS = st.sampled_from(["a", "b", "..", ".", "", ".wh.a", ".wh..wh..opq", "OUT"])
-TARGETS = st.sampled_from(["a", "b", "a/b", "..", "../..", "../../../..", "/", "OUT", "OUT/secret", "/etc"])
-MEMBERS = st.tuples(
-    st.sampled_from(["file", "dir", "symlink", "hardlink", "fifo"]), st.lists(PARTS, min_size=1, max_size=3), TARGETS
-)
+# Few names, so that a member often lies under an earlier symlink or whiteout.
+NAMES = st.sampled_from(["a", "a/b", "a/.wh.b", "a/.wh..wh..opq", "./a/b/c", "../x", "a/../../x", "OUT/x"])
+TARGETS = st.sampled_from(["OUT", "../../..", "a", "OUT/secret", "a/b"])
+MEMBERS = st.tuples(st.sampled_from(["file", "dir", "symlink", "hardlink", "fifo"]), NAMES, TARGETS)
 
 
-@settings(deadline=None, derandomize=True, database=None, max_examples=300)
+@settings(deadline=None, derandomize=True, database=None, max_examples=400)
 @given(layers=st.lists(st.lists(MEMBERS, min_size=1, max_size=6), min_size=1, max_size=3))
 def test_no_layer_whatever_its_members_writes_outside_the_store(layers):
     """Random members (``..``, absolute paths, symlinks out and up, hard links, whiteouts)
@@ -699,8 +698,8 @@ def test_no_layer_whatever_its_members_writes_outside_the_store(layers):
         built = []
         for members in layers:
             entries = []
-            for kind, parts, target in members:
-                name = "/".join(parts).replace("OUT", str(outside))
+            for kind, name, target in members:
+                name = name.replace("OUT", str(outside))
                 target = target.replace("OUT", str(outside))
                 if kind == "file":
                     entries.append(F(name, b"x"))
