@@ -506,10 +506,16 @@ async def test_a_member_replacing_a_symlink_out_replaces_the_link_and_never_foll
     outside.mkdir()
     (outside / "secret").write_text("secret")
     layers = [
-        layer(link("to-secret", str(outside / "secret")), link("to-dir", str(outside))),
-        layer(F("to-secret", b"mine"), D("to-dir"), F("to-dir/file", b"in")),
+        layer(
+            link("to-secret", str(outside / "secret")),
+            link("to-dir", str(outside)),
+            link("out", str(outside / "secret")),
+        ),
+        layer(F("to-secret", b"mine"), D("to-dir"), F("to-dir/file", b"in"), link("hard-to-out", "out", hard=True)),
     ]
     image = await store.import_archive(docker_archive(tmp_path / "img.tar", layers))
+    assert os.readlink(image.rootfs / "hard-to-out") == str(outside / "secret"), "a hard link to the symlink itself"
+    assert os.stat(outside / "secret").st_nlink == 1
     assert (image.rootfs / "to-secret").read_bytes() == b"mine" and not (image.rootfs / "to-secret").is_symlink()
     assert (image.rootfs / "to-dir" / "file").read_bytes() == b"in"
     assert sorted(os.listdir(outside)) == ["secret"] and (outside / "secret").read_text() == "secret"
