@@ -597,6 +597,12 @@ async def test_malformed_archives_are_refused_saying_what_is_wrong(store, tmp_pa
     assert store.images() == [] and leftovers(store.root) == []
 
 
+def test_a_store_root_that_cannot_be_made_is_a_sandbox_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SandboxError, match="cannot keep image rootfs dirs in"):
+        RootfsStore(tmp_path / "file" / "rootfs")
+
+
 async def test_names_move_to_the_image_imported_last(store, tmp_path):
     a = await store.import_archive(docker_archive(tmp_path / "a.tar", [layer(F("v", b"1"))]), names=["app", "app:1"])
     b = await store.import_archive(docker_archive(tmp_path / "b.tar", [layer(F("v", b"2"))]), names=["app"])

@@ -168,12 +168,17 @@ class RootfsStore:
     """The node's image rootfs dirs (see the module docstring for the layout and rules).
 
     Opening a store removes the leftovers of crashed imports and removals and reads the
-    index into memory, so :meth:`find` and :meth:`images` never touch the disk."""
+    index into memory, so :meth:`find` and :meth:`images` never touch the disk. Opening
+    blocks (it may delete a crashed import's tree): from a running loop, open it in a
+    thread. A root this user cannot own and make private is a ``SandboxError``."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+        except OSError as e:
+            raise SandboxError(f"cannot keep image rootfs dirs in {self.root}: {e}") from None
         self.removed_leftovers: list[str] = []
         for entry in sorted(os.listdir(self.root)):
             if _LEFTOVER.fullmatch(entry):
