@@ -123,6 +123,7 @@ class TerminalBench(Environment):
     name = "terminal-bench"
     description = "Terminal-Bench tasks (tb1 and tb2 formats), one Docker container per episode"
     sandbox = "docker"
+    fallback_sandboxes = ("rootfs",)  # where there is no Docker engine: images from archives
     default_warm_pool = 4  # a GRPO group of one task lands on one node: its next creates find a container ready
     code_tool = ("run_command", "command")
     seta_default = True  # SETA's StepRequests name terminal-bench tasks
