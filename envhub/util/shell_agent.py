@@ -8,8 +8,11 @@ A request is ``<id> <timeout> x<base64 command>``; the agent runs the command wi
 ``bash -c`` under coreutils ``timeout`` (TERM at the timeout, KILL a second later), stdin
 from /dev/null and its output in files, then answers one line ``<id> <exit code> x<base64
 stdout> <cut> x<base64 stderr> <cut>`` (an output over the limit keeps its head and tail,
-``<cut>`` is 1). The agent needs only POSIX sh, bash, base64, head, tail, wc, tr, mktemp
-and timeout (coreutils or busybox) in the sandbox; it greets with :data:`READY` first.
+``<cut>`` is 1). The agent keeps the outputs in a dir under ``$ENVHUB_AGENT_DIR`` (default
+``/tmp``; a sandbox gives it a small filesystem of its own there, so that an episode that
+fills its disk still gets its commands' output). The agent needs only POSIX sh, bash,
+base64, head, tail, wc, tr, mktemp and timeout (coreutils or busybox) in the sandbox; it
+greets with :data:`READY` first.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from envhub.sandbox import ExecResult
 READY = b"envhub-agent-ready"
 
 SCRIPT = r"""
-d=$(mktemp -d /tmp/.envhub-agent.XXXXXX) || exit 1
+d=$(mktemp -d "${ENVHUB_AGENT_DIR:-/tmp}/.envhub-agent.XXXXXX") || exit 1
 trap 'rm -rf "$d"' EXIT
 enc() {
   n=$(wc -c < "$1"); n=${n##* }

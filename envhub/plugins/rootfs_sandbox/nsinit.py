@@ -82,6 +82,7 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 STEP_TIMEOUT = 10.0  # seconds a child may take between two steps of a create
 MAX_MESSAGE = 128 << 10
+AGENT_DIR = "/run/envhub-agent"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -179,6 +180,10 @@ def _build_root(req: dict, scratch: str) -> str:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1")):
         os.symlink(target, f"{root}/dev/{name}")
     os.symlink("/proc/self/fd/2", f"{root}/dev/stderr")
+    # The agent's own files (its commands' outputs) on a filesystem of their own: an
+    # episode that fills its writable layer still gets its commands' output back.
+    os.makedirs(f"{root}{AGENT_DIR}", exist_ok=True)
+    _mount("tmpfs", f"{root}{AGENT_DIR}", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64m,mode=0700")
     return root
 
 
@@ -201,6 +206,7 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
         _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
         _loopback_up()
         env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
+        env["ENVHUB_AGENT_DIR"] = AGENT_DIR
         workdir = str(req.get("workdir") or "/")
         try:
             os.chdir(workdir)
