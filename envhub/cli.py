@@ -142,6 +142,11 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
     "without Docker import (sandboxes.rootfs.archives).",
 )
 @click.option(
+    "--prune",
+    is_flag=True,
+    help="Then remove the images the sandbox keeps (rootfs) that none of these tasks uses.",
+)
+@click.option(
     "--base-images",
     is_flag=True,
     help="First make the local stand-in base images (terminal-bench: Debian with Python and uv; needs root).",
@@ -154,6 +159,7 @@ def build(
     environment: str | None,
     all_tasks: bool,
     export: str | None,
+    prune: bool,
     base_images: bool,
     config: str | None,
     data_dir: str | None,
@@ -178,6 +184,7 @@ def build(
                 wanted,
                 base_images=base_images,
                 export=Path(export) if export else None,
+                prune=prune,
                 echo=click.echo,
             )
         )

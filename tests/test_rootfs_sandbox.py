@@ -324,3 +324,38 @@ def test_the_same_works_as_an_unprivileged_user(archives):
             assert node.stop() == 0, node.log()
     finally:
         subprocess.run(["rm", "-rf", str(top)], check=False)
+
+
+def test_build_prune_keeps_the_images_of_the_tasks_and_removes_the_rest(archives, tmp_path):
+    data = tmp_path / "pruned"
+    node = rootfs_node(data, archives).start(timeout=60)
+    try:
+        with node.client(timeout=300) as c:
+            for task in ("hello-envhub", "word-count"):
+                c.post(f"/instances/{create(c, task)}/release")
+    finally:
+        assert node.stop() == 0, node.log()
+    stale = tmp_path / "stale.tar"
+    subprocess.run(["docker", "save", "-o", str(stale), "envhub/base:bookworm"], check=True)
+    from envhub.plugins.rootfs_sandbox.images import RootfsStore
+
+    async def add_stale() -> None:
+        await RootfsStore(data / "rootfs").import_archive(stale, names=["envhub-test/stale:1"])
+
+    import asyncio
+
+    asyncio.run(add_stale())
+    assert len(list((data / "rootfs").glob("*/image.json"))) == 3
+    pruned = subprocess.run(
+        [sys.executable, "-m", "envhub", "build", "--all", "--prune", "--config", str(data.parent / "pruned.yaml")]
+        + ["--data-dir", str(data), "--set", "environments.mbpp.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, **NO_DOCKER},
+    )
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    assert "pruned" in pruned.stdout and "2 ready, 0 failed" in pruned.stdout, pruned.stdout
+    kept = [json.loads(p.read_text())["names"] for p in (data / "rootfs").glob("*/image.json")]
+    assert len(kept) == 2 and not any("envhub-test/stale:1" in names for names in kept), kept

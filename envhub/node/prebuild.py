@@ -31,6 +31,7 @@ async def prebuild(
     *,
     base_images: bool = False,
     export: Path | None = None,
+    prune: bool = False,
     echo: Callable[[str], None] = print,
 ) -> dict[str, str | None]:
     """Build the images of ``task_ids`` (all tasks when ``None``) of ``environment`` (when
@@ -38,7 +39,9 @@ async def prebuild(
     ``build_parallel``; returns ``{task_id: error or None}``. With ``base_images``, first
     make the environment's stand-in base images (an environment offers them with a
     ``build_base_images(echo)`` method: terminal-bench does). With ``export``, then write
-    each built task image's archive into that dir (:func:`export_images`)."""
+    each built task image's archive into that dir (:func:`export_images`). With ``prune``,
+    then remove the images of the environment's sandbox that none of the tasks built here
+    uses (a sandbox that keeps images of its own offers ``prune_images``: rootfs does)."""
     pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
     assert settings.db_path is not None  # Settings.__post_init__ derives it from data_dir
     db = await Database.open(settings.db_path)
@@ -75,9 +78,11 @@ async def prebuild(
                 bar.update(1, task.id)
 
             await asyncio.gather(*(one(t) for t in tasks))
+        ready = [t for t in tasks if outcome.get(t.id) is None]
         if export is not None:
-            ready = [t for t in tasks if outcome.get(t.id) is None]
             await export_images(runtime, env, ready, export, echo)
+        if prune:
+            await _prune(runtime, env, ready, echo)
         return outcome
     finally:
         await runtime.stop()
@@ -112,17 +117,7 @@ async def export_images(
     await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
     index_path = folder / "index.json"
     index, contexts = await asyncio.to_thread(_read_index, index_path)
-    images = sorted(
-        {
-            spec.image
-            for task in tasks
-            if (
-                spec := env.sandbox_spec(
-                    task, {}, SandboxSpec(instance_id="export", environment=env.name, task_id=task.id)
-                )
-            ).image
-        }
-    )
+    images = sorted({spec.image for spec in (_spec(env, t) for t in tasks) if spec.image})
     for image in images:
         file = re.sub(r"[^A-Za-z0-9_.-]+", "_", image) + ".tar"
         if index.get(image) == file and await asyncio.to_thread((folder / file).is_file):
@@ -134,6 +129,20 @@ async def export_images(
             contexts[image] = labels[CONTEXT_LABEL]
         await asyncio.to_thread(_write_index, index_path, index, contexts)
         echo(f"exported {image} to {folder / file} ({size / 2**20:.0f} MiB)")
+
+
+async def _prune(runtime: NodeRuntime, env: Environment, tasks: list[Task], echo: Callable[[str], None]) -> None:
+    sandbox = runtime.sandboxes.get(env.sandbox)
+    prune = getattr(sandbox, "prune_images", None)
+    if prune is None:
+        raise InvalidRequest(f"--prune: the {env.sandbox} sandbox keeps no images of its own to prune")
+    keep = {spec.image for spec in (_spec(env, t) for t in tasks) if spec.image}
+    freed = await prune(keep)
+    echo(f"pruned {freed / 2**20:.0f} MiB of images no task here uses")
+
+
+def _spec(env: Environment, task: Task) -> SandboxSpec:
+    return env.sandbox_spec(task, {}, SandboxSpec(instance_id="build", environment=env.name, task_id=task.id))
 
 
 def _read_index(path: Path) -> tuple[dict[str, str], dict[str, str]]:

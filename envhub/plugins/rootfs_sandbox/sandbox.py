@@ -193,6 +193,12 @@ class RootfsSandbox(Sandbox):
             _log, log_path, f"imported {imported.digest} ({imported.size / 2**20:.0f} MiB) as {image}\n"
         )
 
+    async def prune_images(self, keep: set[str]) -> int:
+        """Remove every image of the store that no name in ``keep`` names (``envhub build
+        --prune``); returns the bytes freed. Run it while no episode uses the images."""
+        assert self.store is not None, "started"
+        return await self.store.prune({normalize_name(k) for k in keep})
+
     def _archive_of(self, image: str, context: str) -> tuple[Path | None, str]:
         """The archive for ``image`` built from ``context``, or None and why there is none."""
         wanted = normalize_name(image)
