@@ -10,6 +10,7 @@ PPA, fail their build promptly with a clear reason.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -104,3 +105,48 @@ def test_published_tasks_pass_in_oracle_mode_offline_and_ppa_tasks_fail_their_bu
         assert (status, body.get("code")) == (500, "build_failed"), body
         assert "Launchpad PPA" in body["error"].splitlines()[0], body["error"][:500]
         assert seconds < 300, f"{task_id} took {seconds:.0f} s to fail"
+
+
+def test_published_tasks_pass_in_oracle_mode_on_the_rootfs_sandbox_from_exported_archives(offline_node, tmp_path):
+    """The same tasks on a node without Docker (``DOCKER_HOST`` points nowhere): their
+    images exported by ``envhub build --export`` on this machine, which has Docker, then
+    imported by the node's rootfs sandbox, to which terminal-bench falls back by itself."""
+    export = tmp_path / "export"
+    data = tmp_path / "export-data"
+    # The verifier tools the offline node fetched: an export needs no PyPI either.
+    shutil.copytree(offline_node.data_dir / "tools", data / "tools")
+    made = subprocess.run(
+        [sys.executable, "-m", "envhub", "build", *PASSING, "--export", str(export)]
+        + ["--config", str(offline_node.data_dir.parent / "node.yaml"), "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=REPO,
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    config = tmp_path / "rootfs.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "capacity": 16,
+                "environments": {
+                    "appworld": {"enabled": False},
+                    # The tools are in the exported images: this node fetches nothing.
+                    "terminal-bench": {"datasets": [str(TB_DATA / "tb1"), str(TB_DATA / "tb2")], "warm_pool": 0},
+                },
+                "sandboxes": {"rootfs": {"archives": [str(export)]}},
+            }
+        )
+    )
+    node = EnvhubProcess(
+        tmp_path / "rootfs-data", "--config", str(config), env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+    ).start(timeout=60)
+    try:
+        with node.client() as c:
+            assert c.get("/environments/terminal-bench").json()["sandbox"] == "rootfs"
+        with ThreadPoolExecutor(4) as pool:
+            results = dict(zip(PASSING, pool.map(lambda t: oracle(node, t), PASSING), strict=True))
+        rewards = {t: results[t][1].get("reward") for t in PASSING}
+        assert rewards == dict.fromkeys(PASSING, 1.0), {t: results[t][1] for t in PASSING if rewards[t] != 1.0}
+    finally:
+        assert node.stop() == 0, node.log()
