@@ -71,10 +71,12 @@ def _is_loopback(host: str) -> bool:
 def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
     """Run a node or a scheduler until SIGTERM or Ctrl-C."""
     from sanic import Sanic
+    from sanic.server.socket import bind_socket
 
+    from envhub import logs
     from envhub.app import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(logging.INFO)
     app = None
     try:
         settings = _settings(config, sets, **flags)
@@ -83,8 +85,15 @@ def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
                 "envhub is bound to %s with no API key: anyone who reaches this port can run code", settings.host
             )
         app = create_app(settings)
+        # Port 0: bind here, so that the start line can name the port the system chose.
+        sock = bind_socket(settings.host, 0) if settings.port == 0 else None
         app.prepare(
-            host=settings.host, port=settings.port, single_process=True, motd=False, access_log=settings.access_log
+            host=settings.host,
+            port=settings.port,
+            sock=sock,
+            single_process=True,
+            motd=False,
+            access_log=settings.access_log,
         )
         Sanic.serve_single(app)
     except EnvhubError as e:
