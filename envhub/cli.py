@@ -166,15 +166,20 @@ def build(
 
     if not tasks and not all_tasks and not base_images:
         raise click.UsageError("name one or more TASKS, or --all, or --base-images")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from envhub import logs
+
+    logs.configure(logging.WARNING)
     wanted = list(tasks) if tasks else (None if all_tasks else [])
     try:
         settings = _settings(config, sets, data_dir=data_dir)
-        outcome = asyncio.run(prebuild(settings, environment, wanted, base_images=base_images, echo=click.echo))
+        done = asyncio.run(prebuild(settings, environment, wanted, base_images=base_images, echo=click.echo))
     except EnvhubError as e:
         raise click.ClickException(e.message) from None
-    failed = {t: err for t, err in outcome.items() if err}
-    click.echo(f"{len(outcome) - len(failed)} ready, {len(failed)} failed")
+    if done.base_images:
+        click.echo("base images:\n" + "\n".join(f"  {line}" for line in done.base_images))
+    failed = {t: err for t, err in done.tasks.items() if err}
+    if wanted != []:
+        click.echo(f"task images: {len(done.tasks) - len(failed)} ready, {len(failed)} failed")
     for task_id, error in failed.items():
         click.echo(f"FAILED {task_id}: {error}", err=True)
     if failed:

@@ -286,7 +286,9 @@ def test_envhub_build_prebuilds_with_a_progress_bar(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr
-    assert "building terminal-bench images" in out.stdout and "2 ready, 0 failed" in out.stdout
+    assert "building terminal-bench images" in out.stdout and "task images: 2 ready, 0 failed" in out.stdout
+    # Only what the build concerns starts: no word of AppWorld's venv or the process sandbox.
+    assert "WARNING" not in out.stderr and "appworld" not in out.stdout + out.stderr, out.stderr
     bad = subprocess.run(
         [
             sys.executable,
