@@ -284,6 +284,11 @@ class TerminalBench(Environment):
         await self.find_stand_ins()
         return made
 
+    def starts_pool(self, params: Mapping[str, Any]) -> bool:
+        """An oracle create checks a task once: it starts no warm pool (one already
+        started for the task still serves it)."""
+        return not params.get("oracle")
+
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
         tb = self.tb(task)
         spec.image = self._images.get(task.id)  # None only when a restarted node adopts a container
