@@ -231,11 +231,13 @@ class EnvhubProcess:
         python: str = sys.executable,
         prefix: tuple[str, ...] = (),
         own_node_id: bool = True,
+        cwd: Path = REPO,
     ) -> None:
         """``prefix`` goes before the command (``setpriv ...`` to run it as another user,
         say), which must then exec it, so that the pid stays the node's. A node gets a
         node id of its own (``test-<hex>``) unless the arguments set one or
-        ``own_node_id`` is false (the node then makes its own, as a default node does)."""
+        ``own_node_id`` is false (the node then makes its own, as a default node does).
+        ``cwd``: where it runs (relative paths in its config are relative to it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
@@ -251,6 +253,7 @@ class EnvhubProcess:
         self.env.update(env or {})
         self.log_path = data_dir.parent / f"envhub-{self.port}.log"
         self.command = [*prefix, python, "-m", "envhub"]
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30) -> EnvhubProcess:
@@ -262,7 +265,7 @@ class EnvhubProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=self.env,
-            cwd=REPO,
+            cwd=self.cwd,
         )
         proc = self.proc
 

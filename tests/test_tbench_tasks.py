@@ -616,3 +616,22 @@ def test_debootstrap_progress_is_a_line_per_stage_and_one_per_interval_within_on
         'debootstrap bookworm: W: Failure trying to run: chroot "/var/tmp/rootfs" mount -t proc proc /proc',
         "debootstrap bookworm: configuring packages (44 s)",
     ]
+
+
+def test_datasets_name_the_bundled_tasks_as_bundled_beside_dataset_folders(tmp_path):
+    from envhub.errors import StartupError
+    from envhub.plugins.terminal_bench.environment import BUNDLED, TerminalBench
+
+    shutil.copytree(BUNDLED / "hello-envhub", tmp_path / "mine" / "my-hello")
+    both = TerminalBench({"datasets": ["bundled", str(tmp_path / "mine")]})
+    both.load()
+    assert [t.id for t in both.tasks()] == ["hello-envhub", "my-hello", "word-count"]
+    alone = TerminalBench({"datasets": [str(tmp_path / "mine")]})
+    alone.load()
+    assert [t.id for t in alone.tasks()] == ["my-hello"], "a list without bundled serves only its folders"
+    default = TerminalBench({})
+    default.load()
+    assert [t.id for t in default.tasks()] == ["hello-envhub", "word-count"]
+    for bad in ([3], [""], 3, {"bundled": True}):
+        with pytest.raises(StartupError, match="each of datasets must be a folder or 'bundled'"):
+            TerminalBench({"datasets": bad}).load()
