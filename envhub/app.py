@@ -21,6 +21,7 @@ from sanic.config import Config
 from envhub.compat.backends import NodeBackend, SchedulerBackend
 from envhub.compat.openenv import OpenEnvService
 from envhub.errors import Unavailable
+from envhub.logs import start_line
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics
 from envhub.network import NetworkMode
@@ -87,7 +88,9 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     """Build the Sanic app for ``settings.role``. Raises ``StartupError`` on a bad plugin set."""
     settings = settings or Settings.from_env()  # keeps `sanic envhub.app:create_app --factory` working
     name = "envhub" if not Sanic.test_mode else f"envhub_{next(_app_counter)}"
-    app: Any = Sanic(name, ctx=AppContext(settings=settings))
+    # Sanic's own handlers would print each of its lines a second time, in its own format:
+    # its records go to envhub's one handler instead (envhub/logs.py).
+    app: Any = Sanic(name, ctx=AppContext(settings=settings), configure_logging=False)
     app.config.ACCESS_LOG = settings.access_log
     app.config.KEEP_ALIVE_TIMEOUT = 75  # trainers hold pooled connections between steps
     # Sanic's 60 s default would answer 503 to, and cancel, any create that waits on a
@@ -102,6 +105,7 @@ def create_app(settings: Settings | None = None, *, pm: pluggy.PluginManager | N
     setup_metrics(app)
     ROLES[settings.role](app)
     setup_readiness(app)  # after the role's own start-up listeners
+    setup_start_line(app)  # once it answers
     setup_systemd(app)  # after the role: its READY=1 listener must run last
     for bp in blueprints_for(settings.role):
         app.blueprint(bp)
@@ -148,6 +152,14 @@ def setup_readiness(app: Any) -> None:
                 extra={"retry_after": 1},
                 headers={"Retry-After": "1"},
             )
+
+
+def setup_start_line(app: Any) -> None:
+    """Once the socket is bound: one line saying where this process listens and what it is."""
+
+    @app.after_server_start
+    async def say_where(app: Any) -> None:
+        log.info("%s", start_line(app))
 
 
 def setup_metrics(app: Any) -> None:

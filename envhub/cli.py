@@ -72,10 +72,12 @@ def _is_loopback(host: str) -> bool:
 def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
     """Run a node or a scheduler until SIGTERM or Ctrl-C."""
     from sanic import Sanic
+    from sanic.server.socket import bind_socket
 
+    from envhub import logs
     from envhub.app import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(logging.INFO)
     app = None
     try:
         settings = _settings(config, sets, **flags)
@@ -84,8 +86,15 @@ def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
                 "envhub is bound to %s with no API key: anyone who reaches this port can run code", settings.host
             )
         app = create_app(settings)
+        # Port 0: bind here, so that the start line can name the port the system chose.
+        sock = bind_socket(settings.host, 0) if settings.port == 0 else None
         app.prepare(
-            host=settings.host, port=settings.port, single_process=True, motd=False, access_log=settings.access_log
+            host=settings.host,
+            port=settings.port,
+            sock=sock,
+            single_process=True,
+            motd=False,
+            access_log=settings.access_log,
         )
         Sanic.serve_single(app)
     except EnvhubError as e:
@@ -173,11 +182,13 @@ def build(
 
     if not tasks and not all_tasks and not base_images:
         raise click.UsageError("name one or more TASKS, or --all, or --base-images")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from envhub import logs
+
+    logs.configure(logging.WARNING)
     wanted = list(tasks) if tasks else (None if all_tasks else [])
     try:
         settings = _settings(config, sets, data_dir=data_dir)
-        outcome = asyncio.run(
+        done = asyncio.run(
             prebuild(
                 settings,
                 environment,
@@ -190,8 +201,11 @@ def build(
         )
     except EnvhubError as e:
         raise click.ClickException(e.message) from None
-    failed = {t: err for t, err in outcome.items() if err}
-    click.echo(f"{len(outcome) - len(failed)} ready, {len(failed)} failed")
+    if done.base_images:
+        click.echo("base images:\n" + "\n".join(f"  {line}" for line in done.base_images))
+    failed = {t: err for t, err in done.tasks.items() if err}
+    if wanted != []:
+        click.echo(f"task images: {len(done.tasks) - len(failed)} ready, {len(failed)} failed")
     for task_id, error in failed.items():
         click.echo(f"FAILED {task_id}: {error}", err=True)
     if failed:

@@ -274,6 +274,12 @@ class Environment:
             raise StartupError(f"{self.name}: warm_pool must be a whole number, not {value!r}")
         return value
 
+    def starts_pool(self, params: Mapping[str, Any]) -> bool:
+        """Whether a create with ``params`` makes the node keep its task's warm pool. A
+        create that is a one-off (terminal-bench's oracle check of a dataset) should not:
+        its task gets no more episodes, and the pool would hold slots for nothing."""
+        return True
+
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         """Make ``task`` ready to run (build its image) before the episode takes a slot.
 

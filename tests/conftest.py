@@ -3,8 +3,9 @@
 Everything here keeps a test's outcome independent of the machine and of other envhub
 nodes on it: every node gets a node id of its own (and start() checks that the process
 answering is that node), counts of processes cover only the uids a node itself holds,
-and tests that read the published datasets in ../shared skip, with one summary line,
-where that folder is absent. A test waits for an event with eventually() (or
+and tests that read the published datasets (../shared/data, or the folder
+ENVHUB_TEST_DATA names) skip where they are absent, and the run's summary names what
+went untested. A test waits for an event with eventually() (or
 eventually_async()), never with a deadline loop of its own or a fixed sleep.
 """
 
@@ -32,14 +33,21 @@ from sanic import Sanic
 Sanic.test_mode = True
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-MBPP_JSONL = SHARED / "data" / "mbpp" / "mbpp.jsonl"
-TB_DATA = SHARED / "data" / "terminal-bench"
+# The published datasets: ../shared/data in the project's own layout, or wherever
+# ENVHUB_TEST_DATA names (a folder holding mbpp/mbpp.jsonl and terminal-bench/).
+SHARED_DATA = Path(os.environ.get("ENVHUB_TEST_DATA") or REPO.parent / "shared" / "data").resolve()
+MBPP_JSONL = SHARED_DATA / "mbpp" / "mbpp.jsonl"
+TB_DATA = SHARED_DATA / "terminal-bench"
 
-# Tests that read the published datasets (../shared/data) carry this mark; where the
-# folder is absent they are skipped, and the run's summary says so in one line.
+# Tests that read the published datasets carry this mark; where they are absent those
+# tests are skipped, and the run's summary says so and names what went untested.
 needs_shared = pytest.mark.needs_shared
-SHARED_PROBLEM = None if (MBPP_JSONL.is_file() and TB_DATA.is_dir()) else f"{SHARED / 'data'} is absent"
+SHARED_PROBLEM = (
+    None
+    if (MBPP_JSONL.is_file() and TB_DATA.is_dir())
+    else f"{MBPP_JSONL} or {TB_DATA} is absent (ENVHUB_TEST_DATA names the folder holding them)"
+)
+_UNTESTED: dict[str, str] = {}  # the module of each test skipped for want of them -> its docstring's first line
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,16 +57,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("needs_shared"):
             item.add_marker(skip)
+            doc = (getattr(item.module, "__doc__", None) or "").strip()
+            _UNTESTED[item.nodeid.split("::")[0]] = doc.splitlines()[0] if doc else ""
+
+
+def untested_summary(stats: dict[str, list[Any]]) -> list[str]:
+    """The summary's lines for the tests skipped for want of the published datasets: how
+    many, why, then per module what went untested (the module's first docstring line
+    when none of its tests ran, else the names of those skipped, which state behaviour)."""
+    skipped = [r for r in stats.get("skipped", []) if "needs the published datasets" in str(r.longrepr)]
+    if not skipped:
+        return []
+    others = [r for kind in ("passed", "failed", "error", "skipped") for r in stats.get(kind, []) if r not in skipped]
+    ran = {r.nodeid.split("::")[0] for r in others}
+    by_module: dict[str, list[str]] = {}
+    for r in skipped:
+        module, _, name = r.nodeid.partition("::")
+        by_module.setdefault(module, []).append(name)
+    lines = [f"envhub: {len(skipped)} tests that read the published datasets were skipped: {SHARED_PROBLEM}. Untested:"]
+    for module, names in sorted(by_module.items()):
+        what = None if module in ran else _UNTESTED.get(module)
+        lines.append(f"  {module}: {what or ', '.join(names)}")
+    return lines
 
 
 def pytest_terminal_summary(terminalreporter):
-    skipped = [
-        r for r in terminalreporter.stats.get("skipped", []) if "needs the published datasets" in str(r.longrepr)
-    ]
-    if skipped:
-        terminalreporter.write_line(
-            f"envhub: {len(skipped)} tests that read the published datasets were skipped: {SHARED_PROBLEM}"
-        )
+    for line in untested_summary(terminalreporter.stats):
+        terminalreporter.write_line(line)
     browser = [r for r in terminalreporter.stats.get("skipped", []) if "no browser:" in str(r.longrepr)]
     if browser:
         terminalreporter.write_line(f"envhub: {len(browser)} browser tests were skipped: {BROWSER_PROBLEM}")
@@ -206,11 +231,13 @@ class EnvhubProcess:
         python: str = sys.executable,
         prefix: tuple[str, ...] = (),
         own_node_id: bool = True,
+        cwd: Path = REPO,
     ) -> None:
         """``prefix`` goes before the command (``setpriv ...`` to run it as another user,
         say), which must then exec it, so that the pid stays the node's. A node gets a
         node id of its own (``test-<hex>``) unless the arguments set one or
-        ``own_node_id`` is false (the node then makes its own, as a default node does)."""
+        ``own_node_id`` is false (the node then makes its own, as a default node does).
+        ``cwd``: where it runs (relative paths in its config are relative to it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
@@ -226,6 +253,7 @@ class EnvhubProcess:
         self.env.update(env or {})
         self.log_path = data_dir.parent / f"envhub-{self.port}.log"
         self.command = [*prefix, python, "-m", "envhub"]
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30) -> EnvhubProcess:
@@ -237,7 +265,7 @@ class EnvhubProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=self.env,
-            cwd=REPO,
+            cwd=self.cwd,
         )
         proc = self.proc
 

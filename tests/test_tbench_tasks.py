@@ -564,3 +564,74 @@ def test_substitute_base_leaves_comments_and_other_lines_alone():
 def test_substitute_base_without_a_map_changes_nothing():
     text = "FROM ubuntu:24.04\nWORKDIR /app"
     assert substitute_base(text, {}) == text
+
+
+# debootstrap's own output (bookworm, --variant=minbase), cut down: one line in a few dozen.
+DEBOOTSTRAP_OUTPUT = """\
+I: Target architecture can be executed
+I: Retrieving InRelease
+I: Checking Release signature
+I: Valid Release signature (key id 4D64FEC119C2029067D6E791F8D2585B8783D481)
+I: Retrieving Packages
+I: Validating Packages
+I: Resolving dependencies of required packages...
+I: Checking component main on http://deb.debian.org/debian...
+I: Retrieving adduser 3.134
+I: Validating adduser 3.134
+I: Retrieving apt 2.6.1
+I: Validating apt 2.6.1
+I: Retrieving zlib1g 1:1.2.13.dfsg-1
+I: Validating zlib1g 1:1.2.13.dfsg-1
+I: Chosen extractor for .deb packages: dpkg-deb
+I: Extracting adduser...
+I: Extracting apt...
+I: Installing core packages...
+I: Unpacking required packages...
+I: Unpacking apt...
+I: Unpacking libc6:amd64...
+W: Failure trying to run: chroot "/var/tmp/rootfs" mount -t proc proc /proc
+I: Configuring required packages...
+I: Configuring debian-archive-keyring...
+I: Base system installed successfully.
+"""
+
+
+def test_debootstrap_progress_is_a_line_per_stage_and_one_per_interval_within_one():
+    """`envhub build --base-images` shows debootstrap's progress as it goes: a line when it
+    enters a stage, one every `every` seconds of a long one (with the packages so far), and
+    its warnings; not its hundreds of per-package lines."""
+    from envhub.plugins.terminal_bench.offline import DebootstrapProgress
+
+    said: list[str] = []
+    now = [100.0]
+    progress = DebootstrapProgress("bookworm", said.append, every=15, clock=lambda: now[0])
+    for line in DEBOOTSTRAP_OUTPUT.splitlines():
+        progress.line(line)
+        now[0] += 2  # each line two seconds after the one before
+    assert said == [
+        "debootstrap bookworm: downloading packages (2 s)",
+        "debootstrap bookworm: downloading packages, 1 so far (18 s)",
+        "debootstrap bookworm: extracting packages (30 s)",
+        "debootstrap bookworm: unpacking packages (34 s)",
+        'debootstrap bookworm: W: Failure trying to run: chroot "/var/tmp/rootfs" mount -t proc proc /proc',
+        "debootstrap bookworm: configuring packages (44 s)",
+    ]
+
+
+def test_datasets_name_the_bundled_tasks_as_bundled_beside_dataset_folders(tmp_path):
+    from envhub.errors import StartupError
+    from envhub.plugins.terminal_bench.environment import BUNDLED, TerminalBench
+
+    shutil.copytree(BUNDLED / "hello-envhub", tmp_path / "mine" / "my-hello")
+    both = TerminalBench({"datasets": ["bundled", str(tmp_path / "mine")]})
+    both.load()
+    assert [t.id for t in both.tasks()] == ["hello-envhub", "my-hello", "word-count"]
+    alone = TerminalBench({"datasets": [str(tmp_path / "mine")]})
+    alone.load()
+    assert [t.id for t in alone.tasks()] == ["my-hello"], "a list without bundled serves only its folders"
+    default = TerminalBench({})
+    default.load()
+    assert [t.id for t in default.tasks()] == ["hello-envhub", "word-count"]
+    for bad in ([3], [""], 3, {"bundled": True}):
+        with pytest.raises(StartupError, match="each of datasets must be a folder or 'bundled'"):
+            TerminalBench({"datasets": bad}).load()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -127,6 +128,10 @@ def test_oracle_scores_one_and_an_untouched_episode_scores_zero(c, tb_node, task
         assert len(json.loads((verifier / "ctrf.json").read_text())["results"]["tests"]) == 3
     else:
         assert "short test summary info" in (verifier / "test-stdout.txt").read_text()
+    # The trials tree holds gradings: the node's user's only, trials/ and the verifier's files included.
+    tree = [tb_node.data_dir / "trials", *(tb_node.data_dir / "trials").rglob("*")]
+    loose = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in tree}
+    assert {p: m for p, m in loose.items() if m != ("0o700" if Path(p).is_dir() else "0o600")} == {}
 
 
 def test_an_agent_solves_word_count_through_the_tools_and_cannot_see_tests(c):
@@ -286,7 +291,9 @@ def test_envhub_build_prebuilds_with_a_progress_bar(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr
-    assert "building terminal-bench images" in out.stdout and "2 ready, 0 failed" in out.stdout
+    assert "building terminal-bench images" in out.stdout and "task images: 2 ready, 0 failed" in out.stdout
+    # Only what the build concerns starts: no word of AppWorld's venv or the process sandbox.
+    assert "WARNING" not in out.stderr and "appworld" not in out.stdout + out.stderr, out.stderr
     bad = subprocess.run(
         [
             sys.executable,

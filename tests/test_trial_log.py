@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 
 from conftest import eventually
 
@@ -45,3 +46,46 @@ def test_a_failed_write_is_logged_and_later_writes_go_on(tmp_path, caplog):
     writer.close()
     assert "writing trial log" in caplog.text
     assert (tmp_path / "ok" / "fine" / "episode.jsonl").exists()
+
+
+def test_the_trials_tree_is_the_node_s_user_s_only_dirs_0700_and_files_0600(tmp_path):
+    """Every folder the writer makes (trials/ and the trial's included, which os.makedirs
+    would make 0755) and every file it writes."""
+    trials = tmp_path / "data" / "trials"
+    writer = TrialWriter()
+    try:
+        log = TrialLog(writer, trials, "t", "i")
+        log.record("created")
+        log.write_json("run_info.json", {"reward": 1.0})
+        log.write_json("run_info.json", {"reward": 0.5})  # replaced through a temp file
+        made_at_once = TrialLog(writer, trials, "u", "j").ensure_dir()
+    finally:
+        writer.close()
+    dirs = [tmp_path / "data", trials, trials / "t", log.dir, trials / "u", made_at_once]
+    assert {d.relative_to(tmp_path).as_posix(): stat.S_IMODE(d.stat().st_mode) for d in dirs} == {
+        d.relative_to(tmp_path).as_posix(): 0o700 for d in dirs
+    }
+    files = sorted(p for p in trials.rglob("*") if p.is_file())
+    assert [p.name for p in files] == ["episode.jsonl", "run_info.json"]
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o600 for p in files}
+
+
+def test_the_verifier_s_files_are_kept_like_the_trial_log(tmp_path):
+    from envhub.plugins.terminal_bench.verifier import _write_verifier_dir
+
+    instance = tmp_path / "trials" / "t" / "i"
+    files = {"reward.txt": b"1\n", "ctrf.json": b"{}", "sub/dir/out.txt": b"x", "../../escape.txt": b"no"}
+    _write_verifier_dir(instance, files, {"passed": 1})
+    verifier = instance / "verifier"
+    assert not (instance.parent / "escape.txt").exists() and not (tmp_path / "trials" / "escape.txt").exists()
+    written = {p.relative_to(verifier).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in verifier.rglob("*")}
+    assert written == {
+        "reward.txt": 0o600,
+        "ctrf.json": 0o600,
+        "sub": 0o700,
+        "sub/dir": 0o700,
+        "sub/dir/out.txt": 0o600,
+        "result.json": 0o600,
+    }
+    for d in (tmp_path / "trials", instance.parent, instance, verifier):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d

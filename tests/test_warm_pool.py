@@ -1,7 +1,7 @@
 """Warm pools of terminal-bench containers, on the real Docker engine (envhub/node/pool.py).
 
 A task's first create (or ``POST /builds`` with a pool size) makes the node keep K of its
-containers started and idle; creates take them, the pool refills, a container is never
+containers started and idle (an oracle create does not); creates take them, the pool refills, a container is never
 handed to a second episode, pooled containers count against capacity but give way to
 any create, a pool unused for the affinity window is drained, and a node killed with
 idle pooled containers takes them back when it starts again.
@@ -101,6 +101,30 @@ def test_creates_take_warm_containers_each_once_and_the_pool_refills(tmp_path):
     finally:
         assert node.stop() == 0
     assert containers(node.node_id) == [], "a stop leaves no pooled container"
+
+
+def test_an_oracle_create_starts_no_pool_and_a_later_create_of_its_task_does(tmp_path):
+    """A one-off check of a task (oracle mode) keeps no containers warm for it: checking a
+    dataset task by task left 4 idle containers per task behind."""
+    node = pool_node(tmp_path, "--capacity", "8").start(timeout=60)
+    try:
+        with node.client(timeout=300) as c:
+            r = c.post(
+                "/instances",
+                json={"environment": "terminal-bench", "task_id": "hello-envhub", "params": {"oracle": True}},
+            )
+            assert r.status_code == 201 and r.json()["observation"]["oracle"]["exit_code"] == 0, r.text
+            oracle = r.json()["instance_id"]
+            # A create that starts a pool registers it before it replies (see the next create).
+            health = c.get("/health").json()
+            assert (health["pools"], health["pooled"]) == ([], 0), health
+            episode = create(c)
+            [pool] = c.get("/health").json()["pools"]
+            assert (pool["task_id"], pool["size"]) == ("hello-envhub", 3), pool
+            for iid in (oracle, episode):
+                c.post(f"/instances/{iid}/release")
+    finally:
+        assert node.stop() == 0
 
 
 def handle_of(node: EnvhubProcess, instance_id: str) -> str:

@@ -198,7 +198,7 @@ class Creator:
             row.state, row.sandbox_handle, row.observation = "active", handle, observation
             episodes.admit(Live(row=row, env=env, episode=episode, log=trial_log))
             size = env.warm_pool_size()
-            if size:  # a group's first create: keep the next ones warm
+            if size and env.starts_pool(params):  # a group's first create: keep the next ones warm
                 self.pool.want(env.name, task.id, sandbox, spec, size)
         except BaseException as e:
             # The row is this create's unless the insert itself found the id taken.

@@ -2,15 +2,20 @@
 
 Uses the same runtime as a node (environments, sandboxes, build gate, SQLite), so a
 prebuilt image is exactly the one a node would build and its builds table records it:
-a node started afterwards finds the image ready and never rebuilds it.
+a node started afterwards finds the image ready and never rebuilds it. Only the
+environments the build concerns start (the one named, else those whose sandbox builds
+images): the others' sandboxes are not started, so nothing irrelevant to the build can
+fail or warn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -18,10 +23,19 @@ import click
 from envhub.environment import Environment, Task
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.node.runtime import NodeRuntime
-from envhub.plugins import collect, get_plugin_manager
+from envhub.plugins import Registry, collect, get_plugin_manager
 from envhub.sandbox import CONTEXT_LABEL, SandboxSpec
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
+
+
+@dataclass
+class Prebuilt:
+    """What ``envhub build`` did: each task's error (``None``: ready), and one line per
+    base image (what was done with it, its size and time)."""
+
+    tasks: dict[str, str | None] = field(default_factory=dict)
+    base_images: list[str] = field(default_factory=list)
 
 
 async def prebuild(
@@ -33,24 +47,26 @@ async def prebuild(
     export: Path | None = None,
     prune: bool = False,
     echo: Callable[[str], None] = print,
-) -> dict[str, str | None]:
+) -> Prebuilt:
     """Build the images of ``task_ids`` (all tasks when ``None``) of ``environment`` (when
     ``None``, the one environment served whose sandbox builds images), in parallel up to
-    ``build_parallel``; returns ``{task_id: error or None}``. With ``base_images``, first
-    make the environment's stand-in base images (an environment offers them with a
-    ``build_base_images(echo)`` method: terminal-bench does). With ``export``, then write
-    each built task image's archive into that dir (:func:`export_images`). With ``prune``,
-    then remove the images of the environment's sandbox that none of the tasks built here
-    uses (a sandbox that keeps images of its own offers ``prune_images``: rootfs does)."""
+    ``build_parallel``. With ``base_images``, first make the environment's stand-in base
+    images (an environment offers them with a ``build_base_images(echo)`` method that
+    returns one line per image: terminal-bench does). With ``export``, then write each
+    built task image's archive into that dir (:func:`export_images`). With ``prune``, then
+    remove the images of the environment's sandbox that none of the tasks built here uses
+    (a sandbox that keeps images of its own offers ``prune_images``: rootfs does)."""
     pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
+    env_registry = collect(pm, "register_environments", "environment")
+    sandbox_registry = collect(pm, "register_sandboxes", "sandbox")
+    settings = _only_what_builds(settings, environment, env_registry, sandbox_registry)
     assert settings.db_path is not None  # Settings.__post_init__ derives it from data_dir
     db = await Database.open(settings.db_path)
     runtime = NodeRuntime(settings, db)
+    done = Prebuilt()
     try:
         await migrate(db)
-        await runtime.start(
-            collect(pm, "register_environments", "environment"), collect(pm, "register_sandboxes", "sandbox")
-        )
+        await runtime.start(env_registry, sandbox_registry)
         if environment is None:
             environment = _the_one_that_builds(runtime)
         env = runtime.environments.get(environment)
@@ -60,9 +76,9 @@ async def prebuild(
         if base_images:
             if not hasattr(env, "build_base_images"):
                 raise NotFound(f"environment {environment!r} has no base images to build")
-            await env.build_base_images(echo)
+            done.base_images = list(await env.build_base_images(echo))
         if task_ids == []:
-            return {}
+            return done
         tasks = env.tasks() if task_ids is None else [env.task(t) for t in task_ids]
         outcome: dict[str, str | None] = {}
         with click.progressbar(
@@ -83,10 +99,32 @@ async def prebuild(
             await export_images(runtime, env, ready, export, echo)
         if prune:
             await _prune(runtime, env, ready, echo)
-        return outcome
+        done.tasks = outcome
+        return done
     finally:
         await runtime.stop()
         await db.close()
+
+
+def _only_what_builds(
+    settings: Settings, environment: str | None, env_registry: Registry, sandbox_registry: Registry
+) -> Settings:
+    """``settings`` with every environment disabled that the build does not concern: all
+    but ``environment`` when it is named, else those whose sandbox builds no images."""
+    sections = dict(settings.environments)
+    for name, cls in env_registry.classes.items():
+        section = dict(sections.get(name) or {})
+        if environment is not None:
+            concerned = name == environment
+        else:
+            chosen = section.get("sandbox")
+            sandbox = chosen if isinstance(chosen, str) else getattr(cls, "sandbox", None)
+            concerned = hasattr(sandbox_registry.classes.get(str(sandbox)), "build_image")
+        if not concerned:
+            sections[name] = {**section, "enabled": False}
+    narrowed = copy.copy(settings)  # not dataclasses.replace: that would drop config_file
+    narrowed.environments = sections
+    return narrowed
 
 
 def _the_one_that_builds(runtime: NodeRuntime) -> str:

@@ -20,7 +20,8 @@ virtual disks) never stalls the event loop. Invariants: writes for one instance 
 the order they were made, each within about ``flush_interval`` (20 ms) of being made;
 :meth:`TrialWriter.close` (at shutdown) returns only after
 every queued write is on disk; a write that fails is logged and never fails the episode.
-The instance directory is made by its first write. A whole-file JSON write (``write_json``)
+The instance directory is made by its first write, 0700 like every missing parent (trials/,
+the trial's), and every file 0600 (envhub/util/files.py). A whole-file JSON write (``write_json``)
 is created in place the first time and replaced atomically after that. The writer works
 on ``str`` paths with ``os`` calls: this thread shares the GIL with the event loop, so
 its Python overhead is the node's too.
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from envhub.util.files import FILE_MODE, private_dirs
 from envhub.util.threads import name_os_thread
 
 log = logging.getLogger("envhub.trials")
@@ -148,16 +150,10 @@ def _write(path: str, data: bytes, flag: int) -> None:
     """Write ``data`` to a file opened with ``flag``, making its directory if missing."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flag
     try:
-        fd = os.open(path, flags, 0o600)  # they hold every grading: the node's user only
+        fd = os.open(path, flags, FILE_MODE)  # they hold every grading: the node's user only
     except FileNotFoundError:  # the instance's first write
-        folder = os.path.dirname(path)
-        try:
-            os.mkdir(folder, 0o700)  # one syscall: the trial's folder is usually there
-        except FileNotFoundError:
-            os.makedirs(folder, 0o700, exist_ok=True)
-        except FileExistsError:
-            pass
-        fd = os.open(path, flags, 0o600)
+        private_dirs(os.path.dirname(path))  # one mkdir: the trial's folder is usually there
+        fd = os.open(path, flags, FILE_MODE)
     try:
         view = memoryview(data)
         while view:
@@ -178,7 +174,7 @@ class TrialLog:
         self._episode = os.path.join(self._dir, EPISODE_FILE)
 
     def ensure_dir(self) -> Path:
-        os.makedirs(self._dir, exist_ok=True)
+        private_dirs(self._dir)
         return self.dir
 
     def write_json(self, name: str, obj: Any) -> None:

@@ -104,7 +104,8 @@ def image_tag(env_name: str, task: TbTask, digest: str) -> str:
 
 class TerminalBench(Environment):
     """Terminal-bench tasks. Config keys: ``datasets`` (list of dataset roots, each holding
-    tb1 and/or tb2 task directories; default the bundled sample tasks), ``reward_mode``
+    tb1 and/or tb2 task directories, ``bundled`` naming the bundled sample tasks; default
+    ``[bundled]``), ``reward_mode``
     (``all_pass`` | ``pass_ratio``), ``command_timeout`` (default seconds per
     run_command, 120), ``max_command_timeout`` (600), ``image_map`` (merged over the
     node's top-level ``image_map``), ``output_limit`` (characters of command output shown
@@ -137,9 +138,7 @@ class TerminalBench(Environment):
         return Tbench2Adapter(self)
 
     def load(self) -> None:
-        roots = self.config.get("datasets") or [str(BUNDLED)]
-        if isinstance(roots, str):
-            roots = [roots]
+        roots = [_dataset_root(r) for r in _as_list(self.config.get("datasets") or ["bundled"])]
         self.reward_mode = str(self.config.get("reward_mode", "all_pass"))
         if self.reward_mode not in ("all_pass", "pass_ratio"):
             raise StartupError(f"terminal-bench: reward_mode must be all_pass or pass_ratio, not {self.reward_mode!r}")
@@ -150,7 +149,7 @@ class TerminalBench(Environment):
         self._datasets: dict[str, set[str]] = {}  # task id -> the names its dataset goes by
         for root in roots:
             try:
-                loaded = load_dataset(Path(root))
+                loaded = load_dataset(root)
             except (TaskFormatError, OSError) as e:
                 raise StartupError(f"terminal-bench: dataset {root}: {e}") from None
             for tb in loaded:
@@ -162,8 +161,8 @@ class TerminalBench(Environment):
                     tb,
                     Task(id=tb.id, split=tb.format, title=tb.instruction.strip()[:100], public=_public(tb)),
                 )
-                names = {Path(root).resolve().name, tb.path.resolve().parent.name}
-                self._datasets[tb.id] = names | ({"bundled"} if Path(root).resolve() == BUNDLED else set())
+                names = {root.resolve().name, tb.path.resolve().parent.name}
+                self._datasets[tb.id] = names | ({"bundled"} if root.resolve() == BUNDLED else set())
         self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
         self._images: dict[str, str] = {}
         self.verifier_tools = bool(self.config.get("verifier_tools", False))
@@ -270,7 +269,8 @@ class TerminalBench(Environment):
 
     async def build_base_images(self, echo: Callable[[str], None] = print) -> list[str]:
         """``envhub build --base-images``: make the stand-in base images missing from the
-        engine (see offline.py), then use them; returns the names of those it made."""
+        engine (see offline.py), then use them; returns one line per image (what was
+        done, its size and time)."""
         if self.context is None or self.sandbox not in self.context.sandboxes:
             raise SandboxError("building base images needs the docker sandbox")
         settings = self.context.settings
@@ -284,6 +284,11 @@ class TerminalBench(Environment):
         )
         await self.find_stand_ins()
         return made
+
+    def starts_pool(self, params: Mapping[str, Any]) -> bool:
+        """An oracle create checks a task once: it starts no warm pool (one already
+        started for the task still serves it)."""
+        return not params.get("oracle")
 
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
         tb = self.tb(task)
@@ -412,6 +417,19 @@ class TerminalBench(Environment):
         if mode not in ("all_pass", "pass_ratio"):
             raise InvalidRequest("'params.reward_mode' must be all_pass or pass_ratio", field="params.reward_mode")
         return await verifier.run(episode, tb, mode)
+
+
+def _as_list(datasets: Any) -> list[Any]:
+    return [datasets] if isinstance(datasets, str) else list(datasets) if isinstance(datasets, list) else [datasets]
+
+
+def _dataset_root(entry: Any) -> Path:
+    """A ``datasets`` entry as a folder: ``bundled`` names the tasks shipped in this
+    package (wherever it is installed); anything else is a path (``./bundled`` for a
+    folder of that name)."""
+    if not isinstance(entry, str) or not entry:
+        raise StartupError(f"terminal-bench: each of datasets must be a folder or 'bundled', not {entry!r:.80}")
+    return BUNDLED if entry == "bundled" else Path(entry)
 
 
 def _public(tb: TbTask) -> dict[str, Any]:

@@ -33,6 +33,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
+import time
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -170,7 +172,8 @@ def base_dockerfile(rootfs: str) -> str:
 
 def debootstrap(suite: str, image: str, *, mirror: str, api, echo: Callable[[str], None]) -> None:
     """Make ``image`` from a minimal Debian ``suite`` rootfs (python3 and ca-certificates
-    included), imported into the engine behind ``api`` (docker's APIClient)."""
+    included), imported into the engine behind ``api`` (docker's APIClient). Its progress
+    goes to ``echo`` as it happens (:class:`DebootstrapProgress`)."""
     binary = shutil.which("debootstrap") or next(
         (p for p in ("/usr/sbin/debootstrap", "/sbin/debootstrap") if os.path.exists(p)), None
     )
@@ -181,20 +184,22 @@ def debootstrap(suite: str, image: str, *, mirror: str, api, echo: Callable[[str
     work = Path(tempfile.mkdtemp(prefix=f"envhub-rootfs-{suite}-", dir="/var/tmp"))
     try:
         rootfs = work / "rootfs"
-        echo(f"debootstrap {suite} from {mirror} (a few minutes)")
-        done = subprocess.run(
+        echo(f"{image}: debootstrap {suite} from {mirror} (a few minutes)")
+        output = _run_reporting(
             [binary, "--variant=minbase", "--include=python3,ca-certificates,procps", suite, str(rootfs), mirror],
-            capture_output=True, text=True, timeout=3600,
-        )  # fmt: skip
-        if done.returncode != 0:
-            raise BuildFailed(f"debootstrap {suite} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+            DebootstrapProgress(suite, echo),
+            timeout=3600,
+        )
+        if output is not None:
+            raise BuildFailed(f"debootstrap {suite} failed:\n{output[-3000:]}")
         shutil.rmtree(rootfs / "var/cache/apt/archives", ignore_errors=True)
         shutil.rmtree(rootfs / "var/lib/apt/lists", ignore_errors=True)
         (rootfs / "var/lib/apt/lists/partial").mkdir(parents=True, exist_ok=True)
         tarball = work / "rootfs.tar"
+        echo(f"{image}: packing the rootfs")
         with tarfile.open(tarball, "w", format=tarfile.PAX_FORMAT) as tf:
             tf.add(str(rootfs), arcname=".", filter=_numeric_owner)
-        echo(f"importing {image}")
+        echo(f"{image}: importing it into the engine")
         repository, _, tag = image.rpartition(":")
         api.import_image_from_file(
             str(tarball),
@@ -212,6 +217,84 @@ def debootstrap(suite: str, image: str, *, mirror: str, api, echo: Callable[[str
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _run_reporting(command: list[str], progress: DebootstrapProgress, *, timeout: float) -> str | None:
+    """Run ``command``, handing each line of its output to ``progress`` as it comes;
+    ``None`` when it succeeded, else all it printed. Killed after ``timeout`` seconds."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace"
+    ) as proc:
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        lines = []
+        try:
+            assert proc.stdout is not None  # stdout=PIPE
+            for line in proc.stdout:
+                lines.append(line)
+                progress.line(line.rstrip("\n"))
+        finally:
+            timer.cancel()
+        code = proc.wait()
+    if code == 0:
+        return None
+    return "".join(lines) + (f"\n(killed after {timeout:g} s)" if code == -9 else "")
+
+
+class DebootstrapProgress:
+    """debootstrap's output (hundreds of ``I: Retrieving <package>`` lines) as a few lines
+    of progress: one when it enters a stage (downloading, extracting, unpacking,
+    configuring packages), then one every ``every`` seconds of a long stage, each with
+    the packages it did in that stage so far and the seconds since it began. Warnings
+    and errors (``W:``, ``E:``) are passed on as they are."""
+
+    STAGES = {
+        "Retrieving": "downloading",
+        "Validating": "downloading",
+        "Extracting": "extracting",
+        "Installing": "unpacking",
+        "Unpacking": "unpacking",
+        "Configuring": "configuring",
+    }
+
+    def __init__(
+        self,
+        suite: str,
+        echo: Callable[[str], None],
+        *,
+        every: float = 15.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.suite = suite
+        self.echo = echo
+        self.every = every
+        self.clock = clock
+        self.started = clock()
+        self.stage: str | None = None
+        self.packages = 0
+        self.said = self.started
+
+    def line(self, text: str) -> None:
+        if text.startswith(("W: ", "E: ")):
+            self.echo(f"debootstrap {self.suite}: {text}")
+            return
+        if not text.startswith("I: "):
+            return
+        verb, _, rest = text[3:].partition(" ")
+        stage = self.STAGES.get(verb)
+        if stage is None:
+            return
+        now = self.clock()
+        if stage != self.stage:
+            self.stage, self.packages, self.said = stage, 0, now
+            self.echo(f"debootstrap {self.suite}: {stage} packages ({now - self.started:.0f} s)")
+        if _names_a_package(verb, rest.strip()):
+            self.packages += 1
+        if now - self.said >= self.every:
+            self.said = now
+            self.echo(
+                f"debootstrap {self.suite}: {stage} packages, {self.packages} so far ({now - self.started:.0f} s)"
+            )
+
+
 def _numeric_owner(info: tarfile.TarInfo) -> tarfile.TarInfo:
     info.uname = info.gname = ""
     return info
@@ -225,41 +308,75 @@ def _mounts_under(path: Path) -> list[str]:
     return sorted(p for p in (line.split()[1] for line in lines) if p.startswith(str(path) + "/"))
 
 
+def _names_a_package(verb: str, rest: str) -> bool:
+    """``Retrieving apt 2.6.1``, ``Unpacking apt...``; not ``Retrieving Packages`` (an
+    index), ``Validating apt 2.6.1`` (counted once, when retrieved) or ``Unpacking
+    required packages...`` (a stage)."""
+    if verb == "Validating" or not rest or rest.endswith("packages..."):
+        return False
+    return verb != "Retrieving" or " " in rest
+
+
 async def build_base_images(
     sandbox, tools_dir: Path, logs_dir: Path, *, ca_bundle: str | None, mirror: str, echo: Callable[[str], None]
 ) -> list[str]:
-    """Make every image of :data:`BASE_IMAGES` missing from the engine; returns their names.
+    """Make every image of :data:`BASE_IMAGES` missing from the engine (and the rootfs
+    image it needs, when that is missing too); returns one line per image, saying what
+    was done, its size and how long it took.
 
     ``sandbox`` is the docker sandbox (its engine client builds and imports). The CA
     bundle (``ca_bundle``, else the host's) is trusted in the images, so builds behind a
-    TLS-inspecting proxy reach PyPI.
+    TLS-inspecting proxy reach PyPI. uv's binaries are fetched only when an image is
+    built.
     """
-    made = []
-    bundle = Path(ca_bundle or "/etc/ssl/certs/ca-certificates.crt")
-    ca = await asyncio.to_thread(lambda: bundle.read_bytes() if bundle.is_file() else b"")
-    uv, uvx = await asyncio.to_thread(uv_binaries, tools_dir)
+    report = []
+    files: dict[str, bytes] | None = None  # the build context's extra files, once one is built
     for name, base in BASE_IMAGES.items():
         if await sandbox.image_exists(name):
-            echo(f"{name}: present")
+            report.append(f"{name}: present ({await _size(sandbox, name)})")
             continue
         if not await sandbox.image_exists(base.rootfs):
+            started = time.monotonic()
             await asyncio.to_thread(
                 debootstrap, base.suite, base.rootfs, mirror=mirror, api=sandbox.engine.api, echo=echo
             )
-        echo(f"{name}: building on {base.rootfs} (tools, uv {UV_VERSION}, warmed cache)")
+            size = await _size(sandbox, base.rootfs)
+            report.append(f"{base.rootfs}: made by debootstrap {base.suite} in {_took(started)} ({size})")
+            echo(report[-1])
+        if files is None:
+            files = await asyncio.to_thread(_build_files, tools_dir, ca_bundle)
+        log_path = logs_dir / f"base-{base.suite}.log"
+        echo(f"{name}: building on {base.rootfs} (tools, uv {UV_VERSION}, warmed cache; log {log_path})")
         await asyncio.to_thread(logs_dir.mkdir, parents=True, exist_ok=True)
+        started = time.monotonic()
         with tempfile.TemporaryDirectory() as empty:
             await sandbox.build_image(
                 context_dir=Path(empty),
                 dockerfile=base_dockerfile(base.rootfs),
                 image=name,
-                log_path=logs_dir / f"base-{base.suite}.log",
+                log_path=log_path,
                 timeout=1800,
-                extra_files={"envhub-uv": uv, "envhub-uvx": uvx, "envhub-ca.crt": ca},
+                extra_files=files,
             )
-        made.append(name)
-        echo(f"{name}: built")
-    return made
+        report.append(f"{name}: built in {_took(started)} ({await _size(sandbox, name)})")
+        echo(report[-1])
+    return report
+
+
+def _build_files(tools_dir: Path, ca_bundle: str | None) -> dict[str, bytes]:
+    uv, uvx = uv_binaries(tools_dir)
+    bundle = Path(ca_bundle or "/etc/ssl/certs/ca-certificates.crt")
+    return {"envhub-uv": uv, "envhub-uvx": uvx, "envhub-ca.crt": bundle.read_bytes() if bundle.is_file() else b""}
+
+
+async def _size(sandbox, image: str) -> str:
+    """The image's size as the engine reports it, in MB."""
+    info = await asyncio.to_thread(sandbox.engine.api.inspect_image, image)
+    return f"{int(info.get('Size') or 0) / 1e6:.0f} MB"
+
+
+def _took(started: float) -> str:
+    return f"{time.monotonic() - started:.0f} s"
 
 
 def read_scripts(paths: Iterable[Path]) -> list[str]:

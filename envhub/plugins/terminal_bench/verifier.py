@@ -8,7 +8,8 @@ Invariants:
 - An evaluation counts only once it is complete (``state["evaluated"]``), so a failed or
   cut-off run can be retried.
 - The verifier's files go to ``verifier/`` in the episode's trial dir, as harbor lays it
-  out; a name that came from the container never leads out of that dir.
+  out (dirs 0700, files 0600); a name that came from the container never leads out of
+  that dir.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Literal
 from envhub.environment import Episode, Evaluation
 from envhub.plugins.terminal_bench import grading
 from envhub.plugins.terminal_bench.model import TbTask
+from envhub.util.files import private_dirs, write_private
 
 
 async def run(episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_ratio"]) -> Evaluation:
@@ -113,13 +115,15 @@ def _verifier_env(tb: TbTask) -> dict[str, str]:
 
 
 def _write_verifier_dir(log_dir: Path | None, files: dict[str, bytes], details: dict[str, Any]) -> None:
+    """The verifier's files and ``result.json`` in ``log_dir/verifier``: dirs 0700, files
+    0600, as the rest of the trial log (they hold the grading)."""
     if log_dir is None:
         return
     verifier = log_dir / "verifier"
-    verifier.mkdir(parents=True, exist_ok=True)
+    private_dirs(verifier)
     for rel, data in files.items():
         target = (verifier / rel).resolve()
         if verifier.resolve() in target.parents:  # names come from the container
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-    (verifier / "result.json").write_text(json.dumps(details, indent=2, default=str))
+            private_dirs(target.parent)
+            write_private(target, data)
+    write_private(verifier / "result.json", json.dumps(details, indent=2, default=str).encode())
