@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import yaml
 from conftest import REPO, TB_DATA, EnvhubProcess, needs_docker, needs_shared
 
 from envhub.plugins.terminal_bench.offline import BASE_IMAGES
