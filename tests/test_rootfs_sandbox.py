@@ -359,3 +359,47 @@ def test_build_prune_keeps_the_images_of_the_tasks_and_removes_the_rest(archives
     assert "pruned" in pruned.stdout and "2 ready, 0 failed" in pruned.stdout, pruned.stdout
     kept = [json.loads(p.read_text())["names"] for p in (data / "rootfs").glob("*/image.json")]
     assert len(kept) == 2 and not any("envhub-test/stale:1" in names for names in kept), kept
+
+
+# -- over the host's own system ----------------------------------------------------------------
+
+
+def test_over_the_hosts_own_system_an_episode_has_its_tools_but_not_the_nodes_files_or_the_tests(tmp_path):
+    """``sandboxes.rootfs.host``: for a node whose own container already is the tasks'
+    image. The episode runs the host's own programs, writes only its own layer, and sees
+    neither the node's data dir and config, nor any dataset's tests, nor the host's
+    passwords; its /tmp and /app are its own."""
+    data = tmp_path / "host-data"
+    config = tmp_path / "host.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "capacity": 4,
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 0}},
+                "sandboxes": {"rootfs": {"host": True}},
+            }
+        )
+    )
+    marker = Path("/usr/local/share") / f"envhub-host-test-{uuid.uuid4().hex}"
+    node = EnvhubProcess(data, "--config", str(config), env=NO_DOCKER).start(timeout=60)
+    try:
+        with node.client(timeout=120) as c:
+            assert c.get("/environments/terminal-bench").json()["sandbox"] == "rootfs"
+            iid = create(c)
+            seen = run(
+                c,
+                iid,
+                f"which python3 bash; pwd; cat /etc/shadow; ls {data}; ls {REPO / 'envhub/plugins/terminal_bench/data'};"
+                f" echo hi > /tmp/x && cat /tmp/x; touch {marker} && echo wrote",
+            )
+            out = seen["stdout"] + seen["stderr"]
+            assert "/usr/bin/python3" in out and "/usr/bin/bash" in out or "/bin/bash" in out, out
+            assert "/app\n" in seen["stdout"], out
+            assert "root:" not in out, "the host's password hashes are covered"
+            assert "envhub.db" not in out, "the node's data dir is out of view"
+            assert "hello-envhub" not in out, "the bundled dataset's tasks (tests, solutions) are out of view"
+            assert "hi\n" in seen["stdout"] and "wrote" in seen["stdout"]
+            c.post(f"/instances/{iid}/release")
+        assert not marker.exists(), "what the episode wrote stayed in its own layer"
+    finally:
+        assert node.stop() == 0, node.log()

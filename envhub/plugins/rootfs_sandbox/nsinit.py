@@ -140,14 +140,11 @@ def _build_root(req: dict, scratch: str) -> str:
     for name in ("upper", "work", "root"):
         os.mkdir(os.path.join(scratch, name), 0o755)
     root = os.path.join(scratch, "root")
-    lower = ":".join(req["lower"])
-    _mount(
-        "overlay",
-        root,
-        "overlay",
-        0,
-        f"lowerdir={lower},upperdir={scratch}/upper,workdir={scratch}/work",
-    )
+    if req.get("host"):
+        _host_root(req, scratch, root)
+    else:
+        lower = ":".join(req["lower"])
+        _mount("overlay", root, "overlay", 0, f"lowerdir={lower},upperdir={scratch}/upper,workdir={scratch}/work")
     for path, mode in (req.get("modes") or {}).items():
         # Dirs and plain files only: a device node cannot be copied up (no mknod here), and
         # /dev is the episode's own anyway.
@@ -185,6 +182,55 @@ def _build_root(req: dict, scratch: str) -> str:
     os.makedirs(f"{root}{AGENT_DIR}", exist_ok=True)
     _mount("tmpfs", f"{root}{AGENT_DIR}", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64m,mode=0700")
     return root
+
+
+def _host_root(req: dict, scratch: str, root: str) -> None:
+    """The host's own system as the lower layer, dir by dir (an allow-list): each of
+    ``host_dirs`` that exists is an overlay of the host's dir (written to this episode's
+    upper dir only), a symlink stays a symlink, and everything else of the root (``/tmp``,
+    ``/root``, ``/home``, ``/app``, ...) is the episode's own, in its tmpfs."""
+    _mount(root, root, None, MS_BIND | MS_REC)  # pivot_root needs the new root to be a mount
+    for top in req.get("host_dirs") or ():
+        name = top.strip("/")
+        if name and "/" not in name:
+            _host_overlay(scratch, name, depth=2)
+    for name in ("tmp", "root", "home", "run", "app", "mnt", "srv"):
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+    os.chmod(os.path.join(root, "tmp"), 0o1777)
+
+
+def _host_overlay(scratch: str, rel: str, *, depth: int) -> None:
+    """``/<rel>`` of the host at ``<scratch>/root/<rel>``: an overlay of it, or where the
+    kernel refuses one (a dir holding another overlay's upper or work dir, such as a
+    container engine's storage under /var/lib), its children one by one, ``depth`` levels
+    down at most; what is still refused is left out."""
+    source, target = "/" + rel, os.path.join(scratch, "root", rel)
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    if not os.path.isdir(source):
+        return
+    for part in ("upper", "work", "root"):
+        os.makedirs(os.path.join(scratch, part, rel), 0o755, exist_ok=True)
+    try:
+        _mount(
+            "overlay",
+            target,
+            "overlay",
+            0,
+            f"lowerdir={source},upperdir={scratch}/upper/{rel},workdir={scratch}/work/{rel}",
+        )
+        return
+    except Failed:
+        if depth <= 0:
+            return
+    for child in sorted(os.listdir(source)):
+        path = os.path.join(source, child)
+        if os.path.islink(path) or os.path.isdir(path):
+            _host_overlay(scratch, f"{rel}/{child}", depth=depth - 1)
+        elif os.path.isfile(path):
+            os.close(os.open(os.path.join(target, child), os.O_CREAT | os.O_WRONLY, 0o644))
+            _mount(path, os.path.join(target, child), None, MS_BIND)
 
 
 def _pivot(root: str) -> None:

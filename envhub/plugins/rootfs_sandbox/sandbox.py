@@ -14,7 +14,14 @@ Config (``sandboxes.rootfs``):
   the node can make cgroups (as root); the spec's own limits win; the writable layer is
   added to the memory limit;
 - ``output_limit`` (1 MiB per output of a command), ``start_timeout`` (10 s),
-  ``python`` (the zygote's interpreter; default the node's).
+  ``python`` (the zygote's interpreter; default the node's);
+- ``host`` (false): episodes run over the host's own system instead of images, for a node
+  whose own container already is the tasks' image (a pool job's enroot/pyxis container):
+  ``host_dirs`` (``/usr``, ``/etc``, ``/opt``, ``/var``, the ``/lib*`` and ``/bin`` dirs)
+  are overlays of the host's, written to the episode's own layer only; everything else
+  (``/tmp``, ``/root``, ``/home``, ``/app``, ...) is the episode's own; the node's files, the
+  datasets (``hide``, from the environments) and the host's secrets (:data:`HOST_HIDDEN`)
+  are covered; ``workdir`` (``/app``) is where commands start.
 
 Invariants:
 
@@ -47,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from envhub.confine.cgroups import Cgroups
+from envhub.confine.records import node_records
 from envhub.errors import BuildFailed, EnvhubError, InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.rootfs_sandbox import files as episode_files
 from envhub.plugins.rootfs_sandbox.agent import Agent
@@ -59,6 +67,22 @@ from envhub.util.trees import tree_digest
 log = logging.getLogger("envhub.plugins.rootfs_sandbox")
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HOST_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "opt", "var")
+#: What an episode over the host's system never sees of it, besides the node's own files
+#: and the datasets: its passwords, SSH keys, sudo rules, engines' state and logs.
+HOST_HIDDEN = (
+    "/etc/shadow",
+    "/etc/shadow-",
+    "/etc/gshadow",
+    "/etc/gshadow-",
+    "/etc/ssh",
+    "/etc/sudoers",
+    "/etc/sudoers.d",
+    "/etc/envhub",
+    "/var/lib/docker",
+    "/var/lib/containerd",
+    "/var/log",
+)
 
 
 @dataclass
@@ -91,6 +115,18 @@ class RootfsSandbox(Sandbox):
         self.output_limit = self._number("output_limit", 1 << 20, minimum=1024)
         self.start_timeout = float(self._number("start_timeout", 10, minimum=1))
         self.python = str(self.config.get("python") or sys.executable)
+        self.host = self.config.get("host", False)
+        if not isinstance(self.host, bool):
+            raise StartupError("sandboxes.rootfs.host must be true or false")
+        host_dirs = self.config.get("host_dirs", list(HOST_DIRS))
+        if not isinstance(host_dirs, list) or not all(isinstance(d, str) and d.strip("/") for d in host_dirs):
+            raise StartupError("sandboxes.rootfs.host_dirs must be a list of top-level dirs")
+        self.host_dirs = [d.strip("/") for d in host_dirs]
+        self.workdir = str(self.config.get("workdir") or "/app")
+        hide = self.config.get("hide") or []
+        if not isinstance(hide, list) or not all(isinstance(p, str) for p in hide):
+            raise StartupError("sandboxes.rootfs.hide must be a list of paths")
+        self.hide = sorted({*HOST_HIDDEN, *node_records(settings), *(os.path.abspath(p) for p in hide)})
         self.scratch = data_dir / "rootfs-scratch"
         self.store: RootfsStore | None = None
         self.zygote: RootfsZygote | None = None
@@ -124,7 +160,7 @@ class RootfsSandbox(Sandbox):
             await asyncio.to_thread(self.cgroups.stop)
             raise SandboxError(e.message) from None
         images = self.store.images()
-        if not images and not self.archives:
+        if not images and not self.archives and not self.host:
             await self.stop()
             raise SandboxError(
                 f"rootfs sandbox: no image in {self.store_dir} and no archives dir set "
@@ -138,6 +174,8 @@ class RootfsSandbox(Sandbox):
             ", ".join(self.store.sources()),
             f" (archives in {', '.join(map(str, self.archives))})" if self.archives else " (no archives dir set)",
         )
+        if self.host:
+            log.info("rootfs sandbox: episodes run over this host's own %s", ", ".join(f"/{d}" for d in self.host_dirs))
 
     async def stop(self) -> None:
         await asyncio.gather(*(self.destroy(h) for h in list(self._episodes)), return_exceptions=True)
@@ -149,7 +187,7 @@ class RootfsSandbox(Sandbox):
     # -- images (the node's build gate calls these: ImageBuilder) -------------------------
 
     async def image_exists(self, image: str) -> bool:
-        return self._image(image) is not None
+        return self.host or self._image(image) is not None
 
     def _image(self, image: str) -> Image | None:
         assert self.store is not None, "started"
@@ -179,6 +217,9 @@ class RootfsSandbox(Sandbox):
         base images found, the verifier tools, a CA bundle), which the task's image does
         not depend on here, where nothing is built."""
         assert self.store is not None, "started"
+        if self.host:  # every episode runs over the host's own system: nothing to make
+            await asyncio.to_thread(_log, log_path, f"{image}: episodes run over the host's own system\n")
+            return
         context = await asyncio.to_thread(tree_digest, Path(context_dir), exclude)
         archive, why = await asyncio.to_thread(self._archive_of, image, context)
         if archive is None:
@@ -237,24 +278,29 @@ class RootfsSandbox(Sandbox):
     async def create(self, spec: SandboxSpec) -> str:
         if self.zygote is None:
             raise SandboxError("the rootfs sandbox is not running")
-        if not spec.image:
-            raise SandboxError("a rootfs sandbox needs an image (the spec names none)")
         if spec.network not in (None, "none"):
             log.debug(
                 "rootfs sandbox: %s asks for network %r; episodes have loopback only", spec.instance_id, spec.network
             )
-        image = self._image(spec.image)
-        if image is None:
-            raise SandboxError(f"image {spec.image!r} is not in the rootfs store (the build gate imports it)")
+        if self.host:
+            image, layers = None, {"host": True, "host_dirs": self.host_dirs, "hide": self.hide, "lower": []}
+            workdir, digest = self.workdir, "host"
+        else:
+            if not spec.image:
+                raise SandboxError("a rootfs sandbox needs an image (the spec names none)")
+            image = self._image(spec.image)
+            if image is None:
+                raise SandboxError(f"image {spec.image!r} is not in the rootfs store (the build gate imports it)")
+            layers = {"lower": [str(image.rootfs)], "modes": dict(image.original_modes)}
+            workdir, digest = image.config.workdir or "/", image.digest
         slot = self._take_slot()
         try:
             groups = await asyncio.to_thread(self._cgroups_of, slot, spec)
             env = _environment(image, spec)
-            workdir = image.config.workdir or "/"
             reply, fds = await self.zygote.call(
                 {
                     "op": "create",
-                    "lower": [str(image.rootfs)],
+                    **layers,
                     "scratch": str(self.scratch),
                     "size_mb": self.upper_mb,
                     "hostname": _hostname(spec),
@@ -263,7 +309,6 @@ class RootfsSandbox(Sandbox):
                     "cgroups": groups,
                     "env": env,
                     "workdir": workdir,
-                    "modes": {path: mode for path, mode in image.original_modes.items()},
                     "script": shell_agent.script(self.output_limit),
                 }
             )
@@ -275,7 +320,7 @@ class RootfsSandbox(Sandbox):
         for fd in fds[1:]:
             os.close(fd)
         handle = f"{spec.instance_id}.{secrets.token_hex(4)}"
-        self._episodes[handle] = _Episode(pid, agent, episode_files.EpisodeFiles(pid, workdir), slot, image.digest)
+        self._episodes[handle] = _Episode(pid, agent, episode_files.EpisodeFiles(pid, workdir), slot, digest)
         try:
             await agent.open(self.start_timeout)
         except BaseException:
@@ -355,9 +400,9 @@ def _name_key(name: Any) -> str:
         return ""
 
 
-def _environment(image: Image, spec: SandboxSpec) -> dict[str, str]:
+def _environment(image: Image | None, spec: SandboxSpec) -> dict[str, str]:
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm"}
-    for item in image.config.env:
+    for item in image.config.env if image is not None else ():
         key, sep, value = item.partition("=")
         if sep and key:
             env[key] = value

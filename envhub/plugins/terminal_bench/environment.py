@@ -190,6 +190,11 @@ class TerminalBench(Environment):
         except KeyError:
             return super().task(task_id)
 
+    def sandbox_hidden(self) -> list[str]:
+        # Every task's dir holds its tests and reference solution: a sandbox that shares
+        # the host's files (the rootfs sandbox over the host's own system) covers them.
+        return sorted({str(tb.path.resolve()) for tb, _ in self._tasks.values()})
+
     def tb(self, task: Task) -> TbTask:
         return self._tasks[task.id][0]
 
