@@ -35,6 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not rootfs_files.available(), reason="the rootfs sandbox needs openat2 (Linux 5.6+)"),
 ]
 
+BUNDLED_TASKS = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
 NO_DOCKER = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
 SOLVE = (
     "printf '#!/bin/bash\\necho \"Hello, $1!\"\\n' > /app/greet.sh && chmod +x /app/greet.sh && "
@@ -389,7 +390,7 @@ def test_over_the_hosts_own_system_an_episode_has_its_tools_but_not_the_nodes_fi
             seen = run(
                 c,
                 iid,
-                f"which python3 bash; pwd; cat /etc/shadow; ls {data}; ls {REPO / 'envhub/plugins/terminal_bench/data'};"
+                f"which python3 bash; pwd; cat /etc/shadow; ls {data}; ls {BUNDLED_TASKS};"
                 f" echo hi > /tmp/x && cat /tmp/x; touch {marker} && echo wrote",
             )
             out = seen["stdout"] + seen["stderr"]
