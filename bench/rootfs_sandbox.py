@@ -9,9 +9,10 @@ The image is the bundled task ``hello-envhub``'s, built with Docker and exported
   or release that follows each;
 - the **run_command round trip**: ``exec(handle, "true", timeout=10)`` in process, the
   ``run_command`` tool (``true``) over HTTP;
-- **--live (64) episodes at once** through each node: every one is created, writes its
-  own id to ``/app/answer.txt`` and, once all have written, reads back its own; then the
-  memory they take (see below);
+- **--live (64) episodes** through each node: first all created at once (how many are
+  made, and how many still run a command after); then, made ``--live-concurrency`` (16)
+  at a time, all live at once: each writes its own id to ``/app/answer.txt`` and, once
+  all have written, reads back its own; then the memory they take (see below);
 - **image import** (rootfs only): the archive into an empty store, and again into a store
   that holds it.
 
@@ -429,18 +430,53 @@ def over_http(node: dict, samples: int) -> dict:
 # -- N live episodes ------------------------------------------------------------------------
 
 
-def live(kind: str, node: dict, n: int) -> dict:
-    group = memory_cgroup(node["proc"].pid) if kind == "rootfs" else None
-    before = {"memavailable": mem_available_kb() << 10, "node_cgroup": cgroup_bytes(group), "engine": engine_rss_kb()}
+def errors(results: list[Any]) -> dict[str, int]:
+    """How many of ``results`` failed, by error (an HTTP error by its status and message)."""
+    out: dict[str, int] = {}
+    for e in results:
+        if isinstance(e, httpx.HTTPStatusError):
+            key = f"{e.response.status_code} {e.response.json().get('error', '')[:200]}"
+        elif isinstance(e, Exception):
+            key = repr(e)[:200]
+        else:
+            continue
+        key = re.sub(r"terminal-bench-[0-9a-f]+", "<id>", key)
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def all_at_once(node: dict, n: int) -> dict:
+    """``n`` creates sent at once, then ``true`` in each episode made; all released."""
     with ThreadPoolExecutor(n) as pool:
         t0 = time.perf_counter()
         made = list(pool.map(lambda _: _try(lambda: create(node)), range(n)))
         wall = time.perf_counter() - t0
+        ids = [m[1] for m in made if not isinstance(m, Exception)]
+        ran = list(pool.map(lambda iid: _try(lambda: run_command(node, iid, "true")), ids))
+        list(pool.map(lambda iid: _try(lambda: release(node, iid)), ids))
+    return {
+        "asked": n,
+        "created": len(ids),
+        "create_errors": errors(made),
+        "ran_true_after": sum(not isinstance(r, Exception) for r in ran),
+        "run_errors": errors(ran),
+        "create_wall_s": round(wall, 2),
+    }
+
+
+def live(kind: str, node: dict, n: int, concurrency: int) -> dict:
+    """``n`` episodes made ``concurrency`` at a time, all live at once; their memory."""
+    group = memory_cgroup(node["proc"].pid) if kind == "rootfs" else None
+    before = {"memavailable": mem_available_kb() << 10, "node_cgroup": cgroup_bytes(group), "engine": engine_rss_kb()}
+    with ThreadPoolExecutor(concurrency) as pool:
+        t0 = time.perf_counter()
+        made = list(pool.map(lambda _: _try(lambda: create(node)), range(n)))
+        wall = time.perf_counter() - t0
     ids = [m[1] for m in made if not isinstance(m, Exception)]
-    failed = [repr(m)[:300] for m in made if isinstance(m, Exception)]
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda iid: run_command(node, iid, f"echo {iid} > /app/answer.txt"), ids))
-        answers = list(pool.map(lambda iid: run_command(node, iid, "cat /app/answer.txt")[1]["stdout"].strip(), ids))
+        wrote = list(pool.map(lambda iid: _try(lambda: run_command(node, iid, f"echo {iid} > /app/answer.txt")), ids))
+        read = list(pool.map(lambda iid: _try(lambda: run_command(node, iid, "cat /app/answer.txt")), ids))
+    answers = [r[1]["stdout"].strip() if isinstance(r, tuple) else None for r in read]
     active = node["client"].get("/health").json()["active"]
     procs = episode_processes(kind, node)
     groups = {memory_cgroup(ps[-1]) for ps in procs}
@@ -467,12 +503,14 @@ def live(kind: str, node: dict, n: int) -> dict:
         memory["node_cgroup_mb"] = round((after["node_cgroup"] - before["node_cgroup"]) / 2**20 / per, 2)
     with ThreadPoolExecutor(16) as pool:
         t0 = time.perf_counter()
-        list(pool.map(lambda iid: release(node, iid), ids))
+        list(pool.map(lambda iid: _try(lambda: release(node, iid)), ids))
         release_wall = time.perf_counter() - t0
     return {
         "asked": n,
+        "concurrency": concurrency,
         "created": len(ids),
-        "failed": failed,
+        "create_errors": errors(made),
+        "step_errors": errors(wrote + read),
         "active_at_once": active,
         "own_answer": sum(a == iid for a, iid in zip(answers, ids, strict=True)),
         "episodes_found": len(procs),
@@ -486,7 +524,7 @@ def live(kind: str, node: dict, n: int) -> dict:
 def _try(fn: Any) -> Any:
     try:
         return fn()
-    except Exception as e:  # reported as a failed create
+    except Exception as e:  # counted by errors()
         return e
 
 
@@ -750,9 +788,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict:
             load.append(loadavg())
         result["runs"] = runs
         result["median"] = across(runs)
-        result["live"] = {}
+        result["all_at_once"], result["live"] = {}, {}
         for kind in KINDS:
-            result["live"][kind] = await asyncio.to_thread(live, kind, nodes[kind], args.live)
+            result["all_at_once"][kind] = await asyncio.to_thread(all_at_once, nodes[kind], args.live)
+            result["live"][kind] = await asyncio.to_thread(live, kind, nodes[kind], args.live, args.live_concurrency)
             load.append(loadavg())
         if args.profile_samples:
             result["profile"] = await profile(
@@ -803,10 +842,17 @@ def report(r: dict) -> None:
             cells.append(f"{f['p50_ms']} ({f['p50_range_ms'][0]}-{f['p50_range_ms'][1]}) {f['p90_ms']}")
         print(f"{label:32} {cells[0]:>30} {cells[1]:>30}")
     for kind in KINDS:
+        a = r["all_at_once"][kind]
+        print(
+            f"{a['asked']} creates at once, {kind}: {a['created']} created ({a['create_wall_s']} s wall), "
+            f"{a['ran_true_after']} ran a command after; errors: {a['create_errors'] or 'none'} {a['run_errors'] or ''}"
+        )
+    for kind in KINDS:
         lv = r["live"][kind]
         mem = lv["memory_per_episode"]
         print(
-            f"{lv['asked']} live, {kind}: {lv['created']} created ({lv['create_wall_s']} s wall), "
+            f"{lv['asked']} live, {kind}, made {lv['concurrency']} at a time: {lv['created']} created "
+            f"({lv['create_wall_s']} s wall), errors {lv['create_errors'] or 'none'} {lv['step_errors'] or ''}, "
             f"{lv['active_at_once']} active at once, {lv['own_answer']} read their own answer, "
             f"{lv['episodes_found']} found; per episode: " + ", ".join(f"{k} {v}" for k, v in mem.items())
         )
@@ -837,6 +883,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=20, help="creates per sandbox, way and run (x3 run_commands)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--live", type=int, default=64, help="episodes live at once through each node")
+    ap.add_argument("--live-concurrency", type=int, default=16, help="creates at a time for the live episodes")
     ap.add_argument("--import-samples", type=int, default=3)
     ap.add_argument("--profile-samples", type=int, default=20, help="0: no profile")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rootfs_sandbox.json")
