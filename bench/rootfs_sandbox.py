@@ -90,7 +90,8 @@ OUTPUT_LIMIT = 1 << 20  # the rootfs sandbox's default
 # The shell agent's steps for one call of ``true``, each run N times by ``sh`` (as the
 # agent runs them); prints "<step> <microseconds per run>".
 STEPS = r"""
-N=$1; d=$(mktemp -d); printf true > "$d/cmd"; : > "$d/out"; : > "$d/err"; echo hello > "$d/one"
+N=$1; d=$(mktemp -d "${ENVHUB_AGENT_DIR:-/tmp}/.steps.XXXXXX")
+printf true > "$d/cmd"; : > "$d/out"; : > "$d/err"; echo hello > "$d/one"
 now() { date +%s%N; }
 t() {
   name=$1; shift; s=$(now); i=0
@@ -115,11 +116,11 @@ CALL_STEPS = {"decode_command": 1, "read_command": 1, "run_timeout_bash": 1, "si
 # Measured alternatives, not used by envhub. The protocol's floor: answers at once.
 FLOOR_AGENT = r"""printf 'envhub-agent-ready\n'
 while IFS= read -r line; do set -f; set -- $line; set +f; printf '%s 0 x 0 x 0\n' "$1"; done"""
-# A leaner script, same protocol and output: no mktemp (the episode's /tmp is its own),
+# A leaner script, same protocol and output: no mktemp (the agent's dir is the episode's own),
 # the command decoded straight into bash's argument (no file, no cat), an empty output
 # sent without a process, base64 -w0 where base64 has it (no tr).
 PROPOSED_SH_AGENT = r"""
-o=/tmp/.envhub-agent.$$.out; e=/tmp/.envhub-agent.$$.err
+o=${ENVHUB_AGENT_DIR:-/tmp}/.envhub-agent.$$.out; e=${ENVHUB_AGENT_DIR:-/tmp}/.envhub-agent.$$.err
 trap 'rm -f "$o" "$e"' EXIT
 if [ "$(printf x | base64 -w0 2>/dev/null)" = eA== ]; then W=1; else W=; fi
 enc() {
