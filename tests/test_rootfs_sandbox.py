@@ -195,6 +195,15 @@ def test_the_tools_work_in_an_episode_of_its_own(node, tmp_path):
                 f"/instances/{iid}/step", json={"action": {"tool": "read_file", "arguments": {"path": path}}}
             ).json()["observation"]
             assert "the host's file" not in json.dumps(read), read
+        # Nothing of the node's is open in the episode: its init holds only /dev/null, and the
+        # one socket any of its processes holds is its own shell's channel.
+        fds = run(
+            c, iid, "ls -l /proc/1/fd | tail -n +2; echo --; ls -l /proc/[0-9]*/fd 2>/dev/null | grep -o 'socket:.*'"
+        )
+        init_fds, sockets = fds["stdout"].split("--\n")
+        assert all(line.endswith("/dev/null") for line in init_fds.splitlines()), init_fds
+        assert len(set(sockets.split())) == 1, sockets
+        assert "envhub" not in run(c, iid, "cat /proc/1/environ | tr '\\0' '\\n'")["stdout"].lower()
         timed = run(c, iid, "sleep 30", timeout=1)
         assert timed["timed_out"] is True, timed
         assert run(c, iid, "echo still")["stdout"] == "still\n", "the shell survives a timeout"
@@ -404,3 +413,42 @@ def test_over_the_hosts_own_system_an_episode_has_its_tools_but_not_the_nodes_fi
         assert not marker.exists(), "what the episode wrote stayed in its own layer"
     finally:
         assert node.stop() == 0, node.log()
+
+
+def test_a_burst_of_creates_queues_at_the_zygote_and_every_one_is_made(archives, tmp_path):
+    """Before: with about 50 creates queued behind the zygote, the control socket's buffer
+    filled, the node took EAGAIN for a dead zygote, and every episode on the node ended.
+    96 creates at once, in process: all are made and all answer."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from envhub.plugins.rootfs_sandbox.sandbox import RootfsSandbox
+    from envhub.sandbox import SandboxSpec
+
+    index = json.loads((archives / "index.json").read_text())
+    image = next(name for name in index["images"] if "hello-envhub" in name)
+
+    async def burst() -> list[str]:
+        sandbox = RootfsSandbox({"archives": [str(archives)], "upper_mb": 16}, SimpleNamespace(data_dir=tmp_path))
+        await sandbox.start()
+        try:
+            await sandbox.build_image(
+                context_dir=BUNDLED_TASKS / "hello-envhub" / "environment",
+                dockerfile="",
+                image=image,
+                log_path=tmp_path / "import.log",
+                timeout=600,
+                extra_files={},
+            )
+            specs = [
+                SandboxSpec(instance_id=f"burst-{i}", environment="terminal-bench", task_id="t", image=image)
+                for i in range(96)
+            ]
+            handles = await asyncio.gather(*(sandbox.create(s) for s in specs))
+            outs = await asyncio.gather(*(sandbox.exec(h, "echo $$", timeout=30) for h in handles))
+            return [o.stdout for o in outs]
+        finally:
+            await sandbox.stop()
+
+    outs = asyncio.run(burst())
+    assert len(outs) == 96 and all(o.strip().isdigit() for o in outs), outs

@@ -5,7 +5,8 @@ where there is no Docker (Slurm, Kubernetes pods, shared HPC nodes).
 - ``sandbox.py``: :class:`~.sandbox.RootfsSandbox`, the node's side: images, episodes,
   cgroups.
 - ``images.py``: :class:`~.images.RootfsStore`, the node's image rootfs dirs, unpacked
-  once per image from ``docker save``/OCI archives and layouts.
+  once per image from ``docker save``/OCI archives and layouts; ``archives.py`` reads an
+  archive or layout into a plan of layers, ``layers.py`` applies them.
 - ``launcher.py``: the zygote as the node launches it; ``nsinit.py``: the zygote itself
   (standard library only), which forks each episode into its namespaces.
 - ``agent.py``: the node's end of an episode's shell; ``files.py``: an episode's files,

@@ -144,7 +144,7 @@ def _build_root(req: dict, scratch: str) -> str:
         _host_root(req, scratch, root)
     else:
         lower = ":".join(req["lower"])
-        _mount("overlay", root, "overlay", 0, f"lowerdir={lower},upperdir={scratch}/upper,workdir={scratch}/work")
+        _overlay(root, f"lowerdir={lower},upperdir={scratch}/upper,workdir={scratch}/work")
     for path, mode in (req.get("modes") or {}).items():
         # Dirs and plain files only: a device node cannot be copied up (no mknod here), and
         # /dev is the episode's own anyway.
@@ -213,13 +213,7 @@ def _host_overlay(scratch: str, rel: str, *, depth: int) -> None:
     for part in ("upper", "work", "root"):
         os.makedirs(os.path.join(scratch, part, rel), 0o755, exist_ok=True)
     try:
-        _mount(
-            "overlay",
-            target,
-            "overlay",
-            0,
-            f"lowerdir={source},upperdir={scratch}/upper/{rel},workdir={scratch}/work/{rel}",
-        )
+        _overlay(target, f"lowerdir={source},upperdir={scratch}/upper/{rel},workdir={scratch}/work/{rel}")
         return
     except Failed:
         if depth <= 0:
@@ -231,6 +225,16 @@ def _host_overlay(scratch: str, rel: str, *, depth: int) -> None:
         elif os.path.isfile(path):
             os.close(os.open(os.path.join(target, child), os.O_CREAT | os.O_WRONLY, 0o644))
             _mount(path, os.path.join(target, child), None, MS_BIND)
+
+
+def _overlay(target: str, options: str) -> None:
+    """An overlay at ``target``, its metadata in ``user.*`` xattrs (``userxattr``: what a
+    user namespace may write; without it every mount logs that ``trusted.*`` failed),
+    and without that option where the kernel lacks it (before Linux 5.11)."""
+    try:
+        _mount("overlay", target, "overlay", 0, f"{options},userxattr")
+    except Failed:
+        _mount("overlay", target, "overlay", 0, options)
 
 
 def _pivot(root: str) -> None:
@@ -291,10 +295,29 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
+def _only_fds(keep: set[int]) -> None:
+    """Keep ``keep`` and nothing else of what the zygote had open: fds 0-2 become
+    /dev/null (not the node's log) and every other fd is closed, the control socket first.
+    Episode code reaches its init's fds through /proc/1/fd: none of them may be the
+    node's."""
+    devnull = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        if fd not in keep:
+            os.dup2(devnull, fd)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def _episode(req: dict, agent_fd: int, to_zygote: int, from_zygote: int, report: int) -> None:
     """C: into the episode's cgroup and namespaces, then G."""
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _only_fds({agent_fd, to_zygote, from_zygote, report})
         for group in req.get("cgroups") or ():  # before anything is forked: all of it is charged
             _write(os.path.join(group, "cgroup.procs"), "0")
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
@@ -308,6 +331,8 @@ def _episode(req: dict, agent_fd: int, to_zygote: int, from_zygote: int, report:
         os.setresuid(0, 0, 0)
         init = os.fork()
         if init == 0:
+            os.close(to_zygote)  # C's own line to the zygote: the episode never holds it
+            os.close(from_zygote)
             _init(req, req["scratch"], agent_fd, report)
         os.close(agent_fd)
         os.close(report)
@@ -504,6 +529,7 @@ def _root_map() -> str | None:
 
 def main() -> None:
     ctl = socket.socket(fileno=int(sys.argv[1]))
+    ctl.set_inheritable(False)  # and every episode closes it first (_only_fds)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     why = probe(sys.argv[2])
     zygote = Zygote(ctl)

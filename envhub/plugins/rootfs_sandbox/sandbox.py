@@ -43,6 +43,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -130,7 +131,10 @@ class RootfsSandbox(Sandbox):
         self.scratch = data_dir / "rootfs-scratch"
         self.store: RootfsStore | None = None
         self.zygote: RootfsZygote | None = None
-        self.cgroups = Cgroups(f"rootfs-{secrets.token_hex(4)}", label="rootfs sandbox", log=log)
+        # Named after the node's data dir, not at random: a node killed with -9 leaves its
+        # cgroups, and its next start takes them back instead of leaving them for good.
+        name = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+        self.cgroups = Cgroups(f"rootfs-{name}", label="rootfs sandbox", log=log)
         self._episodes: dict[str, _Episode] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
