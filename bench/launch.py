@@ -42,11 +42,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], log: Path, timeout: float = 60.0) -> tuple[subprocess.Popen, str, int]:
+def start(
+    args: list[str], log: Path, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str, int]:
     """``envhub serve --port <free port> *args`` with stderr to ``log``, free of the
-    caller's ENVHUB_* settings; returns the process, its URL and its port."""
+    caller's ENVHUB_* settings and with ``env`` added; returns the process, its URL and
+    its port."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")} | (env or {})
     with open(log, "w") as err:  # the child keeps its own copy of the fd
         proc = subprocess.Popen(
             [sys.executable, "-m", "envhub", "serve", "--port", str(port), *args],

@@ -12,6 +12,7 @@ import ipaddress
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -143,6 +144,18 @@ def plugins(config: str | None, sets: tuple[str, ...]) -> None:
 )
 @click.option("--all", "all_tasks", is_flag=True, help="Build every task of the environment.")
 @click.option(
+    "--export",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Then write each built task image's archive into DIR, with DIR/index.json: what nodes "
+    "without Docker import (sandboxes.rootfs.archives).",
+)
+@click.option(
+    "--prune",
+    is_flag=True,
+    help="Then remove the images the sandbox keeps (rootfs) that none of these tasks uses.",
+)
+@click.option(
     "--base-images",
     is_flag=True,
     help="First make the local stand-in base images (terminal-bench: Debian with Python and uv; needs root).",
@@ -154,12 +167,15 @@ def build(
     tasks: tuple[str, ...],
     environment: str | None,
     all_tasks: bool,
+    export: str | None,
+    prune: bool,
     base_images: bool,
     config: str | None,
     data_dir: str | None,
     sets: tuple[str, ...],
 ) -> None:
-    """Prebuild task images (each once; unchanged tasks are not rebuilt), with a progress bar."""
+    """Prebuild task images (each once; unchanged tasks are not rebuilt), with a progress bar;
+    with --export, also write their archives for nodes without Docker."""
     import asyncio
 
     from envhub.node.prebuild import prebuild
@@ -172,7 +188,17 @@ def build(
     wanted = list(tasks) if tasks else (None if all_tasks else [])
     try:
         settings = _settings(config, sets, data_dir=data_dir)
-        done = asyncio.run(prebuild(settings, environment, wanted, base_images=base_images, echo=click.echo))
+        done = asyncio.run(
+            prebuild(
+                settings,
+                environment,
+                wanted,
+                base_images=base_images,
+                export=Path(export) if export else None,
+                prune=prune,
+                echo=click.echo,
+            )
+        )
     except EnvhubError as e:
         raise click.ClickException(e.message) from None
     if done.base_images:

@@ -225,6 +225,11 @@ class Environment:
     description: ClassVar[str] = ""
     sandbox: str = "process"
 
+    #: Sandboxes to run in, in order, when :attr:`sandbox` cannot start on this node (and
+    #: the config section names none): terminal-bench falls back from ``docker`` to
+    #: ``rootfs`` where there is no Docker engine.
+    fallback_sandboxes: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
         chosen = self.config.get("sandbox")

@@ -372,6 +372,13 @@ def _parse_listing(language: str, stdout: str) -> list[str]:
     return sorted(n[2:] if n.startswith("./") else n for n in stdout.split("\0") if n)
 
 
+#: The label an image built for the build gate carries: the digest of its build context
+#: (``envhub.util.trees.tree_digest`` of ``context_dir`` without ``exclude``), the same on
+#: every machine. An image exported for nodes without an engine is matched to its task by it
+#: (``envhub build --export``, the rootfs sandbox), whatever else went into its tag.
+CONTEXT_LABEL = "envhub.context"
+
+
 @dataclass
 class BuildRequest:
     environment: str

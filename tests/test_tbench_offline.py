@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import yaml
 from conftest import REPO, TB_DATA, EnvhubProcess, needs_docker, needs_shared
 
 from envhub.plugins.terminal_bench.offline import BASE_IMAGES
@@ -140,3 +142,47 @@ def test_the_readme_config_serves_the_bundled_and_the_published_tasks(offline_no
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(BUNDLED, pool.map(lambda t: oracle(offline_node, t), BUNDLED), strict=True))
     assert {t: r[1].get("reward") for t, r in results.items()} == dict.fromkeys(BUNDLED, 1.0), results
+
+
+def test_published_tasks_pass_in_oracle_mode_on_the_rootfs_sandbox_from_exported_archives(offline_node, tmp_path):
+    """The same tasks on a node without Docker (``DOCKER_HOST`` points nowhere): their
+    images exported by ``envhub build --export`` on this machine, which has Docker, with
+    the README's config, then imported by the node's rootfs sandbox, to which
+    terminal-bench falls back by itself."""
+    here = offline_node.data_dir.parent  # the README's folder: offline.yaml, ./terminal-bench
+    export = tmp_path / "export"
+    data = tmp_path / "export-data"
+    # The verifier tools the offline node fetched: an export needs no PyPI either.
+    shutil.copytree(offline_node.data_dir / "tools", data / "tools")
+    made = subprocess.run(
+        [sys.executable, "-m", "envhub", "build", *PASSING, "--export", str(export), "--config", "offline.yaml"]
+        + ["--data-dir", str(data), *HERE],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=here,
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    config = yaml.safe_load((here / "offline.yaml").read_text())
+    section = config["environments"]["terminal-bench"]
+    section.pop("verifier_tools")  # they are in the exported images: this node fetches nothing
+    section["warm_pool"] = 0
+    config["environments"]["appworld"] = {"enabled": False}
+    config["sandboxes"] = {"rootfs": {"archives": [str(export)]}}
+    (here / "rootfs.yaml").write_text(yaml.safe_dump(config))
+    node = EnvhubProcess(
+        tmp_path / "rootfs-data",
+        "--config",
+        "rootfs.yaml",
+        env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"},
+        cwd=here,
+    ).start(timeout=60)
+    try:
+        with node.client() as c:
+            assert c.get("/environments/terminal-bench").json()["sandbox"] == "rootfs"
+        with ThreadPoolExecutor(4) as pool:
+            results = dict(zip(PASSING, pool.map(lambda t: oracle(node, t), PASSING), strict=True))
+        rewards = {t: results[t][1].get("reward") for t in PASSING}
+        assert rewards == dict.fromkeys(PASSING, 1.0), {t: results[t][1] for t in PASSING if rewards[t] != 1.0}
+    finally:
+        assert node.stop() == 0, node.log()

@@ -190,8 +190,13 @@ class ZygoteControl:
                     raise SandboxError(f"a {req['op']} request of {len(data)} bytes is too large")
                 self.waiters[self._req_id] = waiter = asyncio.get_running_loop().create_future()
                 try:
-                    self._ctl.send(data)
+                    # A zygote busy with a burst of requests lets its socket's buffer fill:
+                    # wait until it takes more (EAGAIN is no death; the lock keeps order).
+                    await asyncio.get_running_loop().sock_sendall(self._ctl, data)
                     break
+                except asyncio.CancelledError:  # not sent: nobody will answer it
+                    self.waiters.pop(self._req_id, None)
+                    raise
                 except OSError as e:  # it died and the reader has not seen the EOF yet
                     self._drop()
                     if attempt:

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import click
 
+from envhub.environment import Environment, Task
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.node.runtime import NodeRuntime
 from envhub.plugins import Registry, collect, get_plugin_manager
+from envhub.sandbox import CONTEXT_LABEL, SandboxSpec
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
 
@@ -39,13 +44,18 @@ async def prebuild(
     task_ids: list[str] | None,
     *,
     base_images: bool = False,
+    export: Path | None = None,
+    prune: bool = False,
     echo: Callable[[str], None] = print,
 ) -> Prebuilt:
     """Build the images of ``task_ids`` (all tasks when ``None``) of ``environment`` (when
     ``None``, the one environment served whose sandbox builds images), in parallel up to
     ``build_parallel``. With ``base_images``, first make the environment's stand-in base
     images (an environment offers them with a ``build_base_images(echo)`` method that
-    returns one line per image: terminal-bench does)."""
+    returns one line per image: terminal-bench does). With ``export``, then write each
+    built task image's archive into that dir (:func:`export_images`). With ``prune``, then
+    remove the images of the environment's sandbox that none of the tasks built here uses
+    (a sandbox that keeps images of its own offers ``prune_images``: rootfs does)."""
     pm = get_plugin_manager(load_entrypoints=settings.load_entrypoints, disabled=settings.disabled_plugins)
     env_registry = collect(pm, "register_environments", "environment")
     sandbox_registry = collect(pm, "register_sandboxes", "sandbox")
@@ -84,6 +94,11 @@ async def prebuild(
                 bar.update(1, task.id)
 
             await asyncio.gather(*(one(t) for t in tasks))
+        ready = [t for t in tasks if outcome.get(t.id) is None]
+        if export is not None:
+            await export_images(runtime, env, ready, export, echo)
+        if prune:
+            await _prune(runtime, env, ready, echo)
         done.tasks = outcome
         return done
     finally:
@@ -124,3 +139,65 @@ def _the_one_that_builds(runtime: NodeRuntime) -> str:
         raise InvalidRequest(f"several environments build images ({', '.join(building)}): name one with --environment")
     skipped = "; ".join(f"{n}: {why}" for n, why in runtime.skipped.items())
     raise NotFound("no environment served here builds images" + (f" ({skipped})" if skipped else ""))
+
+
+async def export_images(
+    runtime: NodeRuntime, env: Environment, tasks: list[Task], folder: Path, echo: Callable[[str], None]
+) -> None:
+    """Write the image each of ``tasks`` runs in as a ``docker save`` archive into
+    ``folder``, and ``folder/index.json`` mapping image names to archive files (merged with
+    what an earlier export wrote there): what a node without Docker imports them from
+    (the rootfs sandbox's ``archives``). An archive already there is kept."""
+    sandbox = runtime.sandboxes.get(env.sandbox)
+    save = getattr(sandbox, "save_image", None)
+    if save is None:
+        raise InvalidRequest(f"--export needs a sandbox that holds images it can save (docker), not {env.sandbox!r}")
+    await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
+    index_path = folder / "index.json"
+    index, contexts = await asyncio.to_thread(_read_index, index_path)
+    images = sorted({spec.image for spec in (_spec(env, t) for t in tasks) if spec.image})
+    for image in images:
+        file = re.sub(r"[^A-Za-z0-9_.-]+", "_", image) + ".tar"
+        if index.get(image) == file and await asyncio.to_thread((folder / file).is_file):
+            echo(f"kept {file}")
+            continue
+        size, labels = await save(image, folder / file)
+        index[image] = file
+        if labels.get(CONTEXT_LABEL):
+            contexts[image] = labels[CONTEXT_LABEL]
+        await asyncio.to_thread(_write_index, index_path, index, contexts)
+        echo(f"exported {image} to {folder / file} ({size / 2**20:.0f} MiB)")
+
+
+async def _prune(runtime: NodeRuntime, env: Environment, tasks: list[Task], echo: Callable[[str], None]) -> None:
+    sandbox = runtime.sandboxes.get(env.sandbox)
+    prune = getattr(sandbox, "prune_images", None)
+    if prune is None:
+        raise InvalidRequest(f"--prune: the {env.sandbox} sandbox keeps no images of its own to prune")
+    keep = {spec.image for spec in (_spec(env, t) for t in tasks) if spec.image}
+    freed = await prune(keep)
+    echo(f"pruned {freed / 2**20:.0f} MiB of images no task here uses")
+
+
+def _spec(env: Environment, task: Task) -> SandboxSpec:
+    return env.sandbox_spec(task, {}, SandboxSpec(instance_id="build", environment=env.name, task_id=task.id))
+
+
+def _read_index(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """An export dir's ``images`` (name -> archive file) and ``contexts`` (name -> the digest
+    of the build context it was built from, ``CONTEXT_LABEL``)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}, {}
+    out = []
+    for key in ("images", "contexts"):
+        part = data.get(key) if isinstance(data, dict) else None
+        out.append({k: v for k, v in (part or {}).items() if isinstance(k, str) and isinstance(v, str)})
+    return out[0], out[1]
+
+
+def _write_index(path: Path, images: dict[str, str], contexts: dict[str, str]) -> None:
+    tmp = path.with_name(".index.json.tmp")
+    tmp.write_text(json.dumps({"images": images, "contexts": contexts}, indent=2, sort_keys=True) + "\n")
+    tmp.rename(path)

@@ -3,9 +3,11 @@
 Shared by the node app and by commands that work without a server (``envhub build``).
 Start order: environments load their data, the sandboxes they use start, the build
 gate is made when a started sandbox builds images, then each environment's ``start``.
-Stop order is the reverse. An environment that was not named in the config is optional:
-when its sandbox cannot start (no Docker engine on a laptop) it is left out with a
-warning; one the config names makes the start fail instead.
+Stop order is the reverse. An environment whose sandbox cannot start runs in the first of
+its ``fallback_sandboxes`` that can (terminal-bench: the rootfs sandbox, where there is
+no Docker engine), unless its config section names its sandbox. Failing that, an
+environment that was not named in the config is optional: it is left out with a warning
+(no Docker engine on a laptop); one the config names makes the start fail instead.
 """
 
 from __future__ import annotations
@@ -55,37 +57,28 @@ class NodeRuntime:
             env.warm_pool_size()  # a bad warm_pool fails the start, not every create
             envs[name] = env
         try:
+            failures: dict[str, str] = {}  # sandbox -> why it cannot start
             for sandbox_name in sorted({env.sandbox for env in envs.values()}):
-                users = sorted(n for n, e in envs.items() if e.sandbox == sandbox_name)
-                try:
-                    cls = sandbox_registry.get(sandbox_name)
-                    config = dict(settings.sandboxes.get(sandbox_name) or {})
-                    _extend(config, "preload", [m for n in users for m in envs[n].sandbox_preload()])
-                    _extend(config, "hide", [p for n in users for p in envs[n].sandbox_hidden()])
-                    sandbox = cls(config, settings)
-                    await sandbox.start()
-                except EnvhubError as e:
-                    required = [n for n in users if n in settings.environments]
-                    if required:
-                        raise StartupError(
-                            f"sandbox {sandbox_name!r} (needed by {', '.join(required)}) cannot start: {e.message}"
-                        ) from None
-                    for n in users:
-                        self.skipped[n] = f"sandbox {sandbox_name!r} cannot start: {e.message}"
-                        envs.pop(n)
-                    log.warning(
-                        "not serving %s: sandbox %r cannot start: %s", ", ".join(users), sandbox_name, e.message
-                    )
+                await self._start_sandbox(sandbox_name, envs, sandbox_registry, failures)
+            for name, env in sorted(envs.items()):
+                if env.sandbox in self.sandboxes:
                     continue
-                self.sandboxes[sandbox_name] = sandbox
-                if self.builds is None and hasattr(sandbox, "build_image"):
-                    self.builds = BuildGate(
-                        self.db,
-                        sandbox,
-                        settings.data_dir / "builds",
-                        parallel=settings.build_parallel,
-                        metrics=self.metrics,
-                    )
+                why = f"sandbox {env.sandbox!r} cannot start: {failures[env.sandbox]}"
+                chosen = "sandbox" in (settings.environments.get(name) or {})
+                for fallback in () if chosen else env.fallback_sandboxes:
+                    if fallback not in self.sandboxes and fallback not in failures:
+                        await self._start_sandbox(fallback, envs, sandbox_registry, failures, also=(name,))
+                    if fallback in self.sandboxes:
+                        log.warning("%s runs in the %s sandbox: %s", name, fallback, why)
+                        env.sandbox = fallback
+                        break
+                    why += f"; fallback {fallback!r} cannot start: {failures[fallback]}"
+                else:
+                    if name in settings.environments:
+                        raise StartupError(f"{name}: {why}")
+                    self.skipped[name] = why
+                    envs.pop(name)
+                    log.warning("not serving %s: %s", name, why)
             failed = await builds_store.fail_unfinished(self.db)
             if failed:
                 log.warning("marked %d build(s) a previous run left unfinished as failed", failed)
@@ -98,6 +91,40 @@ class NodeRuntime:
             await self.stop()
             raise
         self.environments = envs
+
+    async def _start_sandbox(
+        self,
+        sandbox_name: str,
+        envs: dict[str, Environment],
+        registry: Registry,
+        failures: dict[str, str],
+        *,
+        also: tuple[str, ...] = (),
+    ) -> None:
+        """Start the sandbox plugin ``sandbox_name`` for the environments that use it (and
+        ``also``, which would fall back to it), into :attr:`sandboxes`, or record in
+        ``failures`` why it cannot start."""
+        settings = self.settings
+        users = sorted({*(n for n, e in envs.items() if e.sandbox == sandbox_name), *also})
+        try:
+            cls = registry.get(sandbox_name)
+            config = dict(settings.sandboxes.get(sandbox_name) or {})
+            _extend(config, "preload", [m for n in users for m in envs[n].sandbox_preload()])
+            _extend(config, "hide", [p for n in users for p in envs[n].sandbox_hidden()])
+            sandbox = cls(config, settings)
+            await sandbox.start()
+        except EnvhubError as e:
+            failures[sandbox_name] = e.message
+            return
+        self.sandboxes[sandbox_name] = sandbox
+        if self.builds is None and hasattr(sandbox, "build_image"):
+            self.builds = BuildGate(
+                self.db,
+                sandbox,
+                settings.data_dir / "builds",
+                parallel=settings.build_parallel,
+                metrics=self.metrics,
+            )
 
     async def stop(self) -> None:
         for sandbox in list(self.sandboxes.values()):

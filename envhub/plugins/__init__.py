@@ -22,6 +22,7 @@ from envhub.errors import StartupError
 DEFAULT_PLUGINS = (
     "envhub.plugins.process_sandbox",
     "envhub.plugins.docker_sandbox",
+    "envhub.plugins.rootfs_sandbox",
     "envhub.plugins.mbpp",
     "envhub.plugins.terminal_bench",
     "envhub.plugins.appworld",

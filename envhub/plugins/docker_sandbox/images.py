@@ -19,6 +19,8 @@ import docker.errors
 from envhub.errors import BuildFailed
 from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.engine import ENGINE_ERRORS, explain, owned_by_root, tar_bytes
+from envhub.sandbox import CONTEXT_LABEL
+from envhub.util.trees import tree_digest
 
 _DOCKERFILE_NAME = ".envhub.Dockerfile"  # reserved name in the build context
 
@@ -38,6 +40,27 @@ class DockerImages:
             return True
         except docker.errors.ImageNotFound:
             return False
+
+    async def save_image(self, image: str, path: Path) -> tuple[int, dict[str, str]]:
+        """Write ``image`` as a ``docker save`` archive to ``path`` (through a temporary
+        file renamed into place); returns its size in bytes and its labels."""
+        return await self.engine.call(self._save_sync, image, path)
+
+    def _save_sync(self, image: str, path: Path) -> tuple[int, dict[str, str]]:
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in self.engine.api.get_image(image):
+                    f.write(chunk)
+            tmp.rename(path)
+            labels = (self.engine.api.inspect_image(image).get("Config") or {}).get("Labels") or {}
+        except ENGINE_ERRORS as e:
+            tmp.unlink(missing_ok=True)
+            raise BuildFailed(f"cannot save image {image}: {explain(e)}") from None
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path.stat().st_size, dict(labels)
 
     async def build_image(
         self,
@@ -103,6 +126,9 @@ class DockerImages:
                     custom_context=True,
                     dockerfile=_DOCKERFILE_NAME,
                     tag=image,
+                    # What the context was, machine-independently: a node without Docker
+                    # matches an exported archive to its task by it (rootfs sandbox).
+                    labels={CONTEXT_LABEL: tree_digest(context_dir, exclude)},
                     rm=True,
                     forcerm=True,
                     decode=True,

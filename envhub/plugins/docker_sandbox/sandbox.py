@@ -244,6 +244,10 @@ class DockerSandbox(Sandbox):
     async def image_exists(self, image: str) -> bool:
         return await self.images.image_exists(image)
 
+    async def save_image(self, image: str, path: Path) -> tuple[int, dict[str, str]]:
+        """See :meth:`.images.DockerImages.save_image` (``envhub build --export``)."""
+        return await self.images.save_image(image, path)
+
     async def build_image(
         self,
         *,

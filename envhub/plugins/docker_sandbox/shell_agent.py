@@ -2,22 +2,17 @@
 
 A docker exec makes the engine start a process through runc for every call (about 70 ms
 on a small VM). Instead, the docker sandbox starts one long-lived ``sh`` per container,
-through a single exec with stdin attached, and sends it one line per command:
-``<id> <timeout> x<base64 command>``. The agent runs the command under coreutils
-``timeout`` with stdin from /dev/null and its output in files, then answers one line:
-``<id> <exit code> x<base64 stdout> <cut> x<base64 stderr> <cut>`` (outputs over the limit
-keep head and tail, as the exec path does).
+through a single exec with stdin attached, and speaks envhub/util/shell_agent.py's line
+protocol with it over the exec's multiplexed stream (the docker frames are unwrapped here).
 
 Invariants: calls on one agent are serialised by its lock; a reply is matched by id; an
 agent that misses its deadline, answers garbage or loses its stream is closed and never
-used again (the sandbox falls back to a docker exec per call for that container). The
-agent needs only POSIX sh, base64, head, tail, wc, tr, mktemp and timeout (coreutils or
-busybox) in the image; if it cannot start, the container simply uses docker exec.
+used again (the sandbox falls back to a docker exec per call for that container); if it
+cannot start (an image without what the script needs), the container simply uses docker exec.
 """
 
 from __future__ import annotations
 
-import base64
 import itertools
 import select
 import socket
@@ -26,32 +21,11 @@ import time
 from typing import Any
 
 from envhub.sandbox import ExecResult
+from envhub.util import shell_agent
+from envhub.util.shell_agent import READY
 
 _FRAME_HEADER = 8
 STDOUT = 1
-READY = b"envhub-agent-ready"
-
-SCRIPT = r"""
-d=$(mktemp -d /tmp/.envhub-agent.XXXXXX) || exit 1
-trap 'rm -rf "$d"' EXIT
-enc() {
-  n=$(wc -c < "$1"); n=${n##* }
-  if [ "$n" -gt LIMIT ]; then
-    { head -c HALF "$1"; printf '\n[... %s bytes truncated ...]\n' $((n - LIMIT))
-      tail -c HALF "$1"; } | base64 | tr -d '\n'; printf ' 1'
-  else
-    base64 < "$1" | tr -d '\n'; printf ' 0'
-  fi
-}
-printf 'envhub-agent-ready\n'
-while IFS= read -r line; do
-  set -f; set -- $line; set +f
-  printf '%s' "${3#x}" | base64 -d > "$d/cmd" 2>/dev/null
-  timeout -k 1 -s TERM "$2" bash -c "$(cat "$d/cmd")" < /dev/null > "$d/out" 2> "$d/err"
-  rc=$?
-  printf '%s %s x' "$1" "$rc"; enc "$d/out"; printf ' x'; enc "$d/err"; printf '\n'
-done
-"""
 
 
 class AgentBroken(Exception):
@@ -74,7 +48,7 @@ class ShellAgent:
 
     @staticmethod
     def script(output_limit: int) -> str:
-        return SCRIPT.replace("LIMIT", str(output_limit)).replace("HALF", str(max(1, output_limit // 2)))
+        return shell_agent.script(output_limit)
 
     def wait_ready(self, timeout: float) -> None:
         line = self._read_line(time.monotonic() + timeout)
@@ -87,30 +61,13 @@ class ShellAgent:
                 raise AgentBroken("agent is closed")
             started = time.monotonic()
             call_id = next(self._ids)
-            line = f"{call_id} {max(timeout, 0.001):.3f} x{base64.b64encode(command.encode()).decode()}\n"
             try:
-                self._raw.sendall(line.encode())
-                reply = self._read_line(deadline)
-                fields = reply.split(b" ")
-                if len(fields) != 6 or int(fields[0]) != call_id:
-                    raise AgentBroken(f"reply out of step: {reply[:80]!r}")
-                rc = int(fields[1])
-                stdout = base64.b64decode(fields[2][1:]).decode("utf-8", errors="replace")
-                stderr = base64.b64decode(fields[4][1:]).decode("utf-8", errors="replace")
-            except (OSError, ValueError, AgentBroken) as e:
+                self._raw.sendall(shell_agent.request(call_id, command, timeout))
+                line = self._read_line(deadline)
+                return shell_agent.reply(line, call_id, timeout=timeout, elapsed=time.monotonic() - started)
+            except (OSError, shell_agent.ProtocolError, AgentBroken) as e:
                 self.close()
                 raise AgentBroken(str(e)) from e
-            elapsed = time.monotonic() - started
-            # 124: timeout sent TERM; 137: it had to KILL. Only a timeout if the time had passed.
-            timed_out = rc in (124, 137) and elapsed >= timeout
-            return ExecResult(
-                stdout=stdout,
-                stderr=stderr,
-                exit_code=None if timed_out else rc,
-                timed_out=timed_out,
-                duration_s=elapsed,
-                truncated=fields[3] == b"1" or fields[5] == b"1",
-            )
 
     def _read_line(self, deadline: float) -> bytes:
         self._split_frames()

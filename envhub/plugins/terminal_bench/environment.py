@@ -50,7 +50,7 @@ log = logging.getLogger("envhub.terminal_bench")
 BUNDLED = Path(__file__).resolve().parent / "data"
 
 SYSTEM_PROMPT = (
-    "You are an expert at using a Linux terminal. You work in a Docker container to complete "
+    "You are an expert at using a Linux terminal. You work in a Linux container to complete "
     "the task below. Use run_command to run shell commands (each runs in a fresh bash, in the "
     "task's working directory), write_file and read_file to edit files. When you are done, "
     "stop calling tools; your work is then checked by tests you cannot see."
@@ -122,8 +122,11 @@ class TerminalBench(Environment):
     --base-images`` makes them)."""
 
     name = "terminal-bench"
-    description = "Terminal-Bench tasks (tb1 and tb2 formats), one Docker container per episode"
+    description = (
+        "Terminal-Bench tasks (tb1 and tb2 formats), one container per episode (Docker or rootfs)"
+    )
     sandbox = "docker"
+    fallback_sandboxes = ("rootfs",)  # where there is no Docker engine: images from archives
     default_warm_pool = 4  # a GRPO group of one task lands on one node: its next creates find a container ready
     code_tool = ("run_command", "command")
     seta_default = True  # SETA's StepRequests name terminal-bench tasks
@@ -188,6 +191,11 @@ class TerminalBench(Environment):
             return self._tasks[task_id][1]
         except KeyError:
             return super().task(task_id)
+
+    def sandbox_hidden(self) -> list[str]:
+        # Every task's dir holds its tests and reference solution: a sandbox that shares
+        # the host's files (the rootfs sandbox over the host's own system) covers them.
+        return sorted({str(tb.path.resolve()) for tb, _ in self._tasks.values()})
 
     def tb(self, task: Task) -> TbTask:
         return self._tasks[task.id][0]

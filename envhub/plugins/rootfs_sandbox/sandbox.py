@@ -1,0 +1,433 @@
+"""The ``rootfs`` sandbox: one copy-on-write root filesystem and one set of namespaces per
+episode, over a read-only image rootfs, with no container engine and without root where
+the kernel allows user namespaces.
+
+Config (``sandboxes.rootfs``):
+
+- ``store``: the image rootfs dir (default ``<data_dir>/rootfs``, see images.py);
+- ``archives``: dirs of image archives (``docker save`` or OCI) that ``envhub build
+  --export DIR`` wrote on a machine with Docker: an image not in the store is imported
+  from there when a task first needs it (the node's build gate makes that once per image);
+- ``upper_mb`` (2048): the size of each episode's writable layer (a tmpfs, charged to the
+  episode's memory);
+- ``memory_mb`` (2048) and ``max_processes`` (1024): each episode's cgroup limits, where
+  the node can make cgroups (as root); the spec's own limits win; the writable layer is
+  added to the memory limit;
+- ``output_limit`` (1 MiB per output of a command), ``start_timeout`` (10 s),
+  ``python`` (the zygote's interpreter; default the node's);
+- ``host`` (false): episodes run over the host's own system instead of images, for a node
+  whose own container already is the tasks' image (a pool job's enroot/pyxis container):
+  ``host_dirs`` (``/usr``, ``/etc``, ``/opt``, ``/var``, the ``/lib*`` and ``/bin`` dirs)
+  are overlays of the host's, written to the episode's own layer only; everything else
+  (``/tmp``, ``/root``, ``/home``, ``/app``, ...) is the episode's own; the node's files, the
+  datasets (``hide``, from the environments) and the host's secrets (:data:`HOST_HIDDEN`)
+  are covered; ``workdir`` (``/app``) is where commands start.
+
+Invariants:
+
+- Everything of an episode lives in its own namespaces (user, mount, pid, network, ipc,
+  uts) and its writable layer in a tmpfs of its mount namespace: :meth:`destroy` (SIGKILL
+  to the episode's init) ends all its processes, and its mounts and files go with them;
+  nothing of it exists on the host's filesystem. A node killed with its zygote takes every
+  episode with it (``PR_SET_PDEATHSIG``); a restarted node ends their rows as ``lost``
+  (sandboxes of this kind do not survive their node).
+- An episode has loopback and no other network.
+- The lower layer is never written: the store's rootfs is shared by every episode of the
+  image.
+- As root, the episode's root is uid 0 of its own user namespace, with the host's uids
+  0-65535 mapped as themselves (the image store keeps the image's owners), and capabilities
+  only over its own namespaces; without root, the node's uid is the episode's root and no
+  other uid exists in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from envhub.confine.cgroups import Cgroups
+from envhub.confine.records import node_records
+from envhub.errors import BuildFailed, EnvhubError, InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.plugins.rootfs_sandbox import files as episode_files
+from envhub.plugins.rootfs_sandbox.agent import Agent
+from envhub.plugins.rootfs_sandbox.images import Image, RootfsStore, normalize_name
+from envhub.plugins.rootfs_sandbox.launcher import RootfsZygote
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+from envhub.util import shell_agent
+from envhub.util.trees import tree_digest
+
+log = logging.getLogger("envhub.plugins.rootfs_sandbox")
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HOST_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "opt", "var")
+#: What an episode over the host's system never sees of it, besides the node's own files
+#: and the datasets: its passwords, SSH keys, sudo rules, engines' state and logs.
+HOST_HIDDEN = (
+    "/etc/shadow",
+    "/etc/shadow-",
+    "/etc/gshadow",
+    "/etc/gshadow-",
+    "/etc/ssh",
+    "/etc/sudoers",
+    "/etc/sudoers.d",
+    "/etc/envhub",
+    "/var/lib/docker",
+    "/var/lib/containerd",
+    "/var/log",
+)
+
+
+@dataclass
+class _Episode:
+    pid: int  # the episode's init, in the node's pid namespace
+    agent: Agent
+    files: episode_files.EpisodeFiles
+    slot: int | None  # its cgroup slot, if any
+    image: str
+
+
+class RootfsSandbox(Sandbox):
+    name = "rootfs"
+    description = "One copy-on-write root filesystem and set of namespaces per episode, from OCI images; no engine"
+    language = "shell"
+
+    def __init__(self, config: dict[str, Any] | None = None, settings: Any = None) -> None:
+        super().__init__(config, settings)
+        data_dir = Path(getattr(settings, "data_dir", None) or "envhub-data")
+        self.store_dir = Path(self.config.get("store") or data_dir / "rootfs")
+        archives = self.config.get("archives") or []
+        if isinstance(archives, str):
+            archives = [archives]
+        if not isinstance(archives, list) or not all(isinstance(a, str) for a in archives):
+            raise StartupError("sandboxes.rootfs.archives must be a list of dirs")
+        self.archives = [Path(a) for a in archives]
+        self.upper_mb = self._number("upper_mb", 2048, minimum=16)
+        self.memory_mb = self._number("memory_mb", 2048, minimum=64)
+        self.max_processes = self._number("max_processes", 1024, minimum=16)
+        self.output_limit = self._number("output_limit", 1 << 20, minimum=1024)
+        self.start_timeout = float(self._number("start_timeout", 10, minimum=1))
+        self.python = str(self.config.get("python") or sys.executable)
+        self.host = self.config.get("host", False)
+        if not isinstance(self.host, bool):
+            raise StartupError("sandboxes.rootfs.host must be true or false")
+        host_dirs = self.config.get("host_dirs", list(HOST_DIRS))
+        if not isinstance(host_dirs, list) or not all(isinstance(d, str) and d.strip("/") for d in host_dirs):
+            raise StartupError("sandboxes.rootfs.host_dirs must be a list of top-level dirs")
+        self.host_dirs = [d.strip("/") for d in host_dirs]
+        self.workdir = str(self.config.get("workdir") or "/app")
+        hide = self.config.get("hide") or []
+        if not isinstance(hide, list) or not all(isinstance(p, str) for p in hide):
+            raise StartupError("sandboxes.rootfs.hide must be a list of paths")
+        self.hide = sorted({*HOST_HIDDEN, *node_records(settings), *(os.path.abspath(p) for p in hide)})
+        self.scratch = data_dir / "rootfs-scratch"
+        self.store: RootfsStore | None = None
+        self.zygote: RootfsZygote | None = None
+        # Named after the node's data dir, not at random: a node killed with -9 leaves its
+        # cgroups, and its next start takes them back instead of leaving them for good.
+        name = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
+        self.cgroups = Cgroups(f"rootfs-{name}", label="rootfs sandbox", log=log)
+        self._episodes: dict[str, _Episode] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._root = os.geteuid() == 0
+
+    def _number(self, key: str, default: int, *, minimum: int) -> int:
+        value = self.config.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise StartupError(f"sandboxes.rootfs.{key} must be a whole number of at least {minimum}, not {value!r}")
+        return value
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not episode_files.available():
+            raise SandboxError("rootfs sandbox: this kernel has no openat2 (Linux 5.6+ is needed)")
+        self.store = await asyncio.to_thread(RootfsStore, self.store_dir)
+        await asyncio.to_thread(self.scratch.mkdir, 0o700, True, True)
+        cgroups = await asyncio.to_thread(self.cgroups.start)
+        self.zygote = RootfsZygote(python=self.python, scratch=self.scratch, start_timeout=self.start_timeout)
+        self.zygote.running = True
+        try:
+            async with self.zygote.lock:
+                await self.zygote.launch()
+        except StartupError as e:
+            self.zygote.running = False
+            await asyncio.to_thread(self.cgroups.stop)
+            raise SandboxError(e.message) from None
+        images = self.store.images()
+        if not images and not self.archives and not self.host:
+            await self.stop()
+            raise SandboxError(
+                f"rootfs sandbox: no image in {self.store_dir} and no archives dir set "
+                "(sandboxes.rootfs.archives: where `envhub build --export DIR` wrote them)"
+            )
+        log.info(
+            "rootfs sandbox: %s; %d image(s) in %s; image sources: %s%s; episodes have loopback only",
+            cgroups,
+            len(images),
+            self.store_dir,
+            ", ".join(self.store.sources()),
+            f" (archives in {', '.join(map(str, self.archives))})" if self.archives else " (no archives dir set)",
+        )
+        if self.host:
+            log.info("rootfs sandbox: episodes run over this host's own %s", ", ".join(f"/{d}" for d in self.host_dirs))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(self.destroy(h) for h in list(self._episodes)), return_exceptions=True)
+        if self.zygote is not None:
+            self.zygote.running = False
+            await self.zygote.close()
+        await asyncio.to_thread(self.cgroups.stop)
+
+    # -- images (the node's build gate calls these: ImageBuilder) -------------------------
+
+    async def image_exists(self, image: str) -> bool:
+        return self.host or self._image(image) is not None
+
+    def _image(self, image: str) -> Image | None:
+        assert self.store is not None, "started"
+        try:
+            return self.store.find(normalize_name(image))
+        except InvalidRequest:
+            return None
+
+    async def build_image(
+        self,
+        *,
+        context_dir: Path,
+        dockerfile: str,
+        image: str,
+        log_path: Path,
+        timeout: float,
+        extra_files: dict[str, bytes],
+        exclude: tuple[str, ...] = (),
+    ) -> None:
+        """Make ``image`` ready: import its archive from an ``archives`` dir. There is no
+        builder here: a Dockerfile is built on a machine with Docker, by ``envhub build
+        --export``.
+
+        The archive is the one the export index names for ``image``, else the one exported
+        for the same task (the same repository) from the same build context
+        (``CONTEXT_LABEL``): a tag also digests what differs between machines (the stand-in
+        base images found, the verifier tools, a CA bundle), which the task's image does
+        not depend on here, where nothing is built."""
+        assert self.store is not None, "started"
+        if self.host:  # every episode runs over the host's own system: nothing to make
+            await asyncio.to_thread(_log, log_path, f"{image}: episodes run over the host's own system\n")
+            return
+        context = await asyncio.to_thread(tree_digest, Path(context_dir), exclude)
+        archive, why = await asyncio.to_thread(self._archive_of, image, context)
+        if archive is None:
+            raise BuildFailed(why)
+        await asyncio.to_thread(_log, log_path, f"importing {image} from {archive}\n")
+        try:
+            imported = await self.store.import_archive(archive, names=[image])
+        except EnvhubError as e:
+            await asyncio.to_thread(_log, log_path, f"failed: {e.message}\n")
+            raise BuildFailed(f"image {image!r} from {archive}: {e.message}") from None
+        await asyncio.to_thread(
+            _log, log_path, f"imported {imported.digest} ({imported.size / 2**20:.0f} MiB) as {image}\n"
+        )
+
+    async def prune_images(self, keep: set[str]) -> int:
+        """Remove every image of the store that no name in ``keep`` names (``envhub build
+        --prune``); returns the bytes freed. Run it while no episode uses the images."""
+        assert self.store is not None, "started"
+        return await self.store.prune({normalize_name(k) for k in keep})
+
+    def _archive_of(self, image: str, context: str) -> tuple[Path | None, str]:
+        """The archive for ``image`` built from ``context``, or None and why there is none."""
+        wanted = normalize_name(image)
+        repository = wanted.rsplit(":", 1)[0]
+        stale = None
+        for folder in self.archives:
+            try:
+                index = json.loads((folder / "index.json").read_text())
+                images, contexts = dict(index.get("images") or {}), dict(index.get("contexts") or {})
+            except (OSError, ValueError, AttributeError, TypeError):
+                continue
+            by_name = {_name_key(n): (n, f) for n, f in images.items() if isinstance(f, str) and _name_key(n)}
+            candidates = [by_name[wanted]] if wanted in by_name else []
+            candidates += [
+                (n, f)
+                for key, (n, f) in sorted(by_name.items())
+                if key != wanted and key.rsplit(":", 1)[0] == repository
+            ]
+            for name, file in candidates:
+                if _name_key(name) != wanted and contexts.get(name) != context:
+                    stale = stale or f"{folder / file} holds {name}, exported from another version of the task"
+                    continue
+                path = (folder / file).resolve()
+                if path.parent == folder.resolve() and path.is_file():
+                    return path, ""
+        if stale:
+            return None, f"no archive of image {image!r} from this task's build context: {stale}; export it again"
+        where = ", ".join(map(str, self.archives)) or "no archives dir is set (sandboxes.rootfs.archives)"
+        return None, (
+            f"no archive of image {image!r} in {where}; on a machine with Docker, "
+            "`envhub build --all --export DIR` writes the archives of every task image"
+        )
+
+    # -- episodes ----------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> str:
+        if self.zygote is None:
+            raise SandboxError("the rootfs sandbox is not running")
+        if spec.network not in (None, "none"):
+            log.debug(
+                "rootfs sandbox: %s asks for network %r; episodes have loopback only", spec.instance_id, spec.network
+            )
+        if self.host:
+            image, layers = None, {"host": True, "host_dirs": self.host_dirs, "hide": self.hide, "lower": []}
+            workdir, digest = self.workdir, "host"
+        else:
+            if not spec.image:
+                raise SandboxError("a rootfs sandbox needs an image (the spec names none)")
+            image = self._image(spec.image)
+            if image is None:
+                raise SandboxError(f"image {spec.image!r} is not in the rootfs store (the build gate imports it)")
+            layers = {"lower": [str(image.rootfs)], "modes": dict(image.original_modes)}
+            workdir, digest = image.config.workdir or "/", image.digest
+        slot = self._take_slot()
+        try:
+            groups = await asyncio.to_thread(self._cgroups_of, slot, spec)
+            env = _environment(image, spec)
+            reply, fds = await self.zygote.call(
+                {
+                    "op": "create",
+                    **layers,
+                    "scratch": str(self.scratch),
+                    "size_mb": self.upper_mb,
+                    "hostname": _hostname(spec),
+                    "uid_map": "0 0 65536\n" if self._root else None,
+                    "gid_map": "0 0 65536\n" if self._root else None,
+                    "cgroups": groups,
+                    "env": env,
+                    "workdir": workdir,
+                    "script": shell_agent.script(self.output_limit),
+                }
+            )
+        except BaseException:
+            self._give_slot(slot)
+            raise
+        pid = int(reply["pid"])
+        agent = Agent(socket.socket(fileno=fds[0]), grace=5.0)
+        for fd in fds[1:]:
+            os.close(fd)
+        handle = f"{spec.instance_id}.{secrets.token_hex(4)}"
+        self._episodes[handle] = _Episode(pid, agent, episode_files.EpisodeFiles(pid, workdir), slot, digest)
+        try:
+            await agent.open(self.start_timeout)
+        except BaseException:
+            await self.destroy(handle)
+            raise
+        return handle
+
+    def _episode(self, handle: str) -> _Episode:
+        ep = self._episodes.get(handle)
+        if ep is None:
+            raise NotFound(f"no rootfs sandbox {handle!r}")
+        return ep
+
+    async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        return await self._episode(handle).agent.run(code, timeout)
+
+    async def write_file(self, handle: str, path: str, data: bytes) -> None:
+        await asyncio.to_thread(self._episode(handle).files.write, path, data)
+
+    async def read_file(self, handle: str, path: str) -> bytes:
+        return await asyncio.to_thread(self._episode(handle).files.read, path)
+
+    async def destroy(self, handle: str) -> None:
+        ep = self._episodes.pop(handle, None)
+        if ep is None:
+            return
+        ep.agent.close()
+        try:
+            if self.zygote is not None and self.zygote.alive:
+                await self.zygote.call({"op": "kill", "pid": ep.pid})
+        except SandboxError as e:
+            log.warning("rootfs sandbox: ending %s: %s", handle, e.message)
+        finally:
+            await self._settle(ep)
+
+    async def _settle(self, ep: _Episode) -> None:
+        """Give the episode's cgroup slot back once nothing of it runs there any more."""
+        if ep.slot is None:
+            return
+        for _ in range(200):  # the kill is asynchronous; the kernel empties the cgroup soon after
+            if not await asyncio.to_thread(_still_alive, ep.pid):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            log.warning("rootfs sandbox: episode init %d outlived its kill; its cgroup slot is retired", ep.pid)
+            return
+        self._give_slot(ep.slot)
+
+    # -- cgroups -----------------------------------------------------------------------
+
+    def _take_slot(self) -> int | None:
+        if not self.cgroups.parents:
+            return None
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._next_slot += 1
+        return self._next_slot
+
+    def _give_slot(self, slot: int | None) -> None:
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _cgroups_of(self, slot: int | None, spec: SandboxSpec) -> list[str]:
+        if slot is None:
+            return []
+        memory_mb = (spec.limits.memory_mb or self.memory_mb) + self.upper_mb
+        pids = spec.limits.max_processes or self.max_processes
+        name = self.cgroups.for_uid(slot, memory_mb << 20, pids)
+        return [str(parent / name) for _, parent in self.cgroups.parents] if name else []
+
+
+def _name_key(name: Any) -> str:
+    """An index's image name as the store keys names; "" for one that is not a name."""
+    try:
+        return normalize_name(name)
+    except InvalidRequest:
+        return ""
+
+
+def _environment(image: Image | None, spec: SandboxSpec) -> dict[str, str]:
+    env = {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm"}
+    for item in image.config.env if image is not None else ():
+        key, sep, value = item.partition("=")
+        if sep and key:
+            env[key] = value
+    env.update(spec.env)
+    return env
+
+
+def _hostname(spec: SandboxSpec) -> str:
+    safe = "".join(c if c.isalnum() or c == "-" else "-" for c in spec.task_id.lower()).strip("-")
+    return (safe or "envhub")[:63]
+
+
+def _still_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _log(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(text)

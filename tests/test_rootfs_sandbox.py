@@ -1,0 +1,454 @@
+"""terminal-bench where there is no Docker engine: the rootfs sandbox, on real nodes whose
+``DOCKER_HOST`` points nowhere, with images from the archives ``envhub build --export``
+wrote (with the Docker engine, once per module) from the bundled tasks.
+
+What is checked: the node falls back to the sandbox by itself and the bundled tasks score
+1.0 in oracle mode; the tools work; 32 concurrent episodes of one task writing different
+answers to the same path each get their own verdict; an episode that deletes its root,
+fork-bombs or fills its disk harms no other episode, the node or the host, and leaves
+nothing behind; a node killed with 16 live episodes leaves no process, mount or upper dir,
+and its restart answers 410 for each; and the same as an unprivileged user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import REPO, EnvhubProcess, eventually, needs_docker
+from test_landlock import NOBODY, SCENARIOS, _python_for
+
+from envhub.plugins.rootfs_sandbox import files as rootfs_files
+
+pytestmark = [
+    needs_docker,  # the archives are exported from the Docker engine; the nodes never use it
+    pytest.mark.skipif(not rootfs_files.available(), reason="the rootfs sandbox needs openat2 (Linux 5.6+)"),
+]
+
+BUNDLED_TASKS = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
+NO_DOCKER = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+SOLVE = (
+    "printf '#!/bin/bash\\necho \"Hello, $1!\"\\n' > /app/greet.sh && chmod +x /app/greet.sh && "
+    "echo '{answer}' > /app/hello.txt"
+)
+
+
+@pytest.fixture(scope="module")
+def archives(tmp_path_factory) -> Path:
+    """The bundled tasks' images, built with Docker and exported: what an operator copies
+    to a pool node without Docker. Readable by every user (the unprivileged node's too)."""
+    folder = Path(tempfile.mkdtemp(prefix="envhub-rootfs-archives-"))
+    folder.chmod(0o755)
+    built = subprocess.run(
+        [sys.executable, "-m", "envhub", "build", "--all", "--export", str(folder / "exp")]
+        + ["--data-dir", str(tmp_path_factory.mktemp("export-data"))]
+        + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=REPO,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    index = json.loads((folder / "exp" / "index.json").read_text())
+    assert len(index["images"]) == 2 and len(index["contexts"]) == 2, index
+    for path in (folder / "exp").iterdir():
+        path.chmod(0o644)
+    (folder / "exp").chmod(0o755)
+    yield folder / "exp"
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def rootfs_node(data: Path, archives: Path, *args: str, **kw) -> EnvhubProcess:
+    config = data.parent / f"{data.name}.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "capacity": 48,
+                "environments": {
+                    "appworld": {"enabled": False},
+                    "terminal-bench": {"warm_pool": 0},
+                },
+                "sandboxes": {"rootfs": {"archives": [str(archives)], "upper_mb": 256, "memory_mb": 512}},
+            }
+        )
+    )
+    config.chmod(0o644)
+    return EnvhubProcess(data, "--config", str(config), *args, env={**NO_DOCKER, **kw.pop("env", {})}, **kw)
+
+
+@pytest.fixture(scope="module")
+def node(archives, tmp_path_factory):
+    proc = rootfs_node(tmp_path_factory.mktemp("rootfs") / "data", archives)
+    proc.node_id = None  # the config names none: the node makes its own
+    proc.start(timeout=60)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def create(c: httpx.Client, task: str = "hello-envhub", **params) -> str:
+    r = c.post("/instances", json={"environment": "terminal-bench", "task_id": task, "params": params})
+    assert r.status_code == 201, r.text
+    return r.json()["instance_id"]
+
+
+def run(c: httpx.Client, iid: str, command: str, timeout: float = 30) -> dict:
+    r = c.post(
+        f"/instances/{iid}/step",
+        json={"action": {"tool": "run_command", "arguments": {"command": command, "timeout": timeout}}},
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["observation"]
+
+
+def episode_processes(node: EnvhubProcess) -> set[int]:
+    """Every process under the node's rootfs zygote (its episodes, whatever they started)."""
+    scratch = str(node.data_dir / "rootfs-scratch")
+    zygotes = {p for p, cmd in _cmdlines().items() if "nsinit.py" in cmd and scratch in cmd}
+    children: dict[int, list[int]] = {}
+    for pid in _cmdlines():
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    out, todo = set(), list(zygotes)
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _cmdlines() -> dict[int, str]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                out[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def host_mounts_of(path: Path) -> list[str]:
+    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(path) in line]
+
+
+# -- the fallback, and oracle mode --------------------------------------------------------------
+
+
+def test_without_docker_terminal_bench_runs_in_the_rootfs_sandbox_and_the_bundled_tasks_score(node):
+    with node.client(timeout=300) as c:
+        described = c.get("/environments/terminal-bench").json()
+        assert described["sandbox"] == "rootfs", described
+        for task in ("hello-envhub", "word-count"):  # tb2 and tb1
+            iid = create(c, task, oracle=True)
+            graded = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
+            assert graded["reward"] == 1.0, graded
+    log = node.log()
+    assert "terminal-bench runs in the rootfs sandbox: sandbox 'docker' cannot start" in log, log[-2000:]
+    assert "rootfs sandbox: " in log and "episodes have loopback only" in log
+
+
+def test_the_tools_work_in_an_episode_of_its_own(node, tmp_path):
+    with node.client(timeout=120) as c:
+        iid = create(c)
+        ran = run(c, iid, "id -u; hostname; pwd; ls /tests 2>&1; cat /etc/os-release | head -1")
+        lines = ran["stdout"].splitlines()
+        assert lines[0] == "0" and lines[1] == "hello-envhub" and lines[2] == "/app", ran
+        assert "No such file" in lines[3], "the tests enter only at evaluate"
+        assert "Debian" in lines[4]
+        wrote = c.post(
+            f"/instances/{iid}/step",
+            json={"action": {"tool": "write_file", "arguments": {"path": "notes/a.txt", "content": "hi\n"}}},
+        ).json()["observation"]
+        assert wrote.get("ok") is True, wrote
+        assert run(c, iid, "cat /app/notes/a.txt")["stdout"] == "hi\n", "relative to the workdir"
+        read = c.post(
+            f"/instances/{iid}/step", json={"action": {"tool": "read_file", "arguments": {"path": "/app/notes/a.txt"}}}
+        ).json()["observation"]
+        assert "hi" in json.dumps(read), read
+        # Symlinks episode code makes resolve inside its own root when the node follows them.
+        canary = tmp_path / f"host-only-{uuid.uuid4().hex}.txt"
+        canary.write_text("the host's file\n")
+        run(c, iid, f"ln -s {canary} /app/abs; ln -s ../../../../../..{canary} /app/rel")
+        for path in ("/app/abs", "/app/rel"):
+            read = c.post(
+                f"/instances/{iid}/step", json={"action": {"tool": "read_file", "arguments": {"path": path}}}
+            ).json()["observation"]
+            assert "the host's file" not in json.dumps(read), read
+        # Nothing of the node's is open in the episode: its init holds only /dev/null, and the
+        # one socket any of its processes holds is its own shell's channel.
+        fds = run(
+            c, iid, "ls -l /proc/1/fd | tail -n +2; echo --; ls -l /proc/[0-9]*/fd 2>/dev/null | grep -o 'socket:.*'"
+        )
+        init_fds, sockets = fds["stdout"].split("--\n")
+        assert all(line.endswith("/dev/null") for line in init_fds.splitlines()), init_fds
+        assert len(set(sockets.split())) == 1, sockets
+        assert "envhub" not in run(c, iid, "cat /proc/1/environ | tr '\\0' '\\n'")["stdout"].lower()
+        timed = run(c, iid, "sleep 30", timeout=1)
+        assert timed["timed_out"] is True, timed
+        assert run(c, iid, "echo still")["stdout"] == "still\n", "the shell survives a timeout"
+        assert run(c, iid, "getent hosts example.com || curl -sm 3 http://1.1.1.1 || echo offline")["stdout"].endswith(
+            "offline\n"
+        ), "no network but loopback"
+        c.post(f"/instances/{iid}/release")
+
+
+def test_32_concurrent_episodes_writing_the_same_path_each_get_their_own_verdict(node):
+    def episode(i: int) -> tuple[int, float, str]:
+        with node.client(timeout=300) as c:
+            iid = create(c)
+            answer = "Hello, envhub!" if i % 2 == 0 else f"Hello, episode {i}!"
+            out = run(c, iid, SOLVE.format(answer=answer) + " && cat /app/hello.txt")
+            assert out["stdout"] == answer + "\n", out
+            graded = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
+            return i, graded["reward"], graded["details"]["tests"]["test_hello_file"]
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(episode, range(32)))
+    for i, reward, hello in results:
+        expected = (1.0, "passed") if i % 2 == 0 else (0.0, "failed")
+        assert (reward, hello) == expected, (i, reward, hello)
+    with node.client() as c:
+        assert c.get("/health").json()["active"] == 0
+
+
+# -- episodes that attack ----------------------------------------------------------------------
+
+
+def test_an_episode_that_deletes_its_root_forks_without_end_or_fills_its_disk_harms_nothing_else(node, tmp_path):
+    canary = tmp_path / "canary.txt"
+    canary.write_text("still here\n")
+    before = episode_processes(node)
+    with node.client(timeout=300) as c:
+        witness = create(c)
+        attackers = {name: create(c) for name in ("rm", "forkbomb", "fill")}
+        assert run(c, attackers["rm"], "rm -rf --no-preserve-root / 2>/dev/null; ls / | wc -l", timeout=60)
+        bombed = c.post(
+            f"/instances/{attackers['forkbomb']}/step",
+            json={"action": {"tool": "run_command", "arguments": {"command": "b() { b | b & }; b", "timeout": 10}}},
+        )
+        # Its own shell may starve (no process left to answer with): that episode is lost, no other.
+        assert bombed.status_code in (200, 410), bombed.text
+        filled = run(c, attackers["fill"], "dd if=/dev/zero of=/tmp/fill bs=1M 2>&1 | tail -1; df -m / | tail -1")
+        assert "(268 MB, 256 MiB) copied" in filled["stdout"] and " 100% /" in filled["stdout"], filled
+        # The witness, created before the attacks, still works and grades.
+        run(c, witness, SOLVE.format(answer="Hello, envhub!"))
+        assert c.post(f"/instances/{witness}/evaluate", json={"release": True}).json()["reward"] == 1.0
+        assert c.get("/health").json()["ok"] is True
+        for iid in attackers.values():
+            c.post(f"/instances/{iid}/release")
+        # A new episode of the same image still has its whole root: the lower layer is untouched.
+        fresh = create(c)
+        assert run(c, fresh, "ls / | wc -l; test -x /bin/bash && echo bash")["stdout"].endswith("bash\n")
+        c.post(f"/instances/{fresh}/release")
+    assert canary.read_text() == "still here\n"
+    eventually(lambda: episode_processes(node) <= before, timeout=30, message="episode processes outlived release")
+    assert not host_mounts_of(node.data_dir / "rootfs-scratch"), "no episode mount is in the host's namespace"
+    assert list((node.data_dir / "rootfs-scratch").iterdir()) == [], "nothing of an episode on the host"
+
+
+# -- a killed node -----------------------------------------------------------------------------
+
+
+def test_a_node_killed_with_16_live_episodes_leaves_nothing_and_its_restart_answers_410(archives, tmp_path):
+    data = tmp_path / "killed"
+    first = rootfs_node(data, archives).start(timeout=60)
+    try:
+        with first.client(timeout=300) as c:
+            ids = [create(c) for _ in range(16)]
+            for iid in ids:
+                run(c, iid, "sleep 600 > /dev/null 2>&1 &")  # processes of their own, too
+        ours = episode_processes(first)
+        assert len(ours) > 16 * 3, "zygote, and per episode its init, shell and sleep"
+    except BaseException:
+        first.stop()
+        raise
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait()
+    first._log.close()
+    eventually(lambda: not any(alive(p) for p in ours), timeout=30, message="episode processes outlived their node")
+    assert not host_mounts_of(data / "rootfs-scratch")
+    second = rootfs_node(data, archives, "--set", f"node_id={first.node_id}", own_node_id=False)
+    second.node_id = first.node_id  # the same node, restarted on its data dir
+    second.start(timeout=60)
+    try:
+        with second.client() as c:
+            for iid in ids:
+                assert c.get(f"/instances/{iid}").json()["state"] == "lost"
+                r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_command", "arguments": {}}})
+                assert r.status_code == 410, r.text
+        assert list((data / "rootfs-scratch").iterdir()) == []
+    finally:
+        assert second.stop() == 0, second.log()
+
+
+# -- without root ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody needs root")
+def test_the_same_works_as_an_unprivileged_user(archives):
+    prefix = SCENARIOS["nobody"]
+    found = _python_for(prefix)
+    if found is None:
+        pytest.skip(f"no Python of this version can run envhub from {REPO} as nobody")
+    python, env = found
+    probe = subprocess.run([*prefix, "unshare", "--user", "--map-root-user", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this machine gives unprivileged users no user namespaces: {probe.stderr.decode().strip()}")
+    top = Path(tempfile.mkdtemp(prefix="envhub-rootfs-nobody-"))
+    try:
+        top.chmod(0o755)
+        data = top / "data"
+        data.mkdir()
+        os.chown(data, NOBODY, NOBODY)
+        node = rootfs_node(data, archives, python=python, prefix=tuple(prefix), env=env)
+        node.start(timeout=120)
+        try:
+            with node.client(timeout=300) as c:
+                iid = create(c, oracle=True)
+                assert run(c, iid, "id -u; cat /proc/self/uid_map")["stdout"].split()[:3] == ["0", "0", str(NOBODY)]
+                graded = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
+                assert graded["reward"] == 1.0, graded
+            assert "rootless" in json.dumps([json.loads(p.read_text()) for p in (data / "rootfs").glob("*/image.json")])
+        finally:
+            assert node.stop() == 0, node.log()
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False)
+
+
+def test_build_prune_keeps_the_images_of_the_tasks_and_removes_the_rest(archives, tmp_path):
+    data = tmp_path / "pruned"
+    node = rootfs_node(data, archives).start(timeout=60)
+    try:
+        with node.client(timeout=300) as c:
+            for task in ("hello-envhub", "word-count"):
+                c.post(f"/instances/{create(c, task)}/release")
+    finally:
+        assert node.stop() == 0, node.log()
+    stale = tmp_path / "stale.tar"
+    subprocess.run(["docker", "save", "-o", str(stale), "envhub/base:bookworm"], check=True)
+    from envhub.plugins.rootfs_sandbox.images import RootfsStore
+
+    async def add_stale() -> None:
+        await RootfsStore(data / "rootfs").import_archive(stale, names=["envhub-test/stale:1"])
+
+    import asyncio
+
+    asyncio.run(add_stale())
+    assert len(list((data / "rootfs").glob("*/image.json"))) == 3
+    pruned = subprocess.run(
+        [sys.executable, "-m", "envhub", "build", "--all", "--prune", "--config", str(data.parent / "pruned.yaml")]
+        + ["--data-dir", str(data), "--set", "environments.mbpp.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, **NO_DOCKER},
+    )
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    assert "pruned" in pruned.stdout and "2 ready, 0 failed" in pruned.stdout, pruned.stdout
+    kept = [json.loads(p.read_text())["names"] for p in (data / "rootfs").glob("*/image.json")]
+    assert len(kept) == 2 and not any("envhub-test/stale:1" in names for names in kept), kept
+
+
+# -- over the host's own system ----------------------------------------------------------------
+
+
+def test_over_the_hosts_own_system_an_episode_has_its_tools_but_not_the_nodes_files_or_the_tests(tmp_path):
+    """``sandboxes.rootfs.host``: for a node whose own container already is the tasks'
+    image. The episode runs the host's own programs, writes only its own layer, and sees
+    neither the node's data dir and config, nor any dataset's tests, nor the host's
+    passwords; its /tmp and /app are its own."""
+    data = tmp_path / "host-data"
+    config = tmp_path / "host.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "capacity": 4,
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 0}},
+                "sandboxes": {"rootfs": {"host": True}},
+            }
+        )
+    )
+    marker = Path("/usr/local/share") / f"envhub-host-test-{uuid.uuid4().hex}"
+    node = EnvhubProcess(data, "--config", str(config), env=NO_DOCKER).start(timeout=60)
+    try:
+        with node.client(timeout=120) as c:
+            assert c.get("/environments/terminal-bench").json()["sandbox"] == "rootfs"
+            iid = create(c)
+            seen = run(
+                c,
+                iid,
+                f"which python3 bash; pwd; cat /etc/shadow; ls {data}; ls {BUNDLED_TASKS};"
+                f" echo hi > /tmp/x && cat /tmp/x; touch {marker} && echo wrote",
+            )
+            out = seen["stdout"] + seen["stderr"]
+            assert "/usr/bin/python3" in out and "/usr/bin/bash" in out or "/bin/bash" in out, out
+            assert "/app\n" in seen["stdout"], out
+            assert "root:" not in out, "the host's password hashes are covered"
+            assert "envhub.db" not in out, "the node's data dir is out of view"
+            assert "hello-envhub" not in out, "the bundled dataset's tasks (tests, solutions) are out of view"
+            assert "hi\n" in seen["stdout"] and "wrote" in seen["stdout"]
+            c.post(f"/instances/{iid}/release")
+        assert not marker.exists(), "what the episode wrote stayed in its own layer"
+    finally:
+        assert node.stop() == 0, node.log()
+
+
+def test_a_burst_of_creates_queues_at_the_zygote_and_every_one_is_made(archives, tmp_path):
+    """Before: with about 50 creates queued behind the zygote, the control socket's buffer
+    filled, the node took EAGAIN for a dead zygote, and every episode on the node ended.
+    96 creates at once, in process: all are made and all answer."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from envhub.plugins.rootfs_sandbox.sandbox import RootfsSandbox
+    from envhub.sandbox import SandboxSpec
+
+    index = json.loads((archives / "index.json").read_text())
+    image = next(name for name in index["images"] if "hello-envhub" in name)
+
+    async def burst() -> list[str]:
+        sandbox = RootfsSandbox({"archives": [str(archives)], "upper_mb": 16}, SimpleNamespace(data_dir=tmp_path))
+        await sandbox.start()
+        try:
+            await sandbox.build_image(
+                context_dir=BUNDLED_TASKS / "hello-envhub" / "environment",
+                dockerfile="",
+                image=image,
+                log_path=tmp_path / "import.log",
+                timeout=600,
+                extra_files={},
+            )
+            specs = [
+                SandboxSpec(instance_id=f"burst-{i}", environment="terminal-bench", task_id="t", image=image)
+                for i in range(96)
+            ]
+            handles = await asyncio.gather(*(sandbox.create(s) for s in specs))
+            outs = await asyncio.gather(*(sandbox.exec(h, "echo $$", timeout=30) for h in handles))
+            return [o.stdout for o in outs]
+        finally:
+            await sandbox.stop()
+
+    outs = asyncio.run(burst())
+    assert len(outs) == 96 and all(o.strip().isdigit() for o in outs), outs
