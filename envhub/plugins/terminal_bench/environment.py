@@ -122,9 +122,7 @@ class TerminalBench(Environment):
     --base-images`` makes them)."""
 
     name = "terminal-bench"
-    description = (
-        "Terminal-Bench tasks (tb1 and tb2 formats), one container per episode (Docker or rootfs)"
-    )
+    description = "Terminal-Bench tasks (tb1 and tb2 formats), one container per episode (Docker or rootfs)"
     sandbox = "docker"
     fallback_sandboxes = ("rootfs",)  # where there is no Docker engine: images from archives
     default_warm_pool = 4  # a GRPO group of one task lands on one node: its next creates find a container ready
