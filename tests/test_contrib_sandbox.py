@@ -168,7 +168,7 @@ def test_a_node_naming_a_sandbox_no_plugin_registers_does_not_start(contrib_site
         stdin=subprocess.DEVNULL,
     )
     assert out.returncode != 0
-    assert "sandbox 'subprocess' (needed by arith) cannot start: no sandbox named 'subprocess'" in out.stderr
+    assert "arith: sandbox 'subprocess' cannot start: no sandbox named 'subprocess'" in out.stderr
     assert "subproc" in out.stderr.split("known:")[1]  # the names it could have meant
 
 
