@@ -86,13 +86,53 @@ def rootfs_node(data: Path, archives: Path, *args: str, **kw) -> EnvhubProcess:
     return EnvhubProcess(data, "--config", str(config), *args, env={**NO_DOCKER, **kw.pop("env", {})}, **kw)
 
 
-@pytest.fixture(scope="module")
-def node(archives, tmp_path_factory):
-    proc = rootfs_node(tmp_path_factory.mktemp("rootfs") / "data", archives)
-    proc.node_id = None  # the config names none: the node makes its own
-    proc.start(timeout=60)
-    yield proc
-    assert proc.stop() == 0, proc.log()
+def as_user(user: str) -> dict:
+    """How to run a node as ``user`` (``root``, or ``nobody``: without root, where this
+    machine gives unprivileged users user namespaces; else the test is skipped)."""
+    if user == "root":
+        return {}
+    if os.geteuid() != 0:
+        pytest.skip("switching to nobody needs root")
+    prefix = SCENARIOS["nobody"]
+    found = _python_for(prefix)
+    if found is None:
+        pytest.skip(f"no Python of this version can run envhub from {REPO} as nobody")
+    probe = subprocess.run([*prefix, "unshare", "--user", "--map-root-user", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this machine gives unprivileged users no user namespaces: {probe.stderr.decode().strip()}")
+    python, env = found
+    return {"python": python, "prefix": tuple(prefix), "env": env}
+
+
+def data_dir_for(user: str, top: Path) -> Path:
+    """A data dir ``user`` owns, under dirs every user may pass through."""
+    top.mkdir(parents=True, exist_ok=True)
+    for parent in [top, *top.parents]:
+        if parent == Path(tempfile.gettempdir()) or parent == Path("/"):
+            break
+        parent.chmod(parent.stat().st_mode | 0o711)
+    data = top / "data"
+    data.mkdir()
+    if user == "nobody":
+        os.chown(data, NOBODY, NOBODY)
+    return data
+
+
+USERS = pytest.mark.parametrize("user", ["root", "nobody"])
+
+
+@pytest.fixture(scope="module", params=["root", "nobody"])
+def node(request, archives):
+    how = as_user(request.param)
+    top = Path(tempfile.mkdtemp(prefix=f"envhub-rootfs-{request.param}-"))
+    try:
+        proc = rootfs_node(data_dir_for(request.param, top), archives, **how)
+        proc.node_id = None  # the config names none: the node makes its own
+        proc.start(timeout=120)
+        yield proc
+        assert proc.stop() == 0, proc.log()
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False)
 
 
 def create(c: httpx.Client, task: str = "hello-envhub", **params) -> str:
@@ -172,6 +212,8 @@ def test_the_tools_work_in_an_episode_of_its_own(node, tmp_path):
     with node.client(timeout=120) as c:
         iid = create(c)
         ran = run(c, iid, "id -u; hostname; pwd; ls /tests 2>&1; cat /etc/os-release | head -1")
+        mapped = run(c, iid, "cat /proc/self/uid_map")["stdout"].split()
+        assert mapped[:2] == ["0", str(NOBODY) if node.command[0] == "setpriv" else "0"], mapped
         lines = ran["stdout"].splitlines()
         assert lines[0] == "0" and lines[1] == "hello-envhub" and lines[2] == "/app", ran
         assert "No such file" in lines[3], "the tests enter only at evaluate"
@@ -270,9 +312,18 @@ def test_an_episode_that_deletes_its_root_forks_without_end_or_fills_its_disk_ha
 # -- a killed node -----------------------------------------------------------------------------
 
 
-def test_a_node_killed_with_16_live_episodes_leaves_nothing_and_its_restart_answers_410(archives, tmp_path):
-    data = tmp_path / "killed"
-    first = rootfs_node(data, archives).start(timeout=60)
+@USERS
+def test_a_node_killed_with_16_live_episodes_leaves_nothing_and_its_restart_answers_410(archives, user):
+    how = as_user(user)
+    top = Path(tempfile.mkdtemp(prefix=f"envhub-rootfs-killed-{user}-"))
+    try:
+        _killed_and_restarted(data_dir_for(user, top), archives, how)
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False)
+
+
+def _killed_and_restarted(data: Path, archives: Path, how: dict) -> None:
+    first = rootfs_node(data, archives, **how).start(timeout=60)
     try:
         with first.client(timeout=300) as c:
             ids = [create(c) for _ in range(16)]
@@ -288,7 +339,7 @@ def test_a_node_killed_with_16_live_episodes_leaves_nothing_and_its_restart_answ
     first._log.close()
     eventually(lambda: not any(alive(p) for p in ours), timeout=30, message="episode processes outlived their node")
     assert not host_mounts_of(data / "rootfs-scratch")
-    second = rootfs_node(data, archives, "--set", f"node_id={first.node_id}", own_node_id=False)
+    second = rootfs_node(data, archives, "--set", f"node_id={first.node_id}", own_node_id=False, **how)
     second.node_id = first.node_id  # the same node, restarted on its data dir
     second.start(timeout=60)
     try:
@@ -303,37 +354,6 @@ def test_a_node_killed_with_16_live_episodes_leaves_nothing_and_its_restart_answ
 
 
 # -- without root ------------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody needs root")
-def test_the_same_works_as_an_unprivileged_user(archives):
-    prefix = SCENARIOS["nobody"]
-    found = _python_for(prefix)
-    if found is None:
-        pytest.skip(f"no Python of this version can run envhub from {REPO} as nobody")
-    python, env = found
-    probe = subprocess.run([*prefix, "unshare", "--user", "--map-root-user", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"this machine gives unprivileged users no user namespaces: {probe.stderr.decode().strip()}")
-    top = Path(tempfile.mkdtemp(prefix="envhub-rootfs-nobody-"))
-    try:
-        top.chmod(0o755)
-        data = top / "data"
-        data.mkdir()
-        os.chown(data, NOBODY, NOBODY)
-        node = rootfs_node(data, archives, python=python, prefix=tuple(prefix), env=env)
-        node.start(timeout=120)
-        try:
-            with node.client(timeout=300) as c:
-                iid = create(c, oracle=True)
-                assert run(c, iid, "id -u; cat /proc/self/uid_map")["stdout"].split()[:3] == ["0", "0", str(NOBODY)]
-                graded = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
-                assert graded["reward"] == 1.0, graded
-            assert "rootless" in json.dumps([json.loads(p.read_text()) for p in (data / "rootfs").glob("*/image.json")])
-        finally:
-            assert node.stop() == 0, node.log()
-    finally:
-        subprocess.run(["rm", "-rf", str(top)], check=False)
 
 
 def test_build_prune_keeps_the_images_of_the_tasks_and_removes_the_rest(archives, tmp_path):
@@ -452,3 +472,47 @@ def test_a_burst_of_creates_queues_at_the_zygote_and_every_one_is_made(archives,
 
     outs = asyncio.run(burst())
     assert len(outs) == 96 and all(o.strip().isdigit() for o in outs), outs
+
+
+def test_a_task_naming_a_prebuilt_image_gets_it_from_the_archives_by_name(tmp_path):
+    """A tb2 task with ``[environment].docker_image`` (no Dockerfile): the export saves that
+    image under its name, and a node without Docker imports it by that name."""
+    task = tmp_path / "datasets" / "prebuilt"
+    (task / "tests").mkdir(parents=True)
+    (task / "solution").mkdir()
+    (task / "instruction.md").write_text("Write ok to /app/out.txt.\n")
+    (task / "task.toml").write_text(
+        '[environment]\ndocker_image = "envhub/base:bookworm"\nallow_internet = false\n[verifier]\ntimeout_sec = 60.0\n'
+    )
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\n"
+        "if grep -qx ok /app/out.txt; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
+    )
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\nmkdir -p /app && echo ok > /app/out.txt\n")
+    export = tmp_path / "export"
+    dataset = ["--set", f"environments.terminal-bench.datasets=[{task.parent}]"]
+    built = subprocess.run(
+        [sys.executable, "-m", "envhub", "build", "--all", "--export", str(export), "--data-dir", str(tmp_path / "b")]
+        + dataset,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "envhub/base:bookworm" in json.loads((export / "index.json").read_text())["images"]
+    node = EnvhubProcess(
+        tmp_path / "data",
+        *dataset,
+        "--set",
+        f"sandboxes.rootfs.archives=[{export}]",
+        "--set",
+        "environments.appworld.enabled=false",
+        env=NO_DOCKER,
+    ).start(timeout=60)
+    try:
+        with node.client(timeout=300) as c:
+            iid = create(c, "prebuilt", oracle=True)
+            assert c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()["reward"] == 1.0
+    finally:
+        assert node.stop() == 0, node.log()

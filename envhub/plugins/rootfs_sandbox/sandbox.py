@@ -63,6 +63,7 @@ from envhub.plugins.rootfs_sandbox.images import Image, RootfsStore, normalize_n
 from envhub.plugins.rootfs_sandbox.launcher import RootfsZygote
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 from envhub.util import shell_agent
+from envhub.util.singleflight import SingleFlight
 from envhub.util.trees import tree_digest
 
 log = logging.getLogger("envhub.plugins.rootfs_sandbox")
@@ -136,6 +137,7 @@ class RootfsSandbox(Sandbox):
         name = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
         self.cgroups = Cgroups(f"rootfs-{name}", label="rootfs sandbox", log=log)
         self._episodes: dict[str, _Episode] = {}
+        self._fetching: SingleFlight[None] = SingleFlight()  # fetch_image, by image name
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._root = os.geteuid() == 0
@@ -237,6 +239,43 @@ class RootfsSandbox(Sandbox):
         await asyncio.to_thread(
             _log, log_path, f"imported {imported.digest} ({imported.size / 2**20:.0f} MiB) as {image}\n"
         )
+
+    async def fetch_image(self, image: str) -> None:
+        """Get a prebuilt image a task names (tb2's ``docker_image``) into the store: from an
+        ``archives`` dir that holds it by name, else pulled without a daemon (skopeo)
+        where the node has it and the registry is reachable; once per image at a time."""
+        assert self.store is not None, "started"
+        store = self.store
+
+        async def fetch() -> None:
+            if self._image(image) is not None:
+                return
+            archive = await asyncio.to_thread(self._archive_named, image)
+            if archive is not None:
+                await store.import_archive(archive, names=[image])
+            elif "skopeo" in store.sources():
+                await store.pull(image)
+            else:
+                raise SandboxError(
+                    f"image {image!r} is in no archives dir and this node cannot pull it (no skopeo): "
+                    "export it with `envhub build --export DIR` on a machine with Docker"
+                )
+
+        await self._fetching.run(normalize_name(image), fetch)
+
+    def _archive_named(self, image: str) -> Path | None:
+        wanted = normalize_name(image)
+        for folder in self.archives:
+            try:
+                images = dict(json.loads((folder / "index.json").read_text()).get("images") or {})
+            except (OSError, ValueError, AttributeError, TypeError):
+                continue
+            for name, file in images.items():
+                if _name_key(name) == wanted and isinstance(file, str):
+                    path = (folder / file).resolve()
+                    if path.parent == folder.resolve() and path.is_file():
+                        return path
+        return None
 
     async def prune_images(self, keep: set[str]) -> int:
         """Remove every image of the store that no name in ``keep`` names (``envhub build

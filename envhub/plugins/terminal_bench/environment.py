@@ -258,7 +258,10 @@ class TerminalBench(Environment):
             sandbox = self.context.sandboxes.get(self.sandbox) if self.context else None
             if not isinstance(sandbox, ImageBuilder):
                 raise SandboxError(f"terminal-bench needs a sandbox that holds images, not {self.sandbox!r}")
-            if not await sandbox.image_exists(image):
+            fetch = getattr(sandbox, "fetch_image", None)  # a sandbox that can get one without an engine
+            if not await sandbox.image_exists(image) and fetch is not None:
+                await fetch(image)
+            elif not await sandbox.image_exists(image):
                 raise SandboxError(
                     f"task {tb.id} names image {image!r}, which is not on this node's engine "
                     "(map it to a local image with image_map)"
