@@ -47,6 +47,7 @@ from envhub.node.grading import Grader
 from envhub.node.instance import spec_for
 from envhub.node.lifecycle import Lifecycle
 from envhub.node.pool import WarmPool
+from envhub.node.storage import StorageGuard
 from envhub.node.trial_log import TrialWriter
 from envhub.sandbox import Sandbox
 from envhub.settings import Settings
@@ -76,11 +77,21 @@ class NodeService:
         self.slots = Slots(settings.capacity, queue_size=settings.queue_size, queue_timeout=settings.queue_timeout)
         self.trial_writer = TrialWriter(on_write=self.metrics.trial_log_write if self.metrics.enabled else None)
         self.episodes = Episodes(db, self.slots, self.metrics)
+        self.storage = StorageGuard({"data dir": settings.data_dir}, min_free_mb=settings.min_free_mb)
+        db.on_full = lambda: self.storage.note_full("database")
         self.pool = WarmPool(
             self.slots, ttl=settings.affinity_window, node_id=str(settings.node_id), on_change=self.episodes.moved
         )
         self.creator = Creator(
-            settings, db, self.environments, self.sandboxes, self.episodes, self.pool, self.trial_writer, self.metrics
+            settings,
+            db,
+            self.environments,
+            self.sandboxes,
+            self.episodes,
+            self.pool,
+            self.trial_writer,
+            self.metrics,
+            self.storage,
         )
         self.grader = Grader(db, self.episodes, self.metrics)
         self.admin = Administration(settings, self.environments, self.sandboxes, self.slots, self.episodes)
@@ -108,6 +119,7 @@ class NodeService:
 
     def health(self) -> dict[str, Any]:
         episodes = self.episodes
+        storage_problems = self.storage.problems()
         return {
             "ok": True,
             "role": "node",
@@ -123,7 +135,10 @@ class NodeService:
             "rollouts": len(episodes.rollouts),
             "slot_ids": list(episodes.slot_ids),
             "slot_mark": episodes.slot_mark(),
-            "accepting": episodes.accepting,
+            "accepting": episodes.accepting and not storage_problems,
+            "not_accepting": ([] if episodes.accepting else ["the node is stopping"]) + storage_problems,
+            "storage_free_mb": {k: round(v / 2**20) for k, v in self.storage.free_bytes().items()},
+            "trial_log_errors": self.trial_writer.errors,
             "environments": sorted(self.environments),
             "openenv": sorted(n for n, env in self.environments.items() if env.openenv() is not None),
         }
