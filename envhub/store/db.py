@@ -300,6 +300,20 @@ def _fetch(conn: sqlite3.Connection, sql: str, params: Params, one: bool) -> Any
         cursor.close()
 
 
+def _file_trouble(e: sqlite3.Error) -> bool:
+    """Whether ``e`` is about the database file (locked, read-only, damaged, full, not to be
+    opened) rather than about a statement."""
+    text = str(e)
+    return (
+        any(
+            word in text
+            for word in ("locked", "busy", "readonly", "read-only", "malformed", "not a database", "full", "open")
+        )
+        or isinstance(e, sqlite3.DatabaseError)
+        and not isinstance(e, sqlite3.OperationalError)
+    )
+
+
 def unusable(path: Path, e: sqlite3.Error) -> StartupError:
     """Why a database file cannot be used, said for the operator. The file is never
     replaced by a fresh one: it holds every instance and grade the node recorded."""
@@ -332,6 +346,8 @@ async def migrate(db: Database, files: Iterable[Any] | None = None) -> int:
     try:
         return await _migrate(db, files)
     except sqlite3.Error as e:
+        if not _file_trouble(e):
+            raise  # a migration file's own mistake: a bug to see whole
         raise unusable(db.path, e) from None
 
 
