@@ -62,6 +62,20 @@ class Box:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+@dataclass
+class Outcome:
+    """How a cell ended: the interpreter's ``reply``; or None, when it was killed past its
+    timeout (``timed_out``) or died (``status``: how, as the zygote saw it), with the
+    output left in its memfds."""
+
+    reply: dict[str, Any] | None
+    timed_out: bool = False
+    status: str | None = None
+    stdout: str = ""
+    stderr: str = ""
+    truncated: bool = False
+
+
 class Interpreters:
     """Spawning, running, killing and tearing down the interpreter of a :class:`Box`,
     through the sandbox's ``zygote``; ``uids`` is the sandbox's uid pool, which gets each
@@ -81,45 +95,61 @@ class Interpreters:
         """Run ``cell`` in ``box``'s interpreter (already on its way when ``sent``: carried
         by the spawn)."""
         timeout = cell["timeout"]
-        chan = box.chan
-        assert chan is not None  # the caller spawned it, holding the box's lock
-        try:
-            async with asyncio.timeout(timeout + self.kill_grace):
-                if not sent:
-                    await chan.send(cell)
-                reply = await chan.recv()
-        except TimeoutError:
-            # The code swallowed CellTimeout or is stuck in C: kill what it started too.
-            _, stdout, stderr, cut = await self._kill_and_collect(box)
+        outcome = await self.exchange(box, cell, sent=sent)
+        reply = outcome.reply
+        if reply is None and outcome.timed_out:
             return ExecResult(
-                stdout=stdout,
-                stderr=stderr,
+                stdout=outcome.stdout,
+                stderr=outcome.stderr,
                 exit_code=None,
                 timed_out=True,
-                truncated=cut,
+                truncated=outcome.truncated,
                 exception=(
                     f"Timeout: the code ran past {timeout:g}s and did not stop, so "
                     "the interpreter was killed; its state is lost and the next "
                     "call starts a fresh one.\n"
                 ),
             )
-        except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
-            if box.destroyed:
-                raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
-            status, stdout, stderr, cut = await self._kill_and_collect(box)
+        if reply is None:
             return ExecResult(
-                stdout=stdout, stderr=stderr, exit_code=None, truncated=cut, exception=_death_message(status)
+                stdout=outcome.stdout,
+                stderr=outcome.stderr,
+                exit_code=None,
+                truncated=outcome.truncated,
+                exception=_death_message(outcome.status),
             )
-        except asyncio.CancelledError:
-            # The interpreter is still busy with this code and would answer the next call.
-            await self._kill_and_collect(box)
-            raise
         calls = reply.get("calls")
         fields: dict[str, Any] = {k: reply.get(k) for k in _RESULT_FIELDS}
         return ExecResult(
             **fields,
             calls=[c for c in calls[:_MAX_CALLS] if _is_call(c)] if isinstance(calls, list) else [],
         )
+
+    async def exchange(self, box: Box, cell: dict[str, Any], *, sent: bool = False) -> Outcome:
+        """Send ``cell`` (unless ``sent``) and await the interpreter's reply, for at most
+        the cell's timeout plus ``kill_grace``; an interpreter past that, or dead, is
+        killed with all it started and its output collected."""
+        timeout = cell["timeout"]
+        chan = box.chan
+        assert chan is not None  # the caller spawned it, holding the box's lock
+        try:
+            async with asyncio.timeout(timeout + self.kill_grace):
+                if not sent:
+                    await chan.send(cell)
+                return Outcome(await chan.recv())
+        except TimeoutError:
+            # The code swallowed CellTimeout or is stuck in C: kill what it started too.
+            _, stdout, stderr, cut = await self._kill_and_collect(box)
+            return Outcome(None, timed_out=True, stdout=stdout, stderr=stderr, truncated=cut)
+        except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
+            if box.destroyed:
+                raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
+            status, stdout, stderr, cut = await self._kill_and_collect(box)
+            return Outcome(None, status=status, stdout=stdout, stderr=stderr, truncated=cut)
+        except asyncio.CancelledError:
+            # The interpreter is still busy with this code and would answer the next call.
+            await self._kill_and_collect(box)
+            raise
 
     async def _kill_and_collect(self, box: Box) -> tuple[str | None, str, str, bool]:
         """Kill the interpreter and all it started; return how it ended and its output."""
