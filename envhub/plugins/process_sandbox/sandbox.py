@@ -61,6 +61,11 @@ Policy and invariants:
 - :meth:`~ProcessSandbox.run_once` (grading) goes further: the interpreter exits after
   answering, and the zygote cleans up after it unasked, before any other sandbox can run
   under its uid; the node frees the box and the uid as soon as the answer is in.
+- :meth:`~ProcessSandbox.run_program` (/run_code) runs an ``envhub.sandbox.Program`` the
+  same way, in one program cell (``programs.py`` on the node, ``zygote/program.py`` in the
+  interpreter): Python steps run in the interpreter itself as a script, commands are
+  forked and exec'd by it, each under its own timeout, memfds and (but for runtimes that
+  reserve more than they use) RLIMIT_AS.
 - Output is captured at fd level in two memfds per interpreter, which the node holds too:
   the output of an interpreter it had to kill is still there to read.
 - An exec's result is reported by the interpreter that ran the code, so code that means
@@ -131,7 +136,9 @@ class ProcessSandbox(Sandbox):
     data dir and config file and its environments' datasets are always hidden), ``env``
     (variables for every sandbox), ``start_timeout`` (30 s), ``lazy_start`` (true: the
     interpreter is forked by the first :meth:`exec`, not by :meth:`create`, so an
-    episode that never runs code costs no process).
+    episode that never runs code costs no process), ``label`` (a second sandbox of this
+    plugin on one node, /run_code's ``run-code``: its default work root, and with it its
+    cgroups, are its own).
     ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
     ``max_processes``; ``cpus`` is not enforced.
 
