@@ -144,18 +144,20 @@ class Interpreters:
         except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
             if box.destroyed:
                 raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
-            status, stdout, stderr, cut = await self._kill_and_collect(box)
+            status, stdout, stderr, cut = await self._kill_and_collect(box, exiting=True)
             return Outcome(None, status=status, stdout=stdout, stderr=stderr, truncated=cut)
         except asyncio.CancelledError:
             # The interpreter is still busy with this code and would answer the next call.
             await self._kill_and_collect(box)
             raise
 
-    async def _kill_and_collect(self, box: Box) -> tuple[str | None, str, str, bool]:
-        """Kill the interpreter and all it started; return how it ended and its output."""
+    async def _kill_and_collect(self, box: Box, *, exiting: bool = False) -> tuple[str | None, str, str, bool]:
+        """Kill the interpreter and all it started; return how it ended and its output.
+        ``exiting``: its channel closed, so it is dying on its own (see the fork server's
+        ``kill``)."""
         try:
             try:
-                status = await self._kill(box, remove=False, wait=True)
+                status = await self._kill(box, remove=False, wait=True, exiting=exiting)
             except SandboxError as e:  # the zygote died: PDEATHSIG took the interpreter
                 log.warning("process sandbox: killing %s failed: %s", box.handle, e)
                 status = None
@@ -219,7 +221,7 @@ class Interpreters:
         if box.uid is not None:
             self.uids.purged.add(box.uid)
 
-    async def _kill(self, box: Box, *, remove: bool, wait: bool = False) -> str | None:
+    async def _kill(self, box: Box, *, remove: bool, wait: bool = False, exiting: bool = False) -> str | None:
         """Kill every process of ``box``; return how the interpreter ended if on its own
         (known only with ``wait``, which costs the zygote the interpreter's exit).
 
@@ -231,6 +233,8 @@ class Interpreters:
         if pid is None and box.uid is None and not (remove and box.workdir):
             return None
         req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove, "wait": wait}
+        if exiting:
+            req["exiting"] = True
         msg, _ = await self.zygote.call(req)  # even if cancelled, the zygote completes it
         return msg.get("status")
 
