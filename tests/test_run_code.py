@@ -302,9 +302,40 @@ def test_a_body_that_is_no_json_object_is_a_400(client):
         assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
 
 
-def test_run_jupyter_is_not_served(client):
-    r = client.post("/run_jupyter", json={"cells": ["1 + 1"]})
-    assert r.status_code == 501 and r.json()["code"] == "not_implemented", r.text
+def test_run_jupyter_runs_cells_in_one_interpreter(client):
+    cells = [
+        "a = 123",
+        "a",
+        "print(a)",
+        "import sys; sys.stderr.write('stderr message')",
+        "raise RuntimeError('error message')",
+        "a + 1",
+        "open('out.txt', 'w').write(open('in.txt').read().upper())",
+    ]
+    files = {"in.txt": base64.b64encode(b"data").decode()}
+    r = client.post("/run_jupyter", json={"cells": cells, "files": files, "fetch_files": ["out.txt", "none.txt"]})
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert set(reply) == {"status", "message", "driver", "cells", "executor_pod_name", "files"}
+    assert reply["status"] == "Success" and reply["driver"]["status"] == "Finished", reply
+    got = reply["cells"]
+    assert [c["display"] for c in got[:3]] == [[], [{"text/plain": "123"}], []]
+    assert got[2]["stdout"] == "123\n" and got[3]["stderr"] == "stderr message"
+    assert got[4]["error"][0]["ename"] == "RuntimeError" and got[4]["error"][0]["evalue"] == "error message"
+    assert got[5]["display"] == [{"text/plain": "124"}], "a cell after an error still runs, in the same state"
+    assert reply["files"] == {"out.txt": base64.b64encode(b"DATA").decode()}
+
+
+def test_run_jupyter_timeouts(client):
+    cells = ["import time\ntime.sleep(30)", "'next'"]
+    r = client.post("/run_jupyter", json={"cells": cells, "cell_timeout": 0.5, "total_timeout": 20}).json()
+    assert r["status"] == "Success" and r["cells"][0]["error"][0]["ename"] == "TimeoutError", r
+    assert r["cells"][1]["display"] == [{"text/plain": "'next'"}]
+    r = client.post("/run_jupyter", json={"cells": cells, "total_timeout": 1}).json()
+    assert r["status"] == "Failed" and r["driver"]["status"] == "TimeLimitExceeded" and r["cells"] == [], r
+    for body, field in (({"cells": "x"}, "cells"), ({"cells": [], "kernel": "python2"}, "kernel"), ({}, "cells")):
+        bad = client.post("/run_jupyter", json=body)
+        assert bad.status_code == 400 and bad.json()["field"] == field, bad.text
 
 
 def test_calls_are_counted(client):

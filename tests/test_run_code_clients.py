@@ -404,9 +404,11 @@ def test_the_async_sandbox_fusion_client_runs_code_at_once(fleet):
     assert [r.run_result.stdout for r in replies] == [f"{i * i}\n" for i in range(24)]
 
 
-def test_run_jupyter_is_reported_as_not_served(fleet):
-    from sandbox_fusion import RunJupyterRequest, run_jupyter
+def test_the_sandbox_fusion_client_runs_jupyter_cells(fleet):
+    from sandbox_fusion import RunJupyterRequest, RunStatus, run_jupyter
 
     for endpoint in (fleet["node"].url, target_url(fleet, "scheduler")[: -len("/run_code")]):
-        with pytest.raises(Exception, match="501"):
-            run_jupyter(RunJupyterRequest(cells=["1 + 1"]), endpoint=endpoint, max_attempts=1)
+        reply = run_jupyter(RunJupyterRequest(cells=["x = 6", "x * 7", "print(x)", "1 / 0"]), endpoint=endpoint)
+        assert reply.status == RunStatus.Success, reply
+        assert reply.cells[1].display == [{"text/plain": "42"}] and reply.cells[2].stdout == "6\n"
+        assert reply.cells[3].error[0]["ename"] == "ZeroDivisionError"

@@ -110,12 +110,13 @@ def parse(body: Any, offered: Mapping[str, Any], bounds: Bounds) -> RunCodeReque
         compile_timeout=_timeout(body, "compile_timeout", bounds),
         run_timeout=_timeout(body, "run_timeout", bounds),
         memory_mb=_memory(body, bounds),
-        files=_files(body.get("files", {}), bounds),
-        fetch=_fetch(body.get("fetch_files", [])),
+        files=check_files(body.get("files", {}), bounds),
+        fetch=check_fetch(body.get("fetch_files", [])),
     )
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A finite int or float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -123,7 +124,7 @@ def _timeout(body: dict[str, Any], name: str, bounds: Bounds) -> float:
     value = body.get(name, DEFAULT_TIMEOUT)
     if value is None:
         return DEFAULT_TIMEOUT
-    if not _number(value) or not 0 < value <= bounds.max_timeout:
+    if not is_number(value) or not 0 < value <= bounds.max_timeout:
         raise InvalidRequest(f"{name!r} must be seconds, above 0 and at most {bounds.max_timeout:g}", field=name)
     return float(value)
 
@@ -132,7 +133,7 @@ def _memory(body: dict[str, Any], bounds: Bounds) -> int | None:
     value = body.get("memory_limit_MB", -1)
     if value is None or value == -1:
         return None
-    if not _number(value) or value != int(value) or not bounds.min_memory_mb <= value <= bounds.max_memory_mb:
+    if not is_number(value) or value != int(value) or not bounds.min_memory_mb <= value <= bounds.max_memory_mb:
         raise InvalidRequest(
             f"'memory_limit_MB' must be -1 (the node's default) or a whole number of MB from "
             f"{bounds.min_memory_mb} to {bounds.max_memory_mb}",
@@ -141,7 +142,7 @@ def _memory(body: dict[str, Any], bounds: Bounds) -> int | None:
     return int(value)
 
 
-def _files(value: Any, bounds: Bounds) -> list[tuple[str, str, bytes]]:
+def check_files(value: Any, bounds: Bounds) -> list[tuple[str, str, bytes]]:
     if not isinstance(value, dict):
         raise InvalidRequest("'files' must map paths to base64 content", field="files")
     if len(value) > bounds.max_files:
@@ -166,7 +167,7 @@ def _files(value: Any, bounds: Bounds) -> list[tuple[str, str, bytes]]:
     return out
 
 
-def _fetch(value: Any) -> list[tuple[str, str]]:
+def check_fetch(value: Any) -> list[tuple[str, str]]:
     if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
         raise InvalidRequest("'fetch_files' must be a list of paths", field="fetch_files")
     return [(p, _path(p, f"fetch_files.{p}")) for p in value]

@@ -43,6 +43,7 @@ from envhub.errors import CapacityExceeded, EnvhubError, SandboxError, StartupEr
 from envhub.metrics import outcome_of
 from envhub.node.capacity import Slots
 from envhub.runcode import cache as compile_cache
+from envhub.runcode import jupyter
 from envhub.runcode.languages import DEFAULT_PATH, PYTHON, Language, configured, detect, versions
 from envhub.runcode.request import Bounds, RunCodeRequest, command_result, parse, reply, sandbox_error
 from envhub.sandbox import Limits, Program, ProgramFile, ProgramRunner, Sandbox, SandboxSpec, Step, StepResult
@@ -269,6 +270,44 @@ class RunCode:
             if self.metrics is not None:
                 outcome = answer["status"] if answer is not None else outcome_of(error)
                 self.metrics.run_code(label, outcome, time.perf_counter() - started)
+
+    async def jupyter(self, body: Any) -> dict[str, Any]:
+        """One ``/run_jupyter`` call: SandboxFusion's reply (see ``jupyter.py``), on a
+        run_code slot, in a fresh sandbox of run_code's."""
+        started = time.perf_counter()
+        error: BaseException | None = None
+        answer: dict[str, Any] | None = None
+        try:
+            request = jupyter.parse(body, self.options.bounds)
+            await self._acquire()
+            try:
+                answer = await self._jupyter(request)
+            finally:
+                self.slots.release()
+            return answer
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            if self.metrics is not None:
+                outcome = answer["status"] if answer is not None else outcome_of(error)
+                self.metrics.run_code("jupyter", outcome, time.perf_counter() - started)
+
+    async def _jupyter(self, request: dict[str, Any]) -> dict[str, Any]:
+        executor = self.settings.node_id
+        spec = SandboxSpec(
+            instance_id=f"rc-{next(self._ids)}",
+            environment="run_code",
+            task_id="jupyter",
+            limits=Limits(memory_mb=self.options.memory_mb),
+            labels={"envhub.node": str(executor), "envhub.run_code": "jupyter"},
+        )
+        try:
+            await self._ready()
+            assert self.sandbox is not None  # _ready() started it
+            return await jupyter.run(self.sandbox, spec, request, executor)
+        except SandboxError as e:
+            return {**sandbox_error(e.message, executor=executor), "driver": None, "cells": []}
 
     async def _acquire(self) -> None:
         try:

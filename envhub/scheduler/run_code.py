@@ -77,8 +77,9 @@ class RunCodeRouter:
         rotated = nodes[start:] + nodes[:start]
         return sorted(rotated, key=lambda n: self.in_flight.get(n.url, 0) / slots_of(n))
 
-    async def forward(self, body: bytes, path: str = "/run_code") -> tuple[int, bytes]:
-        language = _language(body)
+    async def forward(self, body: bytes, path: str = "/run_code", *, language: str | None = None) -> tuple[int, bytes]:
+        """Send a call to a node that offers its language (``language``, else the body's)."""
+        language = language or _language(body)
         nodes = self.candidates(language)
         if not nodes:
             if any(language in languages_of(n) for n in self.scheduler.nodes):

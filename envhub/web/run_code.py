@@ -3,10 +3,10 @@
 (verl, the ``sandbox-fusion`` package): web/auth.py checks the key in the path against
 ``run_code_keys``, which open these routes and no other.
 
-``/run_code`` answers with SandboxFusion's reply (envhub/runcode/request.py); a request it
-refuses is a 400 envelope naming the field, a full queue a 504 (verl's client retries
-504), and ``run_code.enabled: false`` makes every route here a 404. ``/run_jupyter`` is
-not served: 501, which the ``sandbox-fusion`` client reports as an error.
+``/run_code`` and ``/run_jupyter`` answer with SandboxFusion's replies
+(envhub/runcode/request.py, envhub/runcode/jupyter.py); a request they refuse is a 400
+envelope naming the field, a full queue a 504 (verl's client retries 504), and
+``run_code.enabled: false`` makes every route here a 404.
 """
 
 from __future__ import annotations
@@ -16,15 +16,10 @@ from typing import Any
 from sanic import Blueprint, Request
 from sanic.response import json
 
-from envhub.errors import EnvhubError, NotFound
+from envhub.errors import NotFound
 from envhub.web.requests import json_body
 
 bp = Blueprint("run_code")
-
-
-class NotServed(EnvhubError):
-    status = 501
-    code = "not_implemented"
 
 
 def service(request: Request) -> Any:
@@ -49,5 +44,4 @@ async def languages(request: Request, key: str | None = None):
 @bp.post("/run_jupyter")
 @bp.post("/k/<key>/run_jupyter", name="run_jupyter_keyed")
 async def run_jupyter(request: Request, key: str | None = None):
-    service(request)
-    raise NotServed("run_jupyter is not served by envhub: use /run_code, or an episode for a persistent interpreter")
+    return json(await service(request).jupyter(json_body(request)))

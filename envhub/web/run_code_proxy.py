@@ -1,16 +1,14 @@
 """SandboxFusion's routes on a scheduler: ``POST /run_code`` (and under ``/k/<key>/``, as on
 a node: web/auth.py) sent to a node that offers the call's language
 (envhub/scheduler/run_code.py), its answer passed through unchanged; ``GET
-/run_code/languages`` says which nodes offer which language; ``POST /run_jupyter`` is not
-served (501), as on a node.
+/run_code/languages`` says which nodes offer which language; ``POST /run_jupyter`` goes to
+a node that offers Python.
 """
 
 from __future__ import annotations
 
 from sanic import Blueprint, Request
 from sanic.response import json, raw
-
-from envhub.web.run_code import NotServed
 
 bp = Blueprint("run_code_proxy")
 
@@ -32,4 +30,5 @@ async def languages(request: Request, key: str | None = None):
 @bp.post("/run_jupyter")
 @bp.post("/k/<key>/run_jupyter", name="run_jupyter_keyed")
 async def run_jupyter(request: Request, key: str | None = None):
-    raise NotServed("run_jupyter is not served by envhub: use /run_code")
+    status, body = await request.app.ctx.scheduler.run_code.forward(request.body, "/run_jupyter", language="python")
+    return raw(body, status=status, content_type="application/json")
