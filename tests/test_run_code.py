@@ -11,12 +11,15 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import os
+import shutil
 import stat
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
-from conftest import EnvhubProcess
+from conftest import REPO, EnvhubProcess
 from test_metrics import scrape
 
 from envhub.runcode.languages import BUILTIN, detect
@@ -428,3 +431,55 @@ def test_a_run_code_key_opens_run_code_and_nothing_else(start_node):
             assert bare.request(method, path, headers={"X-API-Key": rc_key}).status_code == 403, path
             assert bare.request(method, f"/k/{rc_key}{path}").status_code == 404, path
         assert bare.get("/health").status_code == 200
+
+
+# -- without root: Landlock ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to nobody and dropping a capability need root")
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize("scenario", ["nobody", "root without CAP_SYS_ADMIN"])
+def test_run_code_works_under_landlock_and_hides_the_node_s_data(scenario, tmp_path):
+    """Where the view cannot be made (no root, no CAP_SYS_ADMIN), every language still
+    runs, and the node's data dir is still out of reach (Landlock's allow-list)."""
+    from test_landlock import SCENARIOS, _python_for
+
+    found = _python_for(SCENARIOS["nobody"])
+    if found is None:
+        pytest.skip(f"no Python of this version can run envhub from {REPO} as nobody")
+    python, env = found
+    top = Path(tempfile.mkdtemp(prefix="envhub-rc-landlock-"))
+    top.chmod(0o755)  # pytest's tmp dirs are 0700: nobody could not reach the data dir
+    data = top / "data"
+    data.mkdir()
+    if scenario == "nobody":
+        os.chown(data, 65534, 65534)
+    node = EnvhubProcess(
+        data,
+        "--set",
+        "environments.terminal-bench.enabled=false",
+        "--set",
+        f"run_code.sandbox.python={python}",
+        "--set",
+        f"sandboxes.process.python={python}",
+        python=python,
+        prefix=tuple(SCENARIOS[scenario]),
+        env=env,
+    )
+    try:
+        node.start()
+        with node.client(timeout=120) as c:
+            for language in sorted(OFFERED):
+                r = c.post(
+                    "/run_code",
+                    json={"code": A_PLUS_B[language], "language": language, "stdin": "1 2\n", "compile_timeout": 60},
+                )
+                assert r.json()["status"] == "Success" and r.json()["run_result"]["stdout"] == "3\n", (language, r.text)
+            probe = f"import os\nfor p in ({str(data)!r}, {str(data / 'envhub.db')!r}):\n"
+            probe += "    try:\n        open(p, 'rb') if p.endswith('.db') else os.listdir(p)\n        print(p)\n"
+            probe += "    except OSError:\n        pass\nprint('done')\n"
+            r = c.post("/run_code", json={"code": probe, "language": "python"})
+            assert r.json()["run_result"]["stdout"] == "done\n", r.text
+    finally:
+        assert node.stop() == 0, node.log()
+        shutil.rmtree(top, ignore_errors=True)
