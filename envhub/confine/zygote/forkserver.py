@@ -42,7 +42,7 @@ from .shared import PR_SET_PDEATHSIG, _prctl, describe_status, dumps, remove_tre
 
 REAP_INTERVAL = 0.05
 ONCE_ENDED_KEPT = 256
-EXIT_GRACE = 0.1  # see ForkServer.kill
+EXIT_GRACE = 0.02  # see ForkServer.kill
 
 
 def kill_uid(uid: int, killer_uid: int) -> None:
