@@ -28,6 +28,7 @@ from envhub.network import NetworkMode
 from envhub.node.runtime import NodeRuntime
 from envhub.node.service import NodeService
 from envhub.plugins import Registry, collect, get_plugin_manager
+from envhub.runcode.service import RunCode
 from envhub.scheduler import peers
 from envhub.scheduler.fleet import FleetFile, load_fleet
 from envhub.scheduler.service import SchedulerService
@@ -50,6 +51,8 @@ from envhub.web import (
     openenv_proxy,
     rollouts,
     routing,
+    run_code,
+    run_code_proxy,
     trials,
     trials_proxy,
     ui,
@@ -127,8 +130,18 @@ def blueprints_for(role: str) -> list[Any]:
             ui.bp,
             dashboard.bp,
             trials.bp,
+            run_code.bp,
         ]
-    return [fleet.bp, routing.bp, compat.bp, openenv_proxy.bp, metrics.bp, ui.bp, trials_proxy.bp]
+    return [
+        fleet.bp,
+        routing.bp,
+        compat.bp,
+        openenv_proxy.bp,
+        metrics.bp,
+        ui.bp,
+        trials_proxy.bp,
+        run_code_proxy.bp,
+    ]
 
 
 def setup_readiness(app: Any) -> None:
@@ -269,6 +282,7 @@ def setup_node(app: Any) -> None:
             app.ctx.network = mode_cls(settings.network.get(settings.network_mode) or {})
             await app.ctx.network.start()
             node = NodeService(settings, app.ctx.db, runtime.environments, runtime.sandboxes, metrics=app.ctx.metrics)
+            node.run_code = RunCode.for_node(settings, registries["sandbox"], node.environments, app.ctx.metrics)
             outcome = await node.reconcile()
         except BaseException:
             await runtime.stop()
@@ -303,6 +317,8 @@ def setup_node(app: Any) -> None:
         log.info("node stopping: releasing or detaching live instances")
         if app.ctx.node is not None:
             await app.ctx.node.shutdown()
+            if app.ctx.node.run_code is not None:
+                await app.ctx.node.run_code.stop()
         if app.ctx.runtime is not None:
             await app.ctx.runtime.stop()
         if app.ctx.network is not None:

@@ -97,6 +97,104 @@ class ExecResult:
         return asdict(self)
 
 
+@dataclass
+class Step:
+    """One step of a :class:`Program`: a command, ``argv`` (its first item an absolute
+    path), or ``python``: source a Python sandbox runs as a script with its own
+    interpreter (``__main__``, from ``filename`` in the work dir), which spares an exec.
+
+    ``stdin`` is the step's standard input (none: ``/dev/null``). ``timeout`` is wall-clock
+    seconds. ``limit_address_space`` caps the step's address space (RLIMIT_AS) at the
+    sandbox's memory limit; a JVM, V8 or Go reserves far more than it uses, so their steps
+    turn it off and are bounded by the sandbox's memory cgroup alone, where it has one.
+    ``artifact`` names a file or a directory the step makes (a compile's output): it is
+    read back right after the step, before any later step runs."""
+
+    argv: list[str] | None = None
+    python: str | None = None
+    filename: str = "main.py"
+    stdin: str | None = None
+    timeout: float = 10.0
+    env: dict[str, str] = field(default_factory=dict)
+    limit_address_space: bool = True
+    artifact: str | None = None
+
+
+@dataclass
+class StepResult:
+    """How a :class:`Step` ended. ``exit_code`` is None when it timed out, negative when a
+    signal killed it (as ``subprocess`` reports). ``cpu_s``: CPU seconds of the step and
+    the children it waited for. Output is capped per stream (head and tail kept, and a
+    line saying how much was cut in between, ``truncated``)."""
+
+    exit_code: int | None = 0
+    timed_out: bool = False
+    duration_s: float = 0.0
+    cpu_s: float | None = None
+    stdout: str = ""
+    stderr: str = ""
+    truncated: bool = False
+
+
+@dataclass
+class ProgramFile:
+    """A file written into the work dir before a :class:`Program`'s first step."""
+
+    path: str
+    data: bytes
+    mode: int = 0o644
+
+
+@dataclass
+class Program:
+    """A stateless run: ``files`` written into a fresh sandbox's work dir, ``steps`` run in
+    order (none after one that fails: a compile error), then ``fetch`` read back, up to
+    ``fetch_limit`` bytes in all. Every path is relative to the work dir and stays inside
+    it (:func:`program_path`)."""
+
+    steps: list[Step]
+    files: list[ProgramFile] = field(default_factory=list)
+    fetch: list[str] = field(default_factory=list)
+    fetch_limit: int = FETCH_DIR_MAX_BYTES
+
+
+@dataclass
+class ProgramResult:
+    """What a :class:`Program` did: one result per step that ran, the artifact of the step
+    that named one as the files it holds, with their modes (None if the step made none
+    or failed), the fetched files that exist, and those left out for being past
+    ``fetch_limit``."""
+
+    steps: list[StepResult]
+    artifact: list[ProgramFile] | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)
+
+
+def program_path(path: str) -> str:
+    """``path`` normalised, when it names a file inside a work dir: relative, no ``..``
+    part, no NUL; ``ValueError`` saying why otherwise."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ValueError("a path must be a non-empty string without NUL")
+    if path.startswith("/"):
+        raise ValueError(f"{path!r} is absolute; paths are relative to the work dir")
+    norm = posixpath.normpath(path)
+    if norm in (".", "..") or norm.startswith("../"):
+        raise ValueError(f"{path!r} leaves the work dir")
+    return norm
+
+
+@runtime_checkable
+class ProgramRunner(Protocol):
+    """What a sandbox offers ``/run_code`` (the process sandbox implements it)."""
+
+    async def run_program(self, spec: SandboxSpec, program: Program) -> ProgramResult:
+        """Run ``program`` in a fresh sandbox of ``spec`` that is gone once this returns
+        (or raises). A step's failure is in its result; ``SandboxError`` when the sandbox
+        itself could not run the program."""
+        ...
+
+
 class Sandbox:
     """Base class for sandbox plugins. Subclass it and register it with
     ``register_sandboxes``.

@@ -97,6 +97,12 @@ class Settings:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     release_on_shutdown: bool = False
+    # SandboxFusion's POST /run_code on a node (envhub/runcode/, docs/api.md#run_code):
+    # its languages, slots, limits and sandbox; `enabled: false` turns it off.
+    run_code: dict[str, Any] = field(default_factory=dict)
+    # Keys that open the run_code routes and nothing else, as a header or in the path
+    # (/k/<key>/run_code), for clients that send no header (verl, sandbox-fusion).
+    run_code_keys: list[str] = field(default_factory=list)
     # Not a setting: the YAML file load() read, if any. The process sandbox hides it
     # from episode code, since it may hold API keys.
     config_file: Path | None = field(default=None, init=False, repr=False, compare=False)
@@ -117,7 +123,7 @@ class Settings:
             raise StartupError("metrics_port must be a port number (0-65535)")
         if self.response_timeout is None:
             self.response_timeout = 6 * 3600.0 if self.role == "node" else self.forward_timeout + 60
-        for name in ("environments", "sandboxes", "agents", "network"):
+        for name in ("environments", "sandboxes", "agents", "network", "run_code"):
             bad = non_finite(getattr(self, name))
             if bad is not None:
                 raise StartupError(f"{name}.{bad} must be a finite number")
@@ -248,7 +254,9 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
             _deep_merge(out, {"api_keys": [raw]})
         elif path == ["metrics_key"]:
             _deep_merge(out, {"metrics_keys": [raw]})
-        elif path in (["api_keys"], ["disabled_plugins"], ["metrics_keys"]):
+        elif path == ["run_code_key"]:
+            _deep_merge(out, {"run_code_keys": [raw]})
+        elif path in (["api_keys"], ["disabled_plugins"], ["metrics_keys"], ["run_code_keys"]):
             _deep_merge(out, {path[0]: [s.strip() for s in raw.split(",") if s.strip()]})
         elif path[0] in _FIELD_NAMES:
             _deep_merge(out, _nest(path, _scalar(raw)))

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Idempotent set-up, as root on Debian 12 (bookworm), of what the browser and alerting
-# tests need beside the venv: Debian's `chromium` (driven by Playwright for Python from
-# the test extra; Playwright's own browser download is never used, as it cannot be
-# fetched here) and `promtool`, taken out of Debian's `prometheus` package without
-# installing it (the package would start a Prometheus server).
+# Idempotent set-up, as root on Debian 12 (bookworm), of what the browser, alerting and
+# /run_code tests need beside the venv: Debian's `chromium` (driven by Playwright for
+# Python from the test extra; Playwright's own browser download is never used, as it
+# cannot be fetched here), `promtool`, taken out of Debian's `prometheus` package without
+# installing it (the package would start a Prometheus server), and the toolchains of the
+# languages /run_code offers (g++, nodejs, golang, default-jdk-headless, rustc).
 # Assumes the only network is the Debian mirror + PyPI.
 set -euo pipefail
 export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
@@ -36,5 +37,19 @@ if ! command -v promtool >/dev/null; then
   install -m 0755 "$work/usr/bin/promtool" /usr/local/bin/promtool
 fi
 
+# --- 3. the toolchains of /run_code's languages (tests/test_run_code*.py): Debian's, in
+# /usr, where the process sandbox's view shows them (a rustup toolchain in a home dir is
+# not offered). About 25 s and 740 MB when g++ and the JDK are there already; the JDK
+# adds about a minute on a bare machine.
+toolchains=()
+for pair in g++:g++ node:nodejs go:golang-go javac:default-jdk-headless rustc:rustc; do
+  [[ -x /usr/bin/${pair%%:*} ]] || toolchains+=("${pair#*:}")
+done
+if (( ${#toolchains[@]} )); then
+  apt_update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${toolchains[@]}"
+fi
+
 echo "setup-test-tools: OK $(/usr/bin/chromium --version 2>/dev/null | head -n1)," \
-  "$(promtool --version 2>&1 | head -n1)"
+  "$(promtool --version 2>&1 | head -n1), $(/usr/bin/g++ --version | head -n1), node $(/usr/bin/node --version)," \
+  "$(/usr/bin/go version), $(/usr/bin/javac -version 2>&1), $(/usr/bin/rustc --version)"

@@ -14,7 +14,9 @@ Invariants:
   ``Popen`` of a launch, which must run in the loop's own thread (see :meth:`open`).
 - Control requests are serialized by one ``asyncio.Lock`` (:attr:`lock`; a launch is
   made with it held) and replies are matched by request id, so a cancelled caller never
-  puts the channel out of step; the fds of a reply nobody waits for are closed.
+  puts the channel out of step; the fds of a reply nobody waits for are closed. A request
+  that finds the socket's buffer full (requests the zygote has not read yet) waits for
+  room: only an error says the zygote is gone.
 - A zygote that exits fails every waiter with ``SandboxError``; while :attr:`running`,
   the next request launches a new one (its children died with the old one, by
   ``PR_SET_PDEATHSIG``). Each launch bumps :attr:`generation`, so a pid forked by an
@@ -190,12 +192,13 @@ class ZygoteControl:
                     raise SandboxError(f"a {req['op']} request of {len(data)} bytes is too large")
                 self.waiters[self._req_id] = waiter = asyncio.get_running_loop().create_future()
                 try:
-                    # A zygote busy with a burst of requests lets its socket's buffer fill:
-                    # wait until it takes more (EAGAIN is no death; the lock keeps order).
+                    # Requests the zygote has not read yet fill its socket's buffer (a burst
+                    # of spawns carrying their cells): then this waits for room, with the
+                    # lock held, instead of taking EAGAIN for a dead zygote.
                     await asyncio.get_running_loop().sock_sendall(self._ctl, data)
                     break
-                except asyncio.CancelledError:  # not sent: nobody will answer it
-                    self.waiters.pop(self._req_id, None)
+                except asyncio.CancelledError:
+                    self.waiters.pop(self._req_id, None)  # not sent: no reply will come
                     raise
                 except OSError as e:  # it died and the reader has not seen the EOF yet
                     self._drop()

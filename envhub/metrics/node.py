@@ -21,6 +21,7 @@ from envhub.metrics import BUILD_BUCKETS, LATENCY_BUCKETS, REWARD_BUCKETS, WRITE
 from envhub.sandbox import ExecResult
 
 CALLS = ("create", "step", "evaluate", "release")
+_RUN_CODE_OUTCOMES = {"Success": "success", "Failed": "failed", "SandboxError": "sandbox_error"}
 TIMED_CALLS = ("create", "step", "evaluate")
 
 
@@ -108,6 +109,26 @@ class NodeMetrics:
             "Trial-log writes that failed (logged, never failing an episode)",
             registry=r,
         )
+        self._run_code = Counter(
+            "envhub_run_code_calls",
+            "/run_code calls, by language and outcome (success, failed, sandbox_error or the error code)",
+            ["language", "outcome"],
+            registry=r,
+        )
+        self._run_code_seconds = Histogram(
+            "envhub_run_code_seconds",
+            "Seconds a /run_code call took, waiting for a slot included",
+            ["language"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._run_code_compiles = Counter(
+            "envhub_run_code_compiles",
+            "Compiles /run_code needed, by language and how they were served (hit: the compile cache; "
+            "joined: a concurrent call's compile; miss: compiled)",
+            ["language", "how"],
+            registry=r,
+        )
         self._child = Children()
         self._state = _NodeState()
         r.register(self._state)
@@ -144,6 +165,15 @@ class NodeMetrics:
     def sandbox_lost(self, sandbox: str) -> None:
         self._child(self._sandbox_failures, sandbox, "lost").inc()
 
+    def run_code(self, language: str, outcome: str, seconds: float) -> None:
+        """One /run_code call: ``outcome`` is SandboxFusion's status (``Success``,
+        ``Failed``, ``SandboxError``) or an error's code."""
+        self._child(self._run_code, language, _RUN_CODE_OUTCOMES.get(outcome, outcome)).inc()
+        self._child(self._run_code_seconds, language).observe(seconds)
+
+    def run_code_compile(self, language: str, how: str) -> None:
+        self._child(self._run_code_compiles, language, how).inc()
+
     def build(self, environment: str, ok: bool, seconds: float) -> None:
         self._child(self._builds, environment, "ok" if ok else "failed").inc()
         self._child(self._build_seconds, environment).observe(seconds)
@@ -176,6 +206,12 @@ class NoNodeMetrics(NodeMetrics):
         pass
 
     def sandbox_lost(self, sandbox: str) -> None:
+        pass
+
+    def run_code(self, language: str, outcome: str, seconds: float) -> None:
+        pass
+
+    def run_code_compile(self, language: str, how: str) -> None:
         pass
 
     def build(self, environment: str, ok: bool, seconds: float) -> None:
@@ -255,3 +291,11 @@ class _NodeState:
         yield GaugeMetricFamily(
             "envhub_trial_log_queue", "Trial-log writes queued for the writer thread", value=node.trial_writer.queued
         )
+        run_code = health.get("run_code")
+        if run_code is not None:
+            for gauge, doc in (
+                ("slots", "/run_code slots: calls this node runs at once"),
+                ("active", "/run_code slots taken"),
+                ("queued", "/run_code calls waiting for a slot"),
+            ):
+                yield GaugeMetricFamily(f"envhub_run_code_{gauge}", doc, value=run_code[gauge])

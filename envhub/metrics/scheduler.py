@@ -45,6 +45,8 @@ def call_kind(method: str, path: str) -> str:
         return "openenv"
     if path.startswith("/trials"):
         return "trials"
+    if path.startswith("/run_code") or path == "/run_jupyter":
+        return "run_code"
     return "other"
 
 

@@ -9,6 +9,7 @@ dataset to where episodes can read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from envhub.environment import Environment
@@ -39,6 +40,9 @@ class Administration:
         self.sandboxes = sandboxes
         self.slots = slots
         self.episodes = episodes
+        # Sandboxes that run code but no environment's episodes (run_code's, once started):
+        # they hide the datasets too, and show what they were started with.
+        self.other_sandboxes: Callable[[], list[Sandbox]] = list
 
     def config(self) -> dict[str, Any]:
         return {
@@ -108,6 +112,8 @@ class Administration:
         episodes can read it would hand them the hidden tests."""
         sandbox = self.sandboxes.get(fresh.sandbox)
         exposed = sandbox.exposes(fresh.sandbox_hidden()) if sandbox is not None else []
+        for other in self.other_sandboxes():
+            exposed = exposed or other.exposes(fresh.sandbox_hidden())
         if exposed:
             raise InvalidRequest(
                 f"episode code could read {exposed[0]} (the {fresh.sandbox} sandbox shows it and hides only what "

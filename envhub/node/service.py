@@ -49,6 +49,7 @@ from envhub.node.lifecycle import Lifecycle
 from envhub.node.pool import WarmPool
 from envhub.node.storage import StorageGuard
 from envhub.node.trial_log import TrialWriter
+from envhub.runcode.service import RunCode
 from envhub.sandbox import Sandbox
 from envhub.settings import Settings
 from envhub.store import instances, step_results
@@ -98,6 +99,12 @@ class NodeService:
         self.lifecycle = Lifecycle(
             settings, db, self.environments, self.sandboxes, self.episodes, self.pool, self.trial_writer, self.metrics
         )
+        self.run_code: RunCode | None = None  # /run_code, when on (envhub/runcode/), slots of its own
+        self.admin.other_sandboxes = self._run_code_sandboxes
+
+    def _run_code_sandboxes(self) -> list[Sandbox]:
+        sandbox = self.run_code.sandbox if self.run_code is not None else None
+        return [sandbox] if sandbox is not None else []
 
     # -- lookups and reports ---------------------------------------------------------
 
@@ -141,6 +148,7 @@ class NodeService:
             "trial_log_errors": self.trial_writer.errors,
             "environments": sorted(self.environments),
             "openenv": sorted(n for n, env in self.environments.items() if env.openenv() is not None),
+            "run_code": None if self.run_code is None else self.run_code.health(),
         }
 
     # -- episodes --------------------------------------------------------------------

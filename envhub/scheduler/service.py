@@ -51,6 +51,7 @@ from envhub.network import NetworkMode
 from envhub.scheduler import peers
 from envhub.scheduler.fleet import Fleet, Node, NodeSource
 from envhub.scheduler.health import FleetHealth
+from envhub.scheduler.run_code import RunCodeRouter
 from envhub.scheduler.view import FleetView
 from envhub.settings import Settings
 from envhub.store import routes
@@ -92,6 +93,7 @@ class SchedulerService:
         self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
         self._lock = asyncio.Lock()
         self._creating: SingleFlight[tuple[int, bytes]] = SingleFlight()  # creates in flight, by id
+        self.run_code = RunCodeRouter(self)  # /run_code, by language (run_code.py)
 
     @property
     def nodes(self) -> list[Node]:

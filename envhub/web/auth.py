@@ -12,6 +12,13 @@ API key"}`` besides the envelope, as its service answers.
 - ``/metrics`` takes an API key or one of ``metrics_keys``, which open it and nothing
   else (a Prometheus server then holds no key that can run code). With metrics keys and
   no API keys, only ``/metrics`` is closed.
+- The run_code routes (:data:`RUN_CODE_PATHS`, SandboxFusion's) take an API key or one of
+  ``run_code_keys``, as a header like any route or in the path: ``/k/<key>/run_code``,
+  for verl and the ``sandbox-fusion`` client, which take a URL and send no header. A key
+  in the path must be a run_code key (an API key there would be one that opens
+  everything, written into URLs and configs), and it opens those routes and nothing else
+  (``/k/<key>/`` serves nothing else). With run_code keys and no API keys, only the
+  run_code routes are closed.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ import hmac
 
 from sanic import Request, Sanic
 
-from envhub.errors import Forbidden, Unauthorized
+from envhub.errors import Forbidden, NotFound, Unauthorized
 
 PUBLIC_PATHS = frozenset({"/health", "/healthz", "/ui"})
 PUBLIC_PREFIX = "/ui/"
 METRICS_PATH = "/metrics"
 SETA_PATHS = frozenset({"/step", "/setup", "/setup_dataset", "/cleanup", "/cleanup_task"})
+RUN_CODE_PATHS = frozenset({"/run_code", "/run_code/languages", "/run_jupyter"})
+KEYED_PREFIX = "/k/"  # /k/<run_code key>/<a run_code path>
 
 
 def presented_key(request: Request) -> str | None:
@@ -53,10 +62,19 @@ def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIX)
 
 
+def path_key(path: str) -> tuple[str, str] | None:
+    """``(key, run_code path)`` of a ``/k/<key>/<path>`` request path, else None."""
+    if not path.startswith(KEYED_PREFIX):
+        return None
+    key, _, rest = path[len(KEYED_PREFIX) :].partition("/")
+    return key, "/" + rest
+
+
 def setup_auth(app: Sanic) -> None:
     keys = list(app.ctx.settings.api_keys)
     metrics_keys = keys + list(app.ctx.settings.metrics_keys)
-    if not metrics_keys:
+    run_code_keys = list(app.ctx.settings.run_code_keys)
+    if not (metrics_keys or run_code_keys):
         return
 
     # middleware("request") is what on_request(priority=...) calls, but typed: Sanic
@@ -64,7 +82,18 @@ def setup_auth(app: Sanic) -> None:
     @app.middleware("request", priority=100)
     async def require_api_key(request: Request) -> None:
         path = request.path
-        if path == METRICS_PATH:
-            check_key(metrics_keys, presented_key(request))
+        keyed = path_key(path)
+        if keyed is not None:
+            if keyed[1] not in RUN_CODE_PATHS:
+                raise NotFound(f"no route for {request.method} {path}")
+            if not run_code_keys:
+                raise Forbidden("a key in the path must be one of run_code_keys, and this process has none")
+            check_key(run_code_keys, keyed[0])
+        elif path in RUN_CODE_PATHS:
+            if keys or run_code_keys:
+                check_key(keys + run_code_keys, presented_key(request))
+        elif path == METRICS_PATH:
+            if metrics_keys:
+                check_key(metrics_keys, presented_key(request))
         elif keys and not is_public(path):
             check_key(keys, presented_key(request), seta=path in SETA_PATHS)

@@ -23,7 +23,9 @@ see :func:`kill_uid`) and answers how it had ended if it died on its own; the su
 adds the ops that fork. A child tracked as one-shot (``live``'s third field) exits on its
 own once it has answered: the zygote cleans up after it (its uid's processes, its dir)
 when it reaps it, or before it forks another child under the same uid, whichever comes
-first; no ``kill`` is sent.
+first; no ``kill`` is sent. One that died before it answered gets a ``kill`` from the node,
+which is answered how it ended even when it was reaped and cleaned up already (the last
+``ONCE_ENDED_KEPT`` one-shot children's statuses are kept for that).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Any, cast
 from .shared import PR_SET_PDEATHSIG, _prctl, describe_status, dumps, remove_tree
 
 REAP_INTERVAL = 0.05
+ONCE_ENDED_KEPT = 256
+EXIT_GRACE = 0.02  # see ForkServer.kill
 
 
 def kill_uid(uid: int, killer_uid: int) -> None:
@@ -59,6 +63,18 @@ def kill_uid(uid: int, killer_uid: int) -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a credential change cleared it
 
 
+def _await_exit(pid: int, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for the child ``pid`` to exit (not reaping it)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+
+
 class ForkServer:
     def __init__(self, ctl: socket.socket, killer_uid: int | None) -> None:
         self.ctl = ctl
@@ -69,6 +85,9 @@ class ForkServer:
         self.live: dict[int, tuple[int | None, str | None, bool]] = {}  # pid -> (uid, its dir, one-shot)
         self.once_uids: dict[int, int] = {}  # uid -> pid of a one-shot child not yet cleaned up
         self.exited: dict[int, int] = {}  # tracked pids that died on their own -> status
+        # One-shot children reaped and cleaned up after -> status, for a node that asks how
+        # one ended that died before it answered (the last ONCE_ENDED_KEPT of them).
+        self.once_ended: dict[int, int] = {}
 
     def serve(self) -> None:
         # SIGCHLD keeps its default disposition: ignoring it would lose the exit statuses
@@ -110,8 +129,11 @@ class ForkServer:
             info = self.live.get(pid)
             if info is None:
                 continue  # an orphan of user code, reparented to us as subreaper
-            if info[2]:  # a one-shot child answered and exited: nobody sends a kill
+            if info[2]:  # a one-shot child exited: a kill comes only if it had not answered
                 self.clean_once(pid)
+                self.once_ended[pid] = status
+                if len(self.once_ended) > ONCE_ENDED_KEPT:
+                    del self.once_ended[next(iter(self.once_ended))]
                 continue
             self.exited[pid] = status
             if info[0] is None:
@@ -145,14 +167,21 @@ class ForkServer:
         """Kill a child; return how it ended if it died on its own.
 
         Only with ``wait`` does it wait for the child to be gone; otherwise reap()
-        collects it later, which keeps destroy cheap.
+        collects it later, which keeps destroy cheap. With ``exiting`` (the node saw its
+        channel close) it first gives the child up to ``EXIT_GRACE`` seconds to finish
+        dying: a process closes its files before it becomes a zombie, and one that
+        killed itself with SIGKILL would look killed by us.
         """
         pid, uid, workdir = req.get("pid"), req.get("uid"), req.get("workdir")
         info = self.live.pop(pid, None) if pid is not None else None
         if info is not None and info[2] and uid is not None:
             self.once_uids.pop(uid, None)
         own_death = self.exited.pop(pid, None) if pid is not None and info is not None else None
+        if info is None and pid is not None:  # a one-shot child that died unasked, reaped already
+            own_death = self.once_ended.pop(pid, None)
         if pid is not None and info is not None and own_death is None:
+            if req.get("exiting"):
+                _await_exit(pid, EXIT_GRACE)
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:

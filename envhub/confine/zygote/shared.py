@@ -137,6 +137,25 @@ def describe_status(status: int) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
+def exit_code_of(description: str | None) -> int | None:
+    """The exit code ``subprocess`` would give the process :func:`describe_status`
+    described (minus the signal's number for a signal); None for anything else."""
+    if not description:
+        return None
+    head, _, last = description.rpartition(" ")
+    if head == "exited with status":
+        try:
+            return int(last)
+        except ValueError:
+            return None
+    if head == "killed by signal":
+        try:
+            return -signal.Signals[last].value
+        except KeyError:
+            return -int(last) if last.isdigit() else None
+    return None
+
+
 def _prctl(option: int, arg: int) -> None:
     if _libc.prctl(option, arg, 0, 0, 0) != 0:
         err = ctypes.get_errno()
@@ -169,12 +188,14 @@ def _recv_frame(sock: socket.socket) -> Any:
 
 def remove_tree(path: str) -> None:
     try:
-        os.rmdir(path)  # the usual case, and much cheaper than rmtree's walk
+        os.rmdir(path)  # an unused sandbox's dir, and much cheaper than rmtree's walk
         return
     except FileNotFoundError:
         return
     except OSError:
         pass
+    if _remove_flat(path):
+        return
 
     def retry_writable(func, p, _exc):  # user code may have made a dir read-only
         try:
@@ -186,6 +207,28 @@ def remove_tree(path: str) -> None:
     import shutil  # rare: loaded here, it would add its compression modules to every fork
 
     shutil.rmtree(path, onerror=retry_writable)
+
+
+def _remove_flat(path: str) -> bool:
+    """Remove ``path`` when it holds only files and empty dirs (a sandbox's private
+    ``.tmp`` and what a run wrote: the usual case), with no Python walk; False, having
+    removed what it could, when it holds more."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        for name in os.listdir(fd):
+            try:
+                os.unlink(name, dir_fd=fd)
+            except IsADirectoryError:
+                os.rmdir(name, dir_fd=fd)
+        os.rmdir(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def load_file(path: str, name: str) -> types.ModuleType:

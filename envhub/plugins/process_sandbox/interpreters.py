@@ -62,6 +62,20 @@ class Box:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
+@dataclass
+class Outcome:
+    """How a cell ended: the interpreter's ``reply``; or None, when it was killed past its
+    timeout (``timed_out``) or died (``status``: how, as the zygote saw it), with the
+    output left in its memfds."""
+
+    reply: dict[str, Any] | None
+    timed_out: bool = False
+    status: str | None = None
+    stdout: str = ""
+    stderr: str = ""
+    truncated: bool = False
+
+
 class Interpreters:
     """Spawning, running, killing and tearing down the interpreter of a :class:`Box`,
     through the sandbox's ``zygote``; ``uids`` is the sandbox's uid pool, which gets each
@@ -81,39 +95,29 @@ class Interpreters:
         """Run ``cell`` in ``box``'s interpreter (already on its way when ``sent``: carried
         by the spawn)."""
         timeout = cell["timeout"]
-        chan = box.chan
-        assert chan is not None  # the caller spawned it, holding the box's lock
-        try:
-            async with asyncio.timeout(timeout + self.kill_grace):
-                if not sent:
-                    await chan.send(cell)
-                reply = await chan.recv()
-        except TimeoutError:
-            # The code swallowed CellTimeout or is stuck in C: kill what it started too.
-            _, stdout, stderr, cut = await self._kill_and_collect(box)
+        outcome = await self.exchange(box, cell, sent=sent)
+        reply = outcome.reply
+        if reply is None and outcome.timed_out:
             return ExecResult(
-                stdout=stdout,
-                stderr=stderr,
+                stdout=outcome.stdout,
+                stderr=outcome.stderr,
                 exit_code=None,
                 timed_out=True,
-                truncated=cut,
+                truncated=outcome.truncated,
                 exception=(
                     f"Timeout: the code ran past {timeout:g}s and did not stop, so "
                     "the interpreter was killed; its state is lost and the next "
                     "call starts a fresh one.\n"
                 ),
             )
-        except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
-            if box.destroyed:
-                raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
-            status, stdout, stderr, cut = await self._kill_and_collect(box)
+        if reply is None:
             return ExecResult(
-                stdout=stdout, stderr=stderr, exit_code=None, truncated=cut, exception=_death_message(status)
+                stdout=outcome.stdout,
+                stderr=outcome.stderr,
+                exit_code=None,
+                truncated=outcome.truncated,
+                exception=_death_message(outcome.status),
             )
-        except asyncio.CancelledError:
-            # The interpreter is still busy with this code and would answer the next call.
-            await self._kill_and_collect(box)
-            raise
         calls = reply.get("calls")
         fields: dict[str, Any] = {k: reply.get(k) for k in _RESULT_FIELDS}
         return ExecResult(
@@ -121,11 +125,39 @@ class Interpreters:
             calls=[c for c in calls[:_MAX_CALLS] if _is_call(c)] if isinstance(calls, list) else [],
         )
 
-    async def _kill_and_collect(self, box: Box) -> tuple[str | None, str, str, bool]:
-        """Kill the interpreter and all it started; return how it ended and its output."""
+    async def exchange(self, box: Box, cell: dict[str, Any], *, sent: bool = False) -> Outcome:
+        """Send ``cell`` (unless ``sent``) and await the interpreter's reply, for at most
+        the cell's timeout plus ``kill_grace``; an interpreter past that, or dead, is
+        killed with all it started and its output collected."""
+        timeout = cell["timeout"]
+        chan = box.chan
+        assert chan is not None  # the caller spawned it, holding the box's lock
+        try:
+            async with asyncio.timeout(timeout + self.kill_grace):
+                if not sent:
+                    await chan.send(cell)
+                return Outcome(await chan.recv())
+        except TimeoutError:
+            # The code swallowed CellTimeout or is stuck in C: kill what it started too.
+            _, stdout, stderr, cut = await self._kill_and_collect(box)
+            return Outcome(None, timed_out=True, stdout=stdout, stderr=stderr, truncated=cut)
+        except (EOFError, OSError, ValueError) as e:  # ValueError: user code wrote a bad frame
+            if box.destroyed:
+                raise SandboxError(f"sandbox {box.handle!r} was destroyed while code ran") from e
+            status, stdout, stderr, cut = await self._kill_and_collect(box, exiting=True)
+            return Outcome(None, status=status, stdout=stdout, stderr=stderr, truncated=cut)
+        except asyncio.CancelledError:
+            # The interpreter is still busy with this code and would answer the next call.
+            await self._kill_and_collect(box)
+            raise
+
+    async def _kill_and_collect(self, box: Box, *, exiting: bool = False) -> tuple[str | None, str, str, bool]:
+        """Kill the interpreter and all it started; return how it ended and its output.
+        ``exiting``: its channel closed, so it is dying on its own (see the fork server's
+        ``kill``)."""
         try:
             try:
-                status = await self._kill(box, remove=False, wait=True)
+                status = await self._kill(box, remove=False, wait=True, exiting=exiting)
             except SandboxError as e:  # the zygote died: PDEATHSIG took the interpreter
                 log.warning("process sandbox: killing %s failed: %s", box.handle, e)
                 status = None
@@ -189,7 +221,7 @@ class Interpreters:
         if box.uid is not None:
             self.uids.purged.add(box.uid)
 
-    async def _kill(self, box: Box, *, remove: bool, wait: bool = False) -> str | None:
+    async def _kill(self, box: Box, *, remove: bool, wait: bool = False, exiting: bool = False) -> str | None:
         """Kill every process of ``box``; return how the interpreter ended if on its own
         (known only with ``wait``, which costs the zygote the interpreter's exit).
 
@@ -201,6 +233,8 @@ class Interpreters:
         if pid is None and box.uid is None and not (remove and box.workdir):
             return None
         req = {"op": "kill", "pid": pid, "uid": box.uid, "workdir": box.workdir, "remove": remove, "wait": wait}
+        if exiting:
+            req["exiting"] = True
         msg, _ = await self.zygote.call(req)  # even if cancelled, the zygote completes it
         return msg.get("status")
 

@@ -61,6 +61,11 @@ Policy and invariants:
 - :meth:`~ProcessSandbox.run_once` (grading) goes further: the interpreter exits after
   answering, and the zygote cleans up after it unasked, before any other sandbox can run
   under its uid; the node frees the box and the uid as soon as the answer is in.
+- :meth:`~ProcessSandbox.run_program` (/run_code) runs an ``envhub.sandbox.Program`` the
+  same way, in one program cell (``programs.py`` on the node, ``zygote/program.py`` in the
+  interpreter): Python steps run in the interpreter itself as a script, commands are
+  forked and exec'd by it, each under its own timeout, memfds and (but for runtimes that
+  reserve more than they use) RLIMIT_AS.
 - Output is captured at fd level in two memfds per interpreter, which the node holds too:
   the output of an interpreter it had to kill is still there to read.
 - An exec's result is reported by the interpreter that ran the code, so code that means
@@ -92,6 +97,7 @@ from envhub.confine.uids import UidPool, sweep
 from envhub.confine.zygote import rlimits
 from envhub.confine.zygote import shared as zygote
 from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.plugins.process_sandbox import programs
 from envhub.plugins.process_sandbox.interpreters import Box, Interpreters, forget_interpreter
 from envhub.plugins.process_sandbox.launcher import ProcessZygote
 from envhub.plugins.process_sandbox.workdirs import (
@@ -101,7 +107,7 @@ from envhub.plugins.process_sandbox.workdirs import (
     relative_parts,
     write_in_workdir,
 )
-from envhub.sandbox import ExecResult, Sandbox, SandboxSpec, check_inputs
+from envhub.sandbox import ExecResult, Program, ProgramResult, Sandbox, SandboxSpec, check_inputs
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +136,9 @@ class ProcessSandbox(Sandbox):
     data dir and config file and its environments' datasets are always hidden), ``env``
     (variables for every sandbox), ``start_timeout`` (30 s), ``lazy_start`` (true: the
     interpreter is forked by the first :meth:`exec`, not by :meth:`create`, so an
-    episode that never runs code costs no process).
+    episode that never runs code costs no process), ``label`` (a second sandbox of this
+    plugin on one node, /run_code's ``run-code``: its default work root, and with it its
+    cgroups, are its own).
     ``SandboxSpec.limits`` overrides ``memory_mb``, ``cpu_seconds`` and
     ``max_processes``; ``cpus`` is not enforced.
 
@@ -149,7 +157,8 @@ class ProcessSandbox(Sandbox):
     def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(config, settings)
         c = self.config
-        default_root, own = default_work_root(getattr(settings, "data_dir", None))
+        self.label = str(c.get("label") or "")
+        default_root, own = default_work_root(getattr(settings, "data_dir", None), self.label)
         self.work_root = os.path.abspath(str(c.get("work_root") or default_root))
         self._own_shm_root = own and not c.get("work_root")  # stop() removes it
         self.memory_mb = int(c.get("memory_mb", 1024))
@@ -365,6 +374,37 @@ class ProcessSandbox(Sandbox):
         forget_interpreter(box)
         self.interpreters.release_uid(box)
         return result
+
+    async def run_program(self, spec: SandboxSpec, program: Program) -> ProgramResult:
+        """A program run (``envhub.sandbox.ProgramRunner``, which /run_code uses) in a
+        one-shot interpreter, as :meth:`run_once` runs a cell: the files, the steps and
+        the files to read back travel in one program cell (``zygote/program.py``),
+        carried by the spawn when it fits one control message, else sent once the
+        interpreter is ready. The spawn sets no RLIMIT_AS: each step sets its own (see
+        ``Step.limit_address_space``); the cgroup bounds them all as root."""
+        cell = programs.cell(program, spec.limits.memory_mb or self.memory_mb)
+        handle = await self.create(spec)
+        box = self._boxes[handle]
+        box.spawn_req["once"] = True
+        box.spawn_req["limits"] = {**box.spawn_req["limits"], "as_bytes": None}
+        try:
+            async with box.lock:
+                carried = programs.carried(box.spawn_req, cell)
+                await self.interpreters.spawn(box, cell if carried else None)
+                started = time.monotonic()
+                outcome = await self.interpreters.exchange(box, cell, sent=carried)
+                elapsed = time.monotonic() - started
+        except BaseException:
+            await self.destroy(handle)
+            raise
+        if outcome.reply is None or box.chan is None or box.destroyed:
+            await self.destroy(handle)
+        else:  # it answered and is exiting: the zygote cleans up before reusing the uid (see run_once)
+            del self._boxes[handle]
+            box.destroyed = True
+            forget_interpreter(box)
+            self.interpreters.release_uid(box)
+        return programs.result(program, outcome, elapsed)
 
     def _box(self, handle: str) -> Box:
         box = self._boxes.get(handle)

@@ -24,11 +24,13 @@ _SHM = "/dev/shm"
 _MIN_SHM_FREE = 1 << 30
 
 
-def default_work_root(data_dir: Any) -> tuple[str, bool]:
+def default_work_root(data_dir: Any, label: str = "") -> tuple[str, bool]:
     """Where a node with ``data_dir`` keeps its sandbox dirs unless ``work_root`` is set:
     the tmpfs when it is roomy (see the class docstring), else on disk; and whether the
-    dir is this node's alone (on the tmpfs, named after its data dir). Tests and the soak
-    benchmark use it to look for leftover dirs."""
+    dir is this node's alone (on the tmpfs, named after its data dir). ``label`` names a
+    second sandbox of the plugin on the same node (``run-code``), whose dirs go to a root
+    of their own. Tests and the soak benchmark use it to look for leftover dirs."""
+    suffix = f"-{label}" if label else ""
     try:
         st = os.statvfs(_SHM)
         roomy = st.f_bavail * st.f_frsize >= _MIN_SHM_FREE and os.access(_SHM, os.W_OK | os.X_OK)
@@ -36,10 +38,12 @@ def default_work_root(data_dir: Any) -> tuple[str, bool]:
         roomy = False
     if roomy and data_dir:
         digest = hashlib.sha256(os.path.abspath(str(data_dir)).encode()).hexdigest()[:16]
-        return f"{_SHM}/envhub-sandboxes-{digest}", True
+        return f"{_SHM}/envhub-sandboxes-{digest}{suffix}", True
     if roomy:
-        return f"{_SHM}/envhub-sandboxes", False
-    return (os.path.join(str(data_dir), "sandboxes") if data_dir else tempfile.gettempdir()), False
+        return f"{_SHM}/envhub-sandboxes{suffix}", False
+    if data_dir:
+        return os.path.join(str(data_dir), f"sandboxes{suffix}"), False
+    return (os.path.join(tempfile.gettempdir(), f"envhub-sandboxes{suffix}") if label else tempfile.gettempdir()), False
 
 
 def relative_parts(box: Box, path: str) -> list[str]:

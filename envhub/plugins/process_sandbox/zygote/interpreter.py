@@ -24,6 +24,7 @@ import resource
 import signal
 import socket
 import sys
+import time
 import traceback
 import types
 from typing import Any
@@ -42,7 +43,7 @@ from _envhub_zygote.shared import (
     split_frame,
 )
 
-from . import view
+from . import program, view
 
 # Modules that solutions commonly import: loaded once here so every child starts warm.
 # Not decimal, fractions, random, statistics or datetime: rare in solutions, they add ten
@@ -113,7 +114,10 @@ class Interpreter:
                 req = _recv_frame(self.chan)
                 if req is None:
                     return
-            self.send(self.run_cell(req["code"], float(req["timeout"]), req.get("inputs")))
+            if "program" in req:
+                self.send(self.run_program(req["program"]))
+            else:
+                self.send(self.run_cell(req["code"], float(req["timeout"]), req.get("inputs")))
             if self.req.get("once"):
                 os._exit(0)  # a one-shot interpreter: the zygote cleans up when it reaps us
             req = None
@@ -233,6 +237,117 @@ class Interpreter:
         record.__name__ = record.__qualname__ = name
         return record
 
+    # -- program cells (Sandbox.run_program, see program.py) -----------------------------
+
+    def run_program(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Files in, the steps in order (none after one that fails), files out. The
+        program's result is the reply's ``value``, whole: each step's output is capped on
+        its own, at the sandbox's output limit."""
+        os.ftruncate(self.out_fd, 0)
+        os.ftruncate(self.err_fd, 0)
+        value: dict[str, Any] = {"steps": [], "artifact": None, "files": {}, "left_out": [], "error": None}
+        reply: dict[str, Any] = {"exit_code": 0, "timed_out": False, "exception": None, "value": value}
+        reply.update(value_repr=None, stdout="", stderr="", truncated=False)
+        try:
+            program.write_files(req.get("files") or [])
+        except OSError as e:
+            value["error"] = f"cannot write the program's files: {e}"
+            return reply
+        memory = req.get("memory")
+        own_uid = self.req.get("uid") is not None
+        for step in req["steps"]:
+            if "python" in step:
+                result = self.run_script(step, memory)
+            else:
+                result = program.run_command(step, memory, self.output_limit, own_uid)
+            value["steps"].append(result)
+            if result["exit_code"] != 0:
+                break
+            if step.get("artifact"):
+                value["artifact"] = program.artifact(step["artifact"])
+        value["files"], value["left_out"] = program.fetch(req.get("fetch") or [], int(req.get("fetch_limit") or 0))
+        return reply
+
+    def run_script(self, step: dict[str, Any], memory: int | None) -> dict[str, Any]:
+        """Run Python source as ``python main.py`` would: as ``__main__``, from a file in
+        the work dir, ``stdin`` on fd 0, stdout block-buffered; ``sys.exit`` gives the exit
+        code and an uncaught exception its traceback on stderr and 1. Under the step's
+        timeout (a CellTimeout, as for a cell) and, with ``memory``, RLIMIT_AS."""
+        code, timeout = step["python"], float(step["timeout"])
+        path = os.path.join(self.workdir, step.get("filename") or "main.py")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            data = memoryview(code.encode("utf-8", "surrogateescape"))
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        stdin = step.get("stdin")
+        if stdin is None:
+            fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            fd = os.memfd_create("envhub-stdin", os.MFD_CLOEXEC)
+            data = memoryview(stdin.encode("utf-8", "surrogateescape"))
+            while data:
+                data = data[os.write(fd, data) :]
+            os.lseek(fd, 0, os.SEEK_SET)
+        os.dup2(fd, 0)
+        os.close(fd)
+        # As CPython makes them for a script whose streams are not a terminal.
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(  # type: ignore[misc]
+            io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8", newline="\n"
+        )
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(  # type: ignore[misc]
+            io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8", newline="\n"
+        )
+        sys.argv = [path]
+        main = types.ModuleType("__main__")
+        main.__dict__.update(__builtins__=builtins, __file__=path, __cached__=None)
+        sys.modules["__main__"] = main
+        if memory:
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            cap = memory if hard == resource.RLIM_INFINITY else min(memory, hard)
+            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        waited = resource.getrusage(resource.RUSAGE_CHILDREN)
+        exit_code: int | None = 0
+        _signal.signal(signal.SIGALRM, self.on_alarm)
+        self.fired = False
+        started = time.monotonic()
+        try:
+            try:
+                self.armed = True
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                exec(compile(code, path, "exec", dont_inherit=True), main.__dict__)
+            finally:
+                self.armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except CellTimeout:
+            pass
+        except SystemExit as e:
+            exit_code = _exit_code(e)
+        except BaseException as e:
+            exit_code = 1
+            _print_exception(e, path)
+        duration = time.monotonic() - started
+        _flush_quietly(sys.stdout)
+        if os.getpid() != self.pid:
+            os._exit(exit_code or 0)  # a fork of the script, at its end: never back into the loop
+        if self.fired:  # also when the code caught CellTimeout and went on
+            exit_code = None
+        after, waited_after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        (stdout, out_cut), (stderr, err_cut) = (read_capped(fd, self.output_limit) for fd in (self.out_fd, self.err_fd))
+        return {
+            "exit_code": exit_code,
+            "timed_out": self.fired,
+            "duration": duration,
+            "cpu": (after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
+            + (waited_after.ru_utime + waited_after.ru_stime - waited.ru_utime - waited.ru_stime),
+            "stdout": stdout,
+            "stderr": stderr,
+            "truncated": out_cut or err_cut,
+        }
+
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
         for f in (sys.stdout, sys.stderr):
             _flush_quietly(f)
@@ -281,6 +396,33 @@ def _compile_cell(code: str, filename: str) -> tuple[types.CodeType, types.CodeT
         tree.body.pop()
         last = compile(ast.Expression(tail.value), filename, "eval", dont_inherit=True)
     return compile(tree, filename, "exec", dont_inherit=True), last
+
+
+def _exit_code(e: SystemExit) -> int:
+    """The exit status ``sys.exit(code)`` gives a script; a code that is no int is
+    printed to stderr first, as the interpreter does."""
+    code = e.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except BaseException:
+        pass
+    return 1
+
+
+def _print_exception(e: BaseException, path: str) -> None:
+    """An uncaught exception of a script, on stderr as the interpreter prints it: from
+    the script's own frames (a syntax error has none, and shows its line instead)."""
+    try:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != path:
+            tb = tb.tb_next  # drop the sandbox's own frames
+        sys.stderr.write("".join(traceback.format_exception(type(e), e, tb)))
+    except BaseException:  # e.g. MemoryError again while formatting
+        os.write(2, f"{type(e).__name__} (traceback unavailable)\n".encode())
 
 
 def _format_exception(e: BaseException) -> str:

@@ -7,8 +7,9 @@ what running Python needs:
 
 - the Python install the sandboxes run on (its prefixes and the virtualenv's, read-only;
   no ``sys.path`` entry outside them, such as a project checkout on an editable install),
-- the system's programs and libraries (``/usr``, ``/bin``, ``/lib`` ..., read-only) and a
-  few files of ``/etc`` that libraries read (:data:`ETC`),
+- the system's programs and libraries (``/usr``, ``/bin``, ``/lib`` ..., read-only), a
+  few files of ``/etc`` that libraries read (:data:`ETC`) and the dirs of ``/etc`` that
+  Python's and a JDK's install read (``python3*``, ``java-*``),
 - ``/dev/null`` and its kin, a ``/proc`` that shows only the caller's own processes
   (``hidepid=2``), and
 - the sandboxes' work root, where each sandbox's own dir is its uid's alone;
@@ -67,9 +68,9 @@ def readable() -> list[str]:
     """Every path episode code may read (and run), existing ones only."""
     paths = [p for p in SYSTEM if os.path.lexists(p)]
     paths += [os.path.join("/etc", n) for n in ETC if os.path.lexists(os.path.join("/etc", n))]
-    paths += sorted(
-        os.path.join("/etc", n) for n in _listdir("/etc") if n.startswith("python3")
-    )  # Debian's sitecustomize, read by a python3 that episode code starts
+    # Debian's sitecustomize, read by a python3 that episode code starts; a JDK's config
+    # (Debian's JDK links its lib/jvm.cfg and conf/ there: java starts with neither).
+    paths += sorted(os.path.join("/etc", n) for n in _listdir("/etc") if n.startswith(("python3", "java-")))
     paths += [r for r in python_roots() if not any(r.startswith(s + "/") or r == s for s in SYSTEM)]
     return paths
 
