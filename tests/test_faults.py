@@ -11,6 +11,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -149,3 +150,93 @@ def test_a_corrupt_database_is_never_replaced_by_a_fresh_one(tmp_path):
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert str(db) in out.stderr and ("malformed" in out.stderr or "not a database" in out.stderr), out.stderr[-2000:]
     assert db.read_bytes()[:100] == before[:100], "the file is left as it was, for whoever repairs it"
+
+
+# -- a node cut off from its scheduler -----------------------------------------------------------
+
+
+@pytest.fixture
+def netns_link(tmp_path):
+    """A network namespace of the test's own, joined to the host by a veth pair:
+    ``(namespace, host-side link, the node's address)``; removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("making a network namespace needs root")
+    tag = uuid.uuid4().hex[:6]
+    ns, host_if, ns_if = f"envhub-t-{tag}", f"eh{tag}", f"en{tag}"
+    octet = int(tag[:2], 16)
+    host_ip, node_ip = f"10.251.{octet}.1", f"10.251.{octet}.2"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    ip("netns", "add", ns)
+    try:
+        ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        ip("link", "set", ns_if, "netns", ns)
+        ip("addr", "add", f"{host_ip}/30", "dev", host_if)
+        ip("link", "set", host_if, "up")
+        ip("netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev", ns_if)
+        ip("netns", "exec", ns, "ip", "link", "set", ns_if, "up")
+        ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield ns, host_if, node_ip
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_a_node_cut_off_fails_over_to_503_places_nothing_twice_and_its_episodes_continue(netns_link, tmp_path):
+    ns, host_if, node_ip = netns_link
+    far = EnvhubProcess(tmp_path / "far", *MBPP_ONLY, "--host", node_ip, prefix=("ip", "netns", "exec", ns))
+    far.url = f"http://{node_ip}:{far.port}"
+    near = EnvhubProcess(tmp_path / "near", *MBPP_ONLY)
+    far.start()
+    near.start()
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"nodes": [{"url": far.url, "slots": 8}, {"url": near.url, "slots": 8}]}))
+    sched = start_scheduler(tmp_path, nodes)
+    try:
+        with sched.client(timeout=60) as s:
+            eventually(lambda: all(n["healthy"] for n in s.get("/status").json()["nodes"]), timeout=20)
+            on_far = []
+            tasks = [t["id"] for t in s.get("/environments/mbpp/tasks", params={"limit": 6}).json()["tasks"]]
+            for i, task in enumerate(tasks):  # affinity keeps a task on one node: vary the task
+                r = s.post("/instances", json={"environment": "mbpp", "task_id": task, "instance_id": f"cut-{i}"})
+                assert r.status_code == 201, r.text
+                if s.get(f"/instances/cut-{i}").json()["node_id"] == far.node_id:
+                    on_far.append(f"cut-{i}")
+            assert on_far, "some episodes run on the node about to be cut off"
+            step = {"action": {"tool": "run_python", "arguments": {"code": "x = 6 * 7"}}}
+            for iid in on_far:
+                assert s.post(f"/instances/{iid}/step", json=step).status_code == 200
+            subprocess.run(["ip", "link", "set", host_if, "down"], check=True)
+            started = time.monotonic()
+            refused = s.post(f"/instances/{on_far[0]}/step", json=step)
+            assert refused.status_code == 503 and refused.json()["code"] == "upstream_unavailable", refused.text
+            assert time.monotonic() - started < 30, "a cut-off node's calls end within the documented time"
+            eventually(lambda: not s.get("/status").json()["nodes"][0]["healthy"], timeout=20)
+            placed = [
+                s.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": f"while-{i}"})
+                for i in range(4)
+            ]
+            assert all(p.status_code == 201 for p in placed), [p.text for p in placed]
+            assert {s.get(f"/instances/while-{i}").json()["node_id"] for i in range(4)} == {near.node_id}
+            subprocess.run(["ip", "link", "set", host_if, "up"], check=True)
+            eventually(lambda: all(n["healthy"] for n in s.get("/status").json()["nodes"]), timeout=30)
+            for iid in on_far:  # the episodes kept their state through the cut
+                r = s.post(
+                    f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "x"}}}
+                )
+                assert r.status_code == 200 and r.json()["observation"]["value_repr"] == "42", r.text
+            for i in range(len(tasks)):
+                s.post(f"/instances/cut-{i}/release")
+            for i in range(4):
+                s.post(f"/instances/while-{i}/release")
+        with far.client() as f:
+            assert f.get("/health").json()["active"] == 0
+            ids = {row["instance_id"] for row in f.get("/instances", params={"limit": 100}).json()["instances"]}
+        with near.client() as n:
+            near_ids = {row["instance_id"] for row in n.get("/instances", params={"limit": 100}).json()["instances"]}
+        assert not ids & near_ids, "no instance was placed on both nodes"
+    finally:
+        codes = [sched.stop(), far.stop(), near.stop()]
+    assert codes == [0, 0, 0], far.log()[-3000:]

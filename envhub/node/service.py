@@ -23,7 +23,8 @@ Invariants (each part states its own):
 - Calls on one instance are serialised by its lock; calls on different instances run
   concurrently.
 - A step with a ``request_id`` is recorded with its reply, and a retry of the same id
-  returns that reply instead of acting twice.
+  returns that reply instead of acting twice. A step whose caller goes away still runs
+  to its end (and is recorded): a hung-up client never costs an episode its state.
 - SQLite is written before a call returns, so a restart knows every instance.
 - Every create, step, evaluate and release call is counted once in ``metrics`` with its
   outcome, whatever ends it (envhub/metrics/node.py).
@@ -31,6 +32,7 @@ Invariants (each part states its own):
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -189,7 +191,14 @@ class NodeService:
         """Apply one action. With a ``request_id``, the reply is recorded and a retry of
         the same request id returns it again instead of acting twice."""
         environment = self.episodes.environment_of(instance_id)
-        return await timed(self.metrics, "step", environment, self._step(instance_id, raw_action, request_id))
+        # In a task of its own: a caller that goes away (a client timeout, a scheduler that
+        # gave up on a cut-off link whose request still arrives) never cancels a step
+        # halfway, which would cost the episode its interpreter and its state.
+        work = asyncio.ensure_future(
+            timed(self.metrics, "step", environment, self._step(instance_id, raw_action, request_id))
+        )
+        work.add_done_callback(_retrieved)
+        return await asyncio.shield(work)
 
     async def _step(self, instance_id: str, raw_action: Any, request_id: Any) -> dict[str, Any]:
         if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 255):
@@ -289,3 +298,9 @@ class NodeService:
 
     async def shutdown(self, *, release_all: bool | None = None) -> None:
         await self.lifecycle.shutdown(release_all=release_all)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A shielded call's outcome, once nobody awaits it: seen, so asyncio logs nothing."""
+    if not task.cancelled():
+        task.exception()
