@@ -110,6 +110,20 @@ class Unavailable(EnvhubError):
     code = "unavailable"
 
 
+class StorageFull(EnvhubError):
+    """What the call must record cannot be written: a filesystem of the node (its data dir,
+    its database, its trial logs) is full. Nothing of the call was kept; retry once space
+    returns (``Retry-After``)."""
+
+    status = 507
+    code = "storage_full"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        kw.setdefault("headers", {"Retry-After": "10"})
+        kw.setdefault("extra", {"retry_after": 10})
+        super().__init__(message, **kw)
+
+
 class UpstreamUnavailable(EnvhubError):
     """Another envhub process (a node, seen from the scheduler) did not answer."""
 

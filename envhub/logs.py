@@ -48,12 +48,23 @@ def _not_a_stopping_loop(record: logging.LogRecord) -> bool:
     return not (record.name == "sanic.error" and _LOOP_CANCELLED.match(record.getMessage()))
 
 
+def _no_startup_traceback(record: logging.LogRecord) -> bool:
+    """Sanic logs a failed start with its traceback before the error reaches ``envhub
+    serve``; a ``StartupError`` is said there in one line instead (the operator's to fix,
+    not a bug)."""
+    from envhub.errors import StartupError
+
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (record.name == "sanic.error" and isinstance(exc, StartupError))
+
+
 def configure(level: int = logging.INFO) -> logging.Handler:
     """Make the root logger's one handler (stderr, :data:`LOG_FORMAT`) at ``level``,
     replacing any it had; returns it."""
     handler = logging.StreamHandler()
     handler.setFormatter(Formatter(LOG_FORMAT))
     handler.addFilter(_not_a_stopping_loop)
+    handler.addFilter(_no_startup_traceback)
     logging.basicConfig(level=level, handlers=[handler], force=True)
     return handler
 

@@ -50,6 +50,9 @@ class Settings:
     queue_timeout: float = 30.0
     idle_ttl: float = 900.0
     reap_interval: float = 5.0
+    # Below this much free space on its data dir's filesystem a node takes no creates
+    # (envhub/node/storage.py).
+    min_free_mb: float = 100.0
     retention_hours: float | None = None
     default_trial: str = "default"
     load_entrypoints: bool = True
@@ -175,6 +178,7 @@ _BOUNDS: dict[str, tuple[float, bool]] = {
     "queue_timeout": (0, True),
     "idle_ttl": (0, True),
     "reap_interval": (0, False),
+    "min_free_mb": (0, True),
     "retention_hours": (0, False),
     "build_parallel": (1, True),
     "affinity_window": (0, True),

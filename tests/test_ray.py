@@ -215,6 +215,19 @@ def test_up_places_one_node_per_matching_raylet_behind_a_keyed_scheduler_and_dow
         assert again_info["url"] == node["url"] and again_info["pid"] != node["pid"] and again_info["serving"]
         log = (Path(node["data_dir"]) / "node.log").read_text()
         assert "node stopping: releasing or detaching live instances" in log, log[-3000:]
+        # The node's own process killed outright (the OOM killer's usual pick), its actor alive:
+        # the actor starts it again at the same URL, with the same node id.
+        killed = again_info["pid"]
+        os.kill(killed, signal.SIGKILL)
+        back = eventually(
+            lambda: (i := _info(actor)).get("pid") not in (None, killed) and i.get("serving") and i,
+            timeout=60,
+            interval=0.2,
+            message="the node process's restart under its live actor",
+        )
+        assert back["url"] == node["url"] and back["actor_pid"] == again_info["actor_pid"]
+        assert back["node_id"] == again_info["node_id"]
+        eventually(lambda: _health(fleet.url).get("healthy_nodes") == 3, timeout=60, interval=0.2)
         secret = json.loads((root / "api" / "fleet.json").read_text())
         assert secret == {"url": fleet.url, "api_key": fleet.api_key}
         assert (root / "api" / "fleet.json").stat().st_mode & 0o777 == 0o600

@@ -137,3 +137,34 @@ def test_envhub_without_the_ray_extra_never_imports_ray_and_says_what_to_install
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 1, r.stderr
     assert "Ray is not installed: pip install 'envhub[ray]'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_serve_process_killed_under_its_supervisor_comes_back_with_the_same_url_and_id(tmp_path):
+    """What the OOM killer or a crash does to a node under Ray: kill -9 of ``envhub serve``
+    (not of its actor). Its supervising thread starts it again on the same data dir and
+    port, so the scheduler's routes to it stay valid; a stop then ends it for good."""
+    from envhub.ray.process import ServeProcess, pid_alive
+
+    proc = ServeProcess(
+        "node",
+        tmp_path / "node",
+        "127.0.0.1",
+        args=["--set", "environments.terminal-bench.enabled=false", "--set", "environments.appworld.enabled=false"],
+        stop_timeout=30,
+    )
+    proc.start(timeout=60)
+    try:
+        url, first = proc.url, proc.health()
+        assert first is not None
+        killed = proc.pid
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        eventually(lambda: proc.pid not in (None, killed) and proc.health(), timeout=30, message=proc.log_tail)
+        again = proc.health()
+        assert proc.url == url and again["node_id"] == first["node_id"] and proc.restarts == 1
+        second = proc.pid
+    finally:
+        code = proc.stop()
+    assert code == 0 and second is not None and not pid_alive(second)
+    time.sleep(1.5)  # the supervisor's back-off: a stopped process is not started again
+    assert proc.health() is None and proc.restarts == 1

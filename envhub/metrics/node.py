@@ -250,6 +250,17 @@ class _NodeState:
         yield GaugeMetricFamily(
             "envhub_accepting", "1 while the node takes creates, 0 once it is stopping", value=int(health["accepting"])
         )
+        yield GaugeMetricFamily(
+            "envhub_storage_full",
+            "1 while the node takes no creates for lack of space where it records (see /health's not_accepting)",
+            value=int(any("free" in why or "space" in why for why in health.get("not_accepting", []))),
+        )
+        free = GaugeMetricFamily(
+            "envhub_storage_free_bytes", "Free bytes of the filesystems the node records on", labels=["place"]
+        )
+        for place, mb in sorted(health.get("storage_free_mb", {}).items()):
+            free.add_metric([place], mb * 2**20)
+        yield free
         live = GaugeMetricFamily(
             "envhub_instances_live", "Live instances by environment and state", labels=["environment", "state"]
         )

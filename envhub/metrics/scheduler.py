@@ -159,7 +159,7 @@ class _FleetState:
                 labels=["node"],
             ),
         }
-        now = time.time()
+        now = time.monotonic()
         for node in self.nodes:
             label = [node.name]
             families["up"].add_metric(label, 1 if node.healthy else 0)

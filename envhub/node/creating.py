@@ -33,6 +33,7 @@ from envhub.metrics.node import NodeMetrics
 from envhub.node.episodes import Episodes
 from envhub.node.instance import Live, spec_for
 from envhub.node.pool import WarmPool, spec_key
+from envhub.node.storage import StorageGuard
 from envhub.node.trial_log import TrialLog, TrialWriter
 from envhub.sandbox import ExecResult, Sandbox
 from envhub.settings import Settings
@@ -59,6 +60,7 @@ class Creator:
         pool: WarmPool,
         trial_writer: TrialWriter,
         metrics: NodeMetrics,
+        storage: StorageGuard,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -68,6 +70,7 @@ class Creator:
         self.pool = pool
         self.trial_writer = trial_writer
         self.metrics = metrics
+        self.storage = storage
         self._inflight: SingleFlight[Reply] = SingleFlight()  # by instance id
 
     def environment(self, name: Any) -> Environment:
@@ -123,6 +126,7 @@ class Creator:
                 return _replay(existing, env.name, task.id), False
             if not self.episodes.accepting:
                 raise Unavailable("node is shutting down and takes no new instances")
+            self.storage.check()  # before a sandbox starts that could not be recorded
             return await self._create(env, task, request.params, instance_id, trial, rollout)
 
         # A concurrent duplicate (a retry while the first try runs) joins it: a replay.

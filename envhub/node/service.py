@@ -23,7 +23,8 @@ Invariants (each part states its own):
 - Calls on one instance are serialised by its lock; calls on different instances run
   concurrently.
 - A step with a ``request_id`` is recorded with its reply, and a retry of the same id
-  returns that reply instead of acting twice.
+  returns that reply instead of acting twice. A step whose caller goes away still runs
+  to its end (and is recorded): a hung-up client never costs an episode its state.
 - SQLite is written before a call returns, so a restart knows every instance.
 - Every create, step, evaluate and release call is counted once in ``metrics`` with its
   outcome, whatever ends it (envhub/metrics/node.py).
@@ -31,6 +32,7 @@ Invariants (each part states its own):
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -47,6 +49,7 @@ from envhub.node.grading import Grader
 from envhub.node.instance import spec_for
 from envhub.node.lifecycle import Lifecycle
 from envhub.node.pool import WarmPool
+from envhub.node.storage import StorageGuard
 from envhub.node.trial_log import TrialWriter
 from envhub.runcode.service import RunCode
 from envhub.sandbox import Sandbox
@@ -77,11 +80,21 @@ class NodeService:
         self.slots = Slots(settings.capacity, queue_size=settings.queue_size, queue_timeout=settings.queue_timeout)
         self.trial_writer = TrialWriter(on_write=self.metrics.trial_log_write if self.metrics.enabled else None)
         self.episodes = Episodes(db, self.slots, self.metrics)
+        self.storage = StorageGuard({"data dir": settings.data_dir}, min_free_mb=settings.min_free_mb)
+        db.on_full = lambda: self.storage.note_full("database")
         self.pool = WarmPool(
             self.slots, ttl=settings.affinity_window, node_id=str(settings.node_id), on_change=self.episodes.moved
         )
         self.creator = Creator(
-            settings, db, self.environments, self.sandboxes, self.episodes, self.pool, self.trial_writer, self.metrics
+            settings,
+            db,
+            self.environments,
+            self.sandboxes,
+            self.episodes,
+            self.pool,
+            self.trial_writer,
+            self.metrics,
+            self.storage,
         )
         self.grader = Grader(db, self.episodes, self.metrics)
         self.admin = Administration(settings, self.environments, self.sandboxes, self.slots, self.episodes)
@@ -115,6 +128,7 @@ class NodeService:
 
     def health(self) -> dict[str, Any]:
         episodes = self.episodes
+        storage_problems = self.storage.problems()
         return {
             "ok": True,
             "role": "node",
@@ -130,7 +144,10 @@ class NodeService:
             "rollouts": len(episodes.rollouts),
             "slot_ids": list(episodes.slot_ids),
             "slot_mark": episodes.slot_mark(),
-            "accepting": episodes.accepting,
+            "accepting": episodes.accepting and not storage_problems,
+            "not_accepting": ([] if episodes.accepting else ["the node is stopping"]) + storage_problems,
+            "storage_free_mb": {k: round(v / 2**20) for k, v in self.storage.free_bytes().items()},
+            "trial_log_errors": self.trial_writer.errors,
             "environments": sorted(self.environments),
             "openenv": sorted(n for n, env in self.environments.items() if env.openenv() is not None),
             "run_code": None if self.run_code is None else self.run_code.health(),
@@ -174,7 +191,14 @@ class NodeService:
         """Apply one action. With a ``request_id``, the reply is recorded and a retry of
         the same request id returns it again instead of acting twice."""
         environment = self.episodes.environment_of(instance_id)
-        return await timed(self.metrics, "step", environment, self._step(instance_id, raw_action, request_id))
+        # In a task of its own: a caller that goes away (a client timeout, a scheduler that
+        # gave up on a cut-off link whose request still arrives) never cancels a step
+        # halfway, which would cost the episode its interpreter and its state.
+        work = asyncio.ensure_future(
+            timed(self.metrics, "step", environment, self._step(instance_id, raw_action, request_id))
+        )
+        work.add_done_callback(_retrieved)
+        return await asyncio.shield(work)
 
     async def _step(self, instance_id: str, raw_action: Any, request_id: Any) -> dict[str, Any]:
         if request_id is not None and (not isinstance(request_id, str) or not 1 <= len(request_id) <= 255):
@@ -274,3 +298,9 @@ class NodeService:
 
     async def shutdown(self, *, release_all: bool | None = None) -> None:
         await self.lifecycle.shutdown(release_all=release_all)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A shielded call's outcome, once nobody awaits it: seen, so asyncio logs nothing."""
+    if not task.cancelled():
+        task.exception()

@@ -69,6 +69,7 @@ class TrialWriter:
     def __init__(self, flush_interval: float = 0.02, *, on_write: Callable[[float, bool], None] | None = None) -> None:
         self.flush_interval = flush_interval
         self.on_write = on_write  # (seconds, ok) of each file write, called in the thread
+        self.errors = 0  # file writes that failed (a full disk, say): /health reports them
         self._items: collections.deque[tuple[str, str, Any]] = collections.deque()
         self._signalled = False  # the thread has been told there is work; see put()
         self._wake = threading.Event()
@@ -110,11 +111,11 @@ class TrialWriter:
                 op, path, obj = self._items.popleft()
                 batch.setdefault(path, []).append((op, obj))
             for path, ops in batch.items():
-                if self.on_write is None:
-                    self._write_ops(path, ops)
-                else:
-                    started = time.perf_counter()
-                    ok = self._write_ops(path, ops)
+                started = time.perf_counter()
+                ok = self._write_ops(path, ops)
+                if not ok:
+                    self.errors += 1
+                if self.on_write is not None:
                     self.on_write(time.perf_counter() - started, ok)
             if self._closing and not self._items:
                 return

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -37,6 +38,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from envhub.plugins.process_sandbox.workdirs import default_work_root
 from envhub.ray.process import ServeProcess, pid_alive, serves_dir, stop_pid
 from envhub.ray.selection import Selector, capacity_for
 
@@ -127,9 +129,19 @@ def sweep(spec: dict[str, Any]) -> dict[str, int]:
         node_id = _node_id(data_dir / "envhub.db")
         if node_id:
             node_ids.append(node_id)
+        _remove_work_roots(data_dir.resolve())
     if node_ids:
         removed = _remove_containers(node_ids)
     return {"stopped": stopped, "containers_removed": removed}
+
+
+def _remove_work_roots(data_dir: Path) -> None:
+    """The process sandbox's tmpfs dirs named after a node's data dir: a node killed with
+    -9 leaves them (empty, or with the dirs of its last episodes)."""
+    for label in ("", "run-code"):
+        path, own = default_work_root(data_dir, label)
+        if own and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _node_id(db_path: Path) -> str | None:

@@ -19,6 +19,11 @@ Invariants:
   someone else is a new one picked (its instances then answer 410 through the scheduler).
 - The API key goes in the environment (``ENVHUB_API_KEY``), never on the command line,
   where every local user could read it.
+- A process that dies without being stopped (the OOM killer, a crash, ``kill -9``) is
+  started again by its supervising thread, with the same data dir, node id and port,
+  after a back-off that grows while it keeps dying (1 s, doubled up to 30 s, reset by a
+  run of a minute); its Docker episodes are adopted at that start (reconcile), the rest
+  end as lost.
 """
 
 from __future__ import annotations
@@ -126,6 +131,8 @@ class ServeProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._spawned = threading.Event()
         self._error: BaseException | None = None
+        self._stopping = False
+        self.restarts = 0  # how often the process died unasked and was started again
 
     @property
     def url(self) -> str:
@@ -179,6 +186,27 @@ class ServeProcess:
         return free_port(self.host)
 
     def _run(self) -> None:
+        """Spawn the process and wait for it; start it again whenever it dies unasked."""
+        backoff = 1.0
+        while True:
+            started = time.monotonic()
+            if not self._spawn():
+                return
+            assert self.proc is not None
+            self.proc.wait()  # this thread must outlive the process: PDEATHSIG follows it
+            if self._stopping:
+                return
+            backoff = 1.0 if time.monotonic() - started > 60 else min(backoff * 2, 30.0)
+            self.restarts += 1
+            time.sleep(backoff)
+            if self._stopping:
+                return
+            self._wait_for_previous()  # a node that died leaves no process; one that hung may
+            if not port_is_free(self.host, self.port):
+                self.port = free_port(self.host)
+                (self.data_dir / "serve.port").write_text(str(self.port))
+
+    def _spawn(self) -> bool:
         command = [
             sys.executable,
             "-m",
@@ -215,9 +243,9 @@ class ServeProcess:
         except BaseException as e:  # handed to start()
             self._error = e
             self._spawned.set()
-            return
+            return False
         self._spawned.set()
-        self.proc.wait()  # this thread must outlive the process: PDEATHSIG follows it
+        return True
 
     def health(self) -> dict[str, Any] | None:
         try:
@@ -242,6 +270,7 @@ class ServeProcess:
         """SIGTERM and wait (SIGKILL after ``stop_timeout``); the exit code."""
         if self.proc is None:
             return None
+        self._stopping = True
         node = self.pid
         stop_pid(self.proc.pid, self.stop_timeout)  # the guard: it passes one SIGTERM on
         code = self.proc.wait()

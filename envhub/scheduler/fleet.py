@@ -41,7 +41,7 @@ class Node:
     ended: set[str] = field(default_factory=set)  # ids we saw end that the last report still lists
     rollouts: int = 0  # our whole rollouts running there
     reported_rollouts: int = 0  # the node's own count at its last health report
-    last_seen: float | None = None
+    last_seen: float | None = None  # time.monotonic() of its last good health check
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     failed_checks: int = 0  # health checks failed in a row

@@ -94,7 +94,7 @@ class FleetHealth:
             return
         if not node.healthy:
             log.info("node %s is up", node.url)
-        node.healthy, node.error, node.last_seen, node.info = True, None, time.time(), report
+        node.healthy, node.error, node.last_seen, node.info = True, None, time.monotonic(), report
         node.failed_checks = 0
         self.view.freed.set()
 
@@ -105,9 +105,11 @@ class FleetHealth:
             await asyncio.sleep(self.settings.health_interval)
             try:
                 await self.check_health()
-                cutoff = time.time() - 2 * self.settings.affinity_window
-                await routes.expire_affinity(self.db, older_than=cutoff)
-                self.view.expire_affinity(cutoff)
+                # SQLite keeps wall-clock times (they outlive the process); memory keeps
+                # monotonic ones, so a clock set back or forward moves no window.
+                keep = 2 * self.settings.affinity_window
+                await routes.expire_affinity(self.db, older_than=time.time() - keep)
+                self.view.expire_affinity(time.monotonic() - keep)
                 await self.prune_routes()
             except Exception:
                 log.exception("health check")

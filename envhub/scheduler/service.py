@@ -117,7 +117,9 @@ class SchedulerService:
         """Routes and affinity from SQLite, a first health round, then the creates a killed
         scheduler left half-done settled."""
         window = self.settings.affinity_window
-        self.view.affinity.update(await routes.affinities(self.db, newer_than=time.time() - window))
+        wall, mono = time.time(), time.monotonic()  # SQLite's wall-clock times, as monotonic ones
+        for key, (url, at) in (await routes.affinities(self.db, newer_than=wall - window)).items():
+            self.view.affinity[key] = (url, mono - max(0.0, wall - at))
         counts = await routes.live_counts(self.db)
         for node in self.nodes:
             node.active = counts.get(node.url, 0)
@@ -168,7 +170,7 @@ class SchedulerService:
                         node.pending += 1
                     else:
                         node.creating.add(instance_id)
-                    self.view.affinity[task_key] = (node.url, time.time())
+                    self.view.affinity[task_key] = (node.url, time.monotonic())
                     return node
                 self.view.freed.clear()
             left = deadline - time.monotonic()
@@ -192,7 +194,7 @@ class SchedulerService:
         (its last node), ``miss`` (that node is down or full) or ``none``."""
         seen = self.view.affinity.get(task_key)
         affinity = "none"
-        if seen is not None and time.time() - seen[1] <= self.settings.affinity_window:
+        if seen is not None and time.monotonic() - seen[1] <= self.settings.affinity_window:
             node = self.by_url.get(seen[0])
             if node is not None and node.healthy and node.free > 0:
                 return node, "hit"
@@ -479,7 +481,7 @@ class SchedulerService:
         }
 
     def status(self) -> dict[str, Any]:
-        now = time.time()
+        now = time.monotonic()
         window = self.settings.affinity_window
         out = []
         for node in self.nodes:

@@ -29,7 +29,8 @@ class FleetView:
     def __init__(self, nodes: list[Node]) -> None:
         self.nodes = list(nodes)
         self.by_url = {n.url: n for n in self.nodes}
-        self.affinity: dict[str, tuple[str, float]] = {}  # task key -> (node url, when it last got the task)
+        # task key -> (node url, time.monotonic() when it last got the task)
+        self.affinity: dict[str, tuple[str, float]] = {}
         # instance id -> node url for live routes: routes never move, so the hot path
         # (every step) needs no SQLite read. Filled on create and on first lookup.
         self.routes: dict[str, str] = {}
@@ -76,7 +77,7 @@ class FleetView:
         return joined, left
 
     def expire_affinity(self, cutoff: float) -> None:
-        """Forget affinities last used before ``cutoff`` (a time.time())."""
+        """Forget affinities last used before ``cutoff`` (a time.monotonic())."""
         for key in [k for k, (_, t) in self.affinity.items() if t < cutoff]:
             del self.affinity[key]
 

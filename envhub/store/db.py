@@ -18,6 +18,8 @@ Invariants:
   its batch started runs nothing; once started, its statements commit regardless.
 - ``PRAGMA user_version`` == number of migration files applied; a database newer than
   the code is refused. Migrations run once per process, at start, never per request.
+- A write that fails because the disk is full raises ``StorageFull`` (507), never a bare
+  ``sqlite3.OperationalError``, and calls ``on_full``; nothing of it was committed.
 - WAL journal with ``synchronous=NORMAL``: a crashed process loses nothing committed;
   only a crash of the whole machine can lose the last transactions.
 - Long reads that may see a snapshot a moment old (the trial viewer's summaries of a
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib.resources
+import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -39,7 +43,7 @@ from typing import Any
 
 import aiosqlite
 
-from envhub.errors import StartupError
+from envhub.errors import StartupError, StorageFull
 from envhub.util.files import private_file
 from envhub.util.threads import name_os_thread
 
@@ -71,6 +75,7 @@ class Database:
         self._queued: list[tuple[list[tuple[str, Params]], asyncio.Future]] = []
         self._committer: asyncio.Task | None = None  # drains _queued; None when idle
         self.on_commit: Callable[[float], None] | None = None  # seconds of each write transaction
+        self.on_full: Callable[[], None] | None = None  # a write failed: the disk is full
         self._reader: aiosqlite.Connection | None = None  # read_rows(); opened on first use
         self._reader_lock = asyncio.Lock()
 
@@ -84,10 +89,16 @@ class Database:
         conn.row_factory = sqlite3.Row
         try:
             await conn._execute(name_os_thread, "envhub-sqlite")
+            await conn.execute("PRAGMA busy_timeout=5000")
             await conn.execute("PRAGMA journal_mode=WAL")
             await conn.execute("PRAGMA synchronous=NORMAL")
             await conn.execute("PRAGMA foreign_keys=ON")
-            await conn.execute("PRAGMA busy_timeout=5000")
+            # A node must be able to write its records: find out now, not at the first create.
+            await conn.execute("BEGIN IMMEDIATE")
+            await conn.execute("ROLLBACK")
+        except sqlite3.Error as e:
+            await conn.close()
+            raise unusable(path, e) from None
         except BaseException:
             await conn.close()
             raise
@@ -132,11 +143,34 @@ class Database:
             await self.conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self
-            except BaseException:
+            except BaseException as e:
                 await self.conn.rollback()
+                converted = self._storage_error(e) if isinstance(e, Exception) else e
+                if converted is not e:
+                    raise converted from e
                 raise
             else:
-                await self.conn.commit()
+                try:
+                    await self.conn.commit()
+                except Exception as e:
+                    converted = self._storage_error(e)
+                    if converted is e:
+                        raise
+                    if self.conn.in_transaction:
+                        await self.conn.rollback()
+                    raise converted from e
+
+    def _storage_error(self, e: Exception) -> Exception:
+        """``e`` as ``StorageFull`` when it says the disk is full (telling ``on_full``), else
+        ``e`` itself."""
+        full = (isinstance(e, sqlite3.OperationalError) and "full" in str(e)) or (
+            isinstance(e, OSError) and e.errno == errno.ENOSPC
+        )
+        if not full:
+            return e
+        if self.on_full is not None:
+            self.on_full()
+        return StorageFull(f"the node's database ({self.path}) cannot be written: {e}")
 
     async def write(self, sql: str, params: Params = ()) -> int:
         """One statement in its own transaction; returns the row count."""
@@ -176,7 +210,7 @@ class Database:
                     if done.done():
                         continue
                     if isinstance(outcome, Exception):
-                        done.set_exception(outcome)
+                        done.set_exception(self._storage_error(outcome))
                     else:
                         done.set_result(outcome)
                 batch = []
@@ -266,8 +300,58 @@ def _fetch(conn: sqlite3.Connection, sql: str, params: Params, one: bool) -> Any
         cursor.close()
 
 
+def _file_trouble(e: sqlite3.Error) -> bool:
+    """Whether ``e`` is about the database file (locked, read-only, damaged, full, not to be
+    opened) rather than about a statement."""
+    text = str(e)
+    return (
+        any(
+            word in text
+            for word in ("locked", "busy", "readonly", "read-only", "malformed", "not a database", "full", "open")
+        )
+        or isinstance(e, sqlite3.DatabaseError)
+        and not isinstance(e, sqlite3.OperationalError)
+    )
+
+
+def unusable(path: Path, e: sqlite3.Error) -> StartupError:
+    """Why a database file cannot be used, said for the operator. The file is never
+    replaced by a fresh one: it holds every instance and grade the node recorded."""
+    text = str(e)
+    try:
+        read_only_fs = bool(os.statvfs(path.parent).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only_fs = False
+    if read_only_fs:
+        why = "its filesystem is mounted read-only"
+    elif "locked" in text or "busy" in text:
+        why = "another process holds it (a second node on this data dir?); stop that one first"
+    elif "readonly" in text or "read-only" in text or not os.access(path.parent, os.W_OK):
+        why = "it (or its dir, for the WAL files) is not writable by this user"
+    elif "malformed" in text or "not a database" in text or "corrupt" in text:
+        why = (
+            "it is damaged; envhub leaves it as it is: restore it from a backup, or move it aside "
+            "to start with an empty one (losing its records)"
+        )
+    elif "full" in text:
+        why = "its filesystem is full"
+    else:
+        why = "see the SQLite error"
+    return StartupError(f"cannot use the database {path}: {text}: {why}")
+
+
 async def migrate(db: Database, files: Iterable[Any] | None = None) -> int:
-    """Apply pending files in order. Afterwards user_version == len(files)."""
+    """Apply pending files in order. Afterwards user_version == len(files). An SQLite
+    error is a ``StartupError`` saying what to do (:func:`unusable`)."""
+    try:
+        return await _migrate(db, files)
+    except sqlite3.Error as e:
+        if not _file_trouble(e):
+            raise  # a migration file's own mistake: a bug to see whole
+        raise unusable(db.path, e) from None
+
+
+async def _migrate(db: Database, files: Iterable[Any] | None) -> int:
     files = list(migration_files() if files is None else files)
     current = await db.scalar("PRAGMA user_version")
     if current > len(files):

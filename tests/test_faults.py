@@ -1,0 +1,242 @@
+"""Faults a cluster really has, on real processes: a full disk where the node records, and
+SQLite trouble at start.
+
+A full disk: the node's data dir on a small tmpfs this test mounts (root only), filled by
+the test while episodes run.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, EnvhubProcess, eventually, start_scheduler
+
+MBPP_ONLY = ("--set", "environments.terminal-bench.enabled=false", "--set", "environments.appworld.enabled=false")
+SOLUTION_13 = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 MB tmpfs of the test's own, as a node's data dir."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    where = tmp_path / "small"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(where)], check=True)
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(where: Path) -> Path:
+    """Fill ``where``'s filesystem to the last byte with a file, returned."""
+    filler = where / "filler.bin"
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)
+    return filler
+
+
+def test_a_full_data_dir_refuses_creates_with_507_answers_no_500_and_resumes_by_itself(small_disk, tmp_path):
+    data = small_disk / "data"
+    node = EnvhubProcess(data, *MBPP_ONLY, "--set", "min_free_mb=2").start()
+    other = EnvhubProcess(tmp_path / "other", *MBPP_ONLY).start()
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"nodes": [{"url": node.url, "slots": 8}, {"url": other.url, "slots": 8}]}))
+    sched = start_scheduler(tmp_path, nodes)
+    try:
+        with node.client(timeout=60) as c:
+            live = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            filler = fill(small_disk)
+            health = eventually(lambda: (h := c.get("/health").json())["accepting"] is False and h, timeout=10)
+            assert any("data dir" in why for why in health["not_accepting"]), health
+            refused = c.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+            assert refused.status_code == 507 and refused.json()["code"] == "storage_full", refused.text
+            assert refused.headers["Retry-After"] and "data dir" in refused.json()["error"]
+            # The live episode's calls: recorded, or refused as 507; never a 500.
+            step = c.post(
+                f"/instances/{live}/step",
+                json={"action": {"tool": "run_python", "arguments": {"code": "1 + 1"}}, "request_id": "r1"},
+            )
+            assert step.status_code in (200, 507), step.text
+            # A scheduler in front places the work on the other node meanwhile.
+            with sched.client(timeout=60) as s:
+                eventually(lambda: not s.get("/status").json()["nodes"][0]["total_slots"], timeout=10)
+                placed = s.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+                assert placed.status_code == 201, placed.text
+                assert s.get(f"/instances/{placed.json()['instance_id']}").json()["node_id"] == other.node_id
+                s.post(f"/instances/{placed.json()['instance_id']}/release")
+            filler.unlink()
+            eventually(
+                lambda: c.get("/health").json()["accepting"], timeout=20, message="the node never took work again"
+            )
+            again = c.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+            assert again.status_code == 201, again.text
+            c.post(
+                f"/instances/{live}/step",
+                json={"action": {"tool": "submit_solution", "arguments": {"code": SOLUTION_13}}},
+            ).raise_for_status()
+            graded = c.post(f"/instances/{live}/evaluate", json={"release": True}).json()
+            assert graded["reward"] == 1.0, graded
+            c.post(f"/instances/{again.json()['instance_id']}/release")
+    finally:
+        codes = [sched.stop(), node.stop(), other.stop()]
+    assert codes == [0, 0, 0], node.log()
+    rows = sqlite3.connect(data / "envhub.db").execute("SELECT state, sandbox_handle FROM instances").fetchall()
+    assert {state for state, _ in rows} <= {"released", "failed"}, rows  # none left half-made
+
+
+# -- SQLite trouble at start -------------------------------------------------------------------
+
+
+def serve_once(data: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "envhub", "serve", "--role", "node", "--port", "0", "--data-dir", str(data), *MBPP_ONLY]
+        + list(args),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+def a_database(tmp_path: Path) -> Path:
+    """A node's data dir with a database holding one ended instance, made by a real node."""
+    data = tmp_path / f"data-{uuid.uuid4().hex[:6]}"
+    node = EnvhubProcess(data, *MBPP_ONLY, "--set", "min_free_mb=1").start()
+    try:
+        with node.client() as c:
+            iid = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            c.post(f"/instances/{iid}/release")
+    finally:
+        assert node.stop() == 0
+    return data
+
+
+def test_a_locked_database_stops_the_start_with_a_clear_message(tmp_path):
+    data = a_database(tmp_path)
+    holder = sqlite3.connect(data / "envhub.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        out = serve_once(data)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "database" in out.stderr and "locked" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_read_only_database_stops_the_start_with_a_clear_message(small_disk):
+    """The data dir on a filesystem remounted read-only (what a full or failing disk may
+    turn into): a clear message, no traceback."""
+    data = a_database(small_disk)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    out = serve_once(data)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "read-only" in out.stderr or "readonly" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_corrupt_database_is_never_replaced_by_a_fresh_one(tmp_path):
+    data = a_database(tmp_path)
+    db = data / "envhub.db"
+    before = db.read_bytes()
+    db.write_bytes(before[:100] + b"\xff" * 4096 + before[4196:])  # the first pages: the schema
+    out = serve_once(data)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert str(db) in out.stderr and ("malformed" in out.stderr or "not a database" in out.stderr), out.stderr[-2000:]
+    assert db.read_bytes()[:100] == before[:100], "the file is left as it was, for whoever repairs it"
+
+
+# -- a node cut off from its scheduler -----------------------------------------------------------
+
+
+@pytest.fixture
+def netns_link(tmp_path):
+    """A network namespace of the test's own, joined to the host by a veth pair:
+    ``(namespace, host-side link, the node's address)``; removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("making a network namespace needs root")
+    tag = uuid.uuid4().hex[:6]
+    ns, host_if, ns_if = f"envhub-t-{tag}", f"eh{tag}", f"en{tag}"
+    octet = int(tag[:2], 16)
+    host_ip, node_ip = f"10.251.{octet}.1", f"10.251.{octet}.2"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    ip("netns", "add", ns)
+    try:
+        ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        ip("link", "set", ns_if, "netns", ns)
+        ip("addr", "add", f"{host_ip}/30", "dev", host_if)
+        ip("link", "set", host_if, "up")
+        ip("netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev", ns_if)
+        ip("netns", "exec", ns, "ip", "link", "set", ns_if, "up")
+        ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield ns, host_if, node_ip
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_a_node_cut_off_fails_over_to_503_places_nothing_twice_and_its_episodes_continue(netns_link, tmp_path):
+    ns, host_if, node_ip = netns_link
+    far = EnvhubProcess(tmp_path / "far", *MBPP_ONLY, "--host", node_ip, prefix=("ip", "netns", "exec", ns))
+    far.url = f"http://{node_ip}:{far.port}"
+    near = EnvhubProcess(tmp_path / "near", *MBPP_ONLY)
+    far.start()
+    near.start()
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"nodes": [{"url": far.url, "slots": 8}, {"url": near.url, "slots": 8}]}))
+    sched = start_scheduler(tmp_path, nodes)
+    try:
+        with sched.client(timeout=60) as s:
+            eventually(lambda: all(n["healthy"] for n in s.get("/status").json()["nodes"]), timeout=20)
+            on_far = []
+            tasks = [t["id"] for t in s.get("/environments/mbpp/tasks", params={"limit": 6}).json()["tasks"]]
+            for i, task in enumerate(tasks):  # affinity keeps a task on one node: vary the task
+                r = s.post("/instances", json={"environment": "mbpp", "task_id": task, "instance_id": f"cut-{i}"})
+                assert r.status_code == 201, r.text
+                if s.get(f"/instances/cut-{i}").json()["node_id"] == far.node_id:
+                    on_far.append(f"cut-{i}")
+            assert on_far, "some episodes run on the node about to be cut off"
+            step = {"action": {"tool": "run_python", "arguments": {"code": "x = 6 * 7"}}}
+            for iid in on_far:
+                assert s.post(f"/instances/{iid}/step", json=step).status_code == 200
+            subprocess.run(["ip", "link", "set", host_if, "down"], check=True)
+            started = time.monotonic()
+            refused = s.post(f"/instances/{on_far[0]}/step", json=step)
+            assert refused.status_code == 503 and refused.json()["code"] == "upstream_unavailable", refused.text
+            assert time.monotonic() - started < 30, "a cut-off node's calls end within the documented time"
+            eventually(lambda: not s.get("/status").json()["nodes"][0]["healthy"], timeout=20)
+            placed = [
+                s.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": f"while-{i}"})
+                for i in range(4)
+            ]
+            assert all(p.status_code == 201 for p in placed), [p.text for p in placed]
+            assert {s.get(f"/instances/while-{i}").json()["node_id"] for i in range(4)} == {near.node_id}
+            subprocess.run(["ip", "link", "set", host_if, "up"], check=True)
+            eventually(lambda: all(n["healthy"] for n in s.get("/status").json()["nodes"]), timeout=30)
+            for iid in on_far:  # the episodes kept their state through the cut
+                r = s.post(
+                    f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "x"}}}
+                )
+                assert r.status_code == 200 and r.json()["observation"]["value_repr"] == "42", r.text
+            for i in range(len(tasks)):
+                s.post(f"/instances/cut-{i}/release")
+            for i in range(4):
+                s.post(f"/instances/while-{i}/release")
+        with far.client() as f:
+            assert f.get("/health").json()["active"] == 0
+            ids = {row["instance_id"] for row in f.get("/instances", params={"limit": 100}).json()["instances"]}
+        with near.client() as n:
+            near_ids = {row["instance_id"] for row in n.get("/instances", params={"limit": 100}).json()["instances"]}
+        assert not ids & near_ids, "no instance was placed on both nodes"
+    finally:
+        codes = [sched.stop(), far.stop(), near.stop()]
+    assert codes == [0, 0, 0], far.log()[-3000:]
