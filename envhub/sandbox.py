@@ -359,6 +359,21 @@ class Sandbox:
         """Stop the sandbox and free everything it holds. Idempotent."""
         raise NotImplementedError
 
+    def unavailable(self) -> str | None:
+        """Why this sandbox cannot take creates right now (its engine is not answering,
+        say), or ``None`` when it can. Cheap and never blocking: the node asks at every
+        create and every /health, which then lists the environments that use it as
+        ``unavailable`` so that a scheduler places their creates elsewhere. The default:
+        always available."""
+        return None
+
+    def usable(self, handle: str) -> bool:
+        """False when this sandbox already knows that ``handle`` is dead (its container
+        stopped with a restarted engine, say); True otherwise, also when it cannot tell.
+        Cheap and never blocking, asked before a warm pool hands a sandbox out. The
+        default: True."""
+        return True
+
     def exposes(self, paths: list[str]) -> list[str]:
         """Those of ``paths`` (on the node's host) that episode code could read, although
         they must be hidden from it: a node refuses a ``POST /config`` that would switch

@@ -21,7 +21,7 @@ import pytest_asyncio
 from conftest import BASE_IMAGE as IMAGE
 from conftest import eventually_async, needs_docker
 
-from envhub.errors import InvalidRequest, NotFound, SandboxError, StartupError
+from envhub.errors import Gone, InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.docker_sandbox.sandbox import DEFAULT_CAPS, DockerSandbox
 from envhub.sandbox import Limits, Sandbox, SandboxSpec
 
@@ -483,9 +483,10 @@ async def test_destroy_is_idempotent_and_the_handle_is_dead_afterwards(sandbox, 
     await sandbox.destroy("0123456789ab-never-existed")
     with pytest.raises(docker.errors.NotFound):
         engine.containers.get(handle)
-    with pytest.raises(SandboxError):
+    # Gone (410 lost for its episode), not a sandbox failure (500)
+    with pytest.raises(Gone, match="is gone"):
         await sandbox.exec(handle, "true", timeout=5)
-    with pytest.raises(SandboxError):
+    with pytest.raises(Gone, match="is gone"):
         await sandbox.read_file(handle, "/etc/hostname")
 
 

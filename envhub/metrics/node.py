@@ -255,6 +255,15 @@ class _NodeState:
             "1 while the node takes no creates for lack of space where it records (see /health's not_accepting)",
             value=int(any("free" in why or "space" in why for why in health.get("not_accepting", []))),
         )
+        down = GaugeMetricFamily(
+            "envhub_environment_unavailable",
+            "1 while the environment takes no creates here because its sandbox is down (a Docker engine not answering)",
+            labels=["environment"],
+        )
+        unavailable = health.get("unavailable", {})
+        for environment in health["environments"]:
+            down.add_metric([environment], int(environment in unavailable))
+        yield down
         free = GaugeMetricFamily(
             "envhub_storage_free_bytes", "Free bytes of the filesystems the node records on", labels=["place"]
         )

@@ -22,6 +22,7 @@ from envhub.metrics import LATENCY_BUCKETS, WRITE_BUCKETS, Children
 # The causes of a scheduler's 503s.
 NO_FREE_SLOT = "no_free_slot"  # every healthy node is full
 NO_HEALTHY_NODE = "no_healthy_node"  # no node passed its last health check
+ENVIRONMENT_UNAVAILABLE = "environment_unavailable"  # every healthy node's sandbox for it is down
 NODE_DOWN = "node_down"  # the instance's node failed its last health check
 NODE_UNREACHABLE = "node_unreachable"  # a call to a node failed (connection, timeout) after its retries
 NODE_UNAVAILABLE = "node_unavailable"  # the node itself answered 503 (stopping, ...)

@@ -27,7 +27,7 @@ from typing import Any
 
 from envhub.calls import CreateRequest, new_instance_id
 from envhub.environment import Environment, Episode, Task
-from envhub.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from envhub.errors import Conflict, Gone, InvalidRequest, NotFound, SandboxError, Unavailable
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics
 from envhub.node.episodes import Episodes
@@ -112,6 +112,11 @@ class Creator:
 
     async def _create_or_join(self, request: CreateRequest, rollout: bool) -> Reply:
         env = self.environment(request.environment)
+        why = self.sandboxes[env.sandbox].unavailable()
+        if why is not None:  # before anything is prepared or held: a scheduler places it elsewhere
+            raise Unavailable(
+                f"{env.name} takes no creates here now: {why}", headers={"Retry-After": "5"}, extra={"retry_after": 5}
+            )
         task = env.task(request.task_id)
         trial = self.settings.default_trial if request.trial is None else request.trial
         client_chosen = request.instance_id is not None
@@ -181,7 +186,20 @@ class Creator:
                 log_dir=trial_log.dir,
                 on_exec=exec_recorder(self.metrics, sandbox.name),
             )
-            observation = await env.reset(episode)
+            try:
+                observation = await env.reset(episode)
+            except (Gone, SandboxError) as e:
+                if pooled is None:
+                    raise
+                # A warm sandbox that died while it waited (its engine restarted): this
+                # create starts one of its own instead.
+                log.warning("create %s: its warm sandbox is unusable (%s); starting another", instance_id, e.message)
+                pooled = None
+                await sandbox.destroy(handle)
+                handle = await sandbox.create(spec)
+                episode.handle = handle
+                episode.state.clear()
+                observation = await env.reset(episode)
             trial_log.record(
                 "created",
                 {

@@ -87,6 +87,7 @@ class Lifecycle:
             await asyncio.sleep(self.settings.reap_interval)
             try:
                 await self.reap_idle()
+                self.pool.prune()  # idle sandboxes that died (an engine restarted) free their slots
                 await self.pool.drain_idle()
                 await self.prune_ended()
             except Exception:

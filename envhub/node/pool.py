@@ -13,6 +13,8 @@ Invariants:
   handed to the create that takes it (or freed when it is removed): pooled sandboxes
   count against capacity, and a create that finds no free slot removes a pooled sandbox
   of another task rather than wait behind it.
+- A pooled sandbox its sandbox knows to be dead (``Sandbox.usable``) is never handed
+  out: it is removed, and its slot freed, when a create or the reaper finds it.
 - A pooled sandbox is handed out once and belongs to that episode from then on: it is
   never returned to a pool.
 - An entry unused for ``ttl`` seconds (the affinity window) is drained: its sandboxes
@@ -30,8 +32,9 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from envhub.node.capacity import Slots
 from envhub.sandbox import Sandbox, SandboxSpec
@@ -76,6 +79,7 @@ class WarmPool:
         self.on_change = on_change  # the node's slot mark moves with every pooled slot
         self._entries: dict[tuple[str, str, str], Entry] = {}
         self._closing = False
+        self._removing: set[asyncio.Future[None]] = set()  # removals of dead idle sandboxes
 
     @property
     def size(self) -> int:
@@ -90,15 +94,38 @@ class WarmPool:
         ]  # fmt: skip
 
     def take(self, environment: str, task_id: str, key: str) -> str | None:
-        """An idle sandbox for this shape, with its slot, or None."""
+        """An idle sandbox for this shape, with its slot, or None. Idle sandboxes their
+        sandbox knows to be dead are removed (with their slots) on the way, never handed
+        out."""
         entry = self._entries.get((environment, task_id, key))
         if entry is None:
             return None
         entry.last_used = time.monotonic()
-        if not entry.idle:
-            return None
-        self.on_change()
-        return entry.idle.pop()
+        while entry.idle:
+            handle = entry.idle.pop()
+            if entry.sandbox.usable(handle):
+                self.on_change()
+                return handle
+            log.warning("warm pool of %s/%s: sandbox %s died while idle", environment, task_id, handle[:12])
+            self._background(self._remove(entry.sandbox, handle, slot=True))
+        return None
+
+    def prune(self) -> int:
+        """Remove every idle sandbox its sandbox knows to be dead, with its slot; the
+        entries refill at their next create. Returns how many went."""
+        pruned = 0
+        for entry in self._entries.values():
+            dead = [h for h in entry.idle if not entry.sandbox.usable(h)]
+            for handle in dead:
+                entry.idle.remove(handle)
+                self._background(self._remove(entry.sandbox, handle, slot=True))
+            pruned += len(dead)
+        return pruned
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._removing.add(task)
+        task.add_done_callback(self._removing.discard)
 
     def want(self, environment: str, task_id: str, sandbox: Sandbox, spec: SandboxSpec, size: int) -> None:
         """Keep ``size`` sandboxes like ``spec`` ready from now on (0 stops refilling)."""
@@ -184,7 +211,7 @@ class WarmPool:
         fillers = [e.filler for e in entries if e.filler is not None and not e.filler.done()]
         for task in fillers:
             task.cancel()
-        await asyncio.gather(*fillers, return_exceptions=True)
+        await asyncio.gather(*fillers, *self._removing, return_exceptions=True)
         for entry in entries:
             for handle in entry.idle:
                 if keep and entry.sandbox.survives_restart:

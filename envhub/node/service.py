@@ -149,6 +149,12 @@ class NodeService:
             "storage_free_mb": {k: round(v / 2**20) for k, v in self.storage.free_bytes().items()},
             "trial_log_errors": self.trial_writer.errors,
             "environments": sorted(self.environments),
+            # Environments whose sandbox takes no creates now (an engine not answering).
+            "unavailable": {
+                name: why
+                for name, env in self.environments.items()
+                if (why := self.sandboxes[env.sandbox].unavailable())
+            },
             "openenv": sorted(n for n, env in self.environments.items() if env.openenv() is not None),
             "run_code": None if self.run_code is None else self.run_code.health(),
         }

@@ -60,6 +60,12 @@ class Node:
         n -= sum(1 for i in self.ended if i in self.holders or i in self.creating or i in self.created)
         return n + self.active + self.pending + max(0, self.rollouts - self.reported_rollouts)
 
+    def unavailable(self, environment: str) -> bool:
+        """Whether the node's last health report said ``environment`` takes no creates
+        there now (its sandbox is down)."""
+        down = self.info.get("unavailable")
+        return isinstance(down, dict) and environment in down
+
     @property
     def free(self) -> int:
         return max(0, self.capacity - self.used)

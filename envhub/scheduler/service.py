@@ -176,6 +176,16 @@ class SchedulerService:
             left = deadline - time.monotonic()
             if left <= 0:
                 healthy = [n for n in self.nodes if n.healthy]
+                environment = task_key.split("/", 1)[0]
+                down = {n.name: n.info["unavailable"][environment] for n in healthy if n.unavailable(environment)}
+                if healthy and len(down) == len(healthy):
+                    self.metrics.unavailable(causes.ENVIRONMENT_UNAVAILABLE)
+                    raise AllNodesBusy(
+                        f"no node can take {environment} creates now: "
+                        + "; ".join(f"{name}: {why}" for name, why in sorted(down.items())),
+                        headers={"Retry-After": "5"},
+                        extra={"retry_after": 5},
+                    )
                 why = "all nodes are at capacity" if healthy else "no node is healthy"
                 self.metrics.unavailable(causes.NO_FREE_SLOT if healthy else causes.NO_HEALTHY_NODE)
                 raise AllNodesBusy(
@@ -192,16 +202,21 @@ class SchedulerService:
     def _choose(self, task_key: str) -> tuple[Node | None, str]:
         """The node for a create of ``task_key``, and how affinity served it: ``hit``
         (its last node), ``miss`` (that node is down or full) or ``none``."""
+        environment = task_key.split("/", 1)[0]
+
+        def takes(node: Node) -> bool:  # a node whose engine is down for this environment: no
+            return node.healthy and node.free > 0 and not node.unavailable(environment)
+
         seen = self.view.affinity.get(task_key)
         affinity = "none"
         if seen is not None and time.monotonic() - seen[1] <= self.settings.affinity_window:
             node = self.by_url.get(seen[0])
-            if node is not None and node.healthy and node.free > 0:
+            if node is not None and takes(node):
                 return node, "hit"
             affinity = "miss"
         best: Node | None = None
         for node in self.nodes:
-            if node.healthy and node.free > 0 and (best is None or node.free_ratio > best.free_ratio):
+            if takes(node) and (best is None or node.free_ratio > best.free_ratio):
                 best = node
         return best, affinity
 
@@ -495,6 +510,7 @@ class SchedulerService:
                     "configured_slots": node.slots,
                     "active_slots": node.used,
                     "free_ratio": round(node.free_ratio, 3),
+                    "unavailable": node.info.get("unavailable") or {},
                     "last_seen_s": None if node.last_seen is None else round(now - node.last_seen, 3),
                     "task_affinity": {
                         k: round(now - t, 3)

@@ -16,7 +16,7 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
-from envhub.errors import EnvhubError, SandboxError
+from envhub.errors import EnvhubError, Gone, SandboxError, Unavailable
 
 log = logging.getLogger("envhub.plugins.docker_sandbox")
 
@@ -80,11 +80,36 @@ def no_such_container(e: docker.errors.APIError) -> bool:
 
 
 def container_error(cid: str, what: str, e: BaseException) -> EnvhubError:
+    """What a failed engine call on a container means for its episode: ``Gone`` when the
+    container was removed or has stopped (its processes, the episode's state, are gone:
+    a restarted engine without live-restore stops them all), ``Unavailable`` (503, to be
+    retried) when the engine does not answer, else ``SandboxError`` (a paused container
+    among them: it may run again)."""
     if isinstance(e, docker.errors.NotFound) and no_such_container(e):
-        return SandboxError(f"sandbox container {cid[:12]} is gone")
+        return Gone(f"sandbox container {cid[:12]} is gone")
     if isinstance(e, docker.errors.APIError) and e.status_code == 409:
-        return SandboxError(f"sandbox container {cid[:12]} is not running: {explain(e)}")
+        if "is paused" in explain(e):  # still there, its state too: an error, not the end
+            return SandboxError(f"sandbox container {cid[:12]} is paused: {explain(e)}")
+        return Gone(f"sandbox container {cid[:12]} is not running: {explain(e)}")
+    if engine_unreachable(e):
+        return engine_down(f"{what} in container {cid[:12]}: {explain(e)}")
     return SandboxError(f"docker {what} in container {cid[:12]} failed: {explain(e)}")
+
+
+def engine_unreachable(e: BaseException) -> bool:
+    """Whether ``e`` says the engine did not answer at all (down, restarting)."""
+    return isinstance(e, (requests.exceptions.ConnectionError, ConnectionError)) or (
+        isinstance(e, docker.errors.DockerException)
+        and "Connection" in type(getattr(e, "__cause__", None) or e).__name__
+    )
+
+
+def engine_down(what: str) -> Unavailable:
+    return Unavailable(
+        f"the Docker engine is not answering ({what}); retry later",
+        headers={"Retry-After": "5"},
+        extra={"retry_after": 5},
+    )
 
 
 def unix_socket_problem(url: str) -> str | None:

@@ -16,7 +16,7 @@ import ssl
 import time
 from typing import Any
 
-from envhub.errors import InvalidRequest
+from envhub.errors import Gone, InvalidRequest
 from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.engine import (
     ENGINE_ERRORS,
@@ -50,6 +50,12 @@ class DockerExec:
         # container id -> its shell agent, or False where it has none (see shell_agent.py)
         self._agents: dict[str, ShellAgent | bool] = {}
 
+    def forget_agents(self) -> None:
+        """Close every shell agent: their streams died with a restarted engine; the next
+        call of each container starts a new one."""
+        for cid in list(self._agents):
+            self.forget(cid)
+
     def forget(self, cid: str) -> None:
         """Close the shell agent of ``cid`` (removed, or no longer this node's)."""
         agent = self._agents.pop(cid, None)
@@ -75,7 +81,12 @@ class DockerExec:
                 return agent.run(code, timeout, time.monotonic() + timeout + self.kill_grace + 5)
             except AgentBroken as e:
                 log.warning("docker sandbox: shell agent of %s failed (%s); using docker exec", cid[:12], e)
-                self._agents[cid] = False
+                # Its next call tries a new agent (a restarted engine ended this one's stream);
+                # one that cannot start marks the container for docker exec for good.
+                self._agents.pop(cid, None)
+                # A stream that ended with its engine or its container: the episode is to
+                # be retried (503) or is gone (410), not told that its command failed.
+                self._check_container(cid, e)
                 # The command may have run; what it printed is lost with the agent.
                 return ExecResult(
                     exit_code=None,
@@ -84,6 +95,18 @@ class DockerExec:
                     stderr=f"envhub: the command's result was lost ({e})\n",
                 )
         return self.run(cid, [*self.shell, code], timeout)
+
+    def _check_container(self, cid: str, cause: BaseException) -> None:
+        """Raise what the engine says about ``cid`` when it cannot run commands (engine
+        down: ``Unavailable``; removed or stopped: ``Gone``)."""
+        try:
+            state = self.engine.api.inspect_container(cid)["State"]
+        except ENGINE_ERRORS as e:
+            release_response(e)
+            raise container_error(cid, "inspect", e) from cause
+        if not state.get("Running"):
+            status = state.get("Status", "unknown")
+            raise Gone(f"sandbox container {cid[:12]} is not running (state: {status})") from cause
 
     def _start_agent(self, cid: str) -> ShellAgent | None:
         api = self.engine.api

@@ -55,13 +55,15 @@ import docker.errors
 import docker.types
 import requests.exceptions
 
-from envhub.errors import InvalidRequest, SandboxError, StartupError
+from envhub.errors import Gone, InvalidRequest, SandboxError, StartupError
 from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.egress import EgressError, EgressPolicy, validate_cidrs
 from envhub.plugins.docker_sandbox.engine import (
     DEFAULT_CAPS,
     ENGINE_ERRORS,
     MANAGED_LABELS,
+    engine_down,
+    engine_unreachable,
     explain,
     network_problem,
     remove_quietly,
@@ -153,6 +155,10 @@ class DockerSandbox(Sandbox):
         if self.workdir is not None and not self.workdir.startswith("/"):
             raise StartupError(f"docker sandbox config: workdir {self.workdir!r} must be absolute")
         self.use_agent = bool(c.get("shell_agent", True))
+        self.watch_interval = float(c.get("watch_interval", 2.0))
+        self._watch: asyncio.Future[None] | None = None
+        self._down: str | None = None  # why the engine is not answering, while it is not
+        self._dead: set[str] = set()  # of _created: found stopped when the engine came back
         self._created: set[str] = set()  # container ids this process created and has not removed
         self._egress: EgressPolicy | None = None
         self._allowed: dict[str, tuple[str, list[str]]] = {}  # container id -> (its ip, allowed cidrs)
@@ -177,6 +183,55 @@ class DockerSandbox(Sandbox):
         except BaseException:
             self.engine.abandon()
             raise
+        self._watch = asyncio.ensure_future(self._watch_engine())
+
+    def unavailable(self) -> str | None:
+        return self._down
+
+    async def _watch_engine(self) -> None:
+        """Ping the engine every ``watch_interval`` seconds. Down: the sandbox says so
+        (:meth:`unavailable`), so its environments take no creates here. Back: the egress
+        policy is installed again (a restarted engine rebuilds its iptables chains) and
+        every shell agent is dropped (their streams ended)."""
+        while True:
+            await asyncio.sleep(self.watch_interval)
+            client = self.engine.client
+            if client is None:
+                continue
+            try:
+                await asyncio.wait_for(asyncio.to_thread(client.ping), timeout=max(5.0, self.watch_interval))
+            except Exception as e:  # not answering, whatever the way
+                if self._down is None:
+                    log.warning("docker sandbox: the engine stopped answering: %s", e)
+                self._down = f"the Docker engine is not answering: {type(e).__name__}"
+                continue
+            if self._down is not None:
+                log.warning("docker sandbox: the engine answers again")
+                self.execs.forget_agents()
+                try:
+                    await self.engine.call(self._find_dead)
+                except Exception as e:
+                    log.warning("docker sandbox: cannot list the containers that survived: %s", e)
+                    continue
+                if self._egress is not None:
+                    try:
+                        await self.engine.call(self._egress.install)
+                    except Exception as e:
+                        log.error("docker sandbox: cannot put the egress policy back: %s", e)
+                        continue
+                self._down = None
+
+    def usable(self, handle: str) -> bool:
+        return handle not in self._dead
+
+    def _find_dead(self) -> None:
+        """Record which of our containers a restarted engine stopped (all of them without
+        live-restore): a warm pool hands none of them out."""
+        running = {c["Id"] for c in self.engine.api.containers(filters={"status": "running"})}
+        dead = self._created - running
+        if dead:
+            log.warning("docker sandbox: %d of our containers did not survive the engine's restart", len(dead))
+        self._dead |= dead
 
     def _install_egress(self) -> None:
         """The sandbox network (no traffic between containers) and its egress policy; if
@@ -211,6 +266,10 @@ class DockerSandbox(Sandbox):
             self.network = "none"
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+            self._watch = None
         if not self.engine.running:
             return
         await asyncio.gather(*(self.destroy(cid) for cid in list(self._created)), return_exceptions=True)
@@ -227,6 +286,8 @@ class DockerSandbox(Sandbox):
     # --- the contract's calls, done by the parts ------------------------------------------
 
     async def exec(self, handle: str, code: str, *, timeout: float) -> ExecResult:
+        if handle in self._dead:
+            raise Gone(f"sandbox container {handle[:12]} stopped when the Docker engine restarted")
         return await self.execs.exec(handle, code, timeout=timeout)
 
     async def write_file(self, handle: str, path: str, data: bytes) -> None:
@@ -342,6 +403,8 @@ class DockerSandbox(Sandbox):
                 f"(the docker sandbox never pulls): {explain(e)}"
             ) from e
         except ENGINE_ERRORS as e:
+            if engine_unreachable(e):
+                raise engine_down(f"create from {spec.image!r}") from e
             raise SandboxError(f"cannot create a container from {spec.image!r}: {explain(e)}") from e
         cid = created["Id"]
         self._created.add(cid)
@@ -354,6 +417,8 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"cannot open the egress allow list {spec.egress_allow}: {e}") from e
         except ENGINE_ERRORS as e:
             self._destroy_quietly(cid)
+            if engine_unreachable(e):
+                raise engine_down(f"start of a container from {spec.image!r}") from e
             raise SandboxError(f"the container from {spec.image!r} did not start: {explain(e)}") from e
         except BaseException:
             self._destroy_quietly(cid)
@@ -389,6 +454,7 @@ class DockerSandbox(Sandbox):
         except requests.exceptions.RequestException as e:
             raise SandboxError(f"cannot remove container {cid[:12]}: {e}") from e
         self._created.discard(cid)
+        self._dead.discard(cid)
         self.files.forget(cid)
         self.execs.forget(cid)
 

@@ -1,0 +1,186 @@
+"""A Docker engine that restarts under a node: a dockerd of the test's own (its own data
+root, socket and containerd, in a network namespace of its own, without iptables),
+stopped and started again, with and without ``live-restore``, while terminal-bench
+episodes run on it. The engine every other test uses is never touched.
+
+While the engine is down: /health lists terminal-bench as unavailable and its creates get
+503 with Retry-After (never a 500, never a hang). After: episodes whose containers
+survived (live-restore) keep working; those whose containers died answer 410 lost; new
+creates work again (a warm sandbox that died is replaced). A scheduler in front of the
+node sends it no terminal-bench create while the engine is down (503: no node takes one),
+and mbpp creates still.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BASE_IMAGE, EnvhubProcess, eventually, needs_docker, start_scheduler
+
+pytestmark = [
+    needs_docker,
+    pytest.mark.skipif(os.geteuid() != 0, reason="starting a dockerd of the test's own needs root"),
+    pytest.mark.skipif(shutil.which("dockerd") is None, reason="no dockerd to start"),
+]
+
+
+class OwnEngine:
+    """A dockerd in a dir of its own."""
+
+    def __init__(self, root: Path, *, live_restore: bool) -> None:
+        self.root = root
+        self.sock = root / "docker.sock"
+        self.live_restore = live_restore
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def host(self) -> str:
+        return f"unix://{self.sock}"
+
+    def docker(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(["docker", "-H", self.host, *args], capture_output=True, **kw)
+
+    def start(self) -> None:
+        # In a network namespace of its own: a dockerd changes the host's network as it
+        # starts (with --bridge=none it deletes the host's docker0, which the shared
+        # engine needs), so it must see none of it.
+        args = [
+            "unshare",
+            "--net",
+            "dockerd",
+            f"--data-root={self.root / 'data'}",
+            f"--exec-root={self.root / 'exec'}",
+            f"--pidfile={self.root / 'docker.pid'}",
+            f"--host={self.host}",
+            "--iptables=false",
+            "--ip-masq=false",
+        ] + (["--live-restore"] if self.live_restore else [])
+        log = open(self.root / "dockerd.log", "ab")  # noqa: SIM115 (kept open with the process)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        eventually(lambda: self.docker("info").returncode == 0, timeout=60, message=self.log)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+
+    def kill_leftovers(self) -> None:
+        """The containerd shims a live-restore engine leaves behind it (they outlive it by
+        design): every process whose command line names this engine's dirs."""
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and str(self.root).encode() in (proc / "cmdline").read_bytes():
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+    def log(self) -> str:
+        return (self.root / "dockerd.log").read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no-live-restore", "live-restore"])
+def engine(request):
+    root = Path(tempfile.mkdtemp(prefix="envhub-dockerd-"))
+    eng = OwnEngine(root, live_restore=request.param)
+    try:
+        eng.start()
+        saved = subprocess.run(["docker", "save", BASE_IMAGE], capture_output=True, check=True).stdout
+        loaded = eng.docker("load", input=saved)
+        assert loaded.returncode == 0, loaded.stderr
+        yield eng
+    finally:
+        eng.stop()
+        eng.kill_leftovers()
+        for mount in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+            target = mount.split()[1]
+            if target.startswith(str(root)):
+                subprocess.run(["umount", "-l", target], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def node_on(engine: OwnEngine, data: Path) -> EnvhubProcess:
+    config = data.parent / "node.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 2}},
+                "sandboxes": {"docker": {"docker_host": engine.host, "network": "none", "watch_interval": 0.5}},
+            }
+        )
+    )
+    return EnvhubProcess(data, "--config", str(config))
+
+
+def create(c) -> str:
+    r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"})
+    assert r.status_code == 201, r.text
+    return r.json()["instance_id"]
+
+
+def sched_sees_unavailable(s) -> bool:
+    return all("terminal-bench" in n["unavailable"] for n in s.get("/status").json()["nodes"])
+
+
+def run(c, iid: str, command: str):
+    return c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_command", "arguments": {"command": command}}})
+
+
+def test_an_engine_restart_is_survived_as_it_can_be_and_never_a_500_or_a_hang(engine, tmp_path):
+    node = node_on(engine, tmp_path / "data").start(timeout=60)
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": node.url}]}))
+    sched = start_scheduler(tmp_path, nodes_yaml)
+    try:
+        with node.client(timeout=120) as c, sched.client(timeout=60) as s:
+            live = [create(c) for _ in range(2)]
+            for iid in live:
+                assert run(c, iid, "echo before > /app/mark").status_code == 200
+            eventually(lambda: c.get("/health").json()["pooled"] == 2, timeout=60, message="the warm pool filled")
+            engine.stop()
+            health = eventually(lambda: (h := c.get("/health").json())["unavailable"] and h, timeout=20)
+            assert "terminal-bench" in health["unavailable"] and "mbpp" not in health["unavailable"], health
+            started = time.monotonic()
+            refused = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"})
+            assert refused.status_code == 503 and refused.headers.get("Retry-After"), refused.text
+            assert time.monotonic() - started < 10, "refused at once, not after a wait"
+            step = run(c, live[0], "true")
+            assert step.status_code in (503, 410), step.text  # never a 500, never a hang
+            mbpp = c.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+            assert mbpp.status_code == 201, "the other environments go on"
+            c.post(f"/instances/{mbpp.json()['instance_id']}/release")
+            # The scheduler learns it from the node's /health and places nothing there.
+            eventually(lambda: sched_sees_unavailable(s), timeout=10, message="the scheduler saw the engine down")
+            routed = s.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"})
+            # the scheduler's own answer: it forwarded nothing to the node
+            assert routed.status_code == 503 and "no node can take terminal-bench" in routed.text, routed.text
+            mbpp = s.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+            assert mbpp.status_code == 201, mbpp.text
+            s.post(f"/instances/{mbpp.json()['instance_id']}/release")
+            engine.start()
+            eventually(lambda: not c.get("/health").json()["unavailable"], timeout=30)
+            for iid in live:
+                after = run(c, iid, "cat /app/mark")
+                if engine.live_restore:  # the container kept running: so does the episode
+                    assert after.status_code == 200 and after.json()["observation"]["stdout"] == "before\n", after.text
+                else:  # it died with the engine: the episode is lost, and says so
+                    assert after.status_code == 410 and after.json()["state"] == "lost", after.text
+            fresh = create(c)  # a warm sandbox that died with the engine is replaced, not handed out
+            ok = run(c, fresh, "echo ok")
+            assert ok.status_code == 200 and ok.json()["observation"]["stdout"] == "ok\n", ok.text
+            for iid in [*live, fresh]:
+                c.post(f"/instances/{iid}/release")
+    finally:
+        assert sched.stop() == 0, sched.log()[-3000:]
+        assert node.stop() == 0, node.log()[-3000:]
+    leftover = engine.docker("ps", "-aq", "--filter", f"label=envhub.node={node.node_id}", text=True).stdout.split()
+    assert leftover == [], "the node's containers are gone"
