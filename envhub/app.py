@@ -50,6 +50,8 @@ from envhub.web import (
     openenv_proxy,
     rollouts,
     routing,
+    sandbox_access,
+    sandbox_access_proxy,
     trials,
     trials_proxy,
     ui,
@@ -127,8 +129,18 @@ def blueprints_for(role: str) -> list[Any]:
             ui.bp,
             dashboard.bp,
             trials.bp,
+            sandbox_access.bp,
         ]
-    return [fleet.bp, routing.bp, compat.bp, openenv_proxy.bp, metrics.bp, ui.bp, trials_proxy.bp]
+    return [
+        fleet.bp,
+        routing.bp,
+        compat.bp,
+        openenv_proxy.bp,
+        metrics.bp,
+        ui.bp,
+        trials_proxy.bp,
+        sandbox_access_proxy.bp,
+    ]
 
 
 def setup_readiness(app: Any) -> None:
