@@ -21,8 +21,9 @@ Invariants:
   :data:`envhub.sandbox.FETCH_DIR_MAX_BYTES`) or ``read_file``. Paths are the sandbox's
   own, which keeps them inside the sandbox.
 - Every command and transfer is one event in the episode's trial log (``exec``, with the
-  command, its exit and output tails, never the values of its ``env``, which carry an
-  agent's keys; ``files``, with the path and size).
+  command, how it ended (``done``, ``timed out``, ``cancelled``, ``error``: its command
+  killed but for ``done``), its exit and output tails, never the values of its ``env``,
+  which carry an agent's keys; ``files``, with the path and size).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class SandboxAccess:
         started = time.monotonic()
         deadline = None if limit is None else started + limit
         finished = False
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {"stdout": "", "stderr": "", "return_code": None, "timed_out": False}
+        ended = "error"  # how the call ended, for the trial log: done, timed out, cancelled, error
         try:
             first = FIRST_WAIT if limit is None else min(FIRST_WAIT, limit)
             script = run.launch(
@@ -130,32 +132,36 @@ class SandboxAccess:
             while reply.state == "running":
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    result = {"stdout": "", "stderr": "", "return_code": None, "timed_out": True}
+                    result["timed_out"], ended = True, "timed out"
                     break
                 wait = POLL_WAIT if left is None else min(POLL_WAIT, left)
                 reply = await self._reply(live, run, run.poll(wait), wait)
             else:
                 result = await self._result(live, run, reply)
-                finished = True
+                finished, ended = True, "done"
+        except asyncio.CancelledError:
+            ended = "cancelled"  # the client went away (Harbor cancels a verifier past its time)
+            raise
         finally:
             if not finished:  # a timeout, a cancelled call, a failure: nothing of it stays
                 await asyncio.shield(self._kill(live, run))
-        result["duration_s"] = round(time.monotonic() - started, 3)
-        live.log.record(
-            "exec",
-            {
-                "command": command,
-                "cwd": cwd,
-                "user": user,
-                "env": sorted(variables),
-                "timeout": timeout,
-                "return_code": result["return_code"],
-                "timed_out": result["timed_out"],
-                "duration_s": result["duration_s"],
-                "stdout_tail": result["stdout"][-TAIL:],
-                "stderr_tail": result["stderr"][-TAIL:],
-            },
-        )
+            result["duration_s"] = round(time.monotonic() - started, 3)
+            live.log.record(
+                "exec",
+                {
+                    "command": command,
+                    "cwd": cwd,
+                    "user": user,
+                    "env": sorted(variables),
+                    "timeout": timeout,
+                    "ended": ended,
+                    "return_code": result["return_code"],
+                    "timed_out": result["timed_out"],
+                    "duration_s": result["duration_s"],
+                    "stdout_tail": result["stdout"][-TAIL:],
+                    "stderr_tail": result["stderr"][-TAIL:],
+                },
+            )
         return result
 
     async def _reply(self, live: Live, run: Run, script: str, wait: float) -> Reply:

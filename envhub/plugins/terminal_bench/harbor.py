@@ -81,6 +81,8 @@ class HarborTrials(TerminalBench):
         self.command_timeout = self.max_command_timeout = 0.0
         self.output_limit = 0
         self.verifier_tools = bool(self.config.get("verifier_tools", False))
+        self._tools: tuple[bytes, bytes] | None = None
+        self._tools_lock = asyncio.Lock()
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
         self._datasets: dict[str, set[str]] = {}
         self._order: list[Task] = []
