@@ -198,7 +198,7 @@ class EnvhubEnvironment(BaseEnvironment):
                 "task_id": task_id,
                 "params": params,
                 "instance_id": self._instance,
-                "trial": _safe(Path(self.trial_paths.trial_dir).parent.name) or "harbor",
+                "trial": _safe(Path(self.trial_paths.trial_dir).parent.name) or "harbor-job",
             }
             try:
                 await self._create(body)
@@ -310,7 +310,7 @@ def _safe(text: str) -> str:
 
 def _instance_id(session_id: str) -> str:
     """An instance id from Harbor's session id, unique per start (a restarted trial gets a new one)."""
-    return f"{_safe(session_id)[:100] or 'harbor'}-{secrets.token_hex(4)}"
+    return f"{_safe(session_id)[:100] or 'trial'}-{secrets.token_hex(4)}"
 
 
 def _stage(env_dir: Path, staged: Path) -> None:
