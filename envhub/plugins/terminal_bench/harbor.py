@@ -96,6 +96,8 @@ class HarborTrials(TerminalBench):
         for entry in sorted(await asyncio.to_thread(os.listdir, self._root)):
             if _DIGEST.fullmatch(entry):
                 self._register(entry, self._root / entry)
+            elif entry.startswith(".upload-"):  # an upload a stopped node left half unpacked
+                await asyncio.to_thread(shutil.rmtree, self._root / entry, True)
 
     @property
     def root(self) -> Path:
