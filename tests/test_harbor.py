@@ -15,7 +15,9 @@ its ``timeout_sec`` ends as Harbor's verifier timeout and leaves no container; 8
 trials of a task share one build, and the next 8 take containers from the warm pool; a
 trial's folder is laid out as Harbor's docker backend lays it out (compared with that
 backend when ``docker compose`` v2 is here, else with the paths Harbor's own source names);
-Harbor 0.25.0 runs a trial too; the client imports nothing of envhub's server side.
+Harbor 0.25.0 runs a trial too; the client's methods behave as Harbor's docker backend's
+(exec's cwd, env, user and timeout error, files both ways, unknown keyword arguments
+taken); the client imports nothing of envhub's server side.
 """
 
 from __future__ import annotations
@@ -321,3 +323,68 @@ def test_the_client_imports_nothing_of_envhubs_server_side(harbor):
     out = subprocess.run([str(harbor / "bin" / "python"), "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["envhub", "[]"], out.stdout
+
+
+CLIENT = r"""
+import asyncio, sys, tempfile
+from pathlib import Path
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+from envhub.harbor import EnvhubEnvironment
+
+url, key, task = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+
+
+async def main():
+    tmp = Path(tempfile.mkdtemp())
+    paths = TrialPaths(tmp / "client-job" / "probe__abc")
+    paths.mkdir()
+    env = EnvhubEnvironment(
+        environment_dir=task / "environment", environment_name="hello-envhub", session_id="probe__abc__env",
+        trial_paths=paths, task_env_config=EnvironmentConfig(workdir="/app"), url=url, api_key=key,
+        a_kwarg_of_a_later_harbor=1,
+    )
+    await env.start(force_build=False)
+    try:
+        r = await env.exec('pwd; echo "$X"; id -u', env={"X": "y z"})
+        assert (r.stdout, r.stderr, r.return_code) == ("/app\ny z\n0\n", None, 0), r
+        r = await env.exec("echo err >&2; exit 7", cwd="/tmp", user="root")
+        assert (r.stdout, r.stderr, r.return_code) == (None, "err\n", 7), r
+        try:
+            await env.exec("sleep 30", timeout_sec=1)
+            raise AssertionError("no timeout")
+        except RuntimeError as e:
+            assert str(e) == "Command timed out after 1 seconds", e
+        src = tmp / "src"
+        (src / "sub").mkdir(parents=True)
+        (src / "sub" / "a.txt").write_text("A")
+        (src / "run.sh").write_text("#!/bin/sh\necho ran\n")
+        (src / "run.sh").chmod(0o755)
+        await env.upload_dir(src, "/up")
+        assert (await env.exec("/up/run.sh")).stdout == "ran\n"
+        await env.upload_file(src / "sub" / "a.txt", "/elsewhere/b.txt")
+        assert await env.is_file("/elsewhere/b.txt") and await env.is_dir("/up/sub")
+        assert not await env.is_dir("/nope")
+        await env.download_dir("/up", tmp / "down")
+        assert (tmp / "down" / "sub" / "a.txt").read_text() == "A" and (tmp / "down" / "run.sh").is_file()
+        await env.download_file("/elsewhere/b.txt", tmp / "one" / "b.txt")
+        assert (tmp / "one" / "b.txt").read_text() == "A"
+    finally:
+        await env.stop(delete=True)
+    print("ok")
+
+
+asyncio.run(main())
+"""
+
+
+def test_the_clients_methods_behave_as_harbors_docker_backends(harbor, fleet):
+    node, scheduler, tmp = fleet
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
+    out = subprocess.run(
+        [str(harbor / "bin" / "python"), "-c", CLIENT, scheduler.url, KEY, str(BUNDLED / "hello-envhub")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout[-2000:] + out.stderr[-4000:]
+    [instance] = trial_instances(node, "client-job")
+    assert instance["state"] == "released"
