@@ -53,6 +53,8 @@ from envhub.web import (
     routing,
     run_code,
     run_code_proxy,
+    sandbox_access,
+    sandbox_access_proxy,
     trials,
     trials_proxy,
     ui,
@@ -131,6 +133,7 @@ def blueprints_for(role: str) -> list[Any]:
             dashboard.bp,
             trials.bp,
             run_code.bp,
+            sandbox_access.bp,
         ]
     return [
         fleet.bp,
@@ -141,6 +144,7 @@ def blueprints_for(role: str) -> list[Any]:
         ui.bp,
         trials_proxy.bp,
         run_code_proxy.bp,
+        sandbox_access_proxy.bp,
     ]
 
 

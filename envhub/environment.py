@@ -350,6 +350,31 @@ class Environment:
     #: tasks are its tasks). At most one served environment should.
     seta_default: ClassVar[bool] = False
 
+    # -- what a harness that drives its episodes itself needs (Harbor: envhub/harbor.py) --
+
+    #: Served only where the node's config names it (``environments: {<name>: {...}}``): an
+    #: environment that lets a client build images or run what it likes is never served by
+    #: default.
+    opt_in: ClassVar[bool] = False
+
+    #: A client may run commands in an episode's sandbox and move files in and out of it
+    #: (``POST /instances/<id>/exec``, ``PUT``/``GET /instances/<id>/files``, ``GET
+    #: /instances/<id>/file``; envhub/node/access.py): the harness drives the episode
+    #: itself, as Harbor's trials do. Every other environment keeps its sandbox to its
+    #: tools.
+    open_sandbox: ClassVar[bool] = False
+
+    async def receive_task(self, task_id: str, archive: bytes) -> Task:
+        """Take a task a client uploaded (``PUT /environments/<name>/tasks/<task_id>``).
+
+        ``archive`` is a tar (compressed or not) of the task's definition, untrusted;
+        ``task_id`` names it by its content, so that a task is the same on every node and
+        an upload of a task a node has is a no-op. Returns the task, which creates may
+        name from then on. Default: the environment takes no uploads (``NotFound``)."""
+        from envhub.errors import NotFound
+
+        raise NotFound(f"environment '{self.name}' takes no uploaded tasks", extra={"task_id": task_id})
+
     def reward_pair(self, evaluation: Evaluation) -> dict[str, float]:
         """The episode's ``dense`` and ``sparse`` rewards (both are in every evaluate reply;
         ``params.sparse`` picks the episode's, AgentEvolver's ``/evaluate`` too). Default:

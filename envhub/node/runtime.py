@@ -7,7 +7,8 @@ Stop order is the reverse. An environment whose sandbox cannot start runs in the
 its ``fallback_sandboxes`` that can (terminal-bench: the rootfs sandbox, where there is
 no Docker engine), unless its config section names its sandbox. Failing that, an
 environment that was not named in the config is optional: it is left out with a warning
-(no Docker engine on a laptop); one the config names makes the start fail instead.
+(no Docker engine on a laptop); one the config names makes the start fail instead. An
+``opt_in`` environment is served only where the config names it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ class NodeRuntime:
         envs: dict[str, Environment] = {}
         for name, cls in env_registry.classes.items():
             config = dict(settings.environments.get(name) or {})
-            if config.pop("enabled", True) is False:
+            # An opt-in environment (Harbor's: clients build images there) is served only
+            # where the config names it.
+            if config.pop("enabled", not getattr(cls, "opt_in", False) or name in settings.environments) is False:
                 continue
             env = cls(config)
             env.load()

@@ -13,6 +13,8 @@ own module and handed what it uses:
 - :class:`~envhub.node.lifecycle.Lifecycle` (lifecycle.py): reconciliation at start, the
   idle reaper and retention, shutdown.
 - :class:`~envhub.node.pool.WarmPool` (pool.py): sandboxes started ahead of creates.
+- :class:`~envhub.node.access.SandboxAccess` (access.py): a client's own commands and
+  files in the sandboxes of environments that open them (Harbor's trials).
 
 Step and get live here: they are the hot path and need nothing but the table.
 Invariants (each part states its own):
@@ -41,6 +43,7 @@ from typing import Any
 from envhub.environment import Action, Environment
 from envhub.errors import Conflict, InvalidRequest
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
+from envhub.node.access import SandboxAccess
 from envhub.node.admin import Administration
 from envhub.node.capacity import Slots
 from envhub.node.creating import Creator, Reply
@@ -101,6 +104,7 @@ class NodeService:
         self.lifecycle = Lifecycle(
             settings, db, self.environments, self.sandboxes, self.episodes, self.pool, self.trial_writer, self.metrics
         )
+        self.access = SandboxAccess(self.episodes, settings.data_dir)
         self.run_code: RunCode | None = None  # /run_code, when on (envhub/runcode/), slots of its own
         self.admin.other_sandboxes = self._run_code_sandboxes
 

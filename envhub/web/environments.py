@@ -1,8 +1,9 @@
 """GET /environments and GET /environments/<name>/tasks (split filter, paging).
 
 An environment's description includes what it declares for the compatibility layers:
-its ``code_tool`` (``{"tool", "argument"}`` or null) and whether it is served over
-``openenv``; a scheduler reads them from its nodes."""
+its ``code_tool`` (``{"tool", "argument"}`` or null), whether it is served over
+``openenv`` and whether it opens its sandboxes to clients (``open_sandbox``: Harbor's
+client finds its environment so); a scheduler reads them from its nodes."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ async def list_environments(request: Request):
                     "sandbox": env.sandbox,
                     "splits": env.splits(),
                     "tasks": len(env.tasks()),
+                    "open_sandbox": env.open_sandbox,
                 }
                 for env in node.environments.values()
             ]
@@ -46,6 +48,7 @@ async def get_environment(request: Request, name: str):
             "splits": {s: len(env.tasks(s)) for s in env.splits()},
             "code_tool": code_tool,
             "openenv": env.openenv() is not None,
+            "open_sandbox": env.open_sandbox,
         }
     )
 

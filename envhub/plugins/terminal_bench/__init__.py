@@ -1,6 +1,8 @@
-"""The built-in ``terminal-bench`` plugin: tb1 and tb2 tasks, one container per episode.
+"""The built-in ``terminal-bench`` plugin: tb1 and tb2 tasks, one container per episode; and
+``harbor``, the same machinery for the tasks Harbor (tb2's harness) sends (opt-in).
 
 - ``environment.py``: the environment (tools, episodes, evaluation).
+- ``harbor.py``: the ``harbor`` environment, tasks uploaded by envhub/harbor.py's client.
 - ``model.py``: :class:`~.model.TbTask`, the one shape both task formats are read into.
 - ``tasks.py``: reading tb1 and tb2 task directories and whole datasets.
 - ``images.py``: ``image_map`` substitution and the image tag (a hash of the build context).
@@ -10,8 +12,9 @@
 
 from envhub.hookspecs import hookimpl
 from envhub.plugins.terminal_bench.environment import TerminalBench
+from envhub.plugins.terminal_bench.harbor import HarborTrials
 
 
 @hookimpl
 def register_environments():
-    return [TerminalBench]
+    return [TerminalBench, HarborTrials]

@@ -166,6 +166,8 @@ class TerminalBench(Environment):
         self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
         self._images: dict[str, str] = {}
         self.verifier_tools = bool(self.config.get("verifier_tools", False))
+        self._tools: tuple[bytes, bytes] | None = None  # uv's binaries, once read
+        self._tools_lock = asyncio.Lock()
         self._stand_ins: dict[str, str] = {}  # the default image_map entries whose image exists
 
     async def start(self, context: EnvContext) -> None:
@@ -250,7 +252,7 @@ class TerminalBench(Environment):
                 )
         tools = None
         if self.verifier_tools and tb.dockerfile is not None:
-            tools = await asyncio.to_thread(offline.uv_binaries, self._tools_dir())
+            tools = await self._uv_binaries()
         req = self.build_request(task, tools)
         if req is None:  # the task names a prebuilt image instead of a Dockerfile
             assert tb.docker_image is not None, "a task without a Dockerfile names its image (model.py)"
@@ -271,6 +273,14 @@ class TerminalBench(Environment):
         if self.context is None or self.context.builds is None:
             raise SandboxError("terminal-bench needs the docker sandbox's build gate")
         self._images[task.id] = await self.context.builds.ensure(req)
+
+    async def _uv_binaries(self) -> tuple[bytes, bytes]:
+        """uv's binaries, read (or downloaded) once: the creates that reach a fresh node
+        together must not each download them, and all digest the same bytes."""
+        async with self._tools_lock:
+            if self._tools is None:
+                self._tools = await asyncio.to_thread(offline.uv_binaries, self._tools_dir())
+            return self._tools
 
     def _tools_dir(self) -> Path:
         return Path(self.context.data_dir if self.context else ".") / "tools"

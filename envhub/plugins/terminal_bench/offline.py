@@ -115,9 +115,12 @@ def uv_binaries(tools_dir: Path, *, python: str = sys.executable) -> tuple[bytes
                 for member in wheel.namelist():
                     name = member.rsplit("/", 1)[-1]
                     if "/scripts/" in member and name in ("uv", "uvx"):
-                        target = home / name
-                        target.write_bytes(wheel.read(member))
-                        target.chmod(0o755)
+                        # Whole or not at all: a reader never sees a binary half written
+                        # (a second caller would digest it into an image tag of its own).
+                        part = home / f".{name}.{os.getpid()}.part"
+                        part.write_bytes(wheel.read(member))
+                        part.chmod(0o755)
+                        part.rename(home / name)
         if not (uv.is_file() and uvx.is_file()):
             raise BuildFailed(f"uv's wheel {UV_VERSION} holds no uv and uvx binaries")
     return uv.read_bytes(), uvx.read_bytes()
