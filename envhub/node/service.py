@@ -13,6 +13,8 @@ own module and handed what it uses:
 - :class:`~envhub.node.lifecycle.Lifecycle` (lifecycle.py): reconciliation at start, the
   idle reaper and retention, shutdown.
 - :class:`~envhub.node.pool.WarmPool` (pool.py): sandboxes started ahead of creates.
+- :class:`~envhub.node.drain.Drain` (drain.py): no new creates ahead of a restart, and
+  the episodes that would not survive it let finish.
 
 Step and get live here: they are the hot path and need nothing but the table.
 Invariants (each part states its own):
@@ -34,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from envhub.environment import Action, Environment
@@ -42,6 +45,7 @@ from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.node.admin import Administration
 from envhub.node.capacity import Slots
 from envhub.node.creating import Creator, Reply
+from envhub.node.drain import Drain
 from envhub.node.episodes import Episodes, timed
 from envhub.node.grading import Grader
 from envhub.node.instance import spec_for
@@ -52,6 +56,11 @@ from envhub.sandbox import Sandbox
 from envhub.settings import Settings
 from envhub.store import instances, step_results
 from envhub.store.db import Database
+
+try:
+    VERSION = version("envhub")  # /health says which build runs (a rolling upgrade checks it)
+except PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "unknown"
 
 
 class NodeService:
@@ -87,6 +96,8 @@ class NodeService:
         self.lifecycle = Lifecycle(
             settings, db, self.environments, self.sandboxes, self.episodes, self.pool, self.trial_writer, self.metrics
         )
+        self.drain = Drain(self.episodes)
+        self.stopping = False
 
     # -- lookups and reports ---------------------------------------------------------
 
@@ -124,6 +135,8 @@ class NodeService:
             "slot_ids": list(episodes.slot_ids),
             "slot_mark": episodes.slot_mark(),
             "accepting": episodes.accepting,
+            "draining": self.drain.draining,
+            "version": VERSION,
             "environments": sorted(self.environments),
             "openenv": sorted(n for n, env in self.environments.items() if env.openenv() is not None),
         }
@@ -262,6 +275,7 @@ class NodeService:
         return await self.lifecycle.prune_ended(now=now)
 
     def stop_accepting(self) -> None:
+        self.stopping = True
         self.episodes.accepting = False
 
     async def shutdown(self, *, release_all: bool | None = None) -> None:
