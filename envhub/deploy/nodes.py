@@ -137,7 +137,7 @@ class NodeRun:
         self.say("upload", f"{sent} of {len(bundle.wheels)} wheels copied")
         installed = await remote.install(host, found, bundle)
         self.say("install", f"build {bundle.build_id} " + ("installed" if installed else "was installed already"))
-        self.config_changed = await remote.configure(host, found, self.target, str(self.inventory.path))
+        self.config_changed = await remote.configure(host, found, self.target)
         self.say("configure", "config written" if self.config_changed else "config unchanged")
 
     async def roll(self, *, wait_for_scheduler: bool) -> None:

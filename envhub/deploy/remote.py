@@ -229,8 +229,8 @@ echo installed
     return "installed" in ran.stdout
 
 
-def node_config(target: Target, found: Probe, source: str) -> tuple[str, str]:
-    """node.yaml and node.env for ``target``."""
+def node_config(target: Target, found: Probe) -> tuple[str, str]:
+    """node.yaml and node.env for ``target`` (the same whichever nodes.yaml named it)."""
     import yaml
 
     settings: dict[str, Any] = {
@@ -240,15 +240,15 @@ def node_config(target: Target, found: Probe, source: str) -> tuple[str, str]:
         "capacity": target.slots,
         **target.config,
     }
-    text = f"# Written by `envhub deploy {source}`; the next deploy writes it again.\n" + yaml.safe_dump(
+    text = "# Written by `envhub deploy`; the next deploy writes it again.\n" + yaml.safe_dump(
         settings, sort_keys=False
     )
     return text, f"ENVHUB_API_KEY={target.api_key}\n"
 
 
-async def configure(host: Host, found: Probe, target: Target, source: str) -> bool:
+async def configure(host: Host, found: Probe, target: Target) -> bool:
     """Write node.yaml and node.env (0600); whether either changed."""
-    config, env = node_config(target, found, source)
+    config, env = node_config(target, found)
     script = f"""set -eu
 umask 077
 cd {q(found.app_dir)}
