@@ -3,7 +3,8 @@ openssh-server, each reachable only on ports published on 127.0.0.1, with host k
 their own (made at their start) and a client key made per test run.
 
 The image (``envhub-test/sshd:<hash of its Dockerfile>``) is built once and reused while
-its Dockerfile is the same. Each host runs under ``--init`` (so the node processes a
+its Dockerfile is the same. The hosts of a run share a bridge network of their own (not
+the engine's default one, which other tests share). Each host runs under ``--init`` (so the node processes a
 test stops are reaped), logs in the user ``envhub`` with the run's key, and has the
 host's Docker socket, with the user in its group, for terminal-bench episodes.
 """
@@ -87,8 +88,13 @@ class SshHost:
         return out.decode(errors="replace")
 
 
+def make_network(client: docker.DockerClient, label: str) -> str:
+    """A bridge network of the run's own for its hosts (removed with them)."""
+    return client.networks.create(label, driver="bridge", labels={"envhub.test": label}).name
+
+
 def start_host(
-    client: docker.DockerClient, label: str, name: str, public_key: str, *, no_python: bool = False
+    client: docker.DockerClient, label: str, name: str, public_key: str, *, network: str, no_python: bool = False
 ) -> SshHost:
     import os
 
@@ -97,6 +103,7 @@ def start_host(
         detach=True,
         init=True,
         name=f"{label}-{name}",
+        network=network,
         labels={"envhub.test": label},
         ports={"22/tcp": ("127.0.0.1", None), "8002/tcp": ("127.0.0.1", None)},
         environment={"AUTHORIZED_KEY": public_key, **({"NO_PYTHON": "1"} if no_python else {})},

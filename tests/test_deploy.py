@@ -118,9 +118,10 @@ def lab(tmp_path_factory):
     refused = socket.socket()  # bound, never listening: every connection to it is refused
     refused.bind(("127.0.0.1", 0))
     try:
+        network = ssh_hosts.make_network(client, label)
         for name in ("a", "b", "c"):
-            hosts[name] = ssh_hosts.start_host(client, label, name, public)
-        hosts["nopy"] = ssh_hosts.start_host(client, label, "nopy", public, no_python=True)
+            hosts[name] = ssh_hosts.start_host(client, label, name, public, network=network)
+        hosts["nopy"] = ssh_hosts.start_host(client, label, "nopy", public, network=network, no_python=True)
         setup_s = time.monotonic() - started
         (root / "known_hosts").write_text(
             "".join(h.known_hosts_line for h in hosts.values())
@@ -197,6 +198,8 @@ def lab(tmp_path_factory):
                 client.api.remove_container(row["Id"], force=True)
         for c in client.containers.list(all=True, filters={"label": f"envhub.test={label}"}):
             c.remove(force=True)
+        for net in client.networks.list(filters={"label": f"envhub.test={label}"}):
+            net.remove()
         client.close()
 
 

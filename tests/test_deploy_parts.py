@@ -129,6 +129,17 @@ def test_the_build_is_the_local_install_as_wheels_and_the_same_build_has_the_sam
         assert not any(n.endswith((".pyc", "INSTALLER", "direct_url.json")) for n in files)
 
 
+def test_an_extra_named_ships_its_dependencies_and_an_index_url_ships_none(tmp_path):
+    pytest.importorskip("asyncssh")
+    bundle = wheels.make(cache=tmp_path, extras=("deploy",))
+    assert bundle.requirements == [f"envhub[deploy]=={bundle.version}"]
+    assert {"asyncssh", "cryptography", "packaging"} <= {w.dist for w in bundle.wheels}
+    mirror = wheels.make(cache=tmp_path, index_url="https://mirror.example/simple")
+    assert {w.dist for w in mirror.wheels} == {"envhub", "pip"}, "the hosts take the rest from the mirror"
+    assert any(c.lower().startswith("sanic==") for c in mirror.constraints), "pinned to the versions here"
+    assert mirror.build_id != wheels.make(cache=tmp_path).build_id
+
+
 def test_a_build_that_cannot_be_shipped_says_why(tmp_path):
     with pytest.raises(StartupError, match="has no extra 'gpu'"):
         wheels.make(cache=tmp_path, extras=("gpu",))
