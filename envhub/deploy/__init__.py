@@ -173,8 +173,6 @@ async def _bring_up_scheduler(
         out["error"] = "the scheduler did not answer /health"
         say(f"[scheduler] failed: {out['error']}\n{_indent(sched.log_tail())}")
         return out
-    if nodes_changed or config_changed:  # let it take the new nodes file and check them
-        await asyncio.sleep(0)
     out["health"] = health
     say(f"[scheduler] {out['outcome']} at {sched.url}; nodes file {sched.nodes_file}")
     return out

@@ -77,15 +77,32 @@ class NodeRun:
         self.host: ssh.Remote | None = None
         self.found: remote.Probe | None = None
         self.config_changed = False
+        self.step = "connect"  # the last step reported
         self._started = time.monotonic()
 
+    _STEPS = ("connect", "probe", "upload", "install", "configure", "drain", "start", "health", "rejoin")
+
+    def _next_step(self) -> str:
+        """The step under way: the one after the last reported."""
+        if self.step in self._STEPS[:-1]:
+            return self._STEPS[self._STEPS.index(self.step) + 1] if self.host is not None else "connect"
+        return self.step
+
     def say(self, step: str, message: str) -> None:
+        self.step = step
         self._say(f"[{self.target.name}] {step}: {message}")
 
     async def guarded(self, work: Any) -> None:
-        """Run one phase; a ``HostFailed`` ends this node's run and is reported."""
+        """Run one phase; a ``HostFailed`` (or anything unexpected: a connection lost
+        mid-step, a script that hung) ends this node's run and is reported, never the
+        other nodes'."""
         try:
-            await work
+            try:
+                await work
+            except HostFailed:
+                raise
+            except Exception as e:
+                raise HostFailed(self._next_step(), f"{type(e).__name__}: {e}".splitlines()[0]) from e
         except HostFailed as e:
             self.outcome.ok = False
             self.outcome.step, self.outcome.reason, self.outcome.tail = e.step, e.reason, e.tail

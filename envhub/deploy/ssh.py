@@ -1,6 +1,6 @@
 """The hosts ``envhub deploy`` works on: a node's server over SSH (asyncssh, the ``deploy``
-extra), and the machine it runs on itself, for the scheduler. Both run shell scripts
-(``sh -s``, the script on stdin, so no secret is ever on a command line) and take files.
+extra). It runs shell scripts (``sh -s``, the script on stdin, so no secret is ever on a
+command line) and takes files (SFTP, by a rename, so a cut-off copy is never used).
 
 Invariants:
 - Host keys are checked against known_hosts (the target's ``known_hosts``, else the run's,
@@ -44,7 +44,7 @@ class Ran:
 
 
 class Host(Protocol):
-    """Where scripts run: a :class:`Remote` server or the :class:`Local` machine."""
+    """Where scripts run (a :class:`Remote` server; tests may give another)."""
 
     name: str
 
@@ -81,26 +81,6 @@ class Remote:
         if self.jump is not None:
             self.jump.close()
             await self.jump.wait_closed()
-
-
-class Local:
-    """The machine ``envhub deploy`` runs on (the scheduler's)."""
-
-    name = "scheduler"
-
-    async def run(self, script: str, *, timeout: float = 600) -> Ran:
-        proc = await asyncio.create_subprocess_exec(
-            "sh",
-            "-s",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(script.encode()), timeout)
-        return Ran(proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace"))
-
-    async def close(self) -> None:
-        pass
 
 
 def _asyncssh() -> Any:
