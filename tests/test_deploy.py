@@ -285,6 +285,18 @@ def test_a_second_run_changes_nothing_and_the_scheduler_takes_the_new_nodes_file
     )
 
 
+def test_the_schedulers_config_and_cleanup_fan_out_to_the_deployed_nodes(lab):
+    with httpx.Client(base_url=lab.scheduler_url, headers={"X-API-Key": KEY}, timeout=60) as c:
+        results = c.post("/config", json={"config": {"idle_ttl": 901}}).json()["results"]
+        assert sorted(r["node"] for r in results) == sorted(lab.node_url(n) for n in ("a", "b", "c"))
+        assert all(r["status"] == 200 for r in results), results
+        for name in ("a", "b", "c"):
+            node = httpx.get(lab.node_url(name) + "/config", headers={"X-API-Key": KEY}).json()
+            assert node["config"]["idle_ttl"] == 901
+        results = c.post("/cleanup").json()["results"]
+        assert [r["status"] for r in results] == [200, 200, 200], results
+
+
 def test_status_dry_run_only_and_a_jump_host(lab):
     r = lab.deploy("nodes.yaml", "--status", "--only", "b")
     assert r.returncode == 0, r.stdout + r.stderr
