@@ -336,6 +336,42 @@ def ray_down(address: str, name: str, as_json: bool) -> None:
     click.echo(json.dumps(outcome) if as_json else f"fleet {name!r} is down ({outcome['seconds']} s)")
 
 
+@cli.command()
+@click.argument("nodes_yaml", type=click.Path(exists=True, dir_okay=False))
+@click.option("--upgrade", "action", flag_value="upgrade", help="Rolling upgrade: drain, restart one node at a time.")
+@click.option("--status", "action", flag_value="status", help="Say what runs on every node and the scheduler.")
+@click.option("--stop", "action", flag_value="stop", help="Stop the scheduler and every node (episodes released).")
+@click.option("--uninstall", "action", flag_value="uninstall", help="Stop, then remove all but the data dirs.")
+@click.option("--only", multiple=True, metavar="HOST", help="Only this node (name, host, host:port or URL); repeat.")
+@click.option("--dry-run", is_flag=True, help="Connect and inspect; change nothing.")
+@click.option("--wheel", type=click.Path(exists=True, dir_okay=False), help="Ship this envhub wheel instead.")
+@click.option("--plugin", "plugins", multiple=True, help="Also ship a plugin: a wheel, a source dir or a dist name.")
+@click.option("--extra", "extras", multiple=True, help="Install envhub with this extra (its dependencies shipped).")
+@click.option("--index-url", help="Hosts install the dependencies from this index (a mirror) instead of copies.")
+@click.option("--known-hosts", type=click.Path(dir_okay=False), help="known_hosts file (default ~/.ssh/known_hosts).")
+@click.option("--drain-timeout", type=float, default=300.0, show_default=True, help="Seconds episodes get to end.")
+@click.option("--start-timeout", type=float, default=180.0, show_default=True, help="Seconds a node gets to serve.")
+@_as_json
+def deploy(nodes_yaml: str, action: str | None, as_json: bool, **options: Any) -> None:
+    """Install and start envhub on every node of NODES_YAML (SETA's nodes.yaml) over SSH,
+    in parallel, then the scheduler here; see docs/operations.md."""
+    from envhub import deploy as fleet
+
+    def say(line: str) -> None:
+        click.echo(line, err=as_json)
+
+    try:
+        report = fleet.run(nodes_yaml, action or "deploy", fleet.Options(**options), say)
+    except EnvhubError as e:
+        raise click.ClickException(e.message) from None
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+    else:
+        for line in fleet.summary(report):
+            click.echo(line)
+    sys.exit(0 if report.ok else 1)
+
+
 @cli.group("systemd")
 def systemd_group() -> None:
     """systemd units for a node or a scheduler (Type=notify, watchdog, restart on failure)."""

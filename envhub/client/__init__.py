@@ -19,6 +19,9 @@ Policy (docs/client.md explains it for users):
   envhub's error envelope ``{"ok": false, "error", "code", "status"}``. A retryable one
   still failing after the last attempt (or at once, for a call that is not retried) becomes
   :class:`EnvhubUnavailable`, a subclass.
+- An episode whose sandbox is gone (410: its node restarted, or a node's drain ended it)
+  raises :class:`EpisodeLost`; ``run_episode`` creates, plays and releases a whole
+  episode, and plays one lost that way again from a fresh create (a new instance id).
 - ``fallback=True`` (as AgentEvolver's robust client): ``create``, ``step``, ``evaluate``
   and ``release`` return a harmless reply marked ``"fallback": true`` instead of raising.
   This hides failures from the training loop, so every fallback is logged at WARNING.
@@ -33,9 +36,9 @@ import logging
 import random
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -53,6 +56,7 @@ from envhub.client.errors import (
     Call,
     EnvhubClientError,
     EnvhubUnavailable,
+    EpisodeLost,
     decode,
     unreachable,
 )
@@ -62,6 +66,7 @@ __all__ = [
     "EnvhubClient",
     "EnvhubClientError",
     "EnvhubUnavailable",
+    "EpisodeLost",
     "NO_RETRY",
     "RETRYABLE_STATUS",
     "RetryPolicy",
@@ -74,6 +79,8 @@ CREATE_FALLBACK_INSTRUCTION = "create failed; this is an empty task, please stop
 STEP_FALLBACK_CONTENT = "Step failed (timeout or exception), please retry"
 
 _ID_OK = re.compile(r"[A-Za-z0-9._:-]{1,95}")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -415,6 +422,37 @@ class EnvhubClient(_ClientBase):
         ``model_timeout``, ``params``, ...). Sent once, never retried."""
         return self._run(self._rollout(environment, task_id, model_url, http_timeout, kw))
 
+    def run_episode(
+        self,
+        environment: str,
+        task_id: str | int,
+        play: Callable[[dict[str, Any]], T],
+        *,
+        params: Mapping[str, Any] | None = None,
+        trial: str | None = None,
+        attempts: int = 3,
+    ) -> T:
+        """One whole episode: create it, ``play(created)`` (your steps and evaluation, given
+        the create's reply), then release it, whatever happened. An episode that is lost
+        meanwhile (:class:`EpisodeLost`, 410: its node restarted, or a drain's timeout
+        ended it) is played again from a fresh create with a new instance id, up to
+        ``attempts`` times in all; ``play`` must start from the reply it is given."""
+        _check_attempts(attempts)
+        for attempt in range(1, attempts + 1):
+            created = self.create(environment, task_id, params=params, trial=trial)
+            try:
+                return play(created)
+            except EpisodeLost as e:
+                if attempt == attempts:
+                    raise
+                _replaying(e, created, attempt, attempts)
+            finally:
+                try:
+                    self.release(created["instance_id"])
+                except EnvhubClientError as e:
+                    log.warning("releasing %s after its episode: %s", created["instance_id"], e)
+        raise AssertionError("unreachable")
+
 
 class AsyncEnvhubClient(_ClientBase):
     """The asynchronous twin of :class:`EnvhubClient`: the same options and methods, awaited.
@@ -500,3 +538,45 @@ class AsyncEnvhubClient(_ClientBase):
         self, environment: str, task_id: str | int, model_url: str, *, http_timeout: float | None = None, **kw: Any
     ) -> dict[str, Any]:
         return await self._run(self._rollout(environment, task_id, model_url, http_timeout, kw))
+
+    async def run_episode(
+        self,
+        environment: str,
+        task_id: str | int,
+        play: Callable[[dict[str, Any]], Awaitable[T]],
+        *,
+        params: Mapping[str, Any] | None = None,
+        trial: str | None = None,
+        attempts: int = 3,
+    ) -> T:
+        """:meth:`EnvhubClient.run_episode` with ``play`` a coroutine function."""
+        _check_attempts(attempts)
+        for attempt in range(1, attempts + 1):
+            created = await self.create(environment, task_id, params=params, trial=trial)
+            try:
+                return await play(created)
+            except EpisodeLost as e:
+                if attempt == attempts:
+                    raise
+                _replaying(e, created, attempt, attempts)
+            finally:
+                try:
+                    await self.release(created["instance_id"])
+                except EnvhubClientError as e:
+                    log.warning("releasing %s after its episode: %s", created["instance_id"], e)
+        raise AssertionError("unreachable")
+
+
+def _check_attempts(attempts: int) -> None:
+    if attempts < 1:
+        raise ValueError("run_episode needs attempts of at least 1")
+
+
+def _replaying(error: EpisodeLost, created: dict[str, Any], attempt: int, attempts: int) -> None:
+    log.info(
+        "envhub episode %s was lost (%s); playing it again from a fresh create, attempt %d/%d",
+        created.get("instance_id"),
+        error.message,
+        attempt + 1,
+        attempts,
+    )

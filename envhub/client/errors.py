@@ -1,6 +1,7 @@
 """What a call sends, and what a failed one becomes: :class:`EnvhubClientError` with the
 fields of envhub's error envelope, or :class:`EnvhubUnavailable` for a transport failure
-or a retryable status (``RETRYABLE_STATUS``: 429, 502, 503, 504), which the clients retry.
+or a retryable status (``RETRYABLE_STATUS``: 429, 502, 503, 504), which the clients retry,
+or :class:`EpisodeLost` for a 410 (the episode is gone; ``run_episode`` plays it again).
 
 Invariants: every error names the call's method and path; a ``Retry-After`` header,
 in seconds or as an HTTP date, is kept as ``retry_after``; a reply that is not JSON,
@@ -61,6 +62,12 @@ class EnvhubUnavailable(EnvhubClientError):
     attempts: int = 1
 
 
+class EpisodeLost(EnvhubClientError):
+    """410 ``gone``: the episode's sandbox is gone with its state (its node restarted, its
+    sandbox died, or a node's drain ended it at the drain timeout). The call cannot be
+    repeated, but the episode can: ``run_episode`` plays it again from a fresh create."""
+
+
 @dataclass
 class Call:
     """One logical call: what to send, whether it may be repeated, and what to return in
@@ -102,7 +109,7 @@ def error_from_reply(call: Call, response: httpx.Response) -> EnvhubClientError:
     else:
         code = f"http_{status}"
         message = (body if isinstance(body, str) and body.strip() else response.reason_phrase)[:2000]
-    cls = EnvhubUnavailable if status in RETRYABLE_STATUS else EnvhubClientError
+    cls = EnvhubUnavailable if status in RETRYABLE_STATUS else EpisodeLost if status == 410 else EnvhubClientError
     return cls(
         message,
         status=status,

@@ -130,7 +130,7 @@ class Creator:
             if existing is not None:
                 return _replay(existing, env.name, task.id), False
             if not self.episodes.accepting:
-                raise Unavailable("node is shutting down and takes no new instances")
+                raise Unavailable(f"{self.episodes.refusal} and takes no new instances")
             self.storage.check()  # before a sandbox starts that could not be recorded
             return await self._create(env, task, request.params, instance_id, trial, rollout)
 

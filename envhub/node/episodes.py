@@ -49,7 +49,8 @@ class Episodes:
         self.db = db
         self.slots = slots
         self.metrics = metrics
-        self.accepting = True  # false once the node is stopping: no new instances
+        self.accepting = True  # false once the node is stopping or draining: no new instances
+        self.refusal = "the node is stopping"  # why, while it is not accepting
         self.ended_counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (environment, state)
         self.creating: dict[str, str] = {}  # creates holding a slot: instance id -> environment
         # Instances of whole rollouts that hold a slot (so are live too). Joined and left

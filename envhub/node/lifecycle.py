@@ -190,6 +190,7 @@ class Lifecycle:
         the restart, and leave the others running for the next start to adopt (unless
         ``release_on_shutdown``); flush the trial logs."""
         self.episodes.accepting = False
+        self.episodes.refusal = "the node is stopping"
         release_all = self.settings.release_on_shutdown if release_all is None else release_all
         # Idle warm sandboxes are cheap to start again: a stop removes them. Those a crash
         # leaves are taken back into the pools at the next start (reconcile).

@@ -15,6 +15,8 @@ own module and handed what it uses:
 - :class:`~envhub.node.pool.WarmPool` (pool.py): sandboxes started ahead of creates.
 - :class:`~envhub.node.access.SandboxAccess` (access.py): a client's own commands and
   files in the sandboxes of environments that open them (Harbor's trials).
+- :class:`~envhub.node.drain.Drain` (drain.py): no new creates ahead of a restart, and
+  the episodes that would not survive it let finish.
 
 Step and get live here: they are the hot path and need nothing but the table.
 Invariants (each part states its own):
@@ -38,6 +40,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from envhub.environment import Action, Environment
@@ -47,6 +50,7 @@ from envhub.node.access import SandboxAccess
 from envhub.node.admin import Administration
 from envhub.node.capacity import Slots
 from envhub.node.creating import Creator, Reply
+from envhub.node.drain import Drain
 from envhub.node.episodes import Episodes, timed
 from envhub.node.grading import Grader
 from envhub.node.instance import spec_for
@@ -59,6 +63,11 @@ from envhub.sandbox import Sandbox
 from envhub.settings import Settings
 from envhub.store import instances, step_results
 from envhub.store.db import Database
+
+try:
+    VERSION = version("envhub")  # /health says which build runs (a rolling upgrade checks it)
+except PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "unknown"
 
 
 class NodeService:
@@ -105,6 +114,8 @@ class NodeService:
             settings, db, self.environments, self.sandboxes, self.episodes, self.pool, self.trial_writer, self.metrics
         )
         self.access = SandboxAccess(self.episodes, settings.data_dir)
+        self.drain = Drain(self.episodes)
+        self.stopping = False
         self.run_code: RunCode | None = None  # /run_code, when on (envhub/runcode/), slots of its own
         self.admin.other_sandboxes = self._run_code_sandboxes
 
@@ -149,7 +160,9 @@ class NodeService:
             "slot_ids": list(episodes.slot_ids),
             "slot_mark": episodes.slot_mark(),
             "accepting": episodes.accepting and not storage_problems,
-            "not_accepting": ([] if episodes.accepting else ["the node is stopping"]) + storage_problems,
+            "not_accepting": ([] if episodes.accepting else [episodes.refusal]) + storage_problems,
+            "draining": self.drain.draining,
+            "version": VERSION,
             "storage_free_mb": {k: round(v / 2**20) for k, v in self.storage.free_bytes().items()},
             "trial_log_errors": self.trial_writer.errors,
             "environments": sorted(self.environments),
@@ -304,7 +317,9 @@ class NodeService:
         return await self.lifecycle.prune_ended(now=now)
 
     def stop_accepting(self) -> None:
+        self.stopping = True
         self.episodes.accepting = False
+        self.episodes.refusal = "the node is stopping"
 
     async def shutdown(self, *, release_all: bool | None = None) -> None:
         await self.lifecycle.shutdown(release_all=release_all)

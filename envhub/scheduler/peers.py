@@ -48,9 +48,10 @@ class PeerReply:
 
 
 class _Retryable(Exception):
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, reply: PeerReply | None = None) -> None:
         super().__init__(f"HTTP {status}")
         self.status = status
+        self.reply = reply
 
 
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
@@ -70,10 +71,13 @@ async def call(
     retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
     timeout: float | None = None,
     on_retry: Callable[[], None] | None = None,
+    last_answer: bool = False,
 ) -> PeerReply:
     """One call to ``base_url + path``; retried only when ``idempotent``. ``data`` is a
     JSON body already encoded (passed through as it came from a client). ``on_retry`` is
-    called before each attempt after the first (the scheduler counts them)."""
+    called before each attempt after the first (the scheduler counts them). With
+    ``last_answer``, a retryable status the node still answers at the last attempt is
+    returned as its reply rather than raised (the node did answer)."""
     headers = {"X-API-Key": api_key} if api_key else {}
     if data is not None:
         headers["Content-Type"] = "application/json"
@@ -88,9 +92,10 @@ async def call(
             # Reading the body inside the block hands the connection back to the pool
             # before any retry.
             body = await response.read()
+            reply = PeerReply(response.status, body, response.content_type, response.headers.get("X-Envhub-Slots"))
             if response.status in RETRYABLE_STATUS and attempts > 1:
-                raise _Retryable(response.status)
-            return PeerReply(response.status, body, response.content_type, response.headers.get("X-Envhub-Slots"))
+                raise _Retryable(response.status, reply)
+            return reply
 
     try:
         if attempts == 1:
@@ -107,6 +112,8 @@ async def call(
             with attempt:
                 return await once()
     except _Retryable as e:
+        if last_answer and e.reply is not None:
+            return e.reply
         last_error: Exception = e
     except TRANSPORT_ERRORS as e:
         last_error = e

@@ -11,6 +11,10 @@ Invariants:
   in SQLite too. Only the node's answer settles a create: until that node answers, a
   retry goes to it or, while it is down, is a 503 with Retry-After; it is never placed
   on another node.
+- A node that answers a create with 503 ``unavailable`` takes no creates (it is draining
+  ahead of a restart, or stopping) and made no instance: the create is placed on another
+  node, and the refusing node gets none until its next health report (which says
+  ``accepting: false`` while it drains, and so keeps it out of placement).
 - Slot accounting counts each instance once. A node's health report lists the ids
   holding its slots (``slot_ids``) and where its slot events stand (``slot_mark``); a
   create's reply carries the mark it was answered at. A node's used slots are the
@@ -59,6 +63,16 @@ from envhub.store.db import Database
 from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.scheduler")
+
+
+def _refused(reply: peers.PeerReply) -> bool:
+    """A node's 503 ``unavailable``: it takes no creates (draining or stopping) and made none."""
+    if reply.status != 503:
+        return False
+    try:
+        return reply.json().get("code") == "unavailable"
+    except (ValueError, AttributeError):
+        return False
 
 
 class AllNodesBusy(EnvhubError):
@@ -225,19 +239,31 @@ class SchedulerService:
     async def create(self, body: dict[str, Any]) -> tuple[int, bytes]:
         request = CreateRequest.parse(body)  # the node's own rule: refused here before a node is picked
         instance_id = request.instance_id or new_instance_id(request.environment)
+
+        async def place() -> tuple[int, bytes]:
+            # A node that refuses creates (draining, stopping) holds no such instance: the
+            # create goes to another node, and that node gets none until it reports again.
+            for _ in range(len(self.nodes)):
+                status, data, refused_by = await self._create(
+                    body, request.environment, request.task_id, request.params, instance_id
+                )
+                if refused_by is None:
+                    break
+                refused_by.capacity = 0
+            return status, data
+
         # A concurrent retry (a client that timed out while this runs) joins the attempt.
-        (status, data), ran = await self._creating.run(
-            instance_id,
-            lambda: self._create(body, request.environment, request.task_id, request.params, instance_id),
-        )
+        (status, data), ran = await self._creating.run(instance_id, place)
         if not ran and status == 201:
             status = 200  # as a node answers a replay
         return status, data
 
     async def _create(
         self, body: dict[str, Any], environment: str, task_id: str, params: dict[str, Any], instance_id: str
-    ) -> tuple[int, bytes]:
-        """Forward a create, recording its route first.
+    ) -> tuple[int, bytes, Node | None]:
+        """Forward a create, recording its route first; the third value is the node when
+        it refused the create because it takes none (503 ``unavailable``: it is draining
+        or stopping), so that the caller can place it elsewhere.
 
         The route stays ``creating`` when the outcome is unknown (the call failed, was cut
         off or cancelled, or the scheduler died): the instance may exist on that node, so a
@@ -264,7 +290,7 @@ class SchedulerService:
                 reply = await self.call(
                     node, "POST", "/instances", idempotent=True, json={**body, "instance_id": instance_id}
                 )
-                return reply.status, reply.body
+                return reply.status, reply.body, None
             if node is not None:
                 node.creating.add(instance_id)  # an earlier attempt's node: it may hold the instance already
         if isinstance(params.get("model_url"), str):
@@ -282,14 +308,20 @@ class SchedulerService:
             )
             await routes.touch_affinity(self.db, task_key, node.url)
             reply = await self.call(
-                node, "POST", "/instances", json=forwarded, idempotent=True, timeout=self.settings.forward_timeout
+                node,
+                "POST",
+                "/instances",
+                json=forwarded,
+                idempotent=True,
+                timeout=self.settings.forward_timeout,
+                last_answer=True,  # a node that refuses creates answers: its 503 settles this one
             )
             status, mark = reply.status, reply.slots
             created = status in (200, 201)
             if created or status == 409:  # 409: the id names an instance there already
                 await routes.set_state(self.db, instance_id, "live")
                 self.view.routes[instance_id] = node.url
-            return reply.status, reply.body
+            return reply.status, reply.body, node if _refused(reply) else None
         finally:
             node.answered(instance_id, created, mark)
             if not created:
@@ -510,6 +542,7 @@ class SchedulerService:
                     "configured_slots": node.slots,
                     "active_slots": node.used,
                     "free_ratio": round(node.free_ratio, 3),
+                    "accepting": node.info.get("accepting") if node.info else None,
                     "unavailable": node.info.get("unavailable") or {},
                     "last_seen_s": None if node.last_seen is None else round(now - node.last_seen, 3),
                     "task_affinity": {

@@ -1,10 +1,15 @@
-"""A node's administration: GET and POST /config (merge at run time), POST /cleanup."""
+"""A node's administration: GET and POST /config (merge at run time), POST /cleanup, and
+its drain ahead of a restart (``/admin/drain``, envhub/node/drain.py)."""
 
 from __future__ import annotations
+
+import itertools
+import math
 
 from sanic import Blueprint, Request
 from sanic.response import json
 
+from envhub.errors import InvalidRequest
 from envhub.web.requests import json_body
 
 bp = Blueprint("admin")
@@ -25,3 +30,30 @@ async def set_config(request: Request):
 async def cleanup(request: Request):
     json_body(request, required=False)
     return json(await request.app.ctx.node.cleanup())
+
+
+_drains = itertools.count(1)  # a drain's deadline task has a name of its own
+
+
+@bp.post("/admin/drain")
+async def drain(request: Request):
+    """Stop taking creates; episodes that would not survive a restart have ``timeout``
+    seconds (default 300) to end, then end as lost."""
+    timeout = json_body(request, required=False).get("timeout", 300)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
+        raise InvalidRequest("'timeout' must be a number of seconds, 0 or more", field="timeout")
+    drain = request.app.ctx.node.drain
+    status = drain.start(float(timeout))
+    drain.watch(request.app.add_task(drain.expire(), name=f"node.drain.{next(_drains)}"))
+    return json(status)
+
+
+@bp.get("/admin/drain")
+async def drain_status(request: Request):
+    return json(request.app.ctx.node.drain.status())
+
+
+@bp.delete("/admin/drain")
+async def resume(request: Request):
+    node = request.app.ctx.node
+    return json(node.drain.resume(stopping=node.stopping))
