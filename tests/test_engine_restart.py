@@ -19,6 +19,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -107,18 +108,22 @@ def engine(request):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def node_on(engine: OwnEngine, data: Path) -> EnvhubProcess:
+def node_on(engine: OwnEngine, data: Path, *, warm_pool: int = 2) -> EnvhubProcess:
     config = data.parent / "node.yaml"
     config.write_text(
         yaml.safe_dump(
             {
                 "image_map": {"debian:bookworm": BASE_IMAGE},
-                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 2}},
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": warm_pool}},
                 "sandboxes": {"docker": {"docker_host": engine.host, "network": "none", "watch_interval": 0.5}},
             }
         )
     )
-    return EnvhubProcess(data, "--config", str(config))
+    node = EnvhubProcess(data, "--config", str(config))
+    # With --config the node makes its own id: name it, so its containers can be found by label.
+    node.node_id = f"test-{uuid.uuid4().hex[:12]}"
+    node.args += ["--set", f"node_id={node.node_id}"]
+    return node
 
 
 def create(c) -> str:
@@ -184,3 +189,27 @@ def test_an_engine_restart_is_survived_as_it_can_be_and_never_a_500_or_a_hang(en
         assert node.stop() == 0, node.log()[-3000:]
     leftover = engine.docker("ps", "-aq", "--filter", f"label=envhub.node={node.node_id}", text=True).stdout.split()
     assert leftover == [], "the node's containers are gone"
+
+
+def test_a_release_while_the_engine_restarts_answers_and_its_container_goes_once_the_engine_is_back(engine, tmp_path):
+    """Found by bench/chaos.py: a release (or an evaluate that releases) while the engine
+    restarted answered 500 ``cannot remove container`` after it had ended the instance,
+    and the container stayed until the node's next start."""
+    node = node_on(engine, tmp_path / "data", warm_pool=0).start(timeout=60)
+
+    def containers() -> list[str]:
+        return engine.docker("ps", "-aq", "--filter", f"label=envhub.node={node.node_id}", text=True).stdout.split()
+
+    try:
+        with node.client(timeout=120) as c:
+            iid = create(c)
+            assert run(c, iid, "true").status_code == 200
+            assert len(containers()) == 1
+            engine.stop()
+            released = c.post(f"/instances/{iid}/release")
+            assert released.status_code == 200 and released.json()["state"] == "released", released.text
+            assert c.get("/health").json()["active"] == 0
+            engine.start()
+            eventually(lambda: containers() == [], timeout=30, message="the released episode's container was removed")
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
