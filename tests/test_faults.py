@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from conftest import REPO, EnvhubProcess, eventually, start_scheduler
@@ -89,6 +90,42 @@ def test_a_full_data_dir_refuses_creates_with_507_answers_no_500_and_resumes_by_
     assert codes == [0, 0, 0], node.log()
     rows = sqlite3.connect(data / "envhub.db").execute("SELECT state, sandbox_handle FROM instances").fetchall()
     assert {state for state, _ in rows} <= {"released", "failed"}, rows  # none left half-made
+
+
+def test_a_step_refused_507_after_it_ran_is_replayed_by_its_retry_not_run_again(small_disk):
+    """Found by bench/chaos.py: a step whose action ran but whose record the full disk
+    refused answered 507 (retry later), and the retry with the same request id ran the
+    action a second time (or, after a final step, answered 409 "done")."""
+    node = EnvhubProcess(small_disk / "data", *MBPP_ONLY, "--set", "min_free_mb=2").start()
+    try:
+        with node.client(timeout=60) as c:
+            iid = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            filler = fill(small_disk)
+
+            def step(request_id: str) -> httpx.Response:
+                code = "counter = globals().get('counter', 0) + 1"
+                action = {"tool": "run_python", "arguments": {"code": code}}
+                return c.post(f"/instances/{iid}/step", json={"action": action, "request_id": request_id})
+
+            refused = None
+            for n in range(500):  # until the database's spare room is used up
+                r = step(f"r{n}")
+                if r.status_code != 200:
+                    refused = (f"r{n}", n + 1)
+                    break
+            assert refused is not None and r.status_code == 507, r.text
+            filler.unlink()
+            request_id, ran = refused
+            retried = step(request_id)
+            assert retried.status_code == 200 and retried.json()["step"] == ran, retried.text
+            count = c.post(
+                f"/instances/{iid}/step",
+                json={"action": {"tool": "run_python", "arguments": {"code": "counter"}}},
+            )
+            assert count.json()["observation"]["value_repr"] == str(ran), "each action ran once"
+            c.post(f"/instances/{iid}/release")
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
 
 
 # -- SQLite trouble at start -------------------------------------------------------------------
