@@ -22,7 +22,8 @@ port, data dir and node id.
 Invariants (each breach is listed under ``violations``):
 
 - every episode completed with reward 1.0, or ended with a documented error code
-  (docs/api.md: 409, 410, 429, 503, 504, 507); never a 500, a 404 or a wrong reward;
+  (docs/api.md: 409, 410, 429, 503, 504, 507); never a 500, a 404 or a wrong reward,
+  and never a 409 for a retried call (a retry must replay what its first attempt did);
 - no instance is live on both nodes at once (their listings, compared every few seconds);
 - a node stopped with SIGTERM exits 0, and no process exits unless the soak killed it;
 - after everything is released: no live instance on either node, no slot held at the
@@ -528,15 +529,17 @@ class Stats:
 
 
 class CallFailed(Exception):
-    def __init__(self, status: int, code: str, text: str) -> None:
+    def __init__(self, status: int, code: str, text: str, earlier: list[str]) -> None:
         super().__init__(f"{status} {code}")
         self.status, self.code, self.text = status, code, text
+        self.earlier = earlier  # the replies of the attempts before, retried
 
 
 def call(c: httpx.Client, stats: Stats, path: str, body: dict, deadline_s: float) -> dict:
     """POST with a client's retries: transport errors and RETRYABLE statuses again, the
     same body (same instance id, same request id), until ``deadline_s`` has passed."""
     deadline = time.monotonic() + deadline_s
+    earlier: list[str] = []
     while True:
         try:
             r = c.post(path, json=body)
@@ -551,15 +554,16 @@ def call(c: httpx.Client, stats: Stats, path: str, body: dict, deadline_s: float
                 code = ""
             status, text = r.status_code, r.text[:300]
             if status not in RETRYABLE:
-                raise CallFailed(status, code, text)
+                raise CallFailed(status, code, text, earlier)
             try:
                 wait = min(float(r.headers.get("Retry-After", 1)), 5.0)
             except ValueError:
                 wait = 1.0
         with stats.lock:
             stats.retries[f"{status} {code}"] += 1
+        earlier.append(f"{status} {code}")
         if time.monotonic() + wait > deadline:
-            raise CallFailed(status, code, text)
+            raise CallFailed(status, code, text, earlier)
         time.sleep(wait)
 
 
@@ -579,6 +583,10 @@ def play(c: httpx.Client, stats: Stats, ep: Episode, iid: str, deadline_s: float
             stats.samples.setdefault(f"{ep.env} {outcome}", e.text)
         if e.status not in DOCUMENTED:
             stats.violation("undocumented_error", env=ep.env, task=ep.task, instance=iid, reply=e.text)
+        elif e.status == 409 and e.earlier:
+            # a retry (same instance id, same request id) must replay the first attempt's
+            # reply, never find the instance in a state that attempt left it in
+            stats.violation("retry_not_replayed", env=ep.env, instance=iid, earlier=e.earlier, reply=e.text)
         try:  # what a client does with an episode it gives up on
             c.post(f"/instances/{iid}/release")
         except httpx.HTTPError:
