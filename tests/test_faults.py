@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import REPO, EnvhubProcess, eventually, start_scheduler
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker, start_scheduler
 
 MBPP_ONLY = ("--set", "environments.terminal-bench.enabled=false", "--set", "environments.appworld.enabled=false")
 SOLUTION_13 = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
@@ -124,6 +124,42 @@ def test_a_step_refused_507_after_it_ran_is_replayed_by_its_retry_not_run_again(
             )
             assert count.json()["observation"]["value_repr"] == str(ran), "each action ran once"
             c.post(f"/instances/{iid}/release")
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
+
+
+@needs_docker
+def test_a_terminal_bench_evaluate_on_a_full_disk_returns_the_grade_or_507_never_a_500(small_disk, tmp_path):
+    """Found by bench/chaos.py: the verifier's files, written to the trial dir, failed
+    with ENOSPC and the evaluate answered 500 internal instead of its grade."""
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "min_free_mb": 2,
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 0}},
+                "sandboxes": {"docker": {"network": "none"}},
+            }
+        )
+    )
+    node = EnvhubProcess(small_disk / "data", "--config", str(config)).start(timeout=60)
+    solve = (REPO / "envhub/plugins/terminal_bench/data/hello-envhub/solution/solve.sh").read_text()
+    try:
+        with node.client(timeout=300) as c:
+            r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"})
+            assert r.status_code == 201, r.text
+            iid = r.json()["instance_id"]
+            action = {"tool": "run_command", "arguments": {"command": solve}}
+            assert c.post(f"/instances/{iid}/step", json={"action": action}).status_code == 200
+            filler = fill(small_disk)
+            graded = c.post(f"/instances/{iid}/evaluate")
+            assert graded.status_code in (200, 507), graded.text
+            if graded.status_code == 200:
+                assert graded.json()["reward"] == 1.0, graded.text
+            filler.unlink()
+            again = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+            assert again.status_code == 200 and again.json()["reward"] == 1.0, again.text
     finally:
         assert node.stop() == 0, node.log()[-3000:]
 
