@@ -808,7 +808,8 @@ def final_checks(rig: Rig, stats: Stats) -> dict:
         "mounts": sorted(rig.mount_lines() - rig.baseline_mounts),
         "cgroup_dirs": sorted(rig.cgroup_dirs()),
         "sandbox_dirs": rig.sandbox_dirs(),
-        "sandbox_processes": rig.sandbox_processes(spare_warm=True),
+        "sandbox_roots": [d for n in rig.nodes for d in (n.work_root, n.run_dir) if os.path.exists(d)],
+        "sandbox_processes": rig.sandbox_processes(),
     }
     out["after_stop"] = left
     for what, items in left.items():
