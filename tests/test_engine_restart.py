@@ -108,14 +108,16 @@ def engine(request):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def node_on(engine: OwnEngine, data: Path, *, warm_pool: int = 2) -> EnvhubProcess:
+def node_on(engine: OwnEngine, data: Path, *, warm_pool: int = 2, watch_interval: float = 0.5) -> EnvhubProcess:
     config = data.parent / "node.yaml"
     config.write_text(
         yaml.safe_dump(
             {
                 "image_map": {"debian:bookworm": BASE_IMAGE},
                 "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": warm_pool}},
-                "sandboxes": {"docker": {"docker_host": engine.host, "network": "none", "watch_interval": 0.5}},
+                "sandboxes": {
+                    "docker": {"docker_host": engine.host, "network": "none", "watch_interval": watch_interval}
+                },
             }
         )
     )
@@ -211,5 +213,27 @@ def test_a_release_while_the_engine_restarts_answers_and_its_container_goes_once
             assert c.get("/health").json()["active"] == 0
             engine.start()
             eventually(lambda: containers() == [], timeout=30, message="the released episode's container was removed")
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
+
+
+def test_a_create_before_the_node_sees_its_engine_down_is_a_503_to_retry_not_a_500(engine, tmp_path):
+    """Found by bench/chaos.py: a create in the moment between the engine going down and
+    the node's next ping answered 500 (the lookup of the task's image, which a node makes
+    at its first create of a task, failed)."""
+    node = node_on(engine, tmp_path / "data", warm_pool=0, watch_interval=3600).start(timeout=60)
+    try:
+        with node.client(timeout=120) as c:
+            c.post(f"/instances/{create(c)}/release")  # the task's image is built
+        assert node.stop() == 0
+        node.start(timeout=60)  # a node that has not used it since its start looks it up
+        with node.client(timeout=120) as c:
+            engine.stop()
+            try:
+                r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"})
+                assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+            finally:
+                engine.start()
+            assert create(c)
     finally:
         assert node.stop() == 0, node.log()[-3000:]
