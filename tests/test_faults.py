@@ -128,6 +128,36 @@ def test_a_step_refused_507_after_it_ran_is_replayed_by_its_retry_not_run_again(
         assert node.stop() == 0, node.log()[-3000:]
 
 
+def test_an_end_a_full_disk_refused_is_recorded_later_and_its_retry_finds_it(small_disk):
+    """Found by bench/chaos.py: an evaluate-and-release (or a release) whose record the
+    full disk refused answered 507 after it had ended the episode in memory, and its
+    retry answered 409 "instance is active": the row stayed live until the next start."""
+    node = EnvhubProcess(small_disk / "data", *MBPP_ONLY, "--set", "min_free_mb=2", "--set", "reap_interval=3600")
+    node.start()
+    try:
+        with node.client(timeout=60) as c:
+            iid = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            filler = fill(small_disk)
+            for n in range(500):  # until the database's spare room is used up
+                action = {"tool": "run_python", "arguments": {"code": f"x{n} = {n}"}}
+                if c.post(f"/instances/{iid}/step", json={"action": action, "request_id": f"r{n}"}).status_code == 507:
+                    break
+            submit = {"action": {"tool": "submit_solution", "arguments": {"code": SOLUTION_13}}, "request_id": "s"}
+            assert c.post(f"/instances/{iid}/step", json=submit).status_code == 507
+            refused = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+            assert refused.status_code == 507, refused.text
+            assert c.get("/health").json()["active"] == 0, "the episode ended and its slot is free"
+            filler.unlink()
+            assert c.post(f"/instances/{iid}/step", json=submit).status_code == 409  # ended: no more steps
+            graded = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+            assert graded.status_code == 200 and graded.json()["reward"] == 1.0, graded.text
+            assert c.get(f"/instances/{iid}").json()["state"] == "released"
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
+    rows = sqlite3.connect(small_disk / "data" / "envhub.db").execute("SELECT state FROM instances").fetchall()
+    assert rows == [("released",)]
+
+
 @needs_docker
 def test_a_terminal_bench_evaluate_on_a_full_disk_returns_the_grade_or_507_never_a_500(small_disk, tmp_path):
     """Found by bench/chaos.py: the verifier's files, written to the trial dir, failed
