@@ -179,6 +179,7 @@ class Rig:
         self.sched_url = ""
         self.mounts: list[Path] = []
         self.netns: list[tuple[str, str]] = []
+        self.routes: list[str] = []  # blackhole routes added for the nodes' links
         self.notes: list[str] = []  # what this run could not do here, for the summary
         self.appworld: tuple[Path, Path] | None = None  # (python, data root)
         self.baseline_mounts: set[str] = set()
@@ -225,6 +226,12 @@ class Rig:
         host_ip, node_ip = f"10.252.{octet}.{4 * i + 1}", f"10.252.{octet}.{4 * i + 2}"
         run("ip", "netns", "add", ns)
         self.netns.append((ns, host_if))
+        # While the link is down its route is gone too, and without this one the node's
+        # address would be sent to the default gateway (here a proxy answering 404): a cut
+        # must drop the packets, as a real one does.
+        blackhole = f"10.252.{octet}.{4 * i}/30"
+        run("ip", "route", "add", "blackhole", blackhole, "metric", "1000")
+        self.routes.append(blackhole)
         run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         run("ip", "link", "set", ns_if, "netns", ns)
         run("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
@@ -322,6 +329,9 @@ class Rig:
         argv = [sys.executable, "-m", "envhub", "serve", "--role", "scheduler", "--port", str(port)]
         argv += ["--data-dir", str(self.root / "sched"), "--set", f"nodes_file={nodes_yaml}"]
         argv += ["--set", "health_interval=0.5", "--set", "health_timeout=2"]
+        # Task affinity would keep the few tasks of the mix on one node for good: a short
+        # window spreads the load over both, so that faults on either one meet episodes.
+        argv += ["--set", f"affinity_window={self.args.affinity_window}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
         self.sched = Proc("scheduler", argv, self.root / "scheduler.log", env)
         self.sched.start()
@@ -453,6 +463,8 @@ class Rig:
         for ns, host_if in self.netns:
             run("ip", "link", "del", host_if, check=False)
             run("ip", "netns", "del", ns, check=False)
+        for prefix in self.routes:
+            run("ip", "route", "del", "blackhole", prefix, "metric", "1000", check=False)
         for n in self.nodes:
             shutil.rmtree(n.work_root, ignore_errors=True)
             shutil.rmtree(n.run_dir, ignore_errors=True)
@@ -529,9 +541,9 @@ class Stats:
 
 
 class CallFailed(Exception):
-    def __init__(self, status: int, code: str, text: str, earlier: list[str]) -> None:
+    def __init__(self, status: int, code: str, text: str, earlier: list[str], path: str) -> None:
         super().__init__(f"{status} {code}")
-        self.status, self.code, self.text = status, code, text
+        self.status, self.code, self.text, self.path = status, code, text, path
         self.earlier = earlier  # the replies of the attempts before, retried
 
 
@@ -554,7 +566,7 @@ def call(c: httpx.Client, stats: Stats, path: str, body: dict, deadline_s: float
                 code = ""
             status, text = r.status_code, r.text[:300]
             if status not in RETRYABLE:
-                raise CallFailed(status, code, text, earlier)
+                raise CallFailed(status, code, text, earlier, path)
             try:
                 wait = min(float(r.headers.get("Retry-After", 1)), 5.0)
             except ValueError:
@@ -563,7 +575,7 @@ def call(c: httpx.Client, stats: Stats, path: str, body: dict, deadline_s: float
             stats.retries[f"{status} {code}"] += 1
         earlier.append(f"{status} {code}")
         if time.monotonic() + wait > deadline:
-            raise CallFailed(status, code, text, earlier)
+            raise CallFailed(status, code, text, earlier, path)
         time.sleep(wait)
 
 
@@ -582,7 +594,9 @@ def play(c: httpx.Client, stats: Stats, ep: Episode, iid: str, deadline_s: float
             stats.outcomes[(ep.env, outcome)] += 1
             stats.samples.setdefault(f"{ep.env} {outcome}", e.text)
         if e.status not in DOCUMENTED:
-            stats.violation("undocumented_error", env=ep.env, task=ep.task, instance=iid, reply=e.text)
+            stats.violation(
+                "undocumented_error", env=ep.env, instance=iid, call=e.path, status=e.status, code=e.code, reply=e.text
+            )
         elif e.status == 409 and e.earlier:
             # a retry (same instance id, same request id) must replay the first attempt's
             # reply, never find the instance in a state that attempt left it in
@@ -978,6 +992,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm-pool", type=int, default=1, help="terminal-bench's warm pool per task")
     ap.add_argument("--appworld-pool", type=int, default=2, help="AppWorld's warm workers per node")
     ap.add_argument("--idle-ttl", type=float, default=120)
+    ap.add_argument("--affinity-window", type=float, default=5, help="the scheduler's, in seconds")
     ap.add_argument("--disk-mb", type=int, default=256, help="each node's tmpfs data dir")
     ap.add_argument("--live-restore", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--call-timeout", type=float, default=120, help="seconds per HTTP call")
