@@ -9,15 +9,17 @@ reference solution, so each that completes must earn 1.0: MBPP (the bundled samp
 A client retries what a client should (a transport error, 429, 502-504, 507, with the
 same instance id and request id) for up to ``--call-deadline`` seconds.
 
-The faults, one at a time, on a random node (as root; without root only the first
-three): ``kill9_node``, ``sigterm_node``, ``kill9_scheduler``, ``restart_dockerd`` (the
-soak's own dockerd, in a network namespace of its own, which the nodes use through
-``sandboxes.docker.docker_host``; the host's engine is never touched), ``fill_disk`` (the
-node's data dir is a small tmpfs the soak mounts; filled to the last byte for 20 s),
-``cut_link`` (each node runs in a network namespace of its own, joined to the host by a
-veth pair; the host end is taken down for 20 s) and ``stall_node`` (SIGSTOP for 10 s). A
-supervisor thread starts every process that exits again, one second later, with the same
-port, data dir and node id.
+The faults, one at a time, on a random node, each kind once per shuffled round (as root;
+without root only the four that need none: the kills, SIGTERM and SIGSTOP):
+``kill9_node``, ``sigterm_node``, ``kill9_scheduler``, ``restart_dockerd`` (the soak's
+own dockerd, in a network namespace of its own, which the nodes use through
+``sandboxes.docker.docker_host``; the host's engine is only read, for the base image), ``fill_disk``
+(the node's data dir is a small tmpfs the soak mounts; filled to the last byte for 20
+s), ``cut_link`` (each node runs in a network namespace of its own, joined to the host
+by a veth pair; the host end is taken down for 20 s, and a blackhole route keeps the
+packets from going anywhere else) and ``stall_node`` (SIGSTOP for 10 s). A supervisor
+thread starts every process that exits again, one second later, with the same port, data
+dir and node id.
 
 Invariants (each breach is listed under ``violations``):
 
@@ -27,12 +29,14 @@ Invariants (each breach is listed under ``violations``):
 - no instance is live on both nodes at once (their listings, compared every few seconds);
 - a node stopped with SIGTERM exits 0, and no process exits unless the soak killed it;
 - after everything is released: no live instance on either node, no slot held at the
-  scheduler beyond warm-pool containers, no sandbox process under the nodes' uids, no
+  scheduler beyond warm-pool containers, no sandbox process under the nodes' uids (but
+  AppWorld's warm workers), no
   cgroup of theirs holding a process, no sandbox dir, no container but pooled ones; after
-  the final stop no container, mount, cgroup dir or sandbox dir of theirs at all;
+  the final stop no container, mount, cgroup dir, sandbox dir or root of theirs at all;
 - each node's trial logs and its SQLite agree: every episode dir has a row, every row of
-  the soak's trial ended, and a row without a log is explained by a write the node
-  counted as failed or a kill -9 within the log's flush interval.
+  the soak's trial ended, and a row without a log is explained by failed writes the node
+  counted (since its last start) or, for a lost or failed row, by a kill -9 within the
+  log's flush interval.
 
 Prints a summary and writes JSON.
 
