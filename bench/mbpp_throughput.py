@@ -15,6 +15,20 @@ it shows a change in the fork path even in a noisy phase); writes the figures as
     python bench/mbpp_throughput.py --data-dir /var/tmp/envhub-bench   # node state on that disk
     python bench/mbpp_throughput.py --runs 5 --baseline  # and the host's reference after each
     python bench/mbpp_throughput.py --runs 8 --compare-metrics   # metrics on vs off, interleaved
+    python bench/mbpp_throughput.py --runs 5 --baseline --evalplus --multi-turn   # issue 34's comparison
+
+``--baseline`` and ``--evalplus`` measure the host's references in the same run, with
+each pass: the bare warm fork per problem and EvalPlus's ``untrusted_check`` from a
+process pool of ``--clients`` workers (``mbpp_baseline.py --mode fork`` and ``--mode
+evalplus``, each in a process of its own). ``--multi-turn`` adds a pass of multi-turn
+episodes as trainers run them: create, three ``run_python`` steps (the reference
+solution, then two of the hidden tests' expressions), ``submit_solution``, evaluate with
+release; it reports their CPU per episode and per call, and what each ``run_python`` step
+adds to a single-turn episode. The passes of one run go in an order that rotates from
+run to run (envhub, EvalPlus, fork, multi-turn; then EvalPlus, fork, multi-turn, envhub
+...), so that a drift of the host weighs on each alike; each run prints the ratios the
+issue's targets name (envhub's CPU per task over the fork's, its tasks/s over EvalPlus's)
+and the last lines their medians.
 
 ``--compare-metrics`` starts two nodes, alike but for ``metrics`` (true on one, false on
 the other), and runs ``--runs`` pairs of passes, one on each, the order alternating from
@@ -177,8 +191,15 @@ class Conn:
             await self.writer.wait_closed()
 
 
-async def run(url: str, api_key: str | None, task_ids: list[str], clients: int, separate_release: bool = False) -> dict:
-    timings: dict[str, list[float]] = {"create": [], "step": [], "evaluate": [], "release": []}
+async def run(
+    url: str,
+    api_key: str | None,
+    task_ids: list[str],
+    clients: int,
+    separate_release: bool = False,
+    multi_turn: bool = False,
+) -> dict:
+    timings: dict[str, list[float]] = {"create": [], "run_python": [], "step": [], "evaluate": [], "release": []}
     rewards: dict[str, float] = {}
     errors: list[str] = []
     queue: asyncio.Queue[str] = asyncio.Queue()
@@ -209,6 +230,14 @@ async def run(url: str, api_key: str | None, task_ids: list[str], clients: int, 
                         {"environment": "mbpp", "task_id": task_id, "trial": "bench"},
                     )
                     iid = created["instance_id"]
+                    for code in _TURNS[task_id] if multi_turn else ():
+                        await call(
+                            conn,
+                            "run_python",
+                            "POST",
+                            f"/instances/{iid}/step",
+                            {"action": {"tool": "run_python", "arguments": {"code": code}}},
+                        )
                     await call(
                         conn,
                         "step",
@@ -237,7 +266,8 @@ async def run(url: str, api_key: str | None, task_ids: list[str], clients: int, 
         "tasks": len(task_ids),
         "clients": clients,
         "elapsed_s": round(elapsed, 3),
-        "calls_per_task": 4 if separate_release else 3,
+        "calls_per_task": (4 if separate_release else 3) + (len(_TURNS[task_ids[0]]) if multi_turn else 0),
+        "multi_turn": multi_turn,
         "tasks_per_s": round(len(task_ids) / elapsed, 1),
         "full_reward": sum(1 for r in rewards.values() if r == 1.0),
         "not_full_reward": sorted((t for t, r in rewards.items() if r != 1.0), key=int),
@@ -256,6 +286,15 @@ async def run(url: str, api_key: str | None, task_ids: list[str], clients: int, 
 
 
 _DATA: dict[str, str] = {}  # task id -> reference solution, filled by main()
+_TURNS: dict[str, list[str]] = {}  # task id -> the multi-turn episode's run_python cells
+
+
+def turns(problem: dict) -> list[str]:
+    """Three ``run_python`` cells, as a model tries its code before it submits: the
+    solution, then the expressions of the first two hidden tests (their values shown)."""
+    tests = [t.strip() for t in problem["test_list"]][:2]
+    exprs = [t[len("assert") :].strip() if t.startswith("assert") else t for t in tests]
+    return [problem["code"], *exprs, *(["None"] * (2 - len(exprs)))]
 
 
 def _run_loop(coro):
@@ -298,6 +337,16 @@ def main() -> None:
         help="after each pass, measure the host's reference (mbpp_baseline.py --mode fork)",
     )
     ap.add_argument(
+        "--evalplus",
+        action="store_true",
+        help="with each pass, EvalPlus's untrusted_check in a pool of --clients (mbpp_baseline.py --mode evalplus)",
+    )
+    ap.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="with each pass, a pass of multi-turn episodes (three run_python steps before the submission)",
+    )
+    ap.add_argument(
         "--compare-metrics",
         action="store_true",
         help="two nodes, metrics on and off; --runs interleaved pairs of passes; prints both medians",
@@ -315,6 +364,7 @@ def main() -> None:
         if line.strip():
             p = json.loads(line)
             _DATA[str(p["task_id"])] = p["code"]
+            _TURNS[str(p["task_id"])] = turns(p)
     task_ids = list(_DATA)[: args.limit] if args.limit else list(_DATA)
 
     python = interpreter()
@@ -329,12 +379,19 @@ def main() -> None:
         proc, url, data_dir, tmp = start_node(args.data, args.capacity, args.data_dir, args.settings)
     print(f"{'client' if args.url else 'node and client'} on {describe(python)}")
     runs: list[dict] = []
+    parts = ["envhub", *(["evalplus"] if args.evalplus else []), *(["fork"] if args.baseline else [])]
+    parts += ["multi-turn"] if args.multi_turn else []
     try:
-        for _ in range(args.runs):  # on one node: a new node per run would churn its disk
-            runs.append(measure(url, args.api_key, task_ids, args, proc))
-            if args.baseline:
-                ref = runs[-1]["baseline"] = baseline(args.data, args.limit)
-                ref["of_baseline"] = round(runs[-1]["tasks_per_s"] / ref["tasks_per_s"], 3)
+        for i in range(args.runs):  # on one node: a new node per run would churn its disk
+            done: dict[str, dict] = {}
+            for part in parts[i % len(parts) :] + parts[: i % len(parts)]:  # the order rotates
+                if part == "envhub":
+                    done[part] = measure(url, args.api_key, task_ids, args, proc)
+                elif part == "multi-turn":
+                    done[part] = measure(url, args.api_key, task_ids, args, proc, multi_turn=True)
+                else:
+                    done[part] = baseline(args.data, args.limit, part, args.clients)
+            runs.append(combine(done))
             report(runs[-1])
     finally:
         if proc is not None:
@@ -369,6 +426,13 @@ def main() -> None:
         if args.baseline:
             result["of_baseline_median"] = statistics.median(r["baseline"]["of_baseline"] for r in runs)
             print(f"  median of the passes' shares of their reference: {result['of_baseline_median']:.0%}")
+        for key, what in _MEDIANS:
+            values = [r["targets"][key] for r in runs if r.get("targets", {}).get(key) is not None]
+            if values:
+                result.setdefault("targets_median", {})[key] = round(statistics.median(values), 3)
+                print(
+                    f"  median {what}: {statistics.median(values):.3g} (min {min(values):.3g}, max {max(values):.3g})"
+                )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
@@ -475,11 +539,17 @@ class Scraper:
 
 
 def measure(
-    url: str, api_key: str | None, task_ids: list[str], args: argparse.Namespace, proc: subprocess.Popen | None
+    url: str,
+    api_key: str | None,
+    task_ids: list[str],
+    args: argparse.Namespace,
+    proc: subprocess.Popen | None,
+    *,
+    multi_turn: bool = False,
 ) -> dict:
     """One pass over every task, with the CPU each part of a node we started spent on it."""
     before, client_before = (cpu_snapshot(proc.pid) if proc else {}), os.times()
-    result = _run_loop(run(url, api_key, task_ids, args.clients, args.separate_release))
+    result = _run_loop(run(url, api_key, task_ids, args.clients, args.separate_release, multi_turn))
     client_after = os.times()
     if proc is not None:
         time.sleep(0.3)  # the zygote reaps its last children
@@ -494,12 +564,16 @@ def measure(
             2,
         )
         result["cpu_ms_per_task"] = cpu
+        # The episode's CPU, as issue 34 counts it: the node, its zygote and the sandboxes.
+        result["episode_cpu_ms"] = round(
+            sum(v for k, v in cpu.items() if k.startswith("node.") or k.startswith("zygote")), 2
+        )
     return result
 
 
-def baseline(data: Path, limit: int | None) -> dict:
-    """The host's reference figure, measured right after a pass by ``mbpp_baseline.py
-    --mode fork`` in a process of its own: forked from this one, which holds an event
+def baseline(data: Path, limit: int | None, mode: str = "fork", pool: int = 16) -> dict:
+    """A reference figure of the host, measured beside a pass by ``mbpp_baseline.py
+    --mode MODE`` in a process of its own: forked from this one, which holds an event
     loop and the client's state, each child would cost more and the reference read low."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "baseline.json"
@@ -508,7 +582,9 @@ def baseline(data: Path, limit: int | None) -> dict:
                 sys.executable,
                 str(Path(__file__).with_name("mbpp_baseline.py")),
                 "--mode",
-                "fork",
+                mode,
+                "--pool",
+                str(pool),
                 "--data",
                 str(data),
                 "--out",
@@ -519,6 +595,55 @@ def baseline(data: Path, limit: int | None) -> dict:
             stdout=subprocess.DEVNULL,
         )
         return json.loads(out.read_text())["results"][0]
+
+
+# (key in a run's "targets", what it is) for the medians printed after several runs.
+_MEDIANS = (
+    ("episode_cpu_ms", "envhub CPU ms per episode (node, zygote, sandboxes)"),
+    ("fork_cpu_ms", "fork CPU ms per problem (parent and child)"),
+    ("fork_child_cpu_ms", "fork CPU ms per problem (child only)"),
+    ("evalplus_cpu_ms", "EvalPlus CPU ms per problem (pool workers and their children)"),
+    ("cpu_over_fork", "envhub CPU / fork CPU (target <= 1.5)"),
+    ("cpu_over_fork_child", "envhub CPU / fork child CPU"),
+    ("tasks_per_s", "envhub tasks/s"),
+    ("evalplus_tasks_per_s", "EvalPlus tasks/s"),
+    ("over_evalplus", "envhub tasks/s / EvalPlus tasks/s (target >= 1.5)"),
+    ("multi_turn_cpu_ms", "multi-turn episode CPU ms"),
+    ("multi_turn_cpu_ms_per_call", "multi-turn CPU ms per call"),
+    ("run_python_cpu_ms", "CPU ms a run_python step adds"),
+)
+
+
+def combine(done: dict[str, dict]) -> dict:
+    """One run's passes as one result: envhub's pass with its references and multi-turn
+    pass beside it, and ``targets``, the figures issue 34's targets name."""
+    result = dict(done["envhub"])
+    targets: dict[str, float | None] = {"tasks_per_s": result["tasks_per_s"]}
+    cpu = result.get("episode_cpu_ms")
+    targets["episode_cpu_ms"] = cpu
+    if "fork" in done:
+        ref = result["baseline"] = done["fork"]
+        ref["of_baseline"] = round(result["tasks_per_s"] / ref["tasks_per_s"], 3)
+        targets["fork_cpu_ms"] = ref.get("cpu_ms_per_task")
+        targets["fork_child_cpu_ms"] = ref["child_cpu_ms_per_task"]
+        if cpu is not None:
+            targets["cpu_over_fork"] = round(cpu / ref["cpu_ms_per_task"], 3)
+            targets["cpu_over_fork_child"] = round(cpu / ref["child_cpu_ms_per_task"], 3)
+    if "evalplus" in done:
+        ev = result["evalplus"] = done["evalplus"]
+        targets["evalplus_tasks_per_s"] = ev["tasks_per_s"]
+        targets["evalplus_cpu_ms"] = ev["cpu_ms_per_task"]
+        targets["over_evalplus"] = round(result["tasks_per_s"] / ev["tasks_per_s"], 3)
+    if "multi-turn" in done:
+        multi = result["multi_turn_pass"] = done["multi-turn"]
+        targets["multi_turn_tasks_per_s"] = multi["tasks_per_s"]
+        if multi.get("episode_cpu_ms") is not None and cpu is not None:
+            steps = multi["calls_per_task"] - result["calls_per_task"]
+            targets["multi_turn_cpu_ms"] = multi["episode_cpu_ms"]
+            targets["multi_turn_cpu_ms_per_call"] = round(multi["episode_cpu_ms"] / multi["calls_per_task"], 3)
+            targets["run_python_cpu_ms"] = round((multi["episode_cpu_ms"] - cpu) / steps, 3)
+    result["targets"] = targets
+    return result
 
 
 def report(result: dict) -> None:
@@ -537,9 +662,20 @@ def report(result: dict) -> None:
     if result.get("baseline"):
         ref = result["baseline"]
         print(
-            f"  reference right after, {ref['reference']} (no HTTP, no sandbox): {ref['tasks_per_s']} tasks/s;"
+            f"  reference in the same run, {ref['reference']} (no HTTP, no sandbox): {ref['tasks_per_s']} tasks/s,"
+            f" CPU ms/problem {ref.get('cpu_ms_per_task', '?')} ({ref['child_cpu_ms_per_task']} in the child);"
             f" this pass ran at {ref['of_baseline']:.0%} of it"
         )
+    if result.get("evalplus"):
+        ev = result["evalplus"]
+        print(f"  {ev['reference']}: {ev['tasks_per_s']} tasks/s, CPU ms/problem {ev['cpu_ms_per_task']}")
+    if result.get("multi_turn_pass"):
+        multi = result["multi_turn_pass"]
+        print(f"  multi-turn pass ({multi['calls_per_task']} calls per episode): ", end="")
+        report(multi)
+    targets = result.get("targets") or {}
+    if len(targets) > 2:
+        print("  targets: " + ", ".join(f"{key} {targets[key]}" for key, _ in _MEDIANS if targets.get(key) is not None))
 
 
 if __name__ == "__main__":

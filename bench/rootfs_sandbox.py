@@ -23,9 +23,9 @@ zygote directly with parts left out (the cgroups, the agent's ``mktemp``, the ag
 the joining of a cgroup timed on its own; the run_command round trip split into the
 shell agent's steps (each timed inside an episode, and inside a container for scale), and
 measured end to end with agents that are not envhub's: one that answers without running
-anything (the protocol's floor), and two candidates (``PROPOSED_SH_AGENT``, a leaner
-script; ``PROPOSED_PY_AGENT``, the protocol served by a Python process, as the episode's
-init, which is Python, could serve it).
+anything (the protocol's floor), and a candidate (``PROPOSED_PY_AGENT``, the protocol
+served by a Python process, as the episode's init, which is Python, could serve it). The
+leaner shell script this bench once proposed is envhub's agent now (util/shell_agent.py).
 
 Memory with N episodes live, per episode: ``rss``/``pss``, the RSS and PSS of an
 episode's processes (rootfs: the process that joins its cgroup, its init and its shell
@@ -85,7 +85,6 @@ TASK = REPO / "envhub" / "plugins" / "terminal_bench" / "data" / "hello-envhub"
 KINDS = ("rootfs", "docker")
 ENGINE = ("dockerd", "containerd")
 PROFILE_SLOT = 9000  # the in-process rootfs sandbox's cgroup slot for profile episodes
-OUTPUT_LIMIT = 1 << 20  # the rootfs sandbox's default
 
 # The shell agent's steps for one call of ``true``, each run N times by ``sh`` (as the
 # agent runs them); prints "<step> <microseconds per run>".
@@ -116,31 +115,6 @@ CALL_STEPS = {"decode_command": 1, "read_command": 1, "run_timeout_bash": 1, "si
 # Measured alternatives, not used by envhub. The protocol's floor: answers at once.
 FLOOR_AGENT = r"""printf 'envhub-agent-ready\n'
 while IFS= read -r line; do set -f; set -- $line; set +f; printf '%s 0 x 0 x 0\n' "$1"; done"""
-# A leaner script, same protocol and output: no mktemp (the agent's dir is the episode's own),
-# the command decoded straight into bash's argument (no file, no cat), an empty output
-# sent without a process, base64 -w0 where base64 has it (no tr).
-PROPOSED_SH_AGENT = r"""
-o=${ENVHUB_AGENT_DIR:-/tmp}/.envhub-agent.$$.out; e=${ENVHUB_AGENT_DIR:-/tmp}/.envhub-agent.$$.err
-trap 'rm -f "$o" "$e"' EXIT
-if [ "$(printf x | base64 -w0 2>/dev/null)" = eA== ]; then W=1; else W=; fi
-enc() {
-  if [ ! -s "$1" ]; then printf ' 0'; return; fi
-  n=$(wc -c < "$1"); n=${n##* }
-  if [ "$n" -gt LIMIT ]; then
-    { head -c HALF "$1"; printf '\n[... %s bytes truncated ...]\n' $((n - LIMIT))
-      tail -c HALF "$1"; } | base64 | tr -d '\n'; printf ' 1'
-  elif [ -n "$W" ]; then base64 -w0 < "$1"; printf ' 0'
-  else base64 < "$1" | tr -d '\n'; printf ' 0'
-  fi
-}
-printf 'envhub-agent-ready\n'
-while IFS= read -r line; do
-  set -f; set -- $line; set +f
-  timeout -k 1 -s TERM "$2" bash -c "$(printf '%s' "${3#x}" | base64 -d 2>/dev/null)" < /dev/null > "$o" 2> "$e"
-  rc=$?
-  printf '%s %s x' "$1" "$rc"; enc "$o"; printf ' x'; enc "$e"; printf '\n'
-done
-""".replace("LIMIT", str(OUTPUT_LIMIT)).replace("HALF", str(OUTPUT_LIMIT // 2))
 # The protocol served by Python: one fork and exec of bash per call. Run with the image's
 # python3 here, standing in for the episode's init (Python already, forked from the zygote).
 _PY = r"""
@@ -675,7 +649,6 @@ async def profile(rs: RootfsSandbox, ds: DockerSandbox, image: str, node_id: str
     agents = {
         "envhub_agent": shell_agent.script(rs.output_limit),
         "floor_no_process": FLOOR_AGENT,
-        "proposed_sh_agent": PROPOSED_SH_AGENT,
         "proposed_py_agent": PROPOSED_PY_AGENT,
     }
     made = {}

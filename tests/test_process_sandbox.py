@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -699,3 +700,85 @@ def test_the_node_s_cgroups_are_found_from_its_own_and_limited_per_uid(tmp_path)
         f.unlink()
     cgroups.stop()
     assert not (own / "envhub-t").exists()
+
+
+# -- lazy start and uid slots ------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"  # a file of the checkout, outside the view
+# Code for a sandbox: what confines it, as it sees it (``{repo}``: a file of the node's checkout).
+CONFINEMENT = (
+    "import os\n"
+    "cgroups = sorted(l.strip().split(':', 2)[2].rsplit('/', 1)[-1] for l in open('/proc/self/cgroup') "
+    "if l.split(':')[1] in ('memory', 'pids', '') and l.strip().split(':', 2)[2] != '/')\n"
+    "(os.getuid(), os.getcwd(), os.path.exists({repo!r}), cgroups, os.stat('/tmp').st_uid)"
+)
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_a_lazily_started_interpreter_is_forked_at_its_first_exec_and_starts_confined(sandboxes, tmp_path):
+    zygote_pid = sandboxes.zygote.proc.pid
+    handle = await sandboxes.create(spec())
+    assert children_of(zygote_pid) == [] and os.listdir(tmp_path) == [], "create forks nothing and makes no dir"
+    r = await sandboxes.exec(handle, CONFINEMENT.format(repo=str(README)), timeout=5)
+    uid, cwd, sees_the_checkout, cgroups, tmp_owner = r.value
+    assert uid >= 200000 and cwd.startswith(str(tmp_path)) and tmp_owner == uid
+    assert not sees_the_checkout, "the allow-list view holds no checkout"
+    if sandboxes.cgroups.parents:
+        assert set(cgroups) == {f"u{uid}"}, cgroups
+    await sandboxes.exec(handle, "x = 41", timeout=5)
+    assert (await sandboxes.exec(handle, "x + 1", timeout=5)).value == 42, "state persists across execs"
+
+
+@pytest.mark.asyncio
+async def test_releasing_a_sandbox_that_never_ran_code_leaves_nothing(sandboxes, tmp_path):
+    zygote_pid = sandboxes.zygote.proc.pid
+    handle = await sandboxes.create(spec())
+    uid = sandboxes._boxes[handle].uid
+    await sandboxes.destroy(handle)
+    assert not sandboxes._boxes and os.listdir(tmp_path) == [] and children_of(zygote_pid) == []
+    if uid is not None:  # its uid is back in the pool: the next sandbox gets it (last in, first out)
+        again = await sandboxes.create(spec())
+        assert sandboxes._boxes[again].uid == uid
+        await sandboxes.destroy(again)
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_a_uid_s_next_sandbox_finds_its_temp_dirs_empty_and_as_new(sandboxes):
+    """Sandboxes of one uid share its slot's temp dir, one at a time: whatever an episode
+    left there (files, dirs, the dir's mode, its xattrs) is gone when the next one starts,
+    after a release and after a one-shot run alike."""
+    fresh = await sandboxes.run_once(spec(), "import os\n(os.getuid(), sorted(os.listdir('/tmp')))", timeout=5)
+    uid, way = fresh.value
+    dirty = (
+        "import os\nos.makedirs('/tmp/d/e'); open('/tmp/d/e/f', 'w').write('x'); open('/var/tmp/g', 'w')\n"
+        "os.setxattr('/tmp', 'user.note', b'answers')\nos.chmod('/tmp', 0o755)\nos.getuid()"
+    )
+    check = (
+        "import os\n(os.getuid(), sorted(os.listdir('/tmp')), sorted(os.listdir('/dev/shm')), "
+        "oct(os.stat('/tmp').st_mode & 0o777), os.listxattr('/tmp'))"
+    )
+    handle = await sandboxes.create(spec())
+    r = await sandboxes.exec(handle, dirty, timeout=5)
+    assert r.value == uid, r
+    await sandboxes.destroy(handle)
+    handle = await sandboxes.create(spec())
+    assert (await sandboxes.exec(handle, check, timeout=5)).value == [uid, way, way, "0o700", []]
+    await sandboxes.destroy(handle)
+    r = await sandboxes.run_once(spec(), dirty, timeout=5)
+    assert r.value == uid, r
+    assert (await sandboxes.run_once(spec(), check, timeout=5)).value == [uid, way, way, "0o700", []]
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_temp_dirs_are_each_sandbox_s_own_and_outlive_a_restart_of_its_interpreter(sandboxes):
+    a, b = await sandboxes.create(spec()), await sandboxes.create(spec())
+    await sandboxes.exec(a, "open('/tmp/mine', 'w').write('a')", timeout=5)
+    r = await sandboxes.exec(b, "import os\n'mine' in os.listdir('/tmp')", timeout=5)
+    assert r.value is False
+    died = await sandboxes.exec(a, "import os\nos._exit(3)", timeout=5)
+    assert died.exception and "InterpreterDied" in died.exception
+    r = await sandboxes.exec(a, "open('/tmp/mine').read()", timeout=5)
+    assert r.restarted and r.value == "a", r

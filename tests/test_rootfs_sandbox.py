@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import REPO, EnvhubProcess, eventually, needs_docker
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker
 from test_landlock import NOBODY, SCENARIOS, _python_for
 
 from envhub.plugins.rootfs_sandbox import files as rootfs_files
@@ -49,9 +50,12 @@ def archives(tmp_path_factory) -> Path:
     to a pool node without Docker. Readable by every user (the unprivileged node's too)."""
     folder = Path(tempfile.mkdtemp(prefix="envhub-rootfs-archives-"))
     folder.chmod(0o755)
+    # The bundled tasks name debian:bookworm, which no registry here serves: the local base.
+    config = folder / "export.yaml"
+    config.write_text(yaml.safe_dump({"image_map": {"debian:bookworm": BASE_IMAGE}}))
     built = subprocess.run(
         [sys.executable, "-m", "envhub", "build", "--all", "--export", str(folder / "exp")]
-        + ["--data-dir", str(tmp_path_factory.mktemp("export-data"))]
+        + ["--config", str(config), "--data-dir", str(tmp_path_factory.mktemp("export-data"))]
         + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
         capture_output=True,
         text=True,
@@ -148,6 +152,10 @@ def run(c: httpx.Client, iid: str, command: str, timeout: float = 30) -> dict:
     )
     assert r.status_code == 200, r.text
     return r.json()["observation"]
+
+
+def host_process_count() -> int:
+    return sum(1 for name in os.listdir("/proc") if name.isdigit())
 
 
 def episode_processes(node: EnvhubProcess) -> set[int]:
@@ -281,6 +289,7 @@ def test_an_episode_that_deletes_its_root_forks_without_end_or_fills_its_disk_ha
     canary = tmp_path / "canary.txt"
     canary.write_text("still here\n")
     before = episode_processes(node)
+    host_before = host_process_count()
     with node.client(timeout=300) as c:
         witness = create(c)
         attackers = {name: create(c) for name in ("rm", "forkbomb", "fill")}
@@ -291,6 +300,11 @@ def test_an_episode_that_deletes_its_root_forks_without_end_or_fills_its_disk_ha
         )
         # Its own shell may starve (no process left to answer with): that episode is lost, no other.
         assert bombed.status_code in (200, 410), bombed.text
+        # The bomb goes on in the background, held to the episode's 1024 processes (a cgroup
+        # as root, RLIMIT_NPROC in its own user namespace without): the host keeps its pids.
+        for _ in range(10):
+            assert host_process_count() < host_before + 2000, "the fork bomb took the host's pids"
+            time.sleep(0.3)
         filled = run(c, attackers["fill"], "dd if=/dev/zero of=/tmp/fill bs=1M 2>&1 | tail -1; df -m / | tail -1")
         assert "(268 MB, 256 MiB) copied" in filled["stdout"] and " 100% /" in filled["stdout"], filled
         # The witness, created before the attacks, still works and grades.

@@ -35,7 +35,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -250,18 +250,41 @@ class RunCode:
 
     async def run(self, body: Any) -> dict[str, Any]:
         """One ``/run_code`` call: SandboxFusion's reply (see ``request.py``)."""
-        started = time.perf_counter()
         language = body.get("language") if isinstance(body, dict) else None
         label = language if isinstance(language, str) and language in self.languages else "unknown"
+
+        async def call() -> dict[str, Any]:
+            request = parse(body, self.languages, self.options.bounds)
+            return await self._on_slot(lambda: self._run(request, self.languages[request.language]))
+
+        return await self._metered(label, call)
+
+    async def jupyter(self, body: Any) -> dict[str, Any]:
+        """One ``/run_jupyter`` call: SandboxFusion's reply (see ``jupyter.py``), on a
+        run_code slot, in a fresh sandbox of run_code's."""
+
+        async def call() -> dict[str, Any]:
+            request = jupyter.parse(body, self.options.bounds)
+            return await self._on_slot(lambda: self._jupyter(request))
+
+        return await self._metered("jupyter", call)
+
+    async def _on_slot(self, work: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """``work()`` once a run_code slot is free; the slot is held until it ends."""
+        await self._acquire()
+        try:
+            return await work()
+        finally:
+            self.slots.release()
+
+    async def _metered(self, label: str, call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """``call``'s answer, counted in the run_code metrics under ``label`` with its
+        outcome (the reply's status, or the kind of error it raised) and its time."""
+        started = time.perf_counter()
         error: BaseException | None = None
         answer: dict[str, Any] | None = None
         try:
-            request = parse(body, self.languages, self.options.bounds)
-            await self._acquire()
-            try:
-                answer = await self._run(request, self.languages[request.language])
-            finally:
-                self.slots.release()
+            answer = await call()
             return answer
         except BaseException as e:
             error = e
@@ -270,28 +293,6 @@ class RunCode:
             if self.metrics is not None:
                 outcome = answer["status"] if answer is not None else outcome_of(error)
                 self.metrics.run_code(label, outcome, time.perf_counter() - started)
-
-    async def jupyter(self, body: Any) -> dict[str, Any]:
-        """One ``/run_jupyter`` call: SandboxFusion's reply (see ``jupyter.py``), on a
-        run_code slot, in a fresh sandbox of run_code's."""
-        started = time.perf_counter()
-        error: BaseException | None = None
-        answer: dict[str, Any] | None = None
-        try:
-            request = jupyter.parse(body, self.options.bounds)
-            await self._acquire()
-            try:
-                answer = await self._jupyter(request)
-            finally:
-                self.slots.release()
-            return answer
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            if self.metrics is not None:
-                outcome = answer["status"] if answer is not None else outcome_of(error)
-                self.metrics.run_code("jupyter", outcome, time.perf_counter() - started)
 
     async def _jupyter(self, request: dict[str, Any]) -> dict[str, Any]:
         executor = self.settings.node_id

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 from typing import Any
 
 from .shared import CLONE_NEWNS, MNT_DETACH, MS_BIND, MS_PRIVATE, MS_REC, PR_SET_NO_NEW_PRIVS, _libc, _prctl
@@ -234,6 +235,33 @@ def open_cgroups(parents: list[str]) -> None:
     """Open the node's parent cgroup dirs (``O_PATH``), once, in the zygote."""
     for parent in parents:
         cgroup_fds.append(os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+
+
+def await_cgroup_empty(name: str, timeout: float = 1.0) -> bool:
+    """In the zygote: wait until the cgroup ``name`` holds no process (under the first
+    parent; the others hold the same ones), at most ``timeout`` seconds; whether it does.
+
+    A process sent SIGKILL runs no more code of its own, yet it is gone only once the
+    kernel schedules its exit, which on a busy host can come after the next sandbox of
+    its uid started: this waits for it, so a uid is reused only when its last episode's
+    processes have died."""
+    if not cgroup_fds:
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(f"{name}/cgroup.procs", os.O_RDONLY | os.O_CLOEXEC, dir_fd=cgroup_fds[0])
+        except OSError:
+            return True  # not made yet: nothing ever ran in it
+        try:
+            left = os.read(fd, 64)
+        finally:
+            os.close(fd)
+        if not left.strip():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
 
 
 def join_cgroup(name: str | None) -> None:

@@ -27,7 +27,9 @@ Policy and invariants:
   the work root, nothing of the node's data dir, config or datasets wherever they lie.
   Paths that must stay hidden yet lie inside the view (``hide``, the node's records,
   ``Environment.sandbox_hidden``, envhub's own package) are covered by empty, root-only
-  mounts. Each sandbox binds its own ``.tmp`` over ``/tmp``, ``/var/tmp`` and ``/dev/shm``.
+  mounts. Each sandbox has its own ``/tmp``, ``/var/tmp`` and ``/dev/shm``: its uid
+  slot's dir, in the slot's mount namespace, which the zygote empties (and resets) after
+  every sandbox of the uid, once its processes are dead (``zygote/view.py``).
   What could not be done is logged at start. A ``POST /config`` to a dataset the view
   shows is refused (:meth:`exposes`).
 - As root each uid slot also has a cgroup (``envhub/confine/cgroups.py``) that the sandbox joins before

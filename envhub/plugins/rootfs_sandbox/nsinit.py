@@ -26,15 +26,19 @@ host's filesystem, whatever killed it.
 Control messages (``SOCK_SEQPACKET``, one JSON object each, replies matched by ``id``):
 
 - ``{"op": "create", "id", "lower": [dirs], "scratch", "size_mb", "hostname", "uid_map",
-  "gid_map", "cgroups": [dirs], "env": {...}, "workdir", "modes": {path: mode}, "hide": [paths],
-  "script"}`` -> ``{"id", "pid"}``
+  "gid_map", "cgroups": [dirs], "nproc", "env": {...}, "workdir", "modes": {path: mode},
+  "hide": [paths], "script"}`` -> ``{"id", "pid"}``
   and the node's end of the agent's socket as an fd; ``pid`` is G's, in the zygote's pid
   namespace. ``lower`` lists overlay lower dirs, top first. ``scratch``: an empty dir of
 the host over which G mounts the episode's tmpfs, in its own mount namespace only (every
 episode uses the same one: nothing per episode exists on the host). ``uid_map``/``gid_map``: the
   lines to write (``None``: the zygote's own uid as root, with setgroups denied).
 ``cgroups``: the cgroup dirs C joins first, so that everything of the episode is charged
-to them (the scratch tmpfs's pages included). ``modes``: paths of the root whose mode G
+to them (the scratch tmpfs's pages included). ``nproc``: where no cgroup limits the
+episode's processes (a node without root), C sets RLIMIT_NPROC to it once it is root of its
+new user namespace: since Linux 5.14 processes are counted per user namespace, so the limit
+holds for this episode's processes alone, and a fork bomb cannot take the host's pids (or
+its node's, which runs as the same host uid). ``modes``: paths of the root whose mode G
 sets (the image store keeps lower layers without group or other write bits; ``/tmp`` is
 1777 again in the episode's upper layer). ``hide``:
   paths over which G mounts an empty read-only tmpfs (the host's own files, when the
@@ -52,6 +56,7 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -329,6 +334,8 @@ def _episode(req: dict, agent_fd: int, to_zygote: int, from_zygote: int, report:
         if req.get("gid_map") is not None:
             os.setgroups([])
         os.setresuid(0, 0, 0)
+        if req.get("nproc"):  # lowering needs no privilege; counted in this user namespace
+            resource.setrlimit(resource.RLIMIT_NPROC, (int(req["nproc"]), int(req["nproc"])))
         init = os.fork()
         if init == 0:
             os.close(to_zygote)  # C's own line to the zygote: the episode never holds it

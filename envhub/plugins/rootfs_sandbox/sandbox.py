@@ -12,7 +12,8 @@ Config (``sandboxes.rootfs``):
   episode's memory);
 - ``memory_mb`` (2048) and ``max_processes`` (1024): each episode's cgroup limits, where
   the node can make cgroups (as root); the spec's own limits win; the writable layer is
-  added to the memory limit;
+  added to the memory limit. Without cgroups, ``max_processes`` is the episode's
+  RLIMIT_NPROC, counted within its own user namespace (see nsinit.py);
 - ``output_limit`` (1 MiB per output of a command), ``start_timeout`` (10 s),
   ``python`` (the zygote's interpreter; default the node's);
 - ``host`` (false): episodes run over the host's own system instead of images, for a node
@@ -350,6 +351,7 @@ class RootfsSandbox(Sandbox):
                     "uid_map": "0 0 65536\n" if self._root else None,
                     "gid_map": "0 0 65536\n" if self._root else None,
                     "cgroups": groups,
+                    "nproc": None if groups else (spec.limits.max_processes or self.max_processes),
                     "env": env,
                     "workdir": workdir,
                     "script": shell_agent.script(self.output_limit),

@@ -11,8 +11,9 @@ frame format the node uses too).
 
 Invariants (besides the fork server's):
 
-- Every process it forks is a sandbox interpreter; all per-child initialisation is done
-  once before the first fork (``interpreter.prepare``).
+- Every process it forks is a sandbox interpreter, but the short-lived helper that makes
+  a uid slot's mount namespace (``view.slot``, once per uid); all per-child
+  initialisation is done once before the first fork (``interpreter.prepare``).
 - An interpreter never returns into the zygote's loop: every path ends in ``os._exit``.
   A copy of it made by ``os.fork()`` in user code never writes to the channel.
 - As root, the zygote lives in its own network namespace (no network for sandboxes) and
@@ -70,6 +71,10 @@ from .interpreter import Interpreter, _cache_cell, prepare
 class Zygote(ForkServer):
     """The fork server, spawning sandbox interpreters."""
 
+    def __init__(self, ctl: socket.socket, killer_uid: int | None) -> None:
+        super().__init__(ctl, killer_uid)
+        self.killed: set[int] = set()  # uids whose processes were sent SIGKILL since their last spawn
+
     def answer(self, req: dict[str, Any]) -> dict[str, Any] | None:
         if req["op"] == "spawn":
             self.spawn(req)  # replies itself: the reply carries an fd
@@ -87,8 +92,13 @@ class Zygote(ForkServer):
             self.clean_once(self.once_uids[uid])
         if uid is not None and req.get("purge"):
             kill_uid(uid, self.killer_uid)  # leftovers of a node that died uncleanly
+            self.killed.add(uid)
+        if uid in self.killed and req.get("cgroup"):
+            isolation.await_cgroup_empty(req["cgroup"])  # what was killed has died
+        self.killed.discard(uid)
         workdir: str | None = req.get("workdir")
         created = workdir is None
+        slot = view.slot(uid, req["work_root"]) if uid is not None else None
         theirs: socket.socket | None = None
         fds: list[int] = []  # the node's channel end, then the stdout/stderr memfds
         try:
@@ -114,7 +124,7 @@ class Zygote(ForkServer):
             try:
                 os.close(self.ctl.detach())
                 os.close(fds[0])
-                Interpreter(theirs, req, workdir, (fds[1], fds[2]), self.pid).run()
+                Interpreter(theirs, req, workdir, (fds[1], fds[2]), self.pid, slot).run()
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -130,6 +140,24 @@ class Zygote(ForkServer):
             theirs.close()
             for fd in fds:
                 os.close(fd)
+
+    # A uid's slot is emptied wherever its sandbox's dir is removed: every process of the
+    # uid is dead by then, and the uid goes back to the node's pool only after.
+
+    def clean_once(self, pid: int) -> None:
+        uid = self.live[pid][0]
+        super().clean_once(pid)
+        if uid is not None:
+            self.killed.add(uid)
+            view.empty_slot(uid)
+
+    def kill(self, req: dict[str, Any]) -> str | None:
+        status = super().kill(req)
+        if req.get("uid") is not None:
+            self.killed.add(req["uid"])
+            if req.get("remove"):
+                view.empty_slot(req["uid"])
+        return status
 
 
 def _make_workdir(root: str, prefix: str, uid: int | None) -> str:

@@ -88,9 +88,16 @@ class CellTimeout(BaseException):
 
 class Interpreter:
     def __init__(
-        self, chan: socket.socket, req: dict[str, Any], workdir: str, output_fds: tuple[int, int], zygote_pid: int
+        self,
+        chan: socket.socket,
+        req: dict[str, Any],
+        workdir: str,
+        output_fds: tuple[int, int],
+        zygote_pid: int,
+        slot: int | None = None,
     ) -> None:
         self.chan = chan
+        self.slot = slot  # its uid slot's mount namespace (view.slot), if it has one
         self.req = req
         self.workdir = workdir
         self.out_fd, self.err_fd = output_fds
@@ -132,8 +139,11 @@ class Interpreter:
         os.chdir(self.workdir)
         rlimits.apply(req["limits"], _HARD_LIMITS)
         if uid is not None:
-            if view.active:  # its own /tmp, /var/tmp and /dev/shm, gone with its work dir
+            if view.active and self.slot is not None:  # its slot's /tmp, /var/tmp and /dev/shm
+                view.enter_slot(self.slot, self.workdir)
+            elif view.active:  # its own, gone with its work dir
                 view.private_tmp(self.workdir, uid, req["work_root"])
+            view.close_slots()
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
