@@ -137,7 +137,8 @@ class Episode:
     ``sandbox`` and ``handle`` address the episode's sandbox; ``state`` is the
     environment's own JSON-serialisable memory of the episode; ``log_dir`` is the
     episode's trial directory, where an environment may write extra files (verifier
-    output). An environment may run code in a fresh sandbox of the episode's spec (to
+    output); a write there that fails (a full disk) is logged and never fails the call,
+    as for the node's own trial log. An environment may run code in a fresh sandbox of the episode's spec (to
     grade it) with :meth:`run_fresh`, which leaves nothing behind.
     """
 

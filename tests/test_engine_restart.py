@@ -19,6 +19,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -107,18 +108,24 @@ def engine(request):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def node_on(engine: OwnEngine, data: Path) -> EnvhubProcess:
+def node_on(engine: OwnEngine, data: Path, *, warm_pool: int = 2, watch_interval: float = 0.5) -> EnvhubProcess:
     config = data.parent / "node.yaml"
     config.write_text(
         yaml.safe_dump(
             {
                 "image_map": {"debian:bookworm": BASE_IMAGE},
-                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 2}},
-                "sandboxes": {"docker": {"docker_host": engine.host, "network": "none", "watch_interval": 0.5}},
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": warm_pool}},
+                "sandboxes": {
+                    "docker": {"docker_host": engine.host, "network": "none", "watch_interval": watch_interval}
+                },
             }
         )
     )
-    return EnvhubProcess(data, "--config", str(config))
+    node = EnvhubProcess(data, "--config", str(config))
+    # With --config the node makes its own id: name it, so its containers can be found by label.
+    node.node_id = f"test-{uuid.uuid4().hex[:12]}"
+    node.args += ["--set", f"node_id={node.node_id}"]
+    return node
 
 
 def create(c) -> str:
@@ -184,3 +191,49 @@ def test_an_engine_restart_is_survived_as_it_can_be_and_never_a_500_or_a_hang(en
         assert node.stop() == 0, node.log()[-3000:]
     leftover = engine.docker("ps", "-aq", "--filter", f"label=envhub.node={node.node_id}", text=True).stdout.split()
     assert leftover == [], "the node's containers are gone"
+
+
+def test_a_release_while_the_engine_restarts_answers_and_its_container_goes_once_the_engine_is_back(engine, tmp_path):
+    """Found by bench/chaos.py: a release (or an evaluate that releases) while the engine
+    restarted answered 500 ``cannot remove container`` after it had ended the instance,
+    and the container stayed until the node's next start."""
+    node = node_on(engine, tmp_path / "data", warm_pool=0).start(timeout=60)
+
+    def containers() -> list[str]:
+        return engine.docker("ps", "-aq", "--filter", f"label=envhub.node={node.node_id}", text=True).stdout.split()
+
+    try:
+        with node.client(timeout=120) as c:
+            iid = create(c)
+            assert run(c, iid, "true").status_code == 200
+            assert len(containers()) == 1
+            engine.stop()
+            released = c.post(f"/instances/{iid}/release")
+            assert released.status_code == 200 and released.json()["state"] == "released", released.text
+            assert c.get("/health").json()["active"] == 0
+            engine.start()
+            eventually(lambda: containers() == [], timeout=30, message="the released episode's container was removed")
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
+
+
+def test_a_create_before_the_node_sees_its_engine_down_is_a_503_to_retry_not_a_500(engine, tmp_path):
+    """Found by bench/chaos.py: a create in the moment between the engine going down and
+    the node's next ping answered 500 (the lookup of the task's image, which a node makes
+    at its first create of a task, failed)."""
+    node = node_on(engine, tmp_path / "data", warm_pool=0, watch_interval=3600).start(timeout=60)
+    try:
+        with node.client(timeout=120) as c:
+            c.post(f"/instances/{create(c)}/release")  # the task's image is built
+        assert node.stop() == 0
+        node.start(timeout=60)  # a node that has not used it since its start looks it up
+        with node.client(timeout=120) as c:
+            engine.stop()
+            try:
+                r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"})
+                assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+            finally:
+                engine.start()
+            assert create(c)
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]

@@ -15,9 +15,10 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
-from conftest import REPO, EnvhubProcess, eventually, start_scheduler
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker, start_scheduler
 
 MBPP_ONLY = ("--set", "environments.terminal-bench.enabled=false", "--set", "environments.appworld.enabled=false")
 SOLUTION_13 = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
@@ -89,6 +90,108 @@ def test_a_full_data_dir_refuses_creates_with_507_answers_no_500_and_resumes_by_
     assert codes == [0, 0, 0], node.log()
     rows = sqlite3.connect(data / "envhub.db").execute("SELECT state, sandbox_handle FROM instances").fetchall()
     assert {state for state, _ in rows} <= {"released", "failed"}, rows  # none left half-made
+
+
+def test_a_step_refused_507_after_it_ran_is_replayed_by_its_retry_not_run_again(small_disk):
+    """Found by bench/chaos.py: a step whose action ran but whose record the full disk
+    refused answered 507 (retry later), and the retry with the same request id ran the
+    action a second time (or, after a final step, answered 409 "done")."""
+    node = EnvhubProcess(small_disk / "data", *MBPP_ONLY, "--set", "min_free_mb=2").start()
+    try:
+        with node.client(timeout=60) as c:
+            iid = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            filler = fill(small_disk)
+
+            def step(request_id: str) -> httpx.Response:
+                code = "counter = globals().get('counter', 0) + 1"
+                action = {"tool": "run_python", "arguments": {"code": code}}
+                return c.post(f"/instances/{iid}/step", json={"action": action, "request_id": request_id})
+
+            refused = None
+            for n in range(500):  # until the database's spare room is used up
+                r = step(f"r{n}")
+                if r.status_code != 200:
+                    refused = (f"r{n}", n + 1)
+                    break
+            assert refused is not None and r.status_code == 507, r.text
+            filler.unlink()
+            request_id, ran = refused
+            retried = step(request_id)
+            assert retried.status_code == 200 and retried.json()["step"] == ran, retried.text
+            count = c.post(
+                f"/instances/{iid}/step",
+                json={"action": {"tool": "run_python", "arguments": {"code": "counter"}}},
+            )
+            assert count.json()["observation"]["value_repr"] == str(ran), "each action ran once"
+            c.post(f"/instances/{iid}/release")
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
+
+
+def test_an_end_a_full_disk_refused_is_recorded_later_and_its_retry_finds_it(small_disk):
+    """Found by bench/chaos.py: an evaluate-and-release (or a release) whose record the
+    full disk refused answered 507 after it had ended the episode in memory, and its
+    retry answered 409 "instance is active": the row stayed live until the next start."""
+    node = EnvhubProcess(small_disk / "data", *MBPP_ONLY, "--set", "min_free_mb=2", "--set", "reap_interval=3600")
+    node.start()
+    try:
+        with node.client(timeout=60) as c:
+            iid = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            filler = fill(small_disk)
+            for n in range(500):  # until the database's spare room is used up
+                action = {"tool": "run_python", "arguments": {"code": f"x{n} = {n}"}}
+                if c.post(f"/instances/{iid}/step", json={"action": action, "request_id": f"r{n}"}).status_code == 507:
+                    break
+            submit = {"action": {"tool": "submit_solution", "arguments": {"code": SOLUTION_13}}, "request_id": "s"}
+            assert c.post(f"/instances/{iid}/step", json=submit).status_code == 507
+            refused = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+            assert refused.status_code == 507, refused.text
+            assert c.get("/health").json()["active"] == 0, "the episode ended and its slot is free"
+            filler.unlink()
+            assert c.post(f"/instances/{iid}/step", json=submit).status_code == 409  # ended: no more steps
+            graded = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+            assert graded.status_code == 200 and graded.json()["reward"] == 1.0, graded.text
+            assert c.get(f"/instances/{iid}").json()["state"] == "released"
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
+    rows = sqlite3.connect(small_disk / "data" / "envhub.db").execute("SELECT state FROM instances").fetchall()
+    assert rows == [("released",)]
+
+
+@needs_docker
+def test_a_terminal_bench_evaluate_on_a_full_disk_returns_the_grade_or_507_never_a_500(small_disk, tmp_path):
+    """Found by bench/chaos.py: the verifier's files, written to the trial dir, failed
+    with ENOSPC and the evaluate answered 500 internal instead of its grade."""
+    config = tmp_path / "node.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "image_map": {"debian:bookworm": BASE_IMAGE},
+                "min_free_mb": 2,
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 0}},
+                "sandboxes": {"docker": {"network": "none"}},
+            }
+        )
+    )
+    node = EnvhubProcess(small_disk / "data", "--config", str(config)).start(timeout=60)
+    solve = (REPO / "envhub/plugins/terminal_bench/data/hello-envhub/solution/solve.sh").read_text()
+    try:
+        with node.client(timeout=300) as c:
+            r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-envhub"})
+            assert r.status_code == 201, r.text
+            iid = r.json()["instance_id"]
+            action = {"tool": "run_command", "arguments": {"command": solve}}
+            assert c.post(f"/instances/{iid}/step", json={"action": action}).status_code == 200
+            filler = fill(small_disk)
+            graded = c.post(f"/instances/{iid}/evaluate")
+            assert graded.status_code in (200, 507), graded.text
+            if graded.status_code == 200:
+                assert graded.json()["reward"] == 1.0, graded.text
+            filler.unlink()
+            again = c.post(f"/instances/{iid}/evaluate", json={"release": True})
+            assert again.status_code == 200 and again.json()["reward"] == 1.0, again.text
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
 
 
 # -- SQLite trouble at start -------------------------------------------------------------------

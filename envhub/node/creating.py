@@ -10,7 +10,8 @@ Invariants:
   handle and initial observation before the reply goes out, so a restart knows every
   instance.
 - Nothing of a failed or cancelled create outlives it: its sandbox is destroyed, its slot
-  freed and its row marked ``failed``, even when the client went away.
+  freed and its row marked ``failed``, even when the client went away (a full disk: once
+  it takes the write, before any later call on that id reads the row).
 - A create with a client-chosen id is idempotent: a retry returns the first result
   (``created`` false: 200 instead of 201) and concurrent duplicates wait for the one in
   flight; an id that names an instance of another task is a 409.
@@ -27,7 +28,7 @@ from typing import Any
 
 from envhub.calls import CreateRequest, new_instance_id
 from envhub.environment import Environment, Episode, Task
-from envhub.errors import Conflict, Gone, InvalidRequest, NotFound, SandboxError, Unavailable
+from envhub.errors import Conflict, Gone, InvalidRequest, NotFound, SandboxError, StorageFull, Unavailable
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics
 from envhub.node.episodes import Episodes
@@ -242,7 +243,14 @@ class Creator:
             if handle is not None:
                 await sandbox.destroy(handle)
             if ours:
-                await instances.fail_create(self.db, instance_id, error=describe(error))
+                statement = instances.fail_create_statement(instance_id, error=describe(error))
+                try:
+                    await self.db.write(*statement)
+                except StorageFull:
+                    # A full disk: written by Episodes.settle before any later call on this
+                    # id reads its row, and by the reaper, so the row never stays live.
+                    self.episodes.unrecorded[instance_id] = [statement]
+                    log.warning("the failed create of %s is recorded once the disk takes it", instance_id)
         except Exception:
             log.exception("cleaning up the failed create of %s", instance_id)
         finally:

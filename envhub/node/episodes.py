@@ -13,6 +13,9 @@ Invariants:
   report already counts a create it has seen answered (see envhub/scheduler/service.py).
 - :meth:`Episodes.end` is the one way out of the table: it destroys the sandbox, frees
   the slot and records the end in SQLite and the trial log, whatever fails on the way.
+  An end SQLite cannot take (a full disk: 507) is kept in ``unrecorded`` and written
+  before any later call on that id reads its row (:meth:`Episodes.settle`) and by the
+  reaper, so a retry finds the end as it happened, never the row still live.
 - A call whose environment raises ``Gone`` (the sandbox died, and the episode's state
   with it) ends the instance as ``lost`` and frees its slot before the 410 goes out;
   later calls get 410 too.
@@ -31,7 +34,7 @@ import time
 from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
-from envhub.errors import Conflict, Gone
+from envhub.errors import Conflict, Gone, StorageFull
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics
 from envhub.node.capacity import Slots
@@ -60,6 +63,8 @@ class Episodes:
         self.slot_seq = 0
         self.slot_boot = secrets.token_hex(4)  # a restarted node counts its seq from 0 again
         self._live: dict[str, Live] = {}
+        # Ends whose SQLite write failed (a full disk): instance id -> its statements.
+        self.unrecorded: dict[str, list[tuple[str, Any]]] = {}
 
     # -- the table ---------------------------------------------------------------------
 
@@ -97,6 +102,7 @@ class Episodes:
         live = self._live.get(instance_id)
         if live is not None:
             return live
+        await self.settle(instance_id)
         row = await instances.get(self.db, instance_id)  # NotFound for unknown ids
         if row.state == "creating":
             raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
@@ -160,8 +166,22 @@ class Episodes:
         finally:
             self.slots.release()
             self.unhold(instance_id)
-            await self.db.write_many([*(also or []), instances.end_statement(instance_id, state, error=error)])
             live.log.record(state, {"error": error} if error else None)
+            statements = [*(also or []), instances.end_statement(instance_id, state, error=error)]
+            try:
+                await self.db.write_many(statements)
+            except StorageFull:
+                self.unrecorded[instance_id] = statements
+                raise
+
+    async def settle(self, instance_id: str | None = None) -> None:
+        """Write the ends SQLite could not take before (of ``instance_id``, or all of
+        them); ``StorageFull`` while it still cannot."""
+        for iid in [instance_id] if instance_id is not None else list(self.unrecorded):
+            statements = self.unrecorded.get(iid)
+            if statements is not None:
+                await self.db.write_many(statements)
+                self.unrecorded.pop(iid, None)
 
     async def unless_lost(self, live: Live, call: Awaitable[T]) -> T:
         """Await an environment's call; when it raises ``Gone`` (its sandbox died and the
@@ -190,6 +210,7 @@ class Episodes:
     async def _release(self, instance_id: str, reason: str) -> dict[str, Any]:
         live = self._live.get(instance_id)
         if live is None:
+            await self.settle(instance_id)
             row = await instances.get(self.db, instance_id)
             if row.state == "creating":
                 raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})

@@ -68,6 +68,7 @@ class Grader:
         episodes = self.episodes
         live = episodes.find(instance_id)
         if live is None and release:
+            await episodes.settle(instance_id)
             row = await instances.get(self.db, instance_id)
             if row.evaluation is not None and row.state in instances.ENDED_STATES:
                 return {**row.evaluation, "released": False, "state": row.state}

@@ -27,6 +27,9 @@ class Live:
     done: bool = False
     grading: asyncio.Future[tuple[dict[str, Any], tuple[str, Any]]] | None = None  # the evaluation under way (or done)
     graded_recorded: bool = False  # that evaluation is in SQLite
+    # Replies of steps that ran but could not be recorded (a full disk), by request id: a
+    # retry of the same id replays one instead of acting twice.
+    unrecorded: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def spec_for(node_id: str, env: Environment, task: Task, params: dict[str, Any], instance_id: str) -> SandboxSpec:

@@ -17,11 +17,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 from envhub.environment import Environment, Episode
-from envhub.errors import EnvhubError, NotFound
+from envhub.errors import EnvhubError, NotFound, StorageFull
 from envhub.metrics.node import NodeMetrics
 from envhub.node.creating import exec_recorder
 from envhub.node.episodes import Episodes
@@ -86,6 +87,8 @@ class Lifecycle:
         while True:
             await asyncio.sleep(self.settings.reap_interval)
             try:
+                with contextlib.suppress(StorageFull):  # ends a full disk refused: once it takes them
+                    await self.episodes.settle()
                 await self.reap_idle()
                 self.pool.prune()  # idle sandboxes that died (an engine restarted) free their slots
                 await self.pool.drain_idle()

@@ -27,7 +27,8 @@ Invariants (each part states its own):
 - Calls on one instance are serialised by its lock; calls on different instances run
   concurrently.
 - A step with a ``request_id`` is recorded with its reply, and a retry of the same id
-  returns that reply instead of acting twice. A step whose caller goes away still runs
+  returns that reply instead of acting twice; a reply whose record failed (507) is kept
+  in memory while the instance lives, for its retry. A step whose caller goes away still runs
   to its end (and is recorded): a hung-up client never costs an episode its state.
 - SQLite is written before a call returns, so a restart knows every instance.
 - Every create, step, evaluate and release call is counted once in ``metrics`` with its
@@ -235,7 +236,7 @@ class NodeService:
         async with live.lock:
             self.episodes.ensure_still_live(live)
             if request_id is not None:  # the first try may have finished while we waited
-                recorded = await step_results.find(self.db, instance_id, request_id)
+                recorded = live.unrecorded.get(request_id) or await step_results.find(self.db, instance_id, request_id)
                 if recorded is not None:
                     return recorded
             if live.done:
@@ -246,6 +247,17 @@ class NodeService:
             live.last_active = time.monotonic()
             live.row.step_count += 1
             live.done = live.done or result.done
+            reply = {
+                "observation": result.observation,
+                "reward": result.reward,
+                "done": result.done,
+                "info": result.info,
+            }
+            stepped = {"instance_id": instance_id, "step": live.row.step_count, **reply}
+            if request_id is not None:
+                # The action has run: a retry of this id (after a 507 below, say) must get
+                # this reply, not run it again or find the episode done.
+                live.unrecorded[request_id] = stepped
             await instances.record_step(
                 self.db,
                 instance_id,
@@ -254,12 +266,6 @@ class NodeService:
                 env_state=live.episode.state,
                 reward=result.reward if result.done else None,
             )
-            reply = {
-                "observation": result.observation,
-                "reward": result.reward,
-                "done": result.done,
-                "info": result.info,
-            }
             live.log.record(
                 "step",
                 {
@@ -269,9 +275,9 @@ class NodeService:
                     **reply,
                 },
             )
-            stepped = {"instance_id": instance_id, "step": live.row.step_count, **reply}
             if request_id is not None:
                 await step_results.record(self.db, instance_id, request_id, stepped)
+                del live.unrecorded[request_id]
             return stepped
 
     async def evaluate(self, instance_id: str, *, release: Any = False) -> dict[str, Any]:

@@ -229,15 +229,20 @@ async def end(db: Database, instance_id: str, state: str, *, error: str | None =
     await db.write(*end_statement(instance_id, state, error=error))
 
 
-async def fail_create(db: Database, instance_id: str, *, error: str) -> None:
-    """End a create that did not finish as ``failed`` without an observation, so that it
-    :func:`never_started` even when its activation had already committed: the reply never
-    left the node and the sandbox is gone, so nobody ever had that instance."""
-    await db.write(
+def fail_create_statement(instance_id: str, *, error: str) -> tuple[str, tuple[Any, ...]]:
+    """The write of :func:`fail_create`."""
+    return (
         "UPDATE instances SET state = 'failed', observation = NULL, error = ?, ended_at = ? "
         "WHERE id = ? AND state IN ('creating', 'active')",
         (error, time.time(), instance_id),
     )
+
+
+async def fail_create(db: Database, instance_id: str, *, error: str) -> None:
+    """End a create that did not finish as ``failed`` without an observation, so that it
+    :func:`never_started` even when its activation had already committed: the reply never
+    left the node and the sandbox is gone, so nobody ever had that instance."""
+    await db.write(*fail_create_statement(instance_id, error=error))
 
 
 async def count_live(db: Database) -> int:

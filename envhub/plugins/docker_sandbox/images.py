@@ -18,7 +18,14 @@ import docker.errors
 
 from envhub.errors import BuildFailed
 from envhub.plugins.docker_sandbox.connection import Engine
-from envhub.plugins.docker_sandbox.engine import ENGINE_ERRORS, explain, owned_by_root, tar_bytes
+from envhub.plugins.docker_sandbox.engine import (
+    ENGINE_ERRORS,
+    engine_down,
+    engine_unreachable,
+    explain,
+    owned_by_root,
+    tar_bytes,
+)
 from envhub.sandbox import CONTEXT_LABEL
 from envhub.util.trees import tree_digest
 
@@ -40,6 +47,12 @@ class DockerImages:
             return True
         except docker.errors.ImageNotFound:
             return False
+        except ENGINE_ERRORS as e:
+            # every create asks first, also in the seconds before a ping finds the engine
+            # down: a 503 to retry, not a 500
+            if engine_unreachable(e):
+                raise engine_down(f"looking up image {image}: {explain(e)}") from e
+            raise
 
     async def save_image(self, image: str, path: Path) -> tuple[int, dict[str, str]]:
         """Write ``image`` as a ``docker save`` archive to ``path`` (through a temporary

@@ -8,6 +8,10 @@ Policy and invariants:
   (:class:`~.exec.DockerExec`, commands and each container's shell agent) and ``files``
   (:class:`~.files.DockerFiles`); it keeps the containers' lifecycle and the egress
   policy itself.
+- A container whose removal the engine did not answer (it is restarting) is still
+  destroyed as far as its episode goes: it is kept in ``_doomed`` and removed once a ping
+  of the engine succeeds, so a release while the engine restarts neither fails nor
+  leaves the container behind.
 - Every Docker SDK call (and every tar built or unpacked for one) runs in the engine's
   own ``ThreadPoolExecutor`` (config ``threads``); the event loop never blocks on the
   engine. The SDK client is built and pinged in :meth:`DockerSandbox.start`, which turns
@@ -160,6 +164,7 @@ class DockerSandbox(Sandbox):
         self._down: str | None = None  # why the engine is not answering, while it is not
         self._dead: set[str] = set()  # of _created: found stopped when the engine came back
         self._created: set[str] = set()  # container ids this process created and has not removed
+        self._doomed: set[str] = set()  # of _created: destroyed while the engine did not answer
         self._egress: EgressPolicy | None = None
         self._allowed: dict[str, tuple[str, list[str]]] = {}  # container id -> (its ip, allowed cidrs)
         self.engine = Engine(docker_host=self.docker_host, api_timeout=self.api_timeout, threads=self.threads)
@@ -205,6 +210,8 @@ class DockerSandbox(Sandbox):
                     log.warning("docker sandbox: the engine stopped answering: %s", e)
                 self._down = f"the Docker engine is not answering: {type(e).__name__}"
                 continue
+            if self._doomed:  # even when the engine was back before a ping saw it down
+                await asyncio.gather(*(self.destroy(cid) for cid in list(self._doomed)), return_exceptions=True)
             if self._down is not None:
                 log.warning("docker sandbox: the engine answers again")
                 self.execs.forget_agents()
@@ -452,8 +459,14 @@ class DockerSandbox(Sandbox):
             if "already in progress" not in explain(e):
                 raise SandboxError(f"cannot remove container {cid[:12]}: {explain(e)}") from e
         except requests.exceptions.RequestException as e:
-            raise SandboxError(f"cannot remove container {cid[:12]}: {e}") from e
+            if not engine_unreachable(e):
+                raise SandboxError(f"cannot remove container {cid[:12]}: {e}") from e
+            if cid not in self._doomed:
+                log.warning("docker sandbox: the engine did not answer; container %s goes once it does", cid[:12])
+            self._doomed.add(cid)
+            return
         self._created.discard(cid)
+        self._doomed.discard(cid)
         self._dead.discard(cid)
         self.files.forget(cid)
         self.execs.forget(cid)

@@ -9,13 +9,14 @@ Invariants:
   cut-off run can be retried.
 - The verifier's files go to ``verifier/`` in the episode's trial dir, as harbor lays it
   out (dirs 0700, files 0600); a name that came from the container never leads out of
-  that dir.
+  that dir. A full disk loses them (logged), never the grade.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shlex
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,8 @@ from envhub.environment import Episode, Evaluation
 from envhub.plugins.terminal_bench import grading
 from envhub.plugins.terminal_bench.model import TbTask
 from envhub.util.files import private_dirs, write_private
+
+log = logging.getLogger("envhub.terminal_bench")
 
 
 async def run(episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_ratio"]) -> Evaluation:
@@ -100,7 +103,10 @@ async def run(episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_rati
     if error:
         details["error"] = error
     episode.state.update(reward=float(reward), evaluation=details, evaluated=True)
-    await asyncio.to_thread(_write_verifier_dir, episode.log_dir, files, details)
+    try:
+        await asyncio.to_thread(_write_verifier_dir, episode.log_dir, files, details)
+    except OSError as e:  # a full disk: the trial log loses these files, the grade stands
+        log.warning("cannot write the verifier's files of %s to its trial log: %s", episode.instance_id, e)
     return Evaluation(float(reward), details)
 
 
