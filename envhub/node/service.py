@@ -38,6 +38,7 @@ Invariants (each part states its own):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -45,7 +46,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from envhub.environment import Action, Environment
-from envhub.errors import Conflict, InvalidRequest
+from envhub.errors import Conflict, InvalidRequest, StorageFull
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.node.access import SandboxAccess
 from envhub.node.admin import Administration
@@ -290,6 +291,11 @@ class NodeService:
         return await self.episodes.release(instance_id, reason=reason)
 
     async def get(self, instance_id: str) -> dict[str, Any]:
+        # An end or failed create the disk refused is written first where it now can be,
+        # so a row never reads 'creating' or live after its call answered; while the disk
+        # is still full the row is read as it stands (a read needs no room).
+        with contextlib.suppress(StorageFull):
+            await self.episodes.settle(instance_id)
         row = await instances.get(self.db, instance_id)
         out = {**row.to_public(), "observation": row.observation}
         live = self.episodes.find(instance_id)
