@@ -162,7 +162,8 @@ def test_an_end_a_full_disk_refused_is_recorded_later_and_its_retry_finds_it(sma
 def test_a_create_a_full_disk_failed_after_its_row_was_written_ends_failed_not_creating(small_disk, tmp_path):
     """Found by bench/chaos.py: a create whose row was written before the disk filled, and
     whose activation the full disk then refused, answered 507 but its row read 'creating'
-    until the node's next start. The faulty test plugin's gated reset holds the create
+    until the node's next start, so the soak saw the instance live on two nodes (the
+    scheduler's retry ran it on the other). The faulty test plugin's gated reset holds the create
     between the two writes while the test fills the disk."""
     node = EnvhubProcess(
         small_disk / "data", *MBPP_ONLY, "--set", "min_free_mb=2", "--set", "reap_interval=3600",
@@ -184,7 +185,11 @@ def test_a_create_a_full_disk_failed_after_its_row_was_written_ends_failed_not_c
             gate.touch()
             refused = answer.result(timeout=60)
             assert refused.status_code == 507 and refused.json()["code"] == "storage_full", refused.text
-            assert c.get(f"/instances/{iid}").json()["state"] in ("creating", "failed")  # the disk is still full
+            # While the disk is still full the row cannot change, yet neither a GET nor a
+            # listing shows the instance live (a scheduler's retry may run it elsewhere).
+            assert c.get(f"/instances/{iid}").json()["state"] == "failed"
+            listed = c.get("/instances", params={"state": "creating,active,done"}).json()
+            assert [i["instance_id"] for i in listed["instances"]] == [other] and listed["total"] == 1, listed
             filler.unlink()
             row = c.get(f"/instances/{iid}").json()
             assert row["state"] == "failed" and "disk" in row["error"], row
