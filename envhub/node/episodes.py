@@ -169,9 +169,12 @@ class Episodes:
         self, live: Live, state: str, error: str | None = None, *, also: list[tuple[str, Any]] | None = None
     ) -> None:
         """Destroy the sandbox, free the slot and record the end (with ``also``, statements
-        to commit in the same transaction)."""
+        to commit in the same transaction). An instance another call already ended is
+        left as that call ended it: its slot is freed once, its first end is the one kept."""
         instance_id = live.row.id
-        self._live.pop(instance_id, None)
+        if self._live.get(instance_id) is not live:
+            return
+        self._live.pop(instance_id)
         self.ended_counts[live.env.name, state] += 1
         try:
             await live.episode.sandbox.destroy(live.episode.handle)
@@ -205,10 +208,18 @@ class Episodes:
 
     async def unless_lost(self, live: Live, call: Awaitable[T]) -> T:
         """Await an environment's call; when it raises ``Gone`` (its sandbox died and the
-        episode's state with it), end the instance as ``lost`` and free its slot first."""
+        episode's state with it), end the instance as ``lost`` and free its slot first,
+        unless another call ended it meanwhile (``Conflict``: that end stands)."""
         try:
             return await call
         except Gone as e:
+            if self._live.get(live.row.id) is not live:
+                # Ended by another call meanwhile, which destroyed the sandbox under this one:
+                # a release while a command is killed or files are copied (those calls do
+                # not hold the instance's lock). That end stands; this call just failed.
+                raise Conflict(
+                    f"instance {live.row.id!r} ended while this call ran", extra={"instance_id": live.row.id}
+                ) from None
             self.metrics.sandbox_lost(live.episode.sandbox.name)
             await asyncio.shield(self.end(live, "lost", error=e.message))
             raise Gone(
