@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker, start_scheduler
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, faulty_plugin_env, needs_docker, start_scheduler
 
 MBPP_ONLY = ("--set", "environments.terminal-bench.enabled=false", "--set", "environments.appworld.enabled=false")
 SOLUTION_13 = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
@@ -156,6 +157,45 @@ def test_an_end_a_full_disk_refused_is_recorded_later_and_its_retry_finds_it(sma
         assert node.stop() == 0, node.log()[-3000:]
     rows = sqlite3.connect(small_disk / "data" / "envhub.db").execute("SELECT state FROM instances").fetchall()
     assert rows == [("released",)]
+
+
+def test_a_create_a_full_disk_failed_after_its_row_was_written_ends_failed_not_creating(small_disk, tmp_path):
+    """Found by bench/chaos.py: a create whose row was written before the disk filled, and
+    whose activation the full disk then refused, answered 507 but its row read 'creating'
+    until the node's next start, so the soak saw the instance live on two nodes (the
+    scheduler's retry ran it on the other). The faulty test plugin's gated reset holds the create
+    between the two writes while the test fills the disk."""
+    node = EnvhubProcess(
+        small_disk / "data", *MBPP_ONLY, "--set", "min_free_mb=2", "--set", "reap_interval=3600",
+        "--set", "sandboxes.process.uid_base=3100064", env=faulty_plugin_env(tmp_path),
+    ).start()  # fmt: skip
+    gate = tmp_path / "gate"  # on a disk that is not full
+    iid = f"gated-{uuid.uuid4().hex[:8]}"
+    create = {"environment": "faulty", "task_id": "slow-reset", "instance_id": iid, "params": {"gate": str(gate)}}
+    try:
+        with node.client(timeout=60) as c, ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(c.post, "/instances", json=create)
+            eventually(lambda: c.get(f"/instances/{iid}").status_code == 200, timeout=30)
+            other = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            filler = fill(small_disk)
+            for n in range(500):  # until the database's spare room is used up, so the activation cannot fit
+                action = {"tool": "run_python", "arguments": {"code": f"x{n} = {n}"}}
+                if c.post(f"/instances/{other}/step", json={"action": action}).status_code == 507:
+                    break
+            gate.touch()
+            refused = answer.result(timeout=60)
+            assert refused.status_code == 507 and refused.json()["code"] == "storage_full", refused.text
+            # While the disk is still full the row cannot change, yet neither a GET nor a
+            # listing shows the instance live (a scheduler's retry may run it elsewhere).
+            assert c.get(f"/instances/{iid}").json()["state"] == "failed"
+            listed = c.get("/instances", params={"state": "creating,active,done"}).json()
+            assert [i["instance_id"] for i in listed["instances"]] == [other] and listed["total"] == 1, listed
+            filler.unlink()
+            row = c.get(f"/instances/{iid}").json()
+            assert row["state"] == "failed" and "disk" in row["error"], row
+            assert c.get("/health").json()["active"] == 1  # the other episode alone
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
 
 
 @needs_docker

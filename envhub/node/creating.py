@@ -31,7 +31,7 @@ from envhub.environment import Environment, Episode, Task
 from envhub.errors import Conflict, Gone, InvalidRequest, NotFound, SandboxError, StorageFull, Unavailable
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics
-from envhub.node.episodes import Episodes
+from envhub.node.episodes import Episodes, Unrecorded
 from envhub.node.instance import Live, spec_for
 from envhub.node.pool import WarmPool, spec_key
 from envhub.node.storage import StorageGuard
@@ -243,13 +243,14 @@ class Creator:
             if handle is not None:
                 await sandbox.destroy(handle)
             if ours:
-                statement = instances.fail_create_statement(instance_id, error=describe(error))
+                why = describe(error)
+                statement = instances.fail_create_statement(instance_id, error=why)
                 try:
                     await self.db.write(*statement)
                 except StorageFull:
                     # A full disk: written by Episodes.settle before any later call on this
                     # id reads its row, and by the reaper, so the row never stays live.
-                    self.episodes.unrecorded[instance_id] = [statement]
+                    self.episodes.unrecorded[instance_id] = Unrecorded("failed", why, [statement])
                     log.warning("the failed create of %s is recorded once the disk takes it", instance_id)
         except Exception:
             log.exception("cleaning up the failed create of %s", instance_id)

@@ -15,7 +15,10 @@ Invariants:
   the slot and records the end in SQLite and the trial log, whatever fails on the way.
   An end SQLite cannot take (a full disk: 507) is kept in ``unrecorded`` and written
   before any later call on that id reads its row (:meth:`Episodes.settle`) and by the
-  reaper, so a retry finds the end as it happened, never the row still live.
+  reaper, so a retry finds the end as it happened, never the row still live; while the
+  disk still refuses it, rows are read through :meth:`Episodes.as_ended`, so neither a
+  GET nor a listing shows an ended instance as live (a scheduler's retry may already run
+  it on another node).
 - A call whose environment raises ``Gone`` (the sandbox died, and the episode's state
   with it) ends the instance as ``lost`` and frees its slot before the 410 goes out;
   later calls get 410 too.
@@ -32,7 +35,7 @@ import collections
 import secrets
 import time
 from collections.abc import Awaitable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from envhub.errors import Conflict, Gone, StorageFull
 from envhub.metrics import UNKNOWN, outcome_of
@@ -43,6 +46,15 @@ from envhub.store import instances
 from envhub.store.db import Database
 
 T = TypeVar("T")
+
+
+class Unrecorded(NamedTuple):
+    """An end SQLite could not take: the state and error the instance ended with, and
+    the writes that record it."""
+
+    state: str
+    error: str | None
+    statements: list[tuple[str, Any]]
 
 
 class Episodes:
@@ -63,8 +75,8 @@ class Episodes:
         self.slot_seq = 0
         self.slot_boot = secrets.token_hex(4)  # a restarted node counts its seq from 0 again
         self._live: dict[str, Live] = {}
-        # Ends whose SQLite write failed (a full disk): instance id -> its statements.
-        self.unrecorded: dict[str, list[tuple[str, Any]]] = {}
+        # Ends whose SQLite write failed (a full disk), by instance id.
+        self.unrecorded: dict[str, Unrecorded] = {}
 
     # -- the table ---------------------------------------------------------------------
 
@@ -157,9 +169,12 @@ class Episodes:
         self, live: Live, state: str, error: str | None = None, *, also: list[tuple[str, Any]] | None = None
     ) -> None:
         """Destroy the sandbox, free the slot and record the end (with ``also``, statements
-        to commit in the same transaction)."""
+        to commit in the same transaction). An instance another call already ended is
+        left as that call ended it: its slot is freed once, its first end is the one kept."""
         instance_id = live.row.id
-        self._live.pop(instance_id, None)
+        if self._live.get(instance_id) is not live:
+            return
+        self._live.pop(instance_id)
         self.ended_counts[live.env.name, state] += 1
         try:
             await live.episode.sandbox.destroy(live.episode.handle)
@@ -171,24 +186,40 @@ class Episodes:
             try:
                 await self.db.write_many(statements)
             except StorageFull:
-                self.unrecorded[instance_id] = statements
+                self.unrecorded[instance_id] = Unrecorded(state, error, statements)
                 raise
 
     async def settle(self, instance_id: str | None = None) -> None:
         """Write the ends SQLite could not take before (of ``instance_id``, or all of
         them); ``StorageFull`` while it still cannot."""
         for iid in [instance_id] if instance_id is not None else list(self.unrecorded):
-            statements = self.unrecorded.get(iid)
-            if statements is not None:
-                await self.db.write_many(statements)
+            pending = self.unrecorded.get(iid)
+            if pending is not None:
+                await self.db.write_many(pending.statements)
                 self.unrecorded.pop(iid, None)
+
+    def as_ended(self, row: instances.InstanceRow) -> instances.InstanceRow:
+        """``row`` as it will be recorded: with the end the disk refused, while it is
+        kept unwritten."""
+        pending = self.unrecorded.get(row.id)
+        if pending is not None:
+            row.state, row.error = pending.state, pending.error or row.error
+        return row
 
     async def unless_lost(self, live: Live, call: Awaitable[T]) -> T:
         """Await an environment's call; when it raises ``Gone`` (its sandbox died and the
-        episode's state with it), end the instance as ``lost`` and free its slot first."""
+        episode's state with it), end the instance as ``lost`` and free its slot first,
+        unless another call ended it meanwhile (``Conflict``: that end stands)."""
         try:
             return await call
         except Gone as e:
+            if self._live.get(live.row.id) is not live:
+                # Ended by another call meanwhile, which destroyed the sandbox under this one:
+                # a release while a command is killed or files are copied (those calls do
+                # not hold the instance's lock). That end stands; this call just failed.
+                raise Conflict(
+                    f"instance {live.row.id!r} ended while this call ran", extra={"instance_id": live.row.id}
+                ) from None
             self.metrics.sandbox_lost(live.episode.sandbox.name)
             await asyncio.shield(self.end(live, "lost", error=e.message))
             raise Gone(

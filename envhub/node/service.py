@@ -38,6 +38,7 @@ Invariants (each part states its own):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -45,7 +46,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from envhub.environment import Action, Environment
-from envhub.errors import Conflict, InvalidRequest
+from envhub.errors import Conflict, InvalidRequest, StorageFull
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.node.access import SandboxAccess
 from envhub.node.admin import Administration
@@ -289,8 +290,30 @@ class NodeService:
         (episodes.py)."""
         return await self.episodes.release(instance_id, reason=reason)
 
+    async def list_instances(
+        self, states: tuple[str, ...] | None, limit: int, offset: int
+    ) -> tuple[list[instances.InstanceRow], int]:
+        """A page of instances (of ``states``, or all), newest first, and how many there
+        are. Ends the disk refused are written first where they now can be; where they
+        still cannot, their rows show the end (so a listing of live states never holds an
+        ended instance, and a page may hold fewer than ``limit``), though a listing of
+        ended states finds them only once written."""
+        with contextlib.suppress(StorageFull):
+            await self.episodes.settle()
+        rows, total = await instances.list_(self.db, states=states, limit=limit, offset=offset)
+        if self.episodes.unrecorded:
+            shown = [self.episodes.as_ended(r) for r in rows]
+            rows = [r for r in shown if states is None or r.state in states]
+            total -= len(shown) - len(rows)
+        return rows, total
+
     async def get(self, instance_id: str) -> dict[str, Any]:
-        row = await instances.get(self.db, instance_id)
+        # An end or failed create the disk refused is written first where it now can be,
+        # so a row never reads 'creating' or live after its call answered; while the disk
+        # is still full the row is read as it stands (a read needs no room).
+        with contextlib.suppress(StorageFull):
+            await self.episodes.settle(instance_id)
+        row = self.episodes.as_ended(await instances.get(self.db, instance_id))
         out = {**row.to_public(), "observation": row.observation}
         live = self.episodes.find(instance_id)
         if live is not None:

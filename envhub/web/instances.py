@@ -12,7 +12,6 @@ from __future__ import annotations
 from sanic import Blueprint, Request
 from sanic.response import json
 
-from envhub.store import instances as store
 from envhub.web.requests import json_body, query_int
 
 bp = Blueprint("instances", url_prefix="/instances")
@@ -36,8 +35,7 @@ async def create(request: Request):
 async def list_instances(request: Request):
     state = request.args.get("state")
     states = tuple(s for s in state.split(",") if s) if state else None
-    rows, total = await store.list_(
-        request.app.ctx.node.db,
+    rows, total = await request.app.ctx.node.list_instances(
         states=states,
         limit=query_int(request, "limit", 100, minimum=1, maximum=1000),
         offset=query_int(request, "offset", 0, maximum=10**9),
