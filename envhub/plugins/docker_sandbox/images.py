@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 import docker.errors
+import requests.exceptions
+import urllib3.exceptions
 
-from envhub.errors import BuildFailed
+from envhub.errors import BuildFailed, BuildInterrupted, Unavailable
 from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.engine import (
     ENGINE_ERRORS,
@@ -28,6 +30,9 @@ from envhub.plugins.docker_sandbox.engine import (
 )
 from envhub.sandbox import CONTEXT_LABEL
 from envhub.util.trees import tree_digest
+
+# What a build's stream raises when its connection ends mid-build (the engine went away).
+BROKEN_STREAM = (requests.exceptions.ChunkedEncodingError, requests.exceptions.ConnectionError)
 
 _DOCKERFILE_NAME = ".envhub.Dockerfile"  # reserved name in the build context
 
@@ -130,6 +135,7 @@ class DockerImages:
         deadline = time.monotonic() + timeout
         lines: list[str] = []
         error = None
+        cut_off = None  # why the build failed, when its engine went away under it
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as logf:
             try:
@@ -161,12 +167,25 @@ class DockerImages:
                         break
                 if hasattr(stream, "close"):
                     stream.close()  # an abandoned build is cancelled when its stream closes
-            except ENGINE_ERRORS as e:
+            except (*ENGINE_ERRORS, urllib3.exceptions.HTTPError) as e:
                 error = explain(e)
-            if error is None and not self._image_exists_sync(image):
-                error = "the engine reported no error but the image does not exist"
+                # The stream broke (the engine stopped or restarted), not the build.
+                if engine_unreachable(e) or isinstance(e, (BROKEN_STREAM, urllib3.exceptions.HTTPError)):
+                    cut_off = error
+            try:
+                if error is None and not self._image_exists_sync(image):
+                    error = "the engine reported no error but the image does not exist"
+                if error is not None and cut_off is None:
+                    self.engine.api.ping()  # a build the engine failed as it went down
+            except (*ENGINE_ERRORS, Unavailable) as e:
+                error = cut_off = error or (e.message if isinstance(e, Unavailable) else explain(e))
             if error is not None:
                 logf.write(f"\nenvhub: build failed: {error}\n")
+        if cut_off is not None:
+            raise BuildInterrupted(
+                f"the build of image {image} was cut off: its Docker engine stopped answering ({cut_off}); "
+                "retry: the next create builds it again"
+            )
         if error is not None:
             tail = "\n".join(lines[-30:])
             hint = _network_hint(error, lines)
