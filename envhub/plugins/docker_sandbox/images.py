@@ -109,6 +109,18 @@ class DockerImages:
             frozenset(exclude),
         )
 
+    def _ping_while_killed(self, error: str) -> None:
+        """Raise when the engine does not answer; for a build whose step was killed or
+        cancelled (what an engine that stops does to it first), keep asking for a few
+        seconds, for the engine sends the step's error before it stops answering."""
+        watch = 3.0 if any(marker in error for marker in _KILLED_MARKERS) else 0.0
+        until = time.monotonic() + watch
+        while True:
+            self.engine.api.ping()
+            if time.monotonic() >= until:
+                return
+            time.sleep(0.2)
+
     def _build_sync(
         self,
         context_dir: Path,
@@ -176,7 +188,7 @@ class DockerImages:
                 if error is None and not self._image_exists_sync(image):
                     error = "the engine reported no error but the image does not exist"
                 if error is not None and cut_off is None:
-                    self.engine.api.ping()  # a build the engine failed as it went down
+                    self._ping_while_killed(error)  # a build the engine failed as it went down
             except (*ENGINE_ERRORS, Unavailable) as e:
                 error = cut_off = error or (e.message if isinstance(e, Unavailable) else explain(e))
             if error is not None:
@@ -195,6 +207,11 @@ class DockerImages:
                 f"image {image} failed to build: {error}\n--- last lines of the build log ---\n{tail}",
                 extra={"log_tail": tail},
             )
+
+
+# What a build's error says when the engine killed or cancelled its step: an engine that
+# stops does that to a build before it stops answering (or an OOM kill, a real failure).
+_KILLED_MARKERS = ("non-zero code: 137", "context canceled", "unexpected EOF")
 
 
 # What a build's log shows when a step needed a network resource the build cannot reach.
