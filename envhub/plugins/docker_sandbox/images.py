@@ -190,7 +190,10 @@ class DockerImages:
                 if error is not None and cut_off is None:
                     self._ping_while_killed(error)  # a build the engine failed as it went down
             except (*ENGINE_ERRORS, Unavailable) as e:
-                error = cut_off = error or (e.message if isinstance(e, Unavailable) else explain(e))
+                why = e.message if isinstance(e, Unavailable) else explain(e)
+                if isinstance(e, Unavailable) or engine_unreachable(e):
+                    cut_off = error or why
+                error = error or why
             if error is not None:
                 logf.write(f"\nenvhub: build failed: {error}\n")
         if cut_off is not None:
