@@ -8,6 +8,7 @@ from envhub.agent import Agent, AgentResult, AgentSession, Budgets
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import (
     BuildFailed,
+    BuildInterrupted,
     CapacityExceeded,
     Conflict,
     EnvhubError,
@@ -30,6 +31,7 @@ __all__ = [
     "AgentSession",
     "Budgets",
     "BuildFailed",
+    "BuildInterrupted",
     "BuildRequest",
     "CapacityExceeded",
     "Conflict",

@@ -110,6 +110,19 @@ class Unavailable(EnvhubError):
     code = "unavailable"
 
 
+class BuildInterrupted(Unavailable):
+    """A task's image build was cut off by its engine (it stopped or restarted under the
+    build): nothing is wrong with the task, and the next create builds it again
+    (``Retry-After``)."""
+
+    code = "build_interrupted"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        kw.setdefault("headers", {"Retry-After": "5"})
+        kw.setdefault("extra", {"retry_after": 5})
+        super().__init__(message, **kw)
+
+
 class StorageFull(EnvhubError):
     """What the call must record cannot be written: a filesystem of the node (its data dir,
     its database, its trial logs) is full. Nothing of the call was kept; retry once space

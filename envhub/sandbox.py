@@ -526,4 +526,6 @@ class ImageBuilder(Protocol):
         exclude: tuple[str, ...] = (),
     ) -> None:
         """Build ``image`` from ``context_dir`` with ``dockerfile`` as its Dockerfile text;
-        raise ``BuildFailed`` (message: what went wrong and the log's tail) on failure."""
+        raise ``BuildFailed`` (message: what went wrong and the log's tail) on failure, and
+        ``BuildInterrupted`` (a 503 its client retries) when the builder itself went away
+        under the build (an engine that stopped or restarted)."""

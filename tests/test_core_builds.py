@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import eventually_async
 
-from envhub.errors import BuildFailed
+from envhub.errors import BuildFailed, BuildInterrupted
 from envhub.node.builds import BuildGate
 from envhub.sandbox import BuildRequest
 from envhub.store import builds as store
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.fast
 class RecordingBuilder:
     """An image builder standing in for the Docker engine (the docker sandbox is the real
     one): it records each build, writes a log as the engine's would, holds every build
-    until ``release`` is set, and fails the next ``fail`` builds with ``BuildFailed``."""
+    until ``release`` is set, fails the next ``fail`` builds with ``BuildFailed`` and cuts
+    off the next ``interrupt`` ones as an engine that went away does."""
 
     def __init__(self) -> None:
         self.built: list[str] = []  # images, in the order their builds began
@@ -32,6 +33,7 @@ class RecordingBuilder:
         self.release = asyncio.Event()
         self.release.set()
         self.fail = 0
+        self.interrupt = 0
 
     async def image_exists(self, image: str) -> bool:
         return image in self.images
@@ -57,6 +59,9 @@ class RecordingBuilder:
                 self.fail -= 1
                 await asyncio.to_thread(log_path.write_text, f"building {image}\nRUN false: exit code 1\n")
                 raise BuildFailed(f"image {image} failed to build: exit code 1")
+            if self.interrupt:
+                self.interrupt -= 1
+                raise BuildInterrupted(f"the build of image {image} was cut off: its engine stopped answering")
             self.images.add(image)
         finally:
             self.running -= 1
@@ -119,6 +124,24 @@ async def test_a_failed_build_fails_every_waiter_and_is_not_cached(db, tmp_path)
     # The next request tries again, and this time the build succeeds.
     assert await gate.ensure(request(tmp_path)) == "envhub-task/t1:abc"
     assert builder.built == ["envhub-task/t1:abc"] * 2
+    assert await rows(db, "envhub-task/t1:abc") == ["failed", "ready"]
+
+
+async def test_a_build_its_engine_cut_off_reaches_every_waiter_as_a_503_and_is_not_cached(db, tmp_path):
+    builder = RecordingBuilder()
+    builder.release.clear()
+    builder.interrupt = 1
+    gate = BuildGate(db, builder, tmp_path / "builds")
+    waiters = [asyncio.ensure_future(gate.ensure(request(tmp_path))) for _ in range(3)]
+    await eventually_async(lambda: builder.running == 1)
+    builder.release.set()
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    # Not wrapped in a 500 BuildFailed: the clients retry it.
+    assert all(isinstance(o, BuildInterrupted) and o.status == 503 for o in outcomes), outcomes
+    failed = (await store.list_(db, limit=1))[0][0]
+    assert failed.state == "failed" and outcomes[0].extra["build_id"] == failed.id
+    assert outcomes[0].headers["Retry-After"] == "5"
+    assert await gate.ensure(request(tmp_path)) == "envhub-task/t1:abc"
     assert await rows(db, "envhub-task/t1:abc") == ["failed", "ready"]
 
 

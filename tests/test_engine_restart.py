@@ -6,7 +6,8 @@ episodes run on it. The engine every other test uses is never touched.
 While the engine is down: /health lists terminal-bench as unavailable and its creates get
 503 with Retry-After (never a 500, never a hang). After: episodes whose containers
 survived (live-restore) keep working; those whose containers died answer 410 lost; new
-creates work again (a warm sandbox that died is replaced). A scheduler in front of the
+creates work again (a warm sandbox that died is replaced); a build the engine's stop cut
+off is a 503 to retry, and the retry builds. A scheduler in front of the
 node sends it no terminal-bench create while the engine is down (503: no node takes one),
 and mbpp creates still.
 """
@@ -20,11 +21,14 @@ import subprocess
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BASE_IMAGE, EnvhubProcess, eventually, needs_docker, start_scheduler
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker, start_scheduler
+
+BUNDLED_TASK = REPO / "envhub" / "plugins" / "terminal_bench" / "data" / "hello-envhub"
 
 pytestmark = [
     needs_docker,
@@ -108,13 +112,16 @@ def engine(request):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def node_on(engine: OwnEngine, data: Path, *, warm_pool: int = 2, watch_interval: float = 0.5) -> EnvhubProcess:
+def node_on(
+    engine: OwnEngine, data: Path, *, warm_pool: int = 2, watch_interval: float = 0.5, datasets: list[str] | None = None
+) -> EnvhubProcess:
     config = data.parent / "node.yaml"
+    tb: dict = {"warm_pool": warm_pool, **({"datasets": datasets} if datasets else {})}
     config.write_text(
         yaml.safe_dump(
             {
                 "image_map": {"debian:bookworm": BASE_IMAGE},
-                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": warm_pool}},
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": tb},
                 "sandboxes": {
                     "docker": {"docker_host": engine.host, "network": "none", "watch_interval": watch_interval}
                 },
@@ -235,5 +242,38 @@ def test_a_create_before_the_node_sees_its_engine_down_is_a_503_to_retry_not_a_5
             finally:
                 engine.start()
             assert create(c)
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]
+
+
+def test_a_build_its_engine_cuts_off_is_a_503_to_retry_and_the_retry_builds(engine, tmp_path):
+    """Found by bench/chaos.py: a create whose task image was building when the engine
+    stopped answered 500 ``build_failed``, which clients do not retry, though nothing was
+    wrong with the task. A task whose build takes 15 s; the engine stops under it."""
+    task = tmp_path / "tasks" / "slow-build"
+    shutil.copytree(BUNDLED_TASK, task)
+    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nRUN sleep 15\nWORKDIR /app\n")
+    node = node_on(engine, tmp_path / "data", warm_pool=0, datasets=[str(task.parent)]).start(timeout=60)
+    body = {"environment": "terminal-bench", "task_id": "slow-build"}
+    try:
+        with node.client(timeout=120) as c, ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(c.post, "/instances", json=body)
+            eventually(lambda: any(b["state"] == "building" for b in c.get("/builds").json()["builds"]), timeout=30)
+            time.sleep(1)  # into its RUN step
+            engine.stop()
+            try:
+                refused = answer.result(timeout=90)
+            finally:
+                engine.start()
+            assert refused.status_code == 503 and refused.json()["code"] == "build_interrupted", refused.text
+            assert refused.headers.get("Retry-After") and "retry" in refused.json()["error"], refused.text
+            [build] = c.get("/builds").json()["builds"]
+            assert build["state"] == "failed" and build["id"] == refused.json()["build_id"], build
+            eventually(lambda: not c.get("/health").json()["unavailable"], timeout=30)
+            retried = c.post("/instances", json=body)
+            assert retried.status_code == 201, retried.text
+            assert c.post(f"/instances/{retried.json()['instance_id']}/release").status_code == 200
+            assert [b["state"] for b in c.get("/builds").json()["builds"]] == ["ready", "failed"]
+            assert c.get("/health").json()["active"] == 0
     finally:
         assert node.stop() == 0, node.log()[-3000:]

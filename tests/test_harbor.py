@@ -154,6 +154,12 @@ def rewards(result: dict) -> dict:
     return (result.get("verifier_result") or {}).get("rewards") or {}
 
 
+def failures(trials: dict) -> dict:
+    """What failed in each trial that earned no reward of 1 (Harbor's exception, with its
+    message): what an assertion shows when trials fail."""
+    return {name: r.get("exception_info") for name, r in trials.items() if rewards(r) != {"reward": 1}}
+
+
 def dataset(tmp: Path, name: str, sources: list[Path]) -> Path:
     """A dataset folder holding copies of ``sources`` (task dirs)."""
     root = tmp / name
@@ -231,7 +237,7 @@ def test_eight_concurrent_trials_share_one_build_and_the_next_ones_the_warm_pool
     # A context of its own: a build no other test made.
     (tasks / "hello-envhub" / "environment" / "marker.txt").write_text(uuid.uuid4().hex)
     first = run_harbor(harbor, scheduler.url, tasks, tmp / "jobs", "group-a", "-a", "oracle", "-k", "8", "-n", "8")
-    assert [rewards(r) for r in first.values()] == [{"reward": 1}] * 8, first
+    assert [rewards(r) for r in first.values()] == [{"reward": 1}] * 8, failures(first)
     [task_id] = {i["task_id"] for i in trial_instances(node, "group-a")}
     with node.client() as c:
         assert c.get("/builds", params={"environment": "harbor", "task_id": task_id}).json()["total"] == 1
@@ -249,7 +255,7 @@ def test_eight_concurrent_trials_share_one_build_and_the_next_ones_the_warm_pool
     finally:
         stream.close()
         client.close()
-    assert [rewards(r) for r in second.values()] == [{"reward": 1}] * 8, second
+    assert [rewards(r) for r in second.values()] == [{"reward": 1}] * 8, failures(second)
     own = [e for e in created if e["Actor"]["Attributes"].get("envhub.pool") != "1"]
     assert len(own) < 8, f"{len(own)} of 8 creates started their own container"
     with node.client() as c:
@@ -279,6 +285,7 @@ def test_a_trial_folder_is_laid_out_as_harbors_docker_backend_lays_it_out(harbor
     tasks = dataset(tmp, "layout-tasks", [BUNDLED / "hello-envhub"])
     trials = run_harbor(harbor, scheduler.url, tasks, tmp / "jobs", "layout", "-a", "oracle")
     [name] = trials
+    assert rewards(trials[name]) == {"reward": 1}, failures(trials)
     trial = tmp / "jobs" / "layout" / name
     ours = layout(trial)
     compose = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
@@ -310,7 +317,7 @@ def test_harbor_0_25_runs_a_trial_too(fleet):
     node, scheduler, tmp = fleet
     tasks = dataset(tmp, "old-tasks", [BUNDLED / "hello-envhub"])
     trials = run_harbor(venv, scheduler.url, tasks, tmp / "jobs", "old", "-a", "oracle")
-    assert [rewards(r) for r in trials.values()] == [{"reward": 1}], trials
+    assert [rewards(r) for r in trials.values()] == [{"reward": 1}], failures(trials)
 
 
 def test_the_client_imports_nothing_of_envhubs_server_side(harbor):

@@ -118,7 +118,7 @@ class BuildGate:
             error = e.message if isinstance(e, EnvhubError) else f"{type(e).__name__}: {e}"
             await asyncio.shield(store.finish(self.db, build_id, ok=False, error=error[-4000:]))
             log.warning("build %d of %s/%s failed", build_id, req.environment, req.task_id)
-            if isinstance(e, BuildFailed):
+            if isinstance(e, EnvhubError):  # a failed build, or one its engine cut off (503, retried)
                 e.extra.setdefault("build_id", build_id)
                 raise
             if isinstance(e, Exception):

@@ -309,8 +309,8 @@ class NodeService:
 
     async def get(self, instance_id: str) -> dict[str, Any]:
         # An end or failed create the disk refused is written first where it now can be,
-        # so a row never reads 'creating' or live after its call answered; while the disk
-        # is still full the row is read as it stands (a read needs no room).
+        # and shown as it happened while the disk still refuses it: a row never reads
+        # 'creating' or live after its call answered.
         with contextlib.suppress(StorageFull):
             await self.episodes.settle(instance_id)
         row = self.episodes.as_ended(await instances.get(self.db, instance_id))

@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 import docker.errors
+import requests.exceptions
+import urllib3.exceptions
 
-from envhub.errors import BuildFailed
+from envhub.errors import BuildFailed, BuildInterrupted, Unavailable
 from envhub.plugins.docker_sandbox.connection import Engine
 from envhub.plugins.docker_sandbox.engine import (
     ENGINE_ERRORS,
@@ -28,6 +30,9 @@ from envhub.plugins.docker_sandbox.engine import (
 )
 from envhub.sandbox import CONTEXT_LABEL
 from envhub.util.trees import tree_digest
+
+# What a build's stream raises when its connection ends mid-build (the engine went away).
+BROKEN_STREAM = (requests.exceptions.ChunkedEncodingError, requests.exceptions.ConnectionError)
 
 _DOCKERFILE_NAME = ".envhub.Dockerfile"  # reserved name in the build context
 
@@ -104,6 +109,18 @@ class DockerImages:
             frozenset(exclude),
         )
 
+    def _ping_while_killed(self, error: str) -> None:
+        """Raise when the engine does not answer; for a build whose step was killed or
+        cancelled (what an engine that stops does to it first), keep asking for a few
+        seconds, for the engine sends the step's error before it stops answering."""
+        watch = 3.0 if any(marker in error for marker in _KILLED_MARKERS) else 0.0
+        until = time.monotonic() + watch
+        while True:
+            self.engine.api.ping()
+            if time.monotonic() >= until:
+                return
+            time.sleep(0.2)
+
     def _build_sync(
         self,
         context_dir: Path,
@@ -130,6 +147,7 @@ class DockerImages:
         deadline = time.monotonic() + timeout
         lines: list[str] = []
         error = None
+        cut_off = None  # why the build failed, when its engine went away under it
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as logf:
             try:
@@ -161,12 +179,28 @@ class DockerImages:
                         break
                 if hasattr(stream, "close"):
                     stream.close()  # an abandoned build is cancelled when its stream closes
-            except ENGINE_ERRORS as e:
+            except (*ENGINE_ERRORS, urllib3.exceptions.HTTPError) as e:
                 error = explain(e)
-            if error is None and not self._image_exists_sync(image):
-                error = "the engine reported no error but the image does not exist"
+                # The stream broke (the engine stopped or restarted), not the build.
+                if engine_unreachable(e) or isinstance(e, (BROKEN_STREAM, urllib3.exceptions.HTTPError)):
+                    cut_off = error
+            try:
+                if error is None and not self._image_exists_sync(image):
+                    error = "the engine reported no error but the image does not exist"
+                if error is not None and cut_off is None:
+                    self._ping_while_killed(error)  # a build the engine failed as it went down
+            except (*ENGINE_ERRORS, Unavailable) as e:
+                why = e.message if isinstance(e, Unavailable) else explain(e)
+                if isinstance(e, Unavailable) or engine_unreachable(e):
+                    cut_off = error or why
+                error = error or why
             if error is not None:
                 logf.write(f"\nenvhub: build failed: {error}\n")
+        if cut_off is not None:
+            raise BuildInterrupted(
+                f"the build of image {image} was cut off: its Docker engine stopped answering ({cut_off}); "
+                "retry: the next create builds it again"
+            )
         if error is not None:
             tail = "\n".join(lines[-30:])
             hint = _network_hint(error, lines)
@@ -176,6 +210,11 @@ class DockerImages:
                 f"image {image} failed to build: {error}\n--- last lines of the build log ---\n{tail}",
                 extra={"log_tail": tail},
             )
+
+
+# What a build's error says when the engine killed or cancelled its step: an engine that
+# stops does that to a build before it stops answering (or an OOM kill, a real failure).
+_KILLED_MARKERS = ("non-zero code: 137", "context canceled", "unexpected EOF")
 
 
 # What a build's log shows when a step needed a network resource the build cannot reach.
