@@ -4,7 +4,8 @@
 # Python from the test extra; Playwright's own browser download is never used, as it
 # cannot be fetched here), `promtool`, taken out of Debian's `prometheus` package without
 # installing it (the package would start a Prometheus server), and the toolchains of the
-# languages /run_code offers (g++, nodejs, golang, default-jdk-headless, rustc).
+# languages /run_code offers (g++, nodejs, golang, default-jdk-headless, rustc), and
+# skopeo, whose archives the rootfs sandbox's tests import (tests/test_rootfs_images.py).
 # Assumes the only network is the Debian mirror + PyPI.
 set -euo pipefail
 export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
@@ -40,9 +41,10 @@ fi
 # --- 3. the toolchains of /run_code's languages (tests/test_run_code*.py): Debian's, in
 # /usr, where the process sandbox's view shows them (a rustup toolchain in a home dir is
 # not offered). About 25 s and 740 MB when g++ and the JDK are there already; the JDK
-# adds about a minute on a bare machine.
+# adds about a minute on a bare machine. skopeo too (tests/test_rootfs_images.py: what
+# `skopeo copy` writes, and a pull that fails), about 10 s.
 toolchains=()
-for pair in g++:g++ node:nodejs go:golang-go javac:default-jdk-headless rustc:rustc; do
+for pair in g++:g++ node:nodejs go:golang-go javac:default-jdk-headless rustc:rustc skopeo:skopeo; do
   [[ -x /usr/bin/${pair%%:*} ]] || toolchains+=("${pair#*:}")
 done
 if (( ${#toolchains[@]} )); then
@@ -52,4 +54,5 @@ fi
 
 echo "setup-test-tools: OK $(/usr/bin/chromium --version 2>/dev/null | head -n1)," \
   "$(promtool --version 2>&1 | head -n1), $(/usr/bin/g++ --version | head -n1), node $(/usr/bin/node --version)," \
-  "$(/usr/bin/go version), $(/usr/bin/javac -version 2>&1), $(/usr/bin/rustc --version)"
+  "$(/usr/bin/go version), $(/usr/bin/javac -version 2>&1), $(/usr/bin/rustc --version)," \
+  "skopeo $(/usr/bin/skopeo --version | awk '{print $3}')"
