@@ -777,18 +777,29 @@ def final_checks(rig: Rig, stats: Stats) -> dict:
         return all(x["active"] == 0 and x["queued"] == 0 for x in h)
 
     wait_for(settled, 60)
-    health = [httpx.get(n.url + "/health", timeout=5).json() for n in rig.nodes]
+
+    def node_health(n: Node) -> dict:
+        # A node that no longer answers is a breach to report, not the end of the report.
+        try:
+            return httpx.get(n.url + "/health", timeout=5).json()
+        except (httpx.HTTPError, ValueError) as e:
+            stats.violation("not_answering_at_end", node=n.node_id, error=type(e).__name__)
+            return {"active": 0, "pooled": 0}
+
+    def sched_status() -> dict:
+        try:
+            return httpx.get(rig.sched_url + "/status", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            return {"nodes": []}
+
+    health = [node_health(n) for n in rig.nodes]
     pooled = sum(h.get("pooled", 0) for h in health)
     sched = (
         wait_for(
-            lambda: (
-                (s := httpx.get(rig.sched_url + "/status", timeout=5).json())
-                and sum(n["active_slots"] for n in s["nodes"]) <= pooled
-                and s
-            ),
+            lambda: (s := sched_status()) and s["nodes"] and sum(n["active_slots"] for n in s["nodes"]) <= pooled and s,
             20,
         )
-        or httpx.get(rig.sched_url + "/status", timeout=5).json()
+        or sched_status()
     )
     wait_for(lambda: not (rig.sandbox_processes(spare_warm=True) or rig.busy_cgroups() or rig.sandbox_dirs()), 30)
     out["after_release"] = {

@@ -98,6 +98,9 @@ def test_envhubs_own_keys_and_defaults_for_every_block(tmp_path):
         (lambda d: d["nodes"][1].update(deploy={"host": "10.0.0.11", "name": "10.0.0.11"}), "two deployed nodes"),
         (lambda d: d.update(scheduler={"host": "0.0.0.0"}) or d.pop("api_key"), "give it an api_key"),
         (lambda d: d.update(nodes=[]), "'nodes' must list the nodes"),
+        # A key goes into an environment file a shell sources: no shell syntax in it.
+        (lambda d: d["nodes"][0]["deploy"].update(api_key="k$(touch /tmp/x)"), "nodes\\[0\\]: an API key may hold"),
+        (lambda d: d.update(scheduler={"api_key": "a b"}), "scheduler: an API key may hold"),
     ],
 )
 def test_each_mistake_names_its_entry(tmp_path, change, message):

@@ -277,3 +277,28 @@ def test_a_build_its_engine_cuts_off_is_a_503_to_retry_and_the_retry_builds(engi
             assert c.get("/health").json()["active"] == 0
     finally:
         assert node.stop() == 0, node.log()[-3000:]
+
+
+def test_a_retried_create_of_a_live_instance_is_replayed_while_the_engine_is_down(engine, tmp_path):
+    """Found by review: while the engine did not answer, the retry of a create that had
+    succeeded (its reply lost on the way) answered 503, which a scheduler takes for "made
+    nothing" and places elsewhere: the instance would live on two nodes. A retry of an id
+    the node has is its replay, engine or not."""
+    node = node_on(engine, tmp_path / "data", warm_pool=0).start(timeout=60)
+    body = {"environment": "terminal-bench", "task_id": "hello-envhub", "instance_id": f"kept-{uuid.uuid4().hex[:8]}"}
+    try:
+        with node.client(timeout=120) as c:
+            first = c.post("/instances", json=body)
+            assert first.status_code == 201, first.text
+            engine.stop()
+            try:
+                eventually(lambda: c.get("/health").json()["unavailable"], timeout=20)
+                again = c.post("/instances", json=body)
+                assert again.status_code == 200 and again.json()["instance_id"] == body["instance_id"], again.text
+                fresh = c.post("/instances", json={**body, "instance_id": "another"})
+                assert fresh.status_code == 503, fresh.text  # a new one is still refused
+            finally:
+                engine.start()
+            c.post(f"/instances/{body['instance_id']}/release")
+    finally:
+        assert node.stop() == 0, node.log()[-3000:]

@@ -245,13 +245,13 @@ def test_the_tools_work_in_an_episode_of_its_own(node, tmp_path):
                 f"/instances/{iid}/step", json={"action": {"tool": "read_file", "arguments": {"path": path}}}
             ).json()["observation"]
             assert "the host's file" not in json.dumps(read), read
-        # Nothing of the node's is open in the episode: its init holds only /dev/null, and the
-        # one socket any of its processes holds is its own shell's channel.
-        fds = run(
-            c, iid, "ls -l /proc/1/fd | tail -n +2; echo --; ls -l /proc/[0-9]*/fd 2>/dev/null | grep -o 'socket:.*'"
-        )
+        # Nothing of the node's is open in the episode: its init's fds are out of its reach
+        # (init holds capabilities the episode lacks), and the one socket any of its processes holds is its own
+        # shell's channel.
+        listing = "ls -l /proc/1/fd 2>&1 | tail -n +2; echo --; ls -l /proc/[0-9]*/fd 2>/dev/null | grep -o 'socket:.*'"
+        fds = run(c, iid, listing)
         init_fds, sockets = fds["stdout"].split("--\n")
-        assert all(line.endswith("/dev/null") for line in init_fds.splitlines()), init_fds
+        assert all("->" not in line or line.endswith("/dev/null") for line in init_fds.splitlines()), init_fds
         assert len(set(sockets.split())) == 1, sockets
         assert "envhub" not in run(c, iid, "cat /proc/1/environ | tr '\\0' '\\n'")["stdout"].lower()
         timed = run(c, iid, "sleep 30", timeout=1)
@@ -261,6 +261,36 @@ def test_the_tools_work_in_an_episode_of_its_own(node, tmp_path):
             "offline\n"
         ), "no network but loopback"
         c.post(f"/instances/{iid}/release")
+
+
+def test_an_episode_keeps_dockers_capabilities_and_proc_masks_and_cannot_undo_them(node):
+    """As root the episode's uids are the host's own (an identity map), so what Docker
+    masks under /proc is masked here too, and the episode keeps Docker's default
+    capabilities only: no CAP_SYS_ADMIN to unmount the masks, no CAP_SYS_PTRACE to reach
+    into its init (found by review). kernel.domainname is the episode's own (a UTS
+    namespace of its own), so the write tried here could harm nothing even if it passed."""
+    with node.client(timeout=120) as c:
+        iid = create(c)
+        try:
+            seen = run(
+                c,
+                iid,
+                "grep CapBnd /proc/self/status; stat -c 'kmsg %t:%T' /proc/kmsg;"
+                " [ -e /proc/sysrq-trigger ] && stat -c 'sysrq %t:%T' /proc/sysrq-trigger;"
+                " (echo probe > /proc/sys/kernel/domainname) 2>/dev/null && echo sys-written;"
+                " umount /proc/sys 2>/dev/null && echo unmounted; umount /proc/sysrq-trigger 2>/dev/null && echo gone;"
+                " cat /proc/1/environ > /dev/null 2>&1 && echo init-read; echo done",
+            )
+        finally:
+            c.post(f"/instances/{iid}/release")
+    out = seen["stdout"]
+    bounding = int(out.split("CapBnd:")[1].split()[0], 16)
+    assert bounding == sum(1 << cap for cap in (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)), hex(bounding)
+    assert "kmsg 1:3" in out, seen  # /dev/null
+    assert "sysrq" not in out or "sysrq 1:3" in out, seen  # where the kernel has one
+    for bad in ("sys-written", "unmounted", "gone", "init-read"):
+        assert bad not in out, out
+    assert "done" in out
 
 
 def test_32_concurrent_episodes_writing_the_same_path_each_get_their_own_verdict(node):
@@ -443,6 +473,11 @@ def test_over_the_hosts_own_system_an_episode_has_its_tools_but_not_the_nodes_fi
             assert "envhub.db" not in out, "the node's data dir is out of view"
             assert "hello-envhub" not in out, "the bundled dataset's tasks (tests, solutions) are out of view"
             assert "hi\n" in seen["stdout"] and "wrote" in seen["stdout"]
+            # What covers the host's files stays: the episode's root cannot unmount it
+            # (found by review: it could, and then read /etc/shadow and the data dir).
+            tried = run(c, iid, f"umount /etc/shadow; umount -l {data}; cat /etc/shadow; ls {data}")
+            out = tried["stdout"] + tried["stderr"]
+            assert "root:" not in out and "envhub.db" not in out, out
             c.post(f"/instances/{iid}/release")
         assert not marker.exists(), "what the episode wrote stayed in its own layer"
     finally:

@@ -433,6 +433,21 @@ def test_a_run_code_key_opens_run_code_and_nothing_else(start_node):
         assert bare.get("/health").status_code == 200
 
 
+def test_run_code_keys_alone_close_run_code_however_its_path_is_spelled(start_node):
+    """With run_code_keys and no API key, the run_code routes alone are closed; Sanic
+    routes /run_code/ and /run_code// to /run_code, so those spellings are closed too
+    (they were open, found by review)."""
+    node = start_node("--set", "environments.terminal-bench.enabled=false", "--set", "run_code_keys=[rc-key-2]")
+    body = {"code": "print(6 * 7)", "language": "python"}
+    with httpx.Client(base_url=node.url, timeout=60) as bare:
+        for path in ("/run_code", "/run_code/", "/run_code//", "//run_code", "/run_jupyter/", "/run_code/languages/"):
+            r = bare.request("GET" if "languages" in path else "POST", path, json=body)
+            assert r.status_code in (401, 404), (path, r.status_code, r.text)
+        assert bare.post("/run_code/", json=body, headers={"X-API-Key": "rc-key-2"}).status_code == 200
+        assert bare.post("/k/rc-key-2/run_code/", json=body).status_code == 200
+        assert bare.get("/environments").status_code == 200  # the rest stays open, as configured
+
+
 # -- without root: Landlock ----------------------------------------------------------------
 
 

@@ -123,9 +123,22 @@ async def _run(inventory: Inventory, targets: list[Target], action: str, options
         else:
             await each(lambda n: n.prepare())
             if action == "upgrade" and not options.dry_run:
+                failed: NodeRun | None = None
                 for node in runs:  # one at a time: each back in the scheduler before the next drains
-                    if node.outcome.ok:
-                        await node.guarded(node.roll(wait_for_scheduler=True))
+                    if not node.outcome.ok:
+                        continue
+                    if failed is not None:  # a build that broke one node is not rolled onto the next
+                        node.outcome.ok = False
+                        node.outcome.step = "upgrade"
+                        node.outcome.reason = (
+                            f"not upgraded: {failed.target.name} failed its upgrade, so the rolling upgrade "
+                            "stopped there (this node runs as it did)"
+                        )
+                        say(f"[{node.target.name}] skipped: {node.outcome.reason}")
+                        continue
+                    await node.guarded(node.roll(wait_for_scheduler=True))
+                    if not node.outcome.ok:
+                        failed = node
             else:
                 await each(lambda n: n.roll(wait_for_scheduler=False))
             if sched is not None:

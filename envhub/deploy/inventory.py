@@ -19,6 +19,7 @@ the entry and the key.
 from __future__ import annotations
 
 import ipaddress
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,6 +184,7 @@ def _target(entry: dict[str, Any], block: dict[str, Any], top_key: str | None, f
         raise StartupError(
             f"{where}: a deployed node listens beyond localhost and needs an API key (deploy.api_key or api_key)"
         )
+    _check_key(str(api_key), where)
     host = _opt_str(block, "host", f"{where}.deploy.host") or parts.hostname
     ssh_key = _opt_str(block, "ssh_key", f"{where}.deploy.ssh_key")
     known_hosts = _opt_str(block, "known_hosts", f"{where}.deploy.known_hosts")
@@ -228,6 +230,8 @@ def _scheduler(raw: Any, top_key: str | None, base: Path) -> SchedulerSpec | Non
     _known(raw, SCHEDULER_KEYS, "scheduler")
     host = _opt_str(raw, "host", "scheduler.host") or "127.0.0.1"
     api_key = _opt_str(raw, "api_key", "scheduler.api_key") or top_key
+    if api_key:
+        _check_key(api_key, "scheduler")
     if not api_key and not _loopback(host):
         raise StartupError(f"scheduler.host {host} is beyond localhost: give it an api_key (or a top-level api_key)")
     config = raw.get("config") or {}
@@ -247,6 +251,19 @@ def _known(block: dict[str, Any], keys: set[str], where: str) -> None:
     unknown = sorted(set(block) - keys)
     if unknown:
         raise StartupError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(keys))})")
+
+
+# An API key is written to the node's environment file, which a shell sources (nohup) and
+# systemd parses: no character either would read as syntax.
+_SAFE_KEY = re.compile(r"[A-Za-z0-9._~+/=:@%-]+")
+
+
+def _check_key(key: str, where: str) -> None:
+    if not _SAFE_KEY.fullmatch(key):
+        raise StartupError(
+            f"{where}: an API key may hold letters, digits and . _ ~ + / = : @ % - only "
+            "(it is written to an environment file a shell reads)"
+        )
 
 
 def _opt_str(block: dict[str, Any], key: str, where: str) -> str | None:

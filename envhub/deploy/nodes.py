@@ -173,7 +173,13 @@ class NodeRun:
                 self.say("start", self.outcome.message)
                 return
         before = await self._health()
-        if found.running and before is not None:
+        if found.running:
+            if before is None:  # never restarted without a drain: its episodes would be cut off
+                raise HostFailed(
+                    "drain",
+                    f"the node runs (pid {found.pid}) but its /health does not answer, so it cannot be "
+                    "drained: not restarted (rerun once it answers, or stop it first)",
+                )
             self.outcome.drained = await self._drain()
         pid = await remote.start(host, found, build)
         how = (
@@ -200,8 +206,7 @@ class NodeRun:
             try:
                 r = await http.post(url + "/admin/drain", json={"timeout": timeout}, headers=headers)
             except httpx.HTTPError as e:
-                self.say("drain", f"not drained ({type(e).__name__}: {e}): it restarts as it is")
-                return {"drained": False}
+                raise HostFailed("drain", f"cannot drain ({type(e).__name__}: {e}): not restarted") from e
             if r.status_code != 200:
                 self.say("drain", f"not drained (HTTP {r.status_code}: it predates /admin/drain): it restarts as it is")
                 return {"drained": False}
@@ -217,7 +222,7 @@ class NodeRun:
                     r = await http.get(url + "/admin/drain", headers=headers)
                     status = r.json() if r.status_code == 200 else status
                 except (httpx.HTTPError, ValueError):
-                    break
+                    pass  # asked again: the node's own drain timeout ends what is left
                 if time.monotonic() - started > timeout + 30:
                     break
         status["seconds"] = round(time.monotonic() - started, 2)
@@ -261,7 +266,7 @@ class NodeRun:
                 self.say("rejoin", f"back in the scheduler after {time.monotonic() - started:.1f} s")
                 return
             await asyncio.sleep(0.25)
-        self.say("rejoin", "the scheduler does not list it healthy yet")
+        raise HostFailed("rejoin", "the scheduler does not list it healthy 60 s after its restart")
 
     # -- status and stop ---------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import json
+import posixpath
 import shlex
 from dataclasses import dataclass
 from typing import Any
@@ -331,6 +332,16 @@ rm -f run/node.pid
     return ran.stdout.strip() or "not running"
 
 
+def kept_entry(app_dir: str, data_dir: str) -> str:
+    """The entry of ``app_dir`` that an uninstall keeps: the one that is or holds the data
+    dir (whatever its spelling: ``/opt/envhub/data/``, ``/opt/envhub/var/data``), else a
+    path no entry has."""
+    app, data = posixpath.normpath(app_dir), posixpath.normpath(data_dir)
+    if data == app or not data.startswith(app.rstrip("/") + "/"):
+        return data if data != app else app + "/.envhub-none"
+    return posixpath.join(app, data[len(app.rstrip("/")) + 1 :].split("/")[0])
+
+
 async def uninstall(host: Host, found: Probe) -> None:
     """Remove the unit (systemd) and everything under ``app_dir`` but the data dir."""
     unit = ""
@@ -339,9 +350,10 @@ async def uninstall(host: Host, found: Probe) -> None:
             f"systemctl disable {UNIT} > /dev/null 2>&1 || true\n"
             f"rm -f /etc/systemd/system/{UNIT}.service\nsystemctl daemon-reload\n"
         )
+    kept = kept_entry(found.app_dir, found.data_dir)
     script = f"""set -eu
 {unit}[ -d {q(found.app_dir)} ] || exit 0
-find {q(found.app_dir)} -mindepth 1 -maxdepth 1 ! -path {q(found.data_dir)} -exec rm -rf {{}} +
+find {q(found.app_dir)} -mindepth 1 -maxdepth 1 ! -path {q(kept)} -exec rm -rf {{}} +
 rmdir {q(found.app_dir)} 2>/dev/null || true
 """
     ran = await host.run(script, timeout=300)

@@ -64,7 +64,10 @@ class Remote:
 
     async def run(self, script: str, *, timeout: float = 600) -> Ran:
         result = await asyncio.wait_for(self.conn.run("sh -s", input=script, check=False), timeout)
-        return Ran(int(result.exit_status or 0), str(result.stdout or ""), str(result.stderr or ""))
+        # No exit status (the session was cut, or the shell died of a signal): a failure,
+        # never a success.
+        status = 255 if result.exit_status is None else int(result.exit_status)
+        return Ran(status, str(result.stdout or ""), str(result.stderr or ""))
 
     async def put(self, local: Path, remote: str) -> None:
         if self._sftp is None:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from envhub.errors import Forbidden, Gone, InvalidRequest, SandboxError
+from envhub.errors import Conflict, Forbidden, InvalidRequest, SandboxError
 from envhub.node.episodes import Episodes
 from envhub.node.instance import Live
 from envhub.sandbox import ExecResult
@@ -70,9 +70,11 @@ class SandboxAccess:
         return live
 
     def _still_live(self, live: Live) -> None:
+        # 409, as Episodes.unless_lost answers the same race inside a call: another call
+        # ended it (a release); 410 is for an instance whose sandbox was lost.
         if self.episodes.find(live.row.id) is not live:
-            raise Gone(
-                f"instance {live.row.id!r} ended while the call ran",
+            raise Conflict(
+                f"instance {live.row.id!r} ended while this call ran",
                 extra={"instance_id": live.row.id, "state": "ended"},
             )
 
@@ -183,8 +185,9 @@ class SandboxAccess:
             await self._sandbox(live, run.cut(OUTPUT_LIMIT), CALL_TIMEOUT)
             episode = live.episode
             try:
-                stdout = (await episode.sandbox.read_file(episode.handle, f"{run.dir}/out")).decode(errors="replace")
-                stderr = (await episode.sandbox.read_file(episode.handle, f"{run.dir}/err")).decode(errors="replace")
+                out = await self.episodes.unless_lost(live, episode.sandbox.read_file(episode.handle, f"{run.dir}/out"))
+                err = await self.episodes.unless_lost(live, episode.sandbox.read_file(episode.handle, f"{run.dir}/err"))
+                stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
             finally:
                 await self._sandbox(live, run.remove(), CALL_TIMEOUT)
         return {"stdout": stdout, "stderr": stderr, "return_code": reply.return_code, "timed_out": False}

@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -113,11 +114,6 @@ class Creator:
 
     async def _create_or_join(self, request: CreateRequest, rollout: bool) -> Reply:
         env = self.environment(request.environment)
-        why = self.sandboxes[env.sandbox].unavailable()
-        if why is not None:  # before anything is prepared or held: a scheduler places it elsewhere
-            raise Unavailable(
-                f"{env.name} takes no creates here now: {why}", headers={"Retry-After": "5"}, extra={"retry_after": 5}
-            )
         task = env.task(request.task_id)
         trial = self.settings.default_trial if request.trial is None else request.trial
         client_chosen = request.instance_id is not None
@@ -125,11 +121,25 @@ class Creator:
 
         async def create_or_replay() -> Reply:
             # A generated id is new by construction; only a client's id can be a retry.
-            existing = await instances.find(self.db, instance_id) if client_chosen else None
+            existing = None
+            if client_chosen:
+                # An end or failed create the disk refused: written first where it now can
+                # be, and read as it happened where it still cannot.
+                with contextlib.suppress(StorageFull):
+                    await self.episodes.settle(instance_id)
+                existing = await instances.find(self.db, instance_id)
+                existing = existing and self.episodes.as_ended(existing)
             if existing is not None and instances.never_started(existing):
                 existing = None  # an attempt cut off before it finished: this retry starts over
-            if existing is not None:
+            if existing is not None:  # a replay, even while the engine is down: the id is here
                 return _replay(existing, env.name, task.id), False
+            why = self.sandboxes[env.sandbox].unavailable()
+            if why is not None:  # before anything is prepared or held: a scheduler places it elsewhere
+                raise Unavailable(
+                    f"{env.name} takes no creates here now: {why}",
+                    headers={"Retry-After": "5"},
+                    extra={"retry_after": 5},
+                )
             if not self.episodes.accepting:
                 raise Unavailable(f"{self.episodes.refusal} and takes no new instances")
             self.storage.check()  # before a sandbox starts that could not be recorded

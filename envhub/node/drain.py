@@ -20,10 +20,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
 
+from envhub.errors import StorageFull
 from envhub.node.episodes import Episodes
 
 log = logging.getLogger("envhub.node")
@@ -86,14 +88,15 @@ class Drain:
             async with live.lock:
                 if self.episodes.find(live.row.id) is not live:
                     continue
-                await asyncio.shield(
-                    self.episodes.end(
-                        live,
-                        "lost",
-                        error=f"the node was drained for a restart and this episode did not end within "
-                        f"the drain timeout ({self.timeout:g} s); its sandbox would not survive the restart",
+                with contextlib.suppress(StorageFull):  # ended; recorded once the disk takes it
+                    await asyncio.shield(
+                        self.episodes.end(
+                            live,
+                            "lost",
+                            error=f"the node was drained for a restart and this episode did not end within "
+                            f"the drain timeout ({self.timeout:g} s); its sandbox would not survive the restart",
+                        )
                     )
-                )
             ended.append(live.row.id)
         if ended:
             log.warning("drain timeout: ended %d instance(s) as lost", len(ended))

@@ -77,7 +77,10 @@ class Lifecycle:
             async with live.lock:
                 if self.episodes.find(instance_id) is not live:
                     continue
-                await self.episodes.end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
+                # A full disk refuses the record, not the end: it is kept and written later,
+                # and the other idle instances are still reaped.
+                with contextlib.suppress(StorageFull):
+                    await self.episodes.end(live, "expired", error=f"idle for more than {self.settings.idle_ttl:g} s")
             self.metrics.expired(live.env.name)
             reaped.append(instance_id)
             log.info("expired idle instance %s", instance_id)

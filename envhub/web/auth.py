@@ -24,6 +24,7 @@ API key"}`` besides the envelope, as its service answers.
 from __future__ import annotations
 
 import hmac
+import re
 
 from sanic import Request, Sanic
 
@@ -58,6 +59,11 @@ def check_key(keys: list[str], presented: str | None, *, seta: bool = False) -> 
     raise Forbidden("the API key is not valid")
 
 
+def canonical(path: str) -> str:
+    """``path`` with runs of slashes folded and a trailing one dropped (``/`` stays)."""
+    return re.sub("/{2,}", "/", path).rstrip("/") or "/"
+
+
 def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIX)
 
@@ -81,7 +87,9 @@ def setup_auth(app: Sanic) -> None:
     # annotates on_request as returning a middleware even when it returns a decorator.
     @app.middleware("request", priority=100)
     async def require_api_key(request: Request) -> None:
-        path = request.path
+        # As the router sees it: Sanic routes /run_code/ (and /run_code//) to /run_code,
+        # so a path is matched with its slashes folded, or a trailing one would pass.
+        path = canonical(request.path)
         keyed = path_key(path)
         if keyed is not None:
             if keyed[1] not in RUN_CODE_PATHS:

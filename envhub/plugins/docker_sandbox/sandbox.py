@@ -161,6 +161,7 @@ class DockerSandbox(Sandbox):
         self.use_agent = bool(c.get("shell_agent", True))
         self.watch_interval = float(c.get("watch_interval", 2.0))
         self._watch: asyncio.Future[None] | None = None
+        self._stopping = False  # the watch's loop ends at its next turn, cancelled or not
         self._down: str | None = None  # why the engine is not answering, while it is not
         self._dead: set[str] = set()  # of _created: found stopped when the engine came back
         self._created: set[str] = set()  # container ids this process created and has not removed
@@ -198,13 +199,17 @@ class DockerSandbox(Sandbox):
         (:meth:`unavailable`), so its environments take no creates here. Back: the egress
         policy is installed again (a restarted engine rebuilds its iptables chains) and
         every shell agent is dropped (their streams ended)."""
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.watch_interval)
             client = self.engine.client
             if client is None:
                 continue
             try:
-                await asyncio.wait_for(asyncio.to_thread(client.ping), timeout=max(5.0, self.watch_interval))
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of
+                # a call that ended as it was cancelled, swallowing the cancellation, and this
+                # loop then outlived stop() (a node's SIGTERM hung; the chaos soak found it).
+                async with asyncio.timeout(max(5.0, self.watch_interval)):
+                    await asyncio.to_thread(client.ping)
             except Exception as e:  # not answering, whatever the way
                 if self._down is None:
                     log.warning("docker sandbox: the engine stopped answering: %s", e)
@@ -273,9 +278,10 @@ class DockerSandbox(Sandbox):
             self.network = "none"
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._watch is not None:
             self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
+            await asyncio.wait([self._watch], timeout=30)  # it ends at its next turn at the latest
             self._watch = None
         if not self.engine.running:
             return

@@ -83,6 +83,18 @@ MS_PRIVATE = 0x40000
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
+PR_CAPBSET_DROP = 24
+# The capabilities an episode's processes keep: Docker's default set (chown, dac_override,
+# fowner, fsetid, kill, setgid, setuid, setpcap, net_bind_service, net_raw, sys_chroot,
+# mknod, audit_write, setfcap). Without CAP_SYS_ADMIN they cannot unmount what covers the
+# host's files or /proc/sys; and G, which keeps every capability, is out of their reach
+# (ptrace, /proc/1/root, its fds: the kernel wants CAP_SYS_PTRACE of a caller that
+# lacks a capability its target has).
+KEPT_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31})
+# Under /proc: what Docker masks. With root's identity uid map the episode's uid 0 is the
+# host's root for these files' permission checks (kernel.core_pattern would run a program
+# as the host's root; sysrq-trigger would crash it): /proc/sys read-only, the rest /dev/null.
+PROC_MASKED = ("sysrq-trigger", "kcore", "kmsg", "timer_list", "sched_debug", "keys")
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 STEP_TIMEOUT = 10.0  # seconds a child may take between two steps of a create
@@ -169,6 +181,11 @@ def _build_root(req: dict, scratch: str) -> str:
     for name in ("proc", "dev", "tmp"):
         os.makedirs(os.path.join(root, name), exist_ok=True)
     _mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount(f"{root}/proc/sys", f"{root}/proc/sys", None, MS_BIND | MS_REC)
+    _mount(None, f"{root}/proc/sys", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for name in PROC_MASKED:
+        if os.path.lexists(f"{root}/proc/{name}"):
+            _mount("/dev/null", f"{root}/proc/{name}", None, MS_BIND)
     _mount("tmpfs", f"{root}/dev", "tmpfs", MS_NOSUID, "size=64k,mode=0755")
     for dev in DEVICES:
         target = f"{root}/dev/{dev}"
@@ -277,6 +294,7 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             raise Failed("the image has no /bin/sh")
         agent = os.fork()
         if agent == 0:
+            _drop_capabilities()
             os.dup2(agent_fd, 0)
             os.dup2(agent_fd, 1)
             devnull = os.open("/dev/null", os.O_WRONLY)
@@ -298,6 +316,16 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             continue
         if pid == agent:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _drop_capabilities() -> None:
+    """Leave only ``KEPT_CAPS`` in the bounding set: what the agent execs (and all it
+    starts) has no other capability, whatever its uid."""
+    for cap in range(64):
+        if cap not in KEPT_CAPS and _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) != 0:
+            if ctypes.get_errno() == errno.EINVAL:  # past the kernel's last capability
+                break
+            _check(-1, f"dropping capability {cap}")
 
 
 def _only_fds(keep: set[int]) -> None:

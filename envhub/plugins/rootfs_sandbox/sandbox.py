@@ -38,7 +38,10 @@ Invariants:
 - As root, the episode's root is uid 0 of its own user namespace, with the host's uids
   0-65535 mapped as themselves (the image store keeps the image's owners), and capabilities
   only over its own namespaces; without root, the node's uid is the episode's root and no
-  other uid exists in it.
+  other uid exists in it. Either way what the episode runs keeps Docker's default
+  capabilities only (no CAP_SYS_ADMIN: the mounts that cover the host's files stay), and
+  what Docker masks under /proc is masked (/proc/sys read-only): with the identity map
+  the episode's uid 0 is the host's root for those files' permission checks.
 """
 
 from __future__ import annotations
