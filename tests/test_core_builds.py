@@ -107,15 +107,20 @@ async def test_concurrent_requests_for_one_image_share_one_build(db, tmp_path):
     assert len(builder.built) == 1, "a built image is not built again"
 
 
-async def test_a_failed_build_fails_every_waiter_and_is_not_cached(db, tmp_path):
-    builder = RecordingBuilder()
+async def three_waiters_of_one_build(builder: RecordingBuilder, gate: BuildGate, tmp_path: Path) -> list:
+    """What three concurrent requests for one image get, the build held until all wait."""
     builder.release.clear()
-    builder.fail = 1
-    gate = BuildGate(db, builder, tmp_path / "builds")
     waiters = [asyncio.ensure_future(gate.ensure(request(tmp_path))) for _ in range(3)]
     await eventually_async(lambda: builder.running == 1)
     builder.release.set()
-    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    return await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_a_failed_build_fails_every_waiter_and_is_not_cached(db, tmp_path):
+    builder = RecordingBuilder()
+    builder.fail = 1
+    gate = BuildGate(db, builder, tmp_path / "builds")
+    outcomes = await three_waiters_of_one_build(builder, gate, tmp_path)
     assert all(isinstance(o, BuildFailed) for o in outcomes), outcomes
     assert "exit code 1" in outcomes[0].message
     failed = (await store.list_(db, limit=1))[0][0]
@@ -129,13 +134,9 @@ async def test_a_failed_build_fails_every_waiter_and_is_not_cached(db, tmp_path)
 
 async def test_a_build_its_engine_cut_off_reaches_every_waiter_as_a_503_and_is_not_cached(db, tmp_path):
     builder = RecordingBuilder()
-    builder.release.clear()
     builder.interrupt = 1
     gate = BuildGate(db, builder, tmp_path / "builds")
-    waiters = [asyncio.ensure_future(gate.ensure(request(tmp_path))) for _ in range(3)]
-    await eventually_async(lambda: builder.running == 1)
-    builder.release.set()
-    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    outcomes = await three_waiters_of_one_build(builder, gate, tmp_path)
     # Not wrapped in a 500 BuildFailed: the clients retry it.
     assert all(isinstance(o, BuildInterrupted) and o.status == 503 for o in outcomes), outcomes
     failed = (await store.list_(db, limit=1))[0][0]
