@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -121,14 +120,8 @@ class Creator:
 
         async def create_or_replay() -> Reply:
             # A generated id is new by construction; only a client's id can be a retry.
-            existing = None
-            if client_chosen:
-                # An end or failed create the disk refused: written first where it now can
-                # be, and read as it happened where it still cannot.
-                with contextlib.suppress(StorageFull):
-                    await self.episodes.settle(instance_id)
-                existing = await instances.find(self.db, instance_id)
-                existing = existing and self.episodes.as_ended(existing)
+            # (an end or failed create the disk refused is read as it happened)
+            existing = await self.episodes.find_row(instance_id) if client_chosen else None
             if existing is not None and instances.never_started(existing):
                 existing = None  # an attempt cut off before it finished: this retry starts over
             if existing is not None:  # a replay, even while the engine is down: the id is here

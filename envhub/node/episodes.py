@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Iterator
@@ -197,6 +198,15 @@ class Episodes:
             if pending is not None:
                 await self.db.write_many(pending.statements)
                 self.unrecorded.pop(iid, None)
+
+    async def find_row(self, instance_id: str) -> instances.InstanceRow | None:
+        """The row of ``instance_id`` (None when there is none) as its calls answered: an
+        end the disk refused is written first where it now can be, and shown as it
+        happened where it still cannot (a read needs no room)."""
+        with contextlib.suppress(StorageFull):
+            await self.settle(instance_id)
+        row = await instances.find(self.db, instance_id)
+        return None if row is None else self.as_ended(row)
 
     def as_ended(self, row: instances.InstanceRow) -> instances.InstanceRow:
         """``row`` as it will be recorded: with the end the disk refused, while it is

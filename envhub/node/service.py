@@ -46,7 +46,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from envhub.environment import Action, Environment
-from envhub.errors import Conflict, InvalidRequest, StorageFull
+from envhub.errors import Conflict, InvalidRequest, NotFound, StorageFull
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.node.access import SandboxAccess
 from envhub.node.admin import Administration
@@ -308,12 +308,10 @@ class NodeService:
         return rows, total
 
     async def get(self, instance_id: str) -> dict[str, Any]:
-        # An end or failed create the disk refused is written first where it now can be,
-        # and shown as it happened while the disk still refuses it: a row never reads
-        # 'creating' or live after its call answered.
-        with contextlib.suppress(StorageFull):
-            await self.episodes.settle(instance_id)
-        row = self.episodes.as_ended(await instances.get(self.db, instance_id))
+        # Never 'creating' or live after a call that ended it answered (episodes.py).
+        row = await self.episodes.find_row(instance_id)
+        if row is None:
+            raise NotFound(f"no instance {instance_id!r}", extra={"instance_id": instance_id})
         out = {**row.to_public(), "observation": row.observation}
         live = self.episodes.find(instance_id)
         if live is not None:
