@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from envhub.errors import Conflict, Forbidden, InvalidRequest, SandboxError
+from envhub.errors import Forbidden, InvalidRequest, SandboxError
 from envhub.node.episodes import Episodes
 from envhub.node.instance import Live
 from envhub.sandbox import ExecResult
@@ -69,19 +69,10 @@ class SandboxAccess:
             )
         return live
 
-    def _still_live(self, live: Live) -> None:
-        # 409, as Episodes.unless_lost answers the same race inside a call: another call
-        # ended it (a release); 410 is for an instance whose sandbox was lost.
-        if self.episodes.find(live.row.id) is not live:
-            raise Conflict(
-                f"instance {live.row.id!r} ended while this call ran",
-                extra={"instance_id": live.row.id, "state": "ended"},
-            )
-
     async def _sandbox(self, live: Live, script: str, timeout: float) -> ExecResult:
         """One short call to the sandbox, shielded: a cancellation of the caller lets it
         finish (the sandbox's shell stays in step) and is raised once it has."""
-        self._still_live(live)
+        self.episodes.ensure_still_live(live)
         episode = live.episode
         call = asyncio.ensure_future(episode.sandbox.exec(episode.handle, script, timeout=timeout))
         try:
@@ -211,7 +202,7 @@ class SandboxAccess:
         tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="put-", dir=base))
         try:
             members, size = await asyncio.to_thread(archives.unpack, archive, tmp)
-            self._still_live(live)
+            self.episodes.ensure_still_live(live)
             episode = live.episode
             await self.episodes.unless_lost(live, episode.sandbox.copy_dir(episode.handle, tmp, path))
         finally:

@@ -129,11 +129,10 @@ class Episodes:
         )
 
     def ensure_still_live(self, live: Live) -> None:
-        """Raise ``Conflict`` when ``live`` ended while the caller waited for its lock."""
+        """Raise ``Conflict`` when another call ended ``live`` while the caller waited for
+        its lock or ran without it (a 409: that end stands; 410 is for a lost sandbox)."""
         if self._live.get(live.row.id) is not live:
-            raise Conflict(
-                f"instance {live.row.id!r} was released while this call waited", extra={"instance_id": live.row.id}
-            )
+            raise Conflict(f"instance {live.row.id!r} ended while this call ran", extra={"instance_id": live.row.id})
 
     # -- slots -------------------------------------------------------------------------
 
@@ -223,13 +222,10 @@ class Episodes:
         try:
             return await call
         except Gone as e:
-            if self._live.get(live.row.id) is not live:
-                # Ended by another call meanwhile, which destroyed the sandbox under this one:
-                # a release while a command is killed or files are copied (those calls do
-                # not hold the instance's lock). That end stands; this call just failed.
-                raise Conflict(
-                    f"instance {live.row.id!r} ended while this call ran", extra={"instance_id": live.row.id}
-                ) from None
+            # Ended by another call meanwhile, which destroyed the sandbox under this one: a
+            # release while a command is killed or files are copied (those calls do not hold
+            # the instance's lock). That end stands; this call just failed.
+            self.ensure_still_live(live)
             self.metrics.sandbox_lost(live.episode.sandbox.name)
             await asyncio.shield(self.end(live, "lost", error=e.message))
             raise Gone(
