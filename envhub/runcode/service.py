@@ -237,7 +237,8 @@ class RunCode:
         except StartupError as e:
             raise StartupError(f"run_code.sandbox: {e.message}") from None
         except (TypeError, ValueError) as e:
-            raise StartupError(f"run_code.sandbox: a setting of the {self.sandbox_class.name} sandbox is bad: {e}") from None
+            kind = self.sandbox_class.name
+            raise StartupError(f"run_code.sandbox: a setting of the {kind} sandbox is bad: {e}") from None
 
     def _sandbox_config(self, *, hidden: bool = True) -> dict[str, Any]:
         config: dict[str, Any] = {
