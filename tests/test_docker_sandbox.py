@@ -271,6 +271,29 @@ async def test_the_contract_s_default_copy_dir_and_fetch_dir_agree_with_the_arch
     assert await Sandbox.fetch_dir(sandbox, box, f"{by_default}/nothing-here") == {}
 
 
+async def test_hard_links_count_toward_fetch_dir_s_cap_and_reads_are_bounded(sandbox, box):
+    """A hard link's tar entry holds no data, but each one fetched is the whole file
+    again: 200 links to 1 MiB were 200 MiB in the node's memory past a 64 MiB cap (found
+    by review). read_file of a directory or a FIFO is refused before anything is read."""
+    where = f"/opt/links-{uuid.uuid4().hex[:8]}"
+    made = await sandbox.exec(
+        box,
+        f"mkdir -p {where}/d && head -c 1048576 /dev/urandom > {where}/d/f && "
+        f"for i in $(seq 200); do ln {where}/d/f {where}/d/l$i; done && mkfifo {where}/pipe",
+        timeout=60,
+    )
+    assert made.exit_code == 0, made.stderr
+    with pytest.raises(SandboxError, match="more than"):
+        await sandbox.fetch_dir(box, f"{where}/d")
+    await sandbox.exec(box, f"rm {where}/d/l1[0-9]* {where}/d/l[2-9]*", timeout=30)
+    few = await sandbox.fetch_dir(box, f"{where}/d")  # f and l1: two names of one file
+    assert sorted(few) == ["f", "l1"] and few["f"] == few["l1"] and len(few["f"]) == 1 << 20
+    for path in (where, f"{where}/pipe"):
+        with pytest.raises(InvalidRequest, match="not a regular file"):
+            await sandbox.read_file(box, path)
+    await sandbox.exec(box, f"rm -rf {where}", timeout=30)
+
+
 # --- container settings -------------------------------------------------------------
 
 

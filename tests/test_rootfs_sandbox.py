@@ -211,6 +211,13 @@ def test_without_docker_terminal_bench_runs_in_the_rootfs_sandbox_and_the_bundle
             iid = create(c, task, oracle=True)
             graded = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
             assert graded["reward"] == 1.0, graded
+        # A reload that names no sandbox keeps the one the node fell back to (it was
+        # refused: the fresh section's default, docker, differed from rootfs; found by review).
+        changed = c.post("/config", json={"environments": {"terminal-bench": {"reward_mode": "all_pass"}}})
+        assert changed.status_code == 200, changed.text
+        assert c.get("/environments/terminal-bench").json()["sandbox"] == "rootfs"
+        moved = c.post("/config", json={"environments": {"terminal-bench": {"sandbox": "docker"}}})
+        assert moved.status_code == 400 and moved.json()["field"] == "environments.terminal-bench.sandbox", moved.text
     log = node.log()
     assert "terminal-bench runs in the rootfs sandbox: sandbox 'docker' cannot start" in log, log[-2000:]
     assert "rootfs sandbox: " in log and "episodes have loopback only" in log
@@ -260,6 +267,37 @@ def test_the_tools_work_in_an_episode_of_its_own(node, tmp_path):
         assert run(c, iid, "getent hosts example.com || curl -sm 3 http://1.1.1.1 || echo offline")["stdout"].endswith(
             "offline\n"
         ), "no network but loopback"
+        c.post(f"/instances/{iid}/release")
+
+
+def test_the_node_touches_only_regular_files_and_never_blocks_on_one(node):
+    """The node reads and writes an episode's files in a thread of its own: a FIFO the
+    episode made held that thread for good, and a path no system can spell was a 500
+    (found by review). Each is now refused in the tool's observation, at once."""
+    with node.client(timeout=30) as c:  # a hang fails here, not at the suite's timeout
+        iid = create(c)
+        run(c, iid, "mkfifo /app/pipe && ln -s /app/pipe /app/link")
+        for tool, arguments in (
+            ("read_file", {"path": "/app/pipe"}),
+            ("read_file", {"path": "link"}),
+            ("write_file", {"path": "/app/pipe", "content": "x"}),
+            ("read_file", {"path": "/dev/zero"}),
+            ("read_file", {"path": "/app"}),
+        ):
+            r = c.post(f"/instances/{iid}/step", json={"action": {"tool": tool, "arguments": arguments}})
+            assert r.status_code == 200, r.text
+            seen = r.json()["observation"]
+            assert seen["ok"] is False and "error" in seen["content"], (tool, arguments, seen)
+        assert run(c, iid, "ls -l /app/pipe")["stdout"].startswith("p"), "the FIFO is still a FIFO"
+        body = b'{"action": {"tool": "read_file", "arguments": {"path": "/app/\\ud800"}}}'
+        r = c.post(f"/instances/{iid}/step", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 or (r.status_code == 200 and r.json()["observation"]["ok"] is False), r.text
+        wrote = c.post(
+            f"/instances/{iid}/step",
+            json={"action": {"tool": "write_file", "arguments": {"path": "deep/er/a.txt", "content": "hi"}}},
+        )
+        assert wrote.json()["observation"]["ok"] is True, wrote.text
+        assert run(c, iid, "cat /app/deep/er/a.txt")["stdout"] == "hi"
         c.post(f"/instances/{iid}/release")
 
 
@@ -449,7 +487,9 @@ def test_over_the_hosts_own_system_an_episode_has_its_tools_but_not_the_nodes_fi
         yaml.safe_dump(
             {
                 "capacity": 4,
-                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 0}},
+                # Harbor falls back to the same sandbox and sorts first: the sandbox started
+                # for it hid only Harbor's paths, not terminal-bench's tasks (found by review).
+                "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 0}, "harbor": {}},
                 "sandboxes": {"rootfs": {"host": True}},
             }
         )
@@ -478,6 +518,18 @@ def test_over_the_hosts_own_system_an_episode_has_its_tools_but_not_the_nodes_fi
             tried = run(c, iid, f"umount /etc/shadow; umount -l {data}; cat /etc/shadow; ls {data}")
             out = tried["stdout"] + tried["stderr"]
             assert "root:" not in out and "envhub.db" not in out, out
+            # A host file bound where the kernel refused an overlay (under a container
+            # engine's storage) is read-only: it was bound read-write (found by review).
+            # Opening it to append writes nothing even where it would succeed.
+            probe = (
+                "for m in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do"
+                ' case "$m" in /proc/*|/dev/*|/etc/shadow*|/etc/gshadow*) continue;; esac;'
+                ' [ -f "$m" ] || continue;'
+                ' if ( : >> "$m" ) 2>/dev/null; then echo "WRITABLE $m"; else echo "ro $m"; fi;'
+                " done"
+            )
+            seen = run(c, iid, probe)["stdout"]
+            assert "WRITABLE" not in seen, seen
             c.post(f"/instances/{iid}/release")
         assert not marker.exists(), "what the episode wrote stayed in its own layer"
     finally:

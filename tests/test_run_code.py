@@ -13,6 +13,8 @@ import concurrent.futures
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -223,6 +225,21 @@ def test_a_source_compiled_once_is_served_from_the_cache(client, node):
     assert (first["run_result"]["stdout"], other["run_result"]["stdout"]) == ("5\n", "6\n")
 
 
+@needs("cpp")
+def test_a_compile_that_ran_out_of_memory_does_not_fail_a_call_with_more(client):
+    """g++ whose cc1plus the memory cgroup killed exits 1, as for a syntax error; that
+    failure is kept for its memory limit only, so the same source compiles with more."""
+    code = f'// {time.time_ns()}\n#include <bits/stdc++.h>\nint main() {{ std::puts("compiled"); }}\n'
+    starved = run(client, code=code, language="cpp", memory_limit_MB=16, compile_timeout=60)
+    assert starved["status"] == "Failed" and starved["run_result"] is None, starved
+    assert starved["compile_result"]["return_code"] != 0
+    again = run(client, code=code, language="cpp", memory_limit_MB=16, compile_timeout=60)
+    assert again["compile_result"]["execution_time"] == 0.0, "the failure is kept for 16 MB"
+    fed = run(client, code=code, language="cpp", memory_limit_MB=1024, compile_timeout=60)
+    assert fed["status"] == "Success" and fed["run_result"]["stdout"] == "compiled\n", fed
+    assert fed["compile_result"]["execution_time"] > 0.0, "the compile ran again"
+
+
 # -- files -----------------------------------------------------------------------------------
 
 
@@ -329,6 +346,17 @@ def test_run_jupyter_runs_cells_in_one_interpreter(client):
     assert reply["files"] == {"out.txt": base64.b64encode(b"DATA").decode()}
 
 
+def test_run_jupyter_fetches_at_most_64_mib_in_all(client):
+    """Two 40 MiB files asked for: the first comes back, the second would take the reply
+    past 64 MiB and is left out, as /run_code leaves it out."""
+    cells = ["for n in ('a', 'b', 'c'):\n    open(n, 'wb').write(bytes(40 << 20) if n != 'c' else b'small')"]
+    r = client.post("/run_jupyter", json={"cells": cells, "fetch_files": ["a", "b", "c"]})
+    assert r.status_code == 200, r.text[:500]
+    files = r.json()["files"]
+    assert sorted(files) == ["a", "c"] and len(base64.b64decode(files["a"])) == 40 << 20
+    assert base64.b64decode(files["c"]) == b"small"
+
+
 def test_run_jupyter_timeouts(client):
     cells = ["import time\ntime.sleep(30)", "'next'"]
     r = client.post("/run_jupyter", json={"cells": cells, "cell_timeout": 0.5, "total_timeout": 20}).json()
@@ -394,6 +422,20 @@ def test_run_code_can_be_off(start_node):
         assert r.status_code == 404 and "run_code.enabled" in r.json()["error"], r.text
 
 
+@pytest.mark.parametrize(
+    "setting, named",
+    [("run_code.sandbox.memory_mb=lots", "invalid literal"), ("run_code.sandbox.preload=os", "preload")],
+)
+def test_a_bad_run_code_sandbox_setting_stops_the_start(tmp_path, setting, named):
+    """Checked at start, not at the first call (where each call would fail on it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
+    argv = [sys.executable, "-m", "envhub", "serve", "--port", "0", "--data-dir", str(tmp_path / "data")]
+    argv += ["--set", "environments.terminal-bench.enabled=false", "--set", setting]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert r.returncode == 1, r.stderr
+    assert "run_code.sandbox: " in r.stderr and named in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 # -- keys ------------------------------------------------------------------------------------
 
 
@@ -404,6 +446,8 @@ def test_a_run_code_key_opens_run_code_and_nothing_else(start_node):
         "environments.terminal-bench.enabled=false",
         "--set",
         f"run_code_keys=[{rc_key}]",
+        "--set",
+        "access_log=true",
         api_key=api_key,
     )
     body = {"code": "print(6 * 7)", "language": "python"}
@@ -431,6 +475,11 @@ def test_a_run_code_key_opens_run_code_and_nothing_else(start_node):
             assert bare.request(method, path, headers={"X-API-Key": rc_key}).status_code == 403, path
             assert bare.request(method, f"/k/{rc_key}{path}").status_code == 404, path
         assert bare.get("/health").status_code == 200
+        missing = bare.get(f"/k/{rc_key}/nothing")
+        assert missing.status_code == 404 and rc_key not in missing.text, missing.text
+    # The key in the path reaches no log line (the access log shows each request's URL).
+    log = node.log()
+    assert "/k/***/run_code" in log and rc_key not in log, log[-3000:]
 
 
 def test_run_code_keys_alone_close_run_code_however_its_path_is_spelled(start_node):

@@ -63,7 +63,8 @@ class Remote:
         self._sftp: Any = None
 
     async def run(self, script: str, *, timeout: float = 600) -> Ran:
-        result = await asyncio.wait_for(self.conn.run("sh -s", input=script, check=False), timeout)
+        async with asyncio.timeout(timeout):  # not wait_for, which can lose a cancel in 3.11
+            result = await self.conn.run("sh -s", input=script, check=False)
         # No exit status (the session was cut, or the shell died of a signal): a failure,
         # never a success.
         status = 255 if result.exit_status is None else int(result.exit_status)

@@ -85,6 +85,8 @@ class Administration:
                 raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
             try:  # what the environment does with its section at start
                 fresh = type(env)({**env.config, **section})
+                if "sandbox" not in fresh.config:  # the sandbox it runs in, a fallback's too
+                    fresh.sandbox = env.sandbox
                 if fresh.sandbox != env.sandbox:  # sandboxes start with the node, for the environments it has
                     raise InvalidRequest(
                         f"{field}.sandbox cannot change at run time ({env.sandbox!r} runs its episodes)",

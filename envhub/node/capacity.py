@@ -49,7 +49,10 @@ class Slots:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that
+            # lands as the slot is handed over.
+            async with asyncio.timeout(self.queue_timeout):
+                await asyncio.shield(fut)
         except BaseException as e:
             if fut.done() and not fut.cancelled():
                 self.release()  # handed a slot in the same tick we gave up: pass it on

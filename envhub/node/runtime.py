@@ -70,7 +70,10 @@ class NodeRuntime:
                 chosen = "sandbox" in (settings.environments.get(name) or {})
                 for fallback in () if chosen else env.fallback_sandboxes:
                     if fallback not in self.sandboxes and fallback not in failures:
-                        await self._start_sandbox(fallback, envs, sandbox_registry, failures, also=(name,))
+                        # Started once for every environment that may fall back to it, so
+                        # that it hides what each of them hides (not only this one's).
+                        also = self._may_fall_back(fallback, envs)
+                        await self._start_sandbox(fallback, envs, sandbox_registry, failures, also=also)
                     if fallback in self.sandboxes:
                         log.warning("%s runs in the %s sandbox: %s", name, fallback, why)
                         env.sandbox = fallback
@@ -94,6 +97,18 @@ class NodeRuntime:
             await self.stop()
             raise
         self.environments = envs
+
+    def _may_fall_back(self, fallback: str, envs: dict[str, Environment]) -> tuple[str, ...]:
+        """The environments whose sandbox did not start and which may run in ``fallback``."""
+        return tuple(
+            sorted(
+                name
+                for name, env in envs.items()
+                if env.sandbox not in self.sandboxes
+                and fallback in env.fallback_sandboxes
+                and "sandbox" not in (self.settings.environments.get(name) or {})
+            )
+        )
 
     async def _start_sandbox(
         self,

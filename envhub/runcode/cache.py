@@ -8,7 +8,9 @@ Invariants:
   and the programs behind them (``Language.identity``), the source, and every file
   given with it, by path and content. Anything else (timeouts, memory) only decides
   whether a compile finishes, and a compile that did not finish (a timeout, a signal) is
-  never stored.
+  never stored. A compile that finished and failed is stored under a key that also
+  holds its memory limit (:func:`failure_key`): a compiler out of address space exits
+  1 like one that met a syntax error, and the same source may compile with more.
 - Only what the node read from the sandbox right after the compile, before the program
   ran, is stored (``envhub.sandbox.Step.artifact``), so no program can change what a
   later call with the same source gets. Entries live in the node's data dir (0700):
@@ -53,6 +55,11 @@ def key(identity: str, source: bytes, files: Iterable[tuple[str, bytes]]) -> str
     return h.hexdigest()
 
 
+def failure_key(digest: str, memory_mb: int | None) -> str:
+    """Where a failed compile of ``digest`` under ``memory_mb`` is kept."""
+    return hashlib.sha256(f"{digest}:failed:{memory_mb}".encode()).hexdigest()
+
+
 @dataclass
 class Entry:
     """A finished compile: its result (the exit code says whether it succeeded) and,
@@ -80,19 +87,26 @@ class CompileCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    async def get(self, digest: str) -> Entry | None:
+    async def get(self, digest: str, memory_mb: int | None) -> Entry | None:
+        """The compile of ``digest``: its success, or its failure under this memory
+        limit."""
         if not self.enabled:
             return None
-        entry = await asyncio.to_thread(self._read, digest)
+        entry = await asyncio.to_thread(self._read, digest) or await asyncio.to_thread(
+            self._read, failure_key(digest, memory_mb)
+        )
         if entry is None:
             self.misses += 1
         else:
             self.hits += 1
         return entry
 
-    async def put(self, digest: str, entry: Entry) -> None:
+    async def put(self, digest: str, memory_mb: int | None, entry: Entry) -> None:
+        """Keep ``entry``, the compile of ``digest`` under ``memory_mb``, if it finished."""
         if self.enabled and not entry.compile.timed_out and entry.compile.exit_code is not None:
             if entry.compile.exit_code >= 0 and entry.size() <= self.max_bytes:
+                if entry.compile.exit_code != 0:
+                    digest = failure_key(digest, memory_mb)
                 await asyncio.to_thread(self._write, digest, entry)
 
     # -- in a worker thread ----------------------------------------------------------------

@@ -19,6 +19,10 @@ Invariants:
 - It runs on the sandbox contract alone (``create``, ``write_file``, ``exec``,
   ``read_file``, ``destroy``), so any Python sandbox serves it; ``destroy`` runs
   whatever ended the run.
+- The files fetched back hold at most ``FETCH_DIR_MAX_BYTES`` (64 MiB) in all, as
+  ``/run_code``'s do: a file that would take the total past it is left out. One
+  file is read whole before it is counted; the sandbox's memory limit bounds it (its
+  work dir is charged to the call's memory).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 from envhub.errors import InvalidRequest, NotFound
 from envhub.runcode.request import Bounds, check_fetch, check_files, is_number
-from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+from envhub.sandbox import FETCH_DIR_MAX_BYTES, ExecResult, Sandbox, SandboxSpec
 
 FIELDS = ("cells", "cell_timeout", "total_timeout", "kernel", "files", "fetch_files")
 DEFAULT_TOTAL_TIMEOUT = 45.0  # SandboxFusion's
@@ -92,11 +96,15 @@ async def run(sandbox: Sandbox, spec: SandboxSpec, request: dict[str, Any], exec
                 return _timed_out(started, executor)
             cells.append(_cell(result, limit))
         files = {}
+        room = FETCH_DIR_MAX_BYTES
         for asked, norm in request["fetch"]:
             try:
-                files[asked] = base64.b64encode(await sandbox.read_file(handle, norm)).decode()
+                data = await sandbox.read_file(handle, norm)
             except (NotFound, InvalidRequest):  # missing, or not a regular file of the sandbox
                 continue
+            if len(data) <= room:
+                room -= len(data)
+                files[asked] = base64.b64encode(data).decode()
     finally:
         await sandbox.destroy(handle)
     return {

@@ -164,6 +164,7 @@ class RunCode:
         self._compiles: SingleFlight[compile_cache.Entry] = SingleFlight()
         self._ids = itertools.count(1)
         self._versions: dict[str, str | None] | None = None
+        self._new_sandbox(hidden=False)  # a bad run_code.sandbox stops the node at start, not each call
         if self.missing:
             log.info(
                 "run_code: not offering %s",
@@ -217,7 +218,7 @@ class RunCode:
             return cast(ProgramRunner, self.sandbox)
         async with self._starting:
             if self.sandbox is None:
-                sandbox = self.sandbox_class(self._sandbox_config(), self.settings)
+                sandbox = self._new_sandbox(hidden=True)
                 if not isinstance(sandbox, ProgramRunner):
                     raise SandboxError(f"sandbox {self.sandbox_class.name!r} cannot run programs")
                 try:
@@ -228,7 +229,18 @@ class RunCode:
                 self.sandbox = sandbox
             return cast(ProgramRunner, self.sandbox)
 
-    def _sandbox_config(self) -> dict[str, Any]:
+    def _new_sandbox(self, *, hidden: bool) -> Sandbox:
+        """A sandbox of run_code's config (hiding the environments' paths if ``hidden``),
+        not started; ``StartupError`` naming ``run_code.sandbox`` if the config is bad."""
+        try:
+            return self.sandbox_class(self._sandbox_config(hidden=hidden), self.settings)
+        except StartupError as e:
+            raise StartupError(f"run_code.sandbox: {e.message}") from None
+        except (TypeError, ValueError) as e:
+            kind = self.sandbox_class.name
+            raise StartupError(f"run_code.sandbox: a setting of the {kind} sandbox is bad: {e}") from None
+
+    def _sandbox_config(self, *, hidden: bool = True) -> dict[str, Any]:
         config: dict[str, Any] = {
             "label": "run-code",
             "memory_mb": self.options.memory_mb,
@@ -238,7 +250,7 @@ class RunCode:
             **self.options.sandbox,
         }
         config["env"] = {"PATH": self.options.path, **dict(config.get("env") or {})}
-        config["hide"] = [*list(config.get("hide") or []), *self.hidden()]
+        config["hide"] = [*list(config.get("hide") or []), *(self.hidden() if hidden else [])]
         return config
 
     async def stop(self) -> None:
@@ -385,7 +397,7 @@ class RunCode:
         compile of the same, or run now in a sandbox of its own. Returns its result,
         what it made and whether this call ran it."""
         digest = compile_cache.key(lang.identity(), files[-1].data, [(f.path, f.data) for f in files[:-1]])
-        entry = await self.cache.get(digest)
+        entry = await self.cache.get(digest, spec.limits.memory_mb)
         if entry is not None:
             self._count_compile(lang.name, "hit")
             return entry.compile, entry.artifact, False
@@ -396,7 +408,7 @@ class RunCode:
             made = compile_cache.Entry(result.steps[0], list(result.artifact or []))
             if made.compile.exit_code == 0 and not result.artifact:
                 raise SandboxError(f"the {lang.name} compile made no {lang.artifact}")
-            await self.cache.put(digest, made)
+            await self.cache.put(digest, spec.limits.memory_mb, made)
             return made
 
         entry, ran = await self._compiles.run((digest, request.compile_timeout, spec.limits.memory_mb), compile_now)

@@ -209,7 +209,8 @@ class SchedulerService:
                     extra={"retry_after": 2},
                 )
             try:
-                await asyncio.wait_for(self.view.freed.wait(), left)
+                async with asyncio.timeout(left):  # not wait_for, which can lose a cancel in 3.11
+                    await self.view.freed.wait()
             except TimeoutError:
                 pass
 

@@ -19,11 +19,14 @@ API key"}`` besides the envelope, as its service answers.
   everything, written into URLs and configs), and it opens those routes and nothing else
   (``/k/<key>/`` serves nothing else). With run_code keys and no API keys, only the
   run_code routes are closed.
+- A key in a path never reaches a log: Sanic's access log and envhub's error log show
+  ``/k/***/...`` (:func:`redacted`).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 
 from sanic import Request, Sanic
@@ -36,6 +39,27 @@ METRICS_PATH = "/metrics"
 SETA_PATHS = frozenset({"/step", "/setup", "/setup_dataset", "/cleanup", "/cleanup_task"})
 RUN_CODE_PATHS = frozenset({"/run_code", "/run_code/languages", "/run_jupyter"})
 KEYED_PREFIX = "/k/"  # /k/<run_code key>/<a run_code path>
+
+
+_PATH_KEY = re.compile(r"(/+k/+)[^/?#\s]+")
+
+
+def redacted(text: str) -> str:
+    """``text`` (a path, a URL, a log line) with any key in a ``/k/<key>/`` path hidden."""
+    return _PATH_KEY.sub(r"\1***", text)
+
+
+class _RedactAccessLog(logging.Filter):
+    """Hides path keys in Sanic's access log, which logs each request's whole URL."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request = getattr(record, "request", None)
+        if isinstance(request, str) and "/k/" in request:
+            record.request = redacted(request)
+        return True
+
+
+_REDACT_ACCESS_LOG = _RedactAccessLog()
 
 
 def presented_key(request: Request) -> str | None:
@@ -77,6 +101,9 @@ def path_key(path: str) -> tuple[str, str] | None:
 
 
 def setup_auth(app: Sanic) -> None:
+    access = logging.getLogger("sanic.access")
+    if _REDACT_ACCESS_LOG not in access.filters:
+        access.addFilter(_REDACT_ACCESS_LOG)
     keys = list(app.ctx.settings.api_keys)
     metrics_keys = keys + list(app.ctx.settings.metrics_keys)
     run_code_keys = list(app.ctx.settings.run_code_keys)
@@ -93,7 +120,7 @@ def setup_auth(app: Sanic) -> None:
         keyed = path_key(path)
         if keyed is not None:
             if keyed[1] not in RUN_CODE_PATHS:
-                raise NotFound(f"no route for {request.method} {path}")
+                raise NotFound(f"no route for {request.method} {redacted(path)}")
             if not run_code_keys:
                 raise Forbidden("a key in the path must be one of run_code_keys, and this process has none")
             check_key(run_code_keys, keyed[0])

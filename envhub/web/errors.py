@@ -14,6 +14,7 @@ from sanic.exceptions import SanicException
 from sanic.response import JSONResponse, json
 
 from envhub.errors import EnvhubError
+from envhub.web.auth import redacted
 
 log = logging.getLogger("envhub.web")
 
@@ -32,11 +33,11 @@ def render(request: Request, exception: Exception) -> JSONResponse:
         status = exception.status_code
         message = str(exception) or "error"
         if status == 404:
-            message = f"no route for {request.method} {request.path}"
+            message = f"no route for {request.method} {redacted(request.path)}"
         elif status == 405:
-            message = f"method {request.method} is not allowed on {request.path}"
+            message = f"method {request.method} is not allowed on {redacted(request.path)}"
         return envelope(status, f"http_{status}", message, headers=getattr(exception, "headers", None))
-    log.error("unhandled error on %s %s", request.method, request.path, exc_info=exception)
+    log.error("unhandled error on %s %s", request.method, redacted(request.path), exc_info=exception)
     return envelope(500, "internal", "internal error; see the server log")
 
 

@@ -41,6 +41,12 @@ from envhub.plugins.docker_sandbox.engine import (
 from envhub.plugins.docker_sandbox.exec import DockerExec
 from envhub.sandbox import FETCH_DIR_MAX_BYTES
 
+READ_FILE_MAX_BYTES = 256 << 20  # what read_file returns at most, as the rootfs sandbox
+_TAR_SLACK = 16 << 20  # room for tar headers and padding around the data
+# Go's os.FileMode type bits, as the engine's path stat gives them: dir, symlink, named
+# pipe, socket, device, char device, irregular.
+_GO_MODE_NOT_REGULAR = (1 << 31) | (1 << 27) | (1 << 25) | (1 << 24) | (1 << 26) | (1 << 21) | (1 << 19)
+
 
 class DockerFiles:
     """Files in the containers of ``engine``; ``workdir`` (None: each image's WORKDIR) is
@@ -84,7 +90,7 @@ class DockerFiles:
     def _read_file_sync(self, cid: str, path: str) -> bytes:
         target = self._resolve(cid, path)
         for _ in range(MAX_SYMLINK_HOPS):
-            archive, stat = self._get_tar(cid, target)
+            archive, stat = self._get_tar(cid, target, READ_FILE_MAX_BYTES + _TAR_SLACK, regular_only=True)
             if archive is None:
                 raise NotFound(f"no file {target!r} in sandbox {cid[:12]}")
             if stat and stat.get("linkTarget"):
@@ -125,19 +131,26 @@ class DockerFiles:
 
     def _fetch_dir_sync(self, cid: str, container_dir: str) -> dict[str, bytes]:
         target = self._resolve(cid, container_dir)
-        archive, stat = self._get_tar(cid, target)
+        limit = 2 * FETCH_DIR_MAX_BYTES + _TAR_SLACK  # the files and their headers
+        archive, stat = self._get_tar(cid, target, limit)
         if archive is not None and stat and stat.get("linkTarget"):
-            archive, stat = self._get_tar(cid, stat["linkTarget"])
+            archive, stat = self._get_tar(cid, stat["linkTarget"], limit)
         if archive is None:
             return {}
         files: dict[str, bytes] = {}
+        sizes: dict[str, int] = {}  # by name in the archive, for the hard links to them
         size = 0
         with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
             for member in tf:
-                # islnk: the engine stores a second name of a file as a hard link entry
-                if not (member.isfile() or member.islnk()):
+                # islnk: the engine stores a second name of a file as a hard link entry,
+                # whose own size is 0: it counts as the file it names, each time.
+                if member.isfile():
+                    sizes[member.name] = member.size
+                    size += member.size
+                elif member.islnk():
+                    size += sizes.get(member.linkname, 0)
+                else:
                     continue
-                size += member.size
                 if size > FETCH_DIR_MAX_BYTES:
                     raise SandboxError(f"{target!r} holds more than {FETCH_DIR_MAX_BYTES} bytes of files")
                 _, _, rel = member.name.partition("/")  # drop the folder's own name
@@ -178,10 +191,28 @@ class DockerFiles:
         header = res.headers.get("X-Docker-Container-Path-Stat")
         return json.loads(base64.b64decode(header)) if header else {}
 
-    def _get_tar(self, cid: str, path: str) -> tuple[bytes | None, dict[str, Any] | None]:
+    def _get_tar(
+        self, cid: str, path: str, limit: int, *, regular_only: bool = False
+    ) -> tuple[bytes | None, dict[str, Any] | None]:
+        """The engine's archive of ``path`` and its stat; ``(None, None)`` when missing.
+        ``SandboxError`` once the archive passes ``limit`` bytes (the rest is not read);
+        with ``regular_only``, ``InvalidRequest`` for anything but a regular file or a
+        symlink, before any of it is read."""
         try:
             stream, stat = self.engine.api.get_archive(cid, path)
-            return b"".join(stream), stat
+            try:
+                if regular_only and stat and not stat.get("linkTarget"):
+                    if int(stat.get("mode") or 0) & _GO_MODE_NOT_REGULAR:
+                        raise InvalidRequest(f"{path!r} is not a regular file", field="path")
+                chunks, size = [], 0
+                for chunk in stream:
+                    size += len(chunk)
+                    if size > limit:
+                        raise SandboxError(f"{path!r} is too large to read (more than {limit >> 20} MiB)")
+                    chunks.append(chunk)
+            finally:
+                stream.close()  # a read cut short drops its connection
+            return b"".join(chunks), stat
         except docker.errors.NotFound as e:
             release_response(e)
             if no_such_container(e):

@@ -375,7 +375,8 @@ class FrpNetwork(NetworkMode):
             if proc.returncode is None:
                 _kill_group(proc.pid, signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(proc.wait(), 5)
+                    async with asyncio.timeout(5):  # not wait_for, which can lose a cancel in 3.11
+                        await proc.wait()
                 except TimeoutError:
                     _kill_group(proc.pid, signal.SIGKILL)
                     await proc.wait()

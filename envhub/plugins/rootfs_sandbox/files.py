@@ -1,12 +1,19 @@
 """Files of a running episode, read and written by the node through ``/proc/<pid>/root``.
 
 The episode's filesystem exists only in its own mount namespace, and the node reaches it
-through the magic link ``/proc/<pid>/root`` of the episode's init. Paths come from the
+through the magic link ``/proc/<pid>/root`` of the episode's init, looked up from an fd of
+``/proc/<pid>`` opened when the episode started: once that init has exited, the lookup
+fails (ESRCH) even if its pid was given to another process, so a reused pid never leads
+the node into another process's root (the host's, say). Paths come from the
 model and symlinks from episode code, so every path is resolved with ``openat2``'s
 ``RESOLVE_IN_ROOT``: ``..`` and absolute symlinks stay inside the episode's root, as if
 the node were chrooted there, and no magic link (``/proc/self/...``) is followed. A file
 the node creates belongs to the episode's root (the node's uid is the one the episode's
 root maps to), as if the episode had made it.
+
+Only regular files are read or written: a path is opened with ``O_NONBLOCK`` (a FIFO the
+episode made would otherwise block the node's thread for good) and refused unless
+``fstat`` says it is a regular file; a written file is truncated only after that check.
 
 Blocking calls: run them in a thread.
 """
@@ -17,6 +24,7 @@ import ctypes
 import errno
 import os
 import posixpath
+import stat
 
 from envhub.errors import InvalidRequest, NotFound, SandboxError
 
@@ -53,7 +61,18 @@ def available() -> bool:
 def _absolute(path: str, workdir: str) -> str:
     if not isinstance(path, str) or not path or "\0" in path:
         raise InvalidRequest("a file path must be a non-empty string", field="path")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{path!r} is no file name this system can spell", field="path") from None
     return posixpath.normpath(posixpath.join(workdir or "/", path))
+
+
+def _regular(fd: int, path: str) -> None:
+    """Closes ``fd`` and raises unless it is a regular file."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidRequest(f"{path!r} is not a regular file", field="path")
 
 
 class EpisodeFiles:
@@ -62,10 +81,21 @@ class EpisodeFiles:
     def __init__(self, pid: int, workdir: str) -> None:
         self.pid = pid
         self.workdir = workdir or "/"
+        try:
+            self._proc: int | None = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            self._proc = None  # already gone: every call says so
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            os.close(proc)
 
     def _root(self) -> int:
+        if self._proc is None:
+            raise SandboxError("the episode's filesystem is gone")
         try:
-            return os.open(f"/proc/{self.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            return os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._proc)
         except OSError as e:
             raise SandboxError(f"the episode's filesystem is gone ({e.strerror})") from None
 
@@ -78,8 +108,10 @@ class EpisodeFiles:
         root = self._root()
         try:
             os.close(self._make_dirs(root, parent))
-            fd = _openat2(root, target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = _openat2(root, target, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY, 0o644)
+            _regular(fd, path)
             with os.fdopen(fd, "wb") as f:
+                f.truncate(0)
                 f.write(data)
         except OSError as e:
             raise _error(e, path) from None
@@ -90,7 +122,8 @@ class EpisodeFiles:
         """The bytes of ``path``; ``NotFound`` when there is none."""
         root = self._root()
         try:
-            fd = _openat2(root, _absolute(path, self.workdir), os.O_RDONLY)
+            fd = _openat2(root, _absolute(path, self.workdir), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            _regular(fd, path)
             with os.fdopen(fd, "rb") as f:
                 data = f.read(MAX_FILE + 1)
         except OSError as e:
@@ -106,17 +139,16 @@ class EpisodeFiles:
         fd = _openat2(root, "/", os.O_PATH | os.O_DIRECTORY)
         for part in [p for p in parent.split("/") if p]:
             try:
-                nxt = _openat2(fd, part, os.O_PATH | os.O_DIRECTORY)
-            except FileNotFoundError:
                 try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                except FileExistsError:
-                    pass
-                nxt = _openat2(fd, part, os.O_PATH | os.O_DIRECTORY)
-            except BaseException:
+                    nxt = _openat2(fd, part, os.O_PATH | os.O_DIRECTORY)
+                except FileNotFoundError:
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nxt = _openat2(fd, part, os.O_PATH | os.O_DIRECTORY)
+            finally:
                 os.close(fd)
-                raise
-            os.close(fd)
             fd = nxt
         return fd
 
@@ -124,6 +156,6 @@ class EpisodeFiles:
 def _error(e: OSError, path: str) -> Exception:
     if e.errno == errno.ENOENT:
         return NotFound(f"no file {path!r} in the sandbox")
-    if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+    if e.errno in (errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.EXDEV, errno.ENXIO):
         return InvalidRequest(f"cannot use {path!r}: {e.strerror}", field="path")
     return SandboxError(f"{path}: {e.strerror}")

@@ -243,7 +243,8 @@ class RootfsStore:
         )
         try:
             try:
-                _, err = await asyncio.wait_for(proc.communicate(), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for, which can lose a cancel in 3.11
+                    _, err = await proc.communicate()
             except BaseException:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

@@ -80,6 +80,8 @@ MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
+_MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME = 0x400, 0x800, 0x200000
+_ST_RELATIME = 0x1000  # statvfs's f_flag has the MS_ bits below 0x1000, relatime here
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
@@ -246,7 +248,19 @@ def _host_overlay(scratch: str, rel: str, *, depth: int) -> None:
             _host_overlay(scratch, f"{rel}/{child}", depth=depth - 1)
         elif os.path.isfile(path):
             os.close(os.open(os.path.join(target, child), os.O_CREAT | os.O_WRONLY, 0o644))
-            _mount(path, os.path.join(target, child), None, MS_BIND)
+            _read_only_bind(path, os.path.join(target, child))
+
+
+def _read_only_bind(source: str, target: str) -> None:
+    """``source`` bound at ``target``, read-only: a host file with no overlay over it
+    must not be written through (an episode's root is the host's root for its permission
+    checks). The remount keeps the flags the source's mount has, which a user namespace
+    may not drop (the kernel refuses the remount otherwise)."""
+    _mount(source, target, None, MS_BIND)
+    kept = os.statvfs(source).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME)
+    if os.statvfs(source).f_flag & _ST_RELATIME:
+        kept |= _MS_RELATIME
+    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | kept)
 
 
 def _overlay(target: str, options: str) -> None:

@@ -396,6 +396,7 @@ class RootfsSandbox(Sandbox):
         if ep is None:
             return
         ep.agent.close()
+        ep.files.close()
         try:
             if self.zygote is not None and self.zygote.alive:
                 await self.zygote.call({"op": "kill", "pid": ep.pid})
