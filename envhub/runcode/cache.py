@@ -92,9 +92,7 @@ class CompileCache:
         limit."""
         if not self.enabled:
             return None
-        entry = await asyncio.to_thread(self._read, digest) or await asyncio.to_thread(
-            self._read, failure_key(digest, memory_mb)
-        )
+        entry = await asyncio.to_thread(self._read_either, digest, failure_key(digest, memory_mb))
         if entry is None:
             self.misses += 1
         else:
@@ -113,6 +111,10 @@ class CompileCache:
 
     def _dir(self, digest: str) -> Path:
         return self.root / digest[:2] / digest
+
+    def _read_either(self, *digests: str) -> Entry | None:
+        """The first of ``digests`` the cache holds (one worker-thread hop for all)."""
+        return next((entry for d in digests if (entry := self._read(d)) is not None), None)
 
     def _read(self, digest: str) -> Entry | None:
         where = self._dir(digest)

@@ -211,7 +211,7 @@ class DockerFiles:
                         raise SandboxError(f"{path!r} is too large to read (more than {limit >> 20} MiB)")
                     chunks.append(chunk)
             finally:
-                stream.close()  # a read cut short drops its connection
+                stream.close()  # a read cut short: the rest is never read, and the response goes with the stream
             return b"".join(chunks), stat
         except docker.errors.NotFound as e:
             release_response(e)

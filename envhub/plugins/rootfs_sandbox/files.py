@@ -69,7 +69,7 @@ def _absolute(path: str, workdir: str) -> str:
 
 
 def _regular(fd: int, path: str) -> None:
-    """Closes ``fd`` and raises unless it is a regular file."""
+    """``InvalidRequest`` (with ``fd`` closed) unless ``fd`` is a regular file."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise InvalidRequest(f"{path!r} is not a regular file", field="path")

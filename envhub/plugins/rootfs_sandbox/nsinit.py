@@ -257,8 +257,9 @@ def _read_only_bind(source: str, target: str) -> None:
     checks). The remount keeps the flags the source's mount has, which a user namespace
     may not drop (the kernel refuses the remount otherwise)."""
     _mount(source, target, None, MS_BIND)
-    kept = os.statvfs(source).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME)
-    if os.statvfs(source).f_flag & _ST_RELATIME:
+    flags = os.statvfs(source).f_flag
+    kept = flags & (MS_NOSUID | MS_NODEV | MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME)
+    if flags & _ST_RELATIME:
         kept |= _MS_RELATIME
     _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | kept)
 
