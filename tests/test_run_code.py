@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, EnvhubProcess
+from conftest import REPO, EnvhubProcess, eventually
 from test_metrics import scrape
 
 from envhub.runcode.languages import BUILTIN, detect
@@ -412,6 +412,35 @@ def test_run_code_has_slots_of_its_own_and_a_full_queue_is_a_504(start_node):
         assert queued.json()["code"] == "capacity_exceeded"
         assert busy.result().json()["status"] == "Success"
         c.post(f"/instances/{created.json()['instance_id']}/release")
+
+
+def test_requests_waiting_for_a_slot_hold_at_most_queue_bytes(start_node):
+    """A flood of large requests cannot fill the node's memory while they wait: past
+    run_code.queue_bytes of waiting requests, a call gets the full queue's 504 at once; a
+    small one still fits, and a call that waits alone is never refused for its size."""
+    node = start_node(
+        "--set",
+        "environments.terminal-bench.enabled=false",
+        "--set",
+        "run_code.slots=1",
+        "--set",
+        "run_code.queue_bytes=3000000",
+    )
+    big = "1 " * 1_000_000  # 2 MB of stdin
+    with node.client(timeout=60) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        busy = pool.submit(c.post, "/run_code", json={"code": "import time\ntime.sleep(4)", "language": "python"})
+        eventually(lambda: c.get("/health").json()["run_code"]["active"] == 1, message="the slot was never taken")
+        code = "print(len(input().split()))"
+        waiting = pool.submit(c.post, "/run_code", json={"code": code, "language": "python", "stdin": big})
+        eventually(lambda: c.get("/health").json()["run_code"]["queued_bytes"] > 2_000_000, message="never queued")
+        refused = c.post("/run_code", json={"code": code, "language": "python", "stdin": big})
+        assert refused.status_code == 504 and refused.headers["retry-after"], refused.text
+        assert refused.json()["code"] == "capacity_exceeded" and "queue_bytes" in refused.json()["error"]
+        small = pool.submit(c.post, "/run_code", json={"code": code, "language": "python", "stdin": "1 2 3"})
+        assert busy.result().json()["status"] == "Success"
+        assert waiting.result().json()["run_result"]["stdout"] == "1000000\n"
+        assert small.result().json()["run_result"]["stdout"] == "3\n"
+        assert c.get("/health").json()["run_code"]["queued_bytes"] == 0
 
 
 def test_run_code_can_be_off(start_node):

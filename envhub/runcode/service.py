@@ -12,7 +12,10 @@ Invariants:
 - Calls take a slot of a pool of their own (``run_code.slots``), never an episode's, so a
   flood of reward calls cannot starve episodes of slots nor episodes starve them. A call
   waits for a slot at most ``queue_timeout`` seconds, in a queue of ``queue_size``; then
-  it is answered 504 with Retry-After, the one status verl's client retries.
+  it is answered 504 with Retry-After, the one status verl's client retries. The
+  request bodies of the calls that wait hold at most ``queue_bytes`` in all (a call that
+  would go past it is answered so at once), unless a call waits alone: a flood of large
+  requests costs the node a bounded amount of memory, whatever the queue's length.
 - Nothing runs before the request is checked whole (``request.py``). A failure of the
   sandbox itself is SandboxFusion's ``SandboxError`` reply (HTTP 200), as SandboxFusion
   answers; the program's own failures are in its results.
@@ -75,6 +78,7 @@ class Options:
     slots: int
     queue_size: int
     queue_timeout: float
+    queue_bytes: int
     memory_mb: int
     max_processes: int
     output_limit: int
@@ -86,8 +90,8 @@ class Options:
     @classmethod
     def read(cls, config: Mapping[str, Any]) -> Options:
         known = {
-            "enabled", "slots", "queue_size", "queue_timeout", "memory_mb", "max_memory_mb", "max_processes",
-            "output_limit", "max_timeout", "compile_cache_mb", "path", "languages", "sandbox",
+            "enabled", "slots", "queue_size", "queue_timeout", "queue_bytes", "memory_mb", "max_memory_mb",
+            "max_processes", "output_limit", "max_timeout", "compile_cache_mb", "path", "languages", "sandbox",
         }  # fmt: skip
         unknown = sorted(set(config) - known)
         if unknown:
@@ -107,6 +111,7 @@ class Options:
             slots=_whole(config, "slots", max(8, 4 * (os.cpu_count() or 1)), 1),
             queue_size=_whole(config, "queue_size", 4096, 0),
             queue_timeout=_seconds(config, "queue_timeout", 60.0),
+            queue_bytes=_whole(config, "queue_bytes", 1 << 30, 0),
             memory_mb=memory_mb,
             max_processes=_whole(config, "max_processes", 256, 8),
             output_limit=_whole(config, "output_limit", 1 << 20, 1024),
@@ -164,6 +169,7 @@ class RunCode:
         self._compiles: SingleFlight[compile_cache.Entry] = SingleFlight()
         self._ids = itertools.count(1)
         self._versions: dict[str, str | None] | None = None
+        self.waiting_bytes = 0  # request bytes of the calls waiting for a slot (queue_bytes)
         self._new_sandbox(hidden=False)  # a bad run_code.sandbox stops the node at start, not each call
         if self.missing:
             log.info(
@@ -195,6 +201,7 @@ class RunCode:
             "slots": self.slots.capacity,
             "active": self.slots.used,
             "queued": self.slots.queued,
+            "queued_bytes": self.waiting_bytes,
         }
 
     async def describe(self) -> dict[str, Any]:
@@ -260,30 +267,43 @@ class RunCode:
 
     # -- a call ----------------------------------------------------------------------------
 
-    async def run(self, body: Any) -> dict[str, Any]:
-        """One ``/run_code`` call: SandboxFusion's reply (see ``request.py``)."""
+    async def run(self, body: Any, size: int = 0) -> dict[str, Any]:
+        """One ``/run_code`` call: SandboxFusion's reply (see ``request.py``). ``size``:
+        the bytes its request came in, which wait with it for a slot (``queue_bytes``)."""
         language = body.get("language") if isinstance(body, dict) else None
         label = language if isinstance(language, str) and language in self.languages else "unknown"
 
         async def call() -> dict[str, Any]:
             request = parse(body, self.languages, self.options.bounds)
-            return await self._on_slot(lambda: self._run(request, self.languages[request.language]))
+            return await self._on_slot(lambda: self._run(request, self.languages[request.language]), size)
 
         return await self._metered(label, call)
 
-    async def jupyter(self, body: Any) -> dict[str, Any]:
+    async def jupyter(self, body: Any, size: int = 0) -> dict[str, Any]:
         """One ``/run_jupyter`` call: SandboxFusion's reply (see ``jupyter.py``), on a
         run_code slot, in a fresh sandbox of run_code's."""
 
         async def call() -> dict[str, Any]:
             request = jupyter.parse(body, self.options.bounds)
-            return await self._on_slot(lambda: self._jupyter(request))
+            return await self._on_slot(lambda: self._jupyter(request), size)
 
         return await self._metered("jupyter", call)
 
-    async def _on_slot(self, work: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        """``work()`` once a run_code slot is free; the slot is held until it ends."""
-        await self._acquire()
+    async def _on_slot(self, work: Callable[[], Awaitable[dict[str, Any]]], size: int) -> dict[str, Any]:
+        """``work()`` once a run_code slot is free; the slot is held until it ends.
+        Meanwhile the call's ``size`` request bytes count against ``queue_bytes``."""
+        if self.waiting_bytes and self.waiting_bytes + size > self.options.queue_bytes:
+            raise RunCodeBusy(
+                f"the run_code calls waiting for a slot hold {self.waiting_bytes} bytes of requests, and this "
+                f"one's {size} would pass run_code.queue_bytes ({self.options.queue_bytes})",
+                headers={"Retry-After": str(max(1, round(self.slots.retry_after)))},
+                extra={"queued": self.slots.queued, "queued_bytes": self.waiting_bytes},
+            )
+        self.waiting_bytes += size
+        try:
+            await self._acquire()
+        finally:
+            self.waiting_bytes -= size
         try:
             return await work()
         finally:

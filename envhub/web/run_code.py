@@ -5,7 +5,8 @@
 
 ``/run_code`` and ``/run_jupyter`` answer with SandboxFusion's replies
 (envhub/runcode/request.py, envhub/runcode/jupyter.py); a request they refuse is a 400
-envelope naming the field, a full queue a 504 (verl's client retries 504), and
+envelope naming the field, a full queue (``queue_size`` calls, or ``queue_bytes`` of
+their requests) a 504 (verl's client retries 504), and
 ``run_code.enabled: false`` makes every route here a 404.
 """
 
@@ -32,7 +33,7 @@ def service(request: Request) -> Any:
 @bp.post("/run_code")
 @bp.post("/k/<key>/run_code", name="run_code_keyed")
 async def run_code(request: Request, key: str | None = None):
-    return json(await service(request).run(json_body(request)))
+    return json(await service(request).run(json_body(request), len(request.body)))
 
 
 @bp.get("/run_code/languages")
@@ -44,4 +45,4 @@ async def languages(request: Request, key: str | None = None):
 @bp.post("/run_jupyter")
 @bp.post("/k/<key>/run_jupyter", name="run_jupyter_keyed")
 async def run_jupyter(request: Request, key: str | None = None):
-    return json(await service(request).jupyter(json_body(request)))
+    return json(await service(request).jupyter(json_body(request), len(request.body)))
