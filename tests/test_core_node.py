@@ -85,6 +85,31 @@ async def test_concurrent_creates_with_one_id_make_one_instance(node):
     assert (await health(node))["active"] == 1
 
 
+async def test_a_concurrent_create_of_another_task_with_one_id_is_a_conflict_not_a_replay(node):
+    """A create that joins one in flight is checked as a later replay is: another task
+    under the same id gets 409, never the first task's observation."""
+    bodies = [{"environment": "mbpp", "task_id": t, "instance_id": "shared"} for t in ("11", "12", "13")]
+    replies = await asyncio.gather(*(node.http.post("/instances", json=b) for b in bodies))
+    assert sorted(r.status_code for r in replies) == [201, 409, 409], [r.text for r in replies]
+    made = next(r.json() for r in replies if r.status_code == 201)
+    for r in replies:
+        if r.status_code == 409:
+            assert f"already names an instance of mbpp/{made['task_id']}" in assert_envelope(r, 409, "conflict")["error"]
+    assert (await health(node))["active"] == 1
+
+
+async def test_a_bad_warm_pool_is_refused_at_reload_and_creates_go_on(node):
+    """warm_pool is read by every create: a reload that sets it badly is a 400 naming it,
+    not a node whose creates fail after admitting their instance."""
+    r = await node.http.post("/config", json={"environments": {"mbpp": {"warm_pool": "8"}}})
+    assert "warm_pool" in assert_envelope(r, 400, "invalid_request")["error"]
+    created = await node.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})
+    assert created.status_code == 201, created.text
+    assert (await health(node))["active"] == 1
+    await node.http.post(f"/instances/{created.json()['instance_id']}/release")
+    assert (await health(node))["active"] == 0
+
+
 async def test_a_create_on_a_full_node_waits_for_the_slot_a_release_frees(node):
     held = [(await node.http.post("/instances", json={"environment": "mbpp", "task_id": t})).json() for t in "12"]
     assert [h["state"] for h in held] == ["active", "active"]
