@@ -216,6 +216,18 @@ async def test_reap_idle_expires_only_instances_idle_past_the_ttl_and_frees_thei
     assert service.health()["active"] == 0
 
 
+async def test_reap_idle_leaves_an_instance_whose_file_transfer_runs(node):
+    """Transfers take no lock; one longer than idle_ttl must not be cut off by the reaper."""
+    service = node.ctx.node
+    await service.create("mbpp", "11", instance_id="moving")
+    live = service.episodes.find("moving")
+    later = time.monotonic() + node.settings.idle_ttl + 1
+    live.transfers += 1  # what a put_files or get_files holds while it runs (node/access.py)
+    assert await service.reap_idle(now=later) == [], "reaped under a transfer"
+    live.transfers -= 1
+    assert await service.reap_idle(now=later) == ["moving"]
+
+
 async def test_reconfigure_changes_what_it_may_and_refuses_the_rest(node):
     service = node.ctx.node
     assert (await service.reconfigure({"idle_ttl": 5, "queue_timeout": 1}))["idle_ttl"] == 5
