@@ -94,7 +94,8 @@ async def test_a_concurrent_create_of_another_task_with_one_id_is_a_conflict_not
     made = next(r.json() for r in replies if r.status_code == 201)
     for r in replies:
         if r.status_code == 409:
-            assert f"already names an instance of mbpp/{made['task_id']}" in assert_envelope(r, 409, "conflict")["error"]
+            error = assert_envelope(r, 409, "conflict")["error"]
+            assert f"already names an instance of mbpp/{made['task_id']}" in error
     assert (await health(node))["active"] == 1
 
 

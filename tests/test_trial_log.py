@@ -96,7 +96,7 @@ def test_names_that_differ_only_in_unsafe_characters_get_dirs_of_their_own():
     name leads out of its folder."""
     names = ["job:1", "job_1", ".a", "a", "..", "", "x" * 300, "x" * 301, "a/b", "a_b", "~"]
     dirs = [safe_name(n) for n in names]
-    assert len(set(dirs)) == len(names), dict(zip(names, dirs))
+    assert len(set(dirs)) == len(names), dict(zip(names, dirs, strict=True))
     for d in dirs:
         assert d and "/" not in d and not d.startswith(".") and len(d) <= 217
     assert safe_name("mbpp-0f3a_b.c") == "mbpp-0f3a_b.c", "a safe name is kept as it is"
