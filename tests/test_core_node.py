@@ -229,6 +229,53 @@ async def test_reap_idle_leaves_an_instance_whose_file_transfer_runs(node):
     assert await service.reap_idle(now=later) == ["moving"]
 
 
+async def test_an_evaluate_queued_behind_a_step_grades_once_what_the_step_left(node):
+    """A step clears only a finished grade: an evaluate waiting for the step's lock is
+    still the one run, and a second evaluate joins it instead of grading again."""
+    http = node.http
+    created = await http.post("/instances", json={"environment": "mbpp", "task_id": "13", "trial": "q"})
+    iid = created.json()["instance_id"]
+    slow = asyncio.ensure_future(http.post(f"/instances/{iid}/step", json=run("import time\ntime.sleep(1)")))
+    await asyncio.sleep(0.3)
+    first = asyncio.ensure_future(http.post(f"/instances/{iid}/evaluate"))
+    assert (await slow).status_code == 200
+    second = await http.post(f"/instances/{iid}/evaluate")
+    assert (await first).json() == second.json()
+    log = node.ctx.settings.trials_dir / "q" / iid / "episode.jsonl"
+    await asyncio.sleep(0.2)  # the trial log's writer flushes every 20 ms
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    assert events.count("evaluation") == 1, events
+
+
+async def test_an_evaluate_and_release_grades_again_after_a_step_that_slipped_in(node):
+    """A step that takes the lock between an evaluate-and-release's grade and its end
+    makes that grade stale: the instance is graded again before it is released."""
+    http = node.http
+    iid = (await http.post("/instances", json={"environment": "mbpp", "task_id": "13"})).json()["instance_id"]
+    slow = asyncio.ensure_future(http.post(f"/instances/{iid}/step", json=run("import time\ntime.sleep(1)")))
+    await asyncio.sleep(0.3)
+    ending = asyncio.ensure_future(http.post(f"/instances/{iid}/evaluate", json={"release": True}))
+    await asyncio.sleep(0.2)  # its grade now waits for the lock, ahead of the submit
+    submitted = asyncio.ensure_future(http.post(f"/instances/{iid}/step", json=submit(FIB)))
+    assert (await slow).status_code == 200 and (await submitted).status_code == 200
+    ended = (await ending).json()
+    assert (ended["reward"], ended["state"]) == (1.0, "released"), ended
+    assert (await node.ctx.node.get(iid))["reward"] == 1.0
+
+
+async def test_an_evaluate_and_release_of_an_expired_instance_replays_no_earlier_grade(node):
+    """The replay is for the retry of an evaluate-and-release; an instance graded, then
+    stepped, then expired has no grade of its last state to give."""
+    service = node.ctx.node
+    await service.create("mbpp", "13", instance_id="graded-early")
+    assert (await service.evaluate("graded-early"))["reward"] == 0.0  # nothing submitted yet
+    await service.step("graded-early", run("x = 1")["action"])
+    assert await service.reap_idle(now=time.monotonic() + node.settings.idle_ttl + 1) == ["graded-early"]
+    r = await node.http.post("/instances/graded-early/evaluate", json={"release": True})
+    assert r.status_code in (409, 410) and "expired" in r.text, r.text
+    assert (await service.get("graded-early"))["evaluation"] is None, "the step cleared the stale grade"
+
+
 async def test_reconfigure_changes_what_it_may_and_refuses_the_rest(node):
     service = node.ctx.node
     assert (await service.reconfigure({"idle_ttl": 5, "queue_timeout": 1}))["idle_ttl"] == 5
