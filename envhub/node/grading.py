@@ -95,7 +95,8 @@ class Grader:
                 if episodes.find(instance_id) is not live:  # another call ended it meanwhile
                     if not release:
                         return reply
-                    return {**reply, "released": False, "state": (await episodes.find_row(instance_id)).state}
+                    ended = await episodes.find_row(instance_id)
+                    return {**reply, "released": False, "state": ended.state if ended else "released"}
                 if live.grading is not grading:
                     continue  # a step ran between the grade and this lock: grade what it left
                 if release:  # one transaction records the evaluation and the end
