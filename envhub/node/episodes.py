@@ -254,7 +254,7 @@ class Episodes:
             return {"instance_id": instance_id, "released": False, "state": row.state}
         async with live.lock:
             if self._live.get(instance_id) is not live:  # released while we waited for the lock
-                row = await instances.get(self.db, instance_id)
+                row = self.as_ended(await instances.get(self.db, instance_id))  # an end kept unwritten too
                 return {"instance_id": instance_id, "released": False, "state": row.state}
             await asyncio.shield(self.end(live, reason))
         return {"instance_id": instance_id, "released": True, "state": reason}
