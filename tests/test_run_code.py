@@ -120,6 +120,24 @@ def test_python_exit_codes_are_a_script_s(client, code, return_code, stderr):
         assert result["stdout"] == "kept\n"
 
 
+def test_a_script_s_threads_are_waited_for_and_its_atexit_functions_run(client):
+    """As python main.py: the idiom of competitive programmers that runs the solution in a
+    thread with a larger stack prints after the main thread's last line; atexit runs last."""
+    code = (
+        "import atexit, sys, threading, time\n"
+        "sys.setrecursionlimit(1 << 25)\nthreading.stack_size(1 << 27)\n"
+        "atexit.register(print, 'bye')\n"
+        "def main():\n    time.sleep(0.3)\n    print(int(input()) * 2)\n"
+        "threading.Thread(target=main).start()\n"
+    )
+    result = run(client, code=code, language="python", stdin="21\n")["run_result"]
+    assert (result["status"], result["stdout"]) == ("Finished", "42\nbye\n"), result
+    forever = "import threading\nthreading.Thread(target=lambda: threading.Event().wait()).start()\nprint('main done')"
+    reply = run(client, code=forever, language="python", run_timeout=1)
+    assert reply["run_result"]["status"] == "TimeLimitExceeded", reply
+    assert reply["run_result"]["stdout"] == "main done\n"
+
+
 @pytest.mark.parametrize("language", ["python", "bash"])
 def test_a_run_past_its_timeout_is_time_limit_exceeded(client, language):
     code = {"python": "print('started', flush=True)\nwhile True:\n    pass\n", "bash": "echo started\nsleep 30\n"}
