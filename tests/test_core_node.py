@@ -102,8 +102,9 @@ async def test_a_concurrent_create_of_another_task_with_one_id_is_a_conflict_not
 async def test_a_bad_warm_pool_is_refused_at_reload_and_creates_go_on(node):
     """warm_pool is read by every create: a reload that sets it badly is a 400 naming it,
     not a node whose creates fail after admitting their instance."""
-    r = await node.http.post("/config", json={"environments": {"mbpp": {"warm_pool": "8"}}})
-    assert "warm_pool" in assert_envelope(r, 400, "invalid_request")["error"]
+    for bad in ("8", 10**400, -1):
+        r = await node.http.post("/config", json={"environments": {"mbpp": {"warm_pool": bad}}})
+        assert "warm_pool" in assert_envelope(r, 400, "invalid_request")["error"]
     created = await node.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})
     assert created.status_code == 201, created.text
     assert (await health(node))["active"] == 1
@@ -215,6 +216,26 @@ async def test_reap_idle_expires_only_instances_idle_past_the_ttl_and_frees_thei
     got = await service.get("idle-1")
     assert got["state"] == "expired" and "idle" in got["error"]
     assert service.health()["active"] == 0
+
+
+async def test_numbers_past_a_float_s_range_are_refused_or_bounded_never_a_500(node):
+    """JSON ints have no bound: one that float() cannot hold is a 400, or held to the
+    bound it is checked against, on every route that takes a number."""
+    http = node.http
+    big = 10**400
+    for path, body in [
+        ("/run_code", {"code": "", "language": "python", "run_timeout": big}),
+        ("/run_jupyter", {"cells": ["1"], "cell_timeout": big}),
+        ("/admin/drain", {"timeout": big}),
+        ("/config", {"idle_ttl": big}),
+        ("/config", {"environments": {"mbpp": {"eval_timeout": big}}}),
+    ]:
+        assert_envelope(await http.post(path, json=body), 400, "invalid_request")
+    body = {"environment": "mbpp", "task_id": "11", "params": {"run_timeout": big}}
+    created = await http.post("/instances", json=body)
+    iid = created.json()["instance_id"]
+    stepped = await http.post(f"/instances/{iid}/step", json=run("6 * 7"))
+    assert stepped.status_code == 200 and stepped.json()["observation"]["value_repr"] == "42", stepped.text
 
 
 async def test_reap_idle_leaves_an_instance_whose_file_transfer_runs(node):

@@ -116,8 +116,11 @@ def parse(body: Any, offered: Mapping[str, Any], bounds: Bounds) -> RunCodeReque
 
 
 def is_number(value: Any) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float, not a bool (an int past a float's range is finite too:
+    ``math.isfinite`` would raise on it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def _timeout(body: dict[str, Any], name: str, bounds: Bounds) -> float:
