@@ -110,7 +110,10 @@ class Options:
             enabled=enabled,
             slots=_whole(config, "slots", max(8, 4 * (os.cpu_count() or 1)), 1),
             queue_size=_whole(config, "queue_size", 4096, 0),
-            queue_timeout=_seconds(config, "queue_timeout", 60.0),
+            # verl gives a call compile_timeout + run_timeout + 10 s, then scores it an API
+            # error without a retry; a call that waited 9 s still ends within that, and
+            # one that waits longer gets the 504 that verl retries while it still listens.
+            queue_timeout=_seconds(config, "queue_timeout", 9.0),
             queue_bytes=_whole(config, "queue_bytes", 1 << 30, 0),
             memory_mb=memory_mb,
             max_processes=_whole(config, "max_processes", 256, 8),
