@@ -117,7 +117,9 @@ class Options:
             queue_bytes=_whole(config, "queue_bytes", 1 << 30, 0),
             memory_mb=memory_mb,
             max_processes=_whole(config, "max_processes", 256, 8),
-            output_limit=_whole(config, "output_limit", 1 << 20, 1024),
+            # A correct answer must come back whole: competitive programs print 10^5-10^6
+            # numbers (a few MB); past the limit the output is cut and the case is lost.
+            output_limit=_whole(config, "output_limit", 16 << 20, 1024),
             compile_cache_mb=_whole(config, "compile_cache_mb", 1024, 0),
             path=path,
             bounds=Bounds(
