@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -236,6 +237,37 @@ async def test_numbers_past_a_float_s_range_are_refused_or_bounded_never_a_500(n
     iid = created.json()["instance_id"]
     stepped = await http.post(f"/instances/{iid}/step", json=run("6 * 7"))
     assert stepped.status_code == 200 and stepped.json()["observation"]["value_repr"] == "42", stepped.text
+
+
+def run_code_zygotes() -> list[int]:
+    """The pids of this process's children that are run_code zygotes."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"zygote" in cmdline and b"-run-code" in cmdline:
+            found.append(int(pid))
+    return found
+
+
+async def test_a_first_run_code_call_cut_off_while_its_sandbox_starts_leaves_one_zygote(node):
+    """The start outlives the call that began it (a client that went away): the next
+    call uses the zygote it started, and no second one is started beside it."""
+    run_code = node.ctx.node.run_code
+    body = {"code": "print(6 * 7)", "language": "python"}
+    first = asyncio.ensure_future(run_code.run(body))
+    await asyncio.sleep(0.05)  # the zygote is starting
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    reply = await run_code.run(body)
+    assert reply["status"] == "Success" and reply["run_result"]["stdout"] == "42\n", reply
+    assert len(run_code_zygotes()) == 1
 
 
 async def test_reap_idle_leaves_an_instance_whose_file_transfer_runs(node):
