@@ -270,6 +270,23 @@ async def test_a_first_run_code_call_cut_off_while_its_sandbox_starts_leaves_one
     assert len(run_code_zygotes()) == 1
 
 
+async def test_a_drain_waits_for_a_queued_create_and_refuses_it_once_it_has_its_slot(node):
+    """A create waiting for a slot (or building its image) is in flight: a drain counts it,
+    and it is not admitted onto a draining node when its slot comes."""
+    http = node.http
+    held = [(await http.post("/instances", json={"environment": "mbpp", "task_id": t})).json() for t in "12"]
+    body = {"environment": "mbpp", "task_id": "13", "instance_id": "queued-1"}
+    queued = asyncio.ensure_future(http.post("/instances", json=body))
+    await eventually_async(lambda: node.ctx.node.health()["queued"] == 1, timeout=10, message="never queued")
+    status = (await http.post("/admin/drain", json={"timeout": 60})).json()
+    assert "queued-1" in status["waiting_ids"], status
+    await http.post(f"/instances/{held[0]['instance_id']}/release")
+    assert_envelope(await queued, 503, "unavailable")
+    assert (await health(node))["active"] == 1, "the refused create gave its slot back"
+    assert "queued-1" not in (await http.get("/admin/drain")).json()["waiting_ids"]
+    await http.delete("/admin/drain")
+
+
 async def test_reap_idle_leaves_an_instance_whose_file_transfer_runs(node):
     """Transfers take no lock; one longer than idle_ttl must not be cut off by the reaper."""
     service = node.ctx.node

@@ -159,10 +159,21 @@ class Creator:
         self, env: Environment, task: Task, params: dict[str, Any], instance_id: str, trial: str, rollout: bool
     ) -> Reply:
         sandbox = self.sandboxes[env.sandbox]
-        await env.prepare(task, params)  # image builds happen before a slot is taken
-        spec = spec_for(str(self.settings.node_id), env, task, params, instance_id)
-        pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name))
         episodes = self.episodes
+        episodes.preparing.add(instance_id)  # a drain waits for it from here (drain.py)
+        try:
+            await env.prepare(task, params)  # image builds happen before a slot is taken
+            spec = spec_for(str(self.settings.node_id), env, task, params, instance_id)
+            pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name))
+        finally:
+            episodes.preparing.discard(instance_id)
+        if not episodes.accepting:  # it began to drain or stop while this create built or waited
+            try:
+                if pooled is not None:
+                    await asyncio.shield(sandbox.destroy(pooled))
+            finally:
+                episodes.slots.release()
+            raise Unavailable(f"{episodes.refusal} and takes no new instances")
         episodes.hold(instance_id)
         episodes.creating[instance_id] = env.name
         if rollout:

@@ -69,6 +69,7 @@ class Episodes:
         self.refusal = "the node is stopping"  # why, while it is not accepting
         self.ended_counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (environment, state)
         self.creating: dict[str, str] = {}  # creates holding a slot: instance id -> environment
+        self.preparing: set[str] = set()  # creates taken in, before their slot (a build, the queue)
         # Instances of whole rollouts that hold a slot (so are live too). Joined and left
         # together with the slot, so /health never counts a rollout twice or not at all.
         self.rollouts: set[str] = set()
