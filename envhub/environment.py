@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from envhub.errors import InvalidRequest, StartupError
 from envhub.util import strict_json
 
+# The most started, idle sandboxes a task's warm pool may keep (free slots bound it too).
+MAX_WARM_POOL = 1024
+
 if TYPE_CHECKING:
     from envhub.openenv import OpenEnvAdapter
     from envhub.sandbox import BuildRequest, ExecResult, Sandbox, SandboxSpec
@@ -271,8 +274,10 @@ class Environment:
     def warm_pool_size(self) -> int:
         """How many started, idle sandboxes of a task the node keeps once it is in use."""
         value = self.config.get("warm_pool", self.default_warm_pool)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise StartupError(f"{self.name}: warm_pool must be a whole number, not {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_WARM_POOL:
+            raise StartupError(
+                f"{self.name}: warm_pool must be a whole number from 0 to {MAX_WARM_POOL}, not {value!r:.60}"
+            )
         return value
 
     def starts_pool(self, params: Mapping[str, Any]) -> bool:

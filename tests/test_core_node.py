@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -83,6 +84,33 @@ async def test_concurrent_creates_with_one_id_make_one_instance(node):
     assert sorted(r.status_code for r in replies) == [200, 200, 201]
     assert len({r.json()["instance_id"] for r in replies}) == 1
     assert (await health(node))["active"] == 1
+
+
+async def test_a_concurrent_create_of_another_task_with_one_id_is_a_conflict_not_a_replay(node):
+    """A create that joins one in flight is checked as a later replay is: another task
+    under the same id gets 409, never the first task's observation."""
+    bodies = [{"environment": "mbpp", "task_id": t, "instance_id": "shared"} for t in ("11", "12", "13")]
+    replies = await asyncio.gather(*(node.http.post("/instances", json=b) for b in bodies))
+    assert sorted(r.status_code for r in replies) == [201, 409, 409], [r.text for r in replies]
+    made = next(r.json() for r in replies if r.status_code == 201)
+    for r in replies:
+        if r.status_code == 409:
+            error = assert_envelope(r, 409, "conflict")["error"]
+            assert f"already names an instance of mbpp/{made['task_id']}" in error
+    assert (await health(node))["active"] == 1
+
+
+async def test_a_bad_warm_pool_is_refused_at_reload_and_creates_go_on(node):
+    """warm_pool is read by every create: a reload that sets it badly is a 400 naming it,
+    not a node whose creates fail after admitting their instance."""
+    for bad in ("8", 10**400, -1):
+        r = await node.http.post("/config", json={"environments": {"mbpp": {"warm_pool": bad}}})
+        assert "warm_pool" in assert_envelope(r, 400, "invalid_request")["error"]
+    created = await node.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})
+    assert created.status_code == 201, created.text
+    assert (await health(node))["active"] == 1
+    await node.http.post(f"/instances/{created.json()['instance_id']}/release")
+    assert (await health(node))["active"] == 0
 
 
 async def test_a_create_on_a_full_node_waits_for_the_slot_a_release_frees(node):
@@ -189,6 +217,133 @@ async def test_reap_idle_expires_only_instances_idle_past_the_ttl_and_frees_thei
     got = await service.get("idle-1")
     assert got["state"] == "expired" and "idle" in got["error"]
     assert service.health()["active"] == 0
+
+
+async def test_numbers_past_a_float_s_range_are_refused_or_bounded_never_a_500(node):
+    """JSON ints have no bound: one that float() cannot hold is a 400, or held to the
+    bound it is checked against, on every route that takes a number."""
+    http = node.http
+    big = 10**400
+    for path, body in [
+        ("/run_code", {"code": "", "language": "python", "run_timeout": big}),
+        ("/run_jupyter", {"cells": ["1"], "cell_timeout": big}),
+        ("/admin/drain", {"timeout": big}),
+        ("/config", {"idle_ttl": big}),
+        ("/config", {"environments": {"mbpp": {"eval_timeout": big}}}),
+    ]:
+        assert_envelope(await http.post(path, json=body), 400, "invalid_request")
+    body = {"environment": "mbpp", "task_id": "11", "params": {"run_timeout": big}}
+    created = await http.post("/instances", json=body)
+    iid = created.json()["instance_id"]
+    stepped = await http.post(f"/instances/{iid}/step", json=run("6 * 7"))
+    assert stepped.status_code == 200 and stepped.json()["observation"]["value_repr"] == "42", stepped.text
+
+
+def run_code_zygotes() -> list[int]:
+    """The pids of this process's children that are run_code zygotes."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"zygote" in cmdline and b"-run-code" in cmdline:
+            found.append(int(pid))
+    return found
+
+
+async def test_a_first_run_code_call_cut_off_while_its_sandbox_starts_leaves_one_zygote(node):
+    """The start outlives the call that began it (a client that went away): the next
+    call uses the zygote it started, and no second one is started beside it."""
+    run_code = node.ctx.node.run_code
+    body = {"code": "print(6 * 7)", "language": "python"}
+    first = asyncio.ensure_future(run_code.run(body))
+    await asyncio.sleep(0.05)  # the zygote is starting
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    reply = await run_code.run(body)
+    assert reply["status"] == "Success" and reply["run_result"]["stdout"] == "42\n", reply
+    assert len(run_code_zygotes()) == 1
+
+
+async def test_a_drain_waits_for_a_queued_create_and_refuses_it_once_it_has_its_slot(node):
+    """A create waiting for a slot (or building its image) is in flight: a drain counts it,
+    and it is not admitted onto a draining node when its slot comes."""
+    http = node.http
+    held = [(await http.post("/instances", json={"environment": "mbpp", "task_id": t})).json() for t in "12"]
+    body = {"environment": "mbpp", "task_id": "13", "instance_id": "queued-1"}
+    queued = asyncio.ensure_future(http.post("/instances", json=body))
+    await eventually_async(lambda: node.ctx.node.health()["queued"] == 1, timeout=10, message="never queued")
+    status = (await http.post("/admin/drain", json={"timeout": 60})).json()
+    assert "queued-1" in status["waiting_ids"], status
+    await http.post(f"/instances/{held[0]['instance_id']}/release")
+    assert_envelope(await queued, 503, "unavailable")
+    assert (await health(node))["active"] == 1, "the refused create gave its slot back"
+    assert "queued-1" not in (await http.get("/admin/drain")).json()["waiting_ids"]
+    await http.delete("/admin/drain")
+
+
+async def test_reap_idle_leaves_an_instance_whose_file_transfer_runs(node):
+    """Transfers take no lock; one longer than idle_ttl must not be cut off by the reaper."""
+    service = node.ctx.node
+    await service.create("mbpp", "11", instance_id="moving")
+    live = service.episodes.find("moving")
+    later = time.monotonic() + node.settings.idle_ttl + 1
+    live.transfers += 1  # what a put_files or get_files holds while it runs (node/access.py)
+    assert await service.reap_idle(now=later) == [], "reaped under a transfer"
+    live.transfers -= 1
+    assert await service.reap_idle(now=later) == ["moving"]
+
+
+async def test_an_evaluate_queued_behind_a_step_grades_once_what_the_step_left(node):
+    """A step clears only a finished grade: an evaluate waiting for the step's lock is
+    still the one run, and a second evaluate joins it instead of grading again."""
+    http = node.http
+    created = await http.post("/instances", json={"environment": "mbpp", "task_id": "13", "trial": "q"})
+    iid = created.json()["instance_id"]
+    slow = asyncio.ensure_future(http.post(f"/instances/{iid}/step", json=run("import time\ntime.sleep(1)")))
+    await asyncio.sleep(0.3)
+    first = asyncio.ensure_future(http.post(f"/instances/{iid}/evaluate"))
+    assert (await slow).status_code == 200
+    second = await http.post(f"/instances/{iid}/evaluate")
+    assert (await first).json() == second.json()
+    log = node.ctx.settings.trials_dir / "q" / iid / "episode.jsonl"
+    await asyncio.sleep(0.2)  # the trial log's writer flushes every 20 ms
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    assert events.count("evaluation") == 1, events
+
+
+async def test_an_evaluate_and_release_grades_again_after_a_step_that_slipped_in(node):
+    """A step that takes the lock between an evaluate-and-release's grade and its end
+    makes that grade stale: the instance is graded again before it is released."""
+    http = node.http
+    iid = (await http.post("/instances", json={"environment": "mbpp", "task_id": "13"})).json()["instance_id"]
+    slow = asyncio.ensure_future(http.post(f"/instances/{iid}/step", json=run("import time\ntime.sleep(1)")))
+    await asyncio.sleep(0.3)
+    ending = asyncio.ensure_future(http.post(f"/instances/{iid}/evaluate", json={"release": True}))
+    await asyncio.sleep(0.2)  # its grade now waits for the lock, ahead of the submit
+    submitted = asyncio.ensure_future(http.post(f"/instances/{iid}/step", json=submit(FIB)))
+    assert (await slow).status_code == 200 and (await submitted).status_code == 200
+    ended = (await ending).json()
+    assert (ended["reward"], ended["state"]) == (1.0, "released"), ended
+    assert (await node.ctx.node.get(iid))["reward"] == 1.0
+
+
+async def test_an_evaluate_and_release_of_an_expired_instance_replays_no_earlier_grade(node):
+    """The replay is for the retry of an evaluate-and-release; an instance graded, then
+    stepped, then expired has no grade of its last state to give."""
+    service = node.ctx.node
+    await service.create("mbpp", "13", instance_id="graded-early")
+    assert (await service.evaluate("graded-early"))["reward"] == 0.0  # nothing submitted yet
+    await service.step("graded-early", run("x = 1")["action"])
+    assert await service.reap_idle(now=time.monotonic() + node.settings.idle_ttl + 1) == ["graded-early"]
+    r = await node.http.post("/instances/graded-early/evaluate", json={"release": True})
+    assert r.status_code in (409, 410) and "expired" in r.text, r.text
+    assert (await service.get("graded-early"))["evaluation"] is None, "the step cleared the stale grade"
 
 
 async def test_reconfigure_changes_what_it_may_and_refuses_the_rest(node):

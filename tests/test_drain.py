@@ -32,6 +32,8 @@ def test_a_draining_node_takes_no_creates_lets_its_episodes_finish_and_can_resum
         with node.client() as c:
             iid = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
             assert c.post("/admin/drain", json={"timeout": "soon"}).json()["code"] == "invalid_request"
+            for bad in (10**400, 1e12, -1):
+                assert c.post("/admin/drain", json={"timeout": bad}).json()["code"] == "invalid_request", bad
             status = c.post("/admin/drain", json={"timeout": 60}).json()
             assert status["draining"] is True and status["waiting"] == 1 and status["waiting_ids"] == [iid]
             health = c.get("/health").json()

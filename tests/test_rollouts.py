@@ -88,6 +88,11 @@ def test_a_model_that_solves_the_task_gets_reward_one(node, model):
     assert (trial / "verifier" / "reward.txt").read_text().strip() == "1"
     with node.client() as c:
         assert c.get("/health").json()["active"] == 0, "the slot was given back"
+    # A resend of the uid (a trainer's timeout) runs nothing and leaves the first's record.
+    again = rollout(node, model, "solve-1", uid="solve-1", traj_i=3)
+    assert again["reward"] is None and again["error"].startswith("reset: uid 'solve-1' already names"), again
+    assert len([r for r in model.requests if r["session"] == "solve-1"]) == len(sent), "the model was not asked again"
+    assert json.loads((trial / "run_info.json").read_text())["reward"] == 1.0
 
 
 def test_a_model_that_gives_up_gets_reward_zero(node, model):

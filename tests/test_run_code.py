@@ -120,6 +120,24 @@ def test_python_exit_codes_are_a_script_s(client, code, return_code, stderr):
         assert result["stdout"] == "kept\n"
 
 
+def test_a_script_s_threads_are_waited_for_and_its_atexit_functions_run(client):
+    """As python main.py: the idiom of competitive programmers that runs the solution in a
+    thread with a larger stack prints after the main thread's last line; atexit runs last."""
+    code = (
+        "import atexit, sys, threading, time\n"
+        "sys.setrecursionlimit(1 << 25)\nthreading.stack_size(1 << 27)\n"
+        "atexit.register(print, 'bye')\n"
+        "def main():\n    time.sleep(0.3)\n    print(int(input()) * 2)\n"
+        "threading.Thread(target=main).start()\n"
+    )
+    result = run(client, code=code, language="python", stdin="21\n")["run_result"]
+    assert (result["status"], result["stdout"]) == ("Finished", "42\nbye\n"), result
+    forever = "import threading\nthreading.Thread(target=lambda: threading.Event().wait()).start()\nprint('main done')"
+    reply = run(client, code=forever, language="python", run_timeout=1)
+    assert reply["run_result"]["status"] == "TimeLimitExceeded", reply
+    assert reply["run_result"]["stdout"] == "main done\n"
+
+
 @pytest.mark.parametrize("language", ["python", "bash"])
 def test_a_run_past_its_timeout_is_time_limit_exceeded(client, language):
     code = {"python": "print('started', flush=True)\nwhile True:\n    pass\n", "bash": "echo started\nsleep 30\n"}
@@ -133,10 +151,17 @@ def test_a_run_past_its_timeout_is_time_limit_exceeded(client, language):
 
 
 def test_output_past_the_cap_is_cut_and_says_so(client):
-    reply = run(client, code="print('x' * (3 << 20))", language="python")
+    reply = run(client, code="print('x' * (20 << 20))", language="python")
     out = reply["run_result"]["stdout"]
-    assert len(out) < (1 << 20) + 200 and "bytes truncated ...]" in out, len(out)
+    assert len(out) < (16 << 20) + 200 and "bytes truncated ...]" in out, len(out)
     assert out.startswith("xxx") and out.endswith("x\n")
+
+
+def test_a_few_megabytes_of_answers_come_back_whole(client):
+    """As a competitive program prints them: 200,000 numbers, about 1.3 MB."""
+    code = "import sys\nsys.stdout.write('\\n'.join(str(i * 7) for i in range(200_000)) + '\\n')"
+    out = run(client, code=code, language="python")["run_result"]["stdout"]
+    assert out == "\n".join(str(i * 7) for i in range(200_000)) + "\n"
 
 
 def test_memory_limit_is_the_request_s(client):
@@ -278,6 +303,9 @@ BAD = [
     ({"code": "", "language": "python", "run_timeout": 0}, "run_timeout"),
     ({"code": "", "language": "python", "run_timeout": -1}, "run_timeout"),
     ({"code": "", "language": "python", "run_timeout": 10_000}, "run_timeout"),
+    ({"code": "", "language": "python", "run_timeout": 10**400}, "run_timeout"),
+    ({"code": "", "language": "python", "compile_timeout": -(10**400)}, "compile_timeout"),
+    ({"code": "", "language": "python", "memory_limit_MB": 10**400}, "memory_limit_MB"),
     ({"code": "", "language": "python", "run_timeout": "10"}, "run_timeout"),
     ({"code": "", "language": "python", "compile_timeout": True}, "compile_timeout"),
     ({"code": "", "language": "python", "memory_limit_MB": 1}, "memory_limit_MB"),
@@ -290,6 +318,10 @@ BAD = [
     ({"code": "", "language": "python", "files": {"/etc/x": ""}}, "files./etc/x"),
     ({"code": "", "language": "python", "files": {"a/../../x": ""}}, "files.a/../../x"),
     ({"code": "", "language": "python", "fetch_files": "out.txt"}, "fetch_files"),
+    ({"code": "", "language": "python", "files": {"a": "", "a/b": ""}}, "files.a/b"),
+    ({"code": "", "language": "python", "files": {"main.py/x": ""}}, "files.main.py/x"),
+    ({"code": "", "language": "python", "files": {"./main.py": ""}}, "files../main.py"),
+    ({"code": "", "language": "python", "fetch_files": [f"f{i}" for i in range(1001)]}, "fetch_files"),
     ({"code": "", "language": "python", "fetch_files": ["../../envhub.db"]}, "fetch_files.../../envhub.db"),
     ({"code": "", "language": "python", "fetch_files": ["/etc/passwd"]}, "fetch_files./etc/passwd"),
     ({"code": "", "language": "python", "args": ["-x"]}, "args"),

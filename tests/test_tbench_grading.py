@@ -274,6 +274,7 @@ def test_reward_json_is_flat_and_wins_over_reward_txt():
         ({"reward.json": b'{"a": {"b": 1}}'}, "not a number"),
         ({"reward.json": b'{"a": NaN}'}, "not finite"),
         ({"reward.json": b'{"a": 1, "b": Infinity}'}, "not finite"),
+        ({"reward.json": b'{"a": 1' + b"0" * 400 + b"}"}, "not a finite number"),
         ({"reward.json": b"not json", "reward.txt": b"1"}, "not valid JSON"),  # no fallback past a bad json
     ],
 )

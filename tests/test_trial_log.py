@@ -7,7 +7,7 @@ import stat
 
 from conftest import eventually
 
-from envhub.node.trial_log import TrialLog, TrialWriter
+from envhub.node.trial_log import TrialLog, TrialWriter, safe_name
 
 
 def test_records_land_in_order_per_file_and_close_flushes_everything(tmp_path):
@@ -89,3 +89,14 @@ def test_the_verifier_s_files_are_kept_like_the_trial_log(tmp_path):
     }
     for d in (tmp_path / "trials", instance.parent, instance, verifier):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+
+
+def test_names_that_differ_only_in_unsafe_characters_get_dirs_of_their_own():
+    """Instance ids may hold ':'; trial names anything: no two names share a dir, and no
+    name leads out of its folder."""
+    names = ["job:1", "job_1", ".a", "a", "..", "", "x" * 300, "x" * 301, "a/b", "a_b", "~"]
+    dirs = [safe_name(n) for n in names]
+    assert len(set(dirs)) == len(names), dict(zip(names, dirs, strict=True))
+    for d in dirs:
+        assert d and "/" not in d and not d.startswith(".") and len(d) <= 217
+    assert safe_name("mbpp-0f3a_b.c") == "mbpp-0f3a_b.c", "a safe name is kept as it is"

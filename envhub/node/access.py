@@ -12,8 +12,9 @@ Invariants:
   cancels a verifier past its time so) or when waiting on it fails. So a command never
   outlives the call that started it.
 - Commands and file transfers of one instance may run at once, as ``docker exec`` and
-  ``docker cp`` may; none takes the instance's lock, and each touches the instance's last
-  activity with every call, so a running command keeps it from the idle reaper. A
+  ``docker cp`` may; none takes the instance's lock. A command touches the instance's
+  last activity with every call, and a transfer counts itself in ``Live.transfers`` while
+  it runs, so neither is cut off by the idle reaper, however long it takes. A
   release under a running command ends it: its next call finds the instance gone.
 - Uploads are untrusted archives, unpacked on the node by envhub/util/archives.py's rules
   into a private folder under the data dir, copied in with the sandbox's ``copy_dir`` and
@@ -29,10 +30,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,16 +201,18 @@ class SandboxAccess:
         sandbox (created with its parents; files of the same name replaced)."""
         path = _path(path)
         live = await self._open(instance_id)
-        base = await asyncio.to_thread(private_dir, self.data_dir / "uploads")
-        tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="put-", dir=base))
-        try:
-            members, size = await asyncio.to_thread(archives.unpack, archive, tmp)
-            self.episodes.ensure_still_live(live)
-            episode = live.episode
-            await self.episodes.unless_lost(live, episode.sandbox.copy_dir(episode.handle, tmp, path))
-        finally:
-            live.last_active = time.monotonic()
-            await asyncio.to_thread(shutil.rmtree, tmp, True)
+        tmp: Path | None = None
+        with _transfer(live):
+            try:
+                base = await asyncio.to_thread(private_dir, self.data_dir / "uploads")
+                tmp = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="put-", dir=base))
+                members, size = await asyncio.to_thread(archives.unpack, archive, tmp)
+                self.episodes.ensure_still_live(live)
+                episode = live.episode
+                await self.episodes.unless_lost(live, episode.sandbox.copy_dir(episode.handle, tmp, path))
+            finally:
+                if tmp is not None:
+                    await asyncio.to_thread(shutil.rmtree, tmp, True)
         live.log.record("files", {"put": path, "members": members, "bytes": size})
         return {"instance_id": instance_id, "path": path, "members": members, "bytes": size}
 
@@ -217,10 +222,8 @@ class SandboxAccess:
         path = _path(path)
         live = await self._open(instance_id)
         episode = live.episode
-        try:
+        with _transfer(live):
             files = await self.episodes.unless_lost(live, episode.sandbox.fetch_dir(episode.handle, path))
-        finally:
-            live.last_active = time.monotonic()
         data = await asyncio.to_thread(archives.pack, files)
         live.log.record("files", {"get": path, "members": len(files), "bytes": sum(map(len, files.values()))})
         return data
@@ -231,12 +234,22 @@ class SandboxAccess:
         path = _path(path)
         live = await self._open(instance_id)
         episode = live.episode
-        try:
+        with _transfer(live):
             data = await self.episodes.unless_lost(live, episode.sandbox.read_file(episode.handle, path))
-        finally:
-            live.last_active = time.monotonic()
         live.log.record("files", {"get": path, "bytes": len(data)})
         return data
+
+
+@contextlib.contextmanager
+def _transfer(live: Live) -> Iterator[None]:
+    """A file transfer of ``live`` under way: the idle reaper skips it until it ends, its
+    last activity then."""
+    live.transfers += 1
+    try:
+        yield
+    finally:
+        live.transfers -= 1
+        live.last_active = time.monotonic()
 
 
 def _path(path: Any) -> str:

@@ -93,6 +93,7 @@ class Administration:
                         field=f"{field}.sandbox",
                     )
                 fresh.load()
+                fresh.warm_pool_size()  # read by every create, not by load()
                 self._refuse_exposed(name, fresh)
                 if env.context is not None:
                     await fresh.start(env.context)

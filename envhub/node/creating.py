@@ -138,8 +138,11 @@ class Creator:
             self.storage.check()  # before a sandbox starts that could not be recorded
             return await self._create(env, task, request.params, instance_id, trial, rollout)
 
-        # A concurrent duplicate (a retry while the first try runs) joins it: a replay.
+        # A concurrent duplicate (a retry while the first try runs) joins it: a replay,
+        # held to the same check as one that comes after.
         (reply, created), ran = await self._inflight.run(instance_id, create_or_replay)
+        if not ran and (reply["environment"], reply["task_id"]) != (env.name, task.id):
+            raise _other_instance(instance_id, reply["environment"], reply["task_id"])
         return reply, created and ran
 
     async def _take_slot(self, env: Environment, task: Task, key: str) -> str | None:
@@ -156,10 +159,21 @@ class Creator:
         self, env: Environment, task: Task, params: dict[str, Any], instance_id: str, trial: str, rollout: bool
     ) -> Reply:
         sandbox = self.sandboxes[env.sandbox]
-        await env.prepare(task, params)  # image builds happen before a slot is taken
-        spec = spec_for(str(self.settings.node_id), env, task, params, instance_id)
-        pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name))
         episodes = self.episodes
+        episodes.preparing.add(instance_id)  # a drain waits for it from here (drain.py)
+        try:
+            await env.prepare(task, params)  # image builds happen before a slot is taken
+            spec = spec_for(str(self.settings.node_id), env, task, params, instance_id)
+            pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name))
+        finally:
+            episodes.preparing.discard(instance_id)
+        if not episodes.accepting:  # it began to drain or stop while this create built or waited
+            try:
+                if pooled is not None:
+                    await asyncio.shield(sandbox.destroy(pooled))
+            finally:
+                episodes.slots.release()
+            raise Unavailable(f"{episodes.refusal} and takes no new instances")
         episodes.hold(instance_id)
         episodes.creating[instance_id] = env.name
         if rollout:
@@ -222,10 +236,10 @@ class Creator:
                 self.db, instance_id, handle=handle, observation=observation, env_state=episode.state
             )
             row.state, row.sandbox_handle, row.observation = "active", handle, observation
+            # Asked before admit, which must come last: once admitted, the instance (and
+            # its slot) are the episode's, and this handler's cleanup must not free them.
+            size = env.warm_pool_size() if env.starts_pool(params) else 0
             episodes.admit(Live(row=row, env=env, episode=episode, log=trial_log))
-            size = env.warm_pool_size()
-            if size and env.starts_pool(params):  # a group's first create: keep the next ones warm
-                self.pool.want(env.name, task.id, sandbox, spec, size)
         except BaseException as e:
             # The row is this create's unless the insert itself found the id taken.
             ours = row is not None or not isinstance(e, Conflict)
@@ -236,6 +250,8 @@ class Creator:
             if logged is not None:  # a retry of the id appends its own "created"
                 logged.record("failed", {"error": describe(e)})
             raise
+        if size:  # a group's first create: keep the next ones warm
+            self.pool.want(env.name, task.id, sandbox, spec, size)
         return create_reply(instance_id, env.name, task.id, trial, observation, "active"), True
 
     async def _abort(
@@ -278,16 +294,20 @@ def create_reply(
 def _replay(row: instances.InstanceRow, environment: str, task_id: str) -> dict[str, Any]:
     """The first answer to a create, again, for a retry with its id."""
     if (row.environment, row.task_id) != (environment, task_id):
-        raise Conflict(
-            f"instance id {row.id!r} already names an instance of {row.environment}/{row.task_id}",
-            extra={"instance_id": row.id},
-        )
+        raise _other_instance(row.id, row.environment, row.task_id)
     if row.observation is None:
         raise Conflict(
             f"instance {row.id!r} is {row.state}" + (f": {row.error}" if row.error else ""),
             extra={"instance_id": row.id, "state": row.state},
         )
     return create_reply(row.id, row.environment, row.task_id, row.trial, row.observation, row.state)
+
+
+def _other_instance(instance_id: str, environment: str, task_id: str) -> Conflict:
+    return Conflict(
+        f"instance id {instance_id!r} already names an instance of {environment}/{task_id}",
+        extra={"instance_id": instance_id},
+    )
 
 
 def exec_recorder(metrics: NodeMetrics, sandbox: str) -> Callable[[ExecResult], None] | None:

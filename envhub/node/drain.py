@@ -48,14 +48,15 @@ class Drain:
 
     def waiting(self) -> list[str]:
         """The instances a restart would cut off: live ones whose sandbox does not survive
-        it, those of whole rollouts, and creates in flight."""
+        it, those of whole rollouts, and creates in flight (building their image or waiting
+        for a slot too: they are refused once they have one, see creating.py)."""
         episodes = self.episodes
         ids = {
             live.row.id
             for live in episodes
             if not live.episode.sandbox.survives_restart or live.row.id in episodes.rollouts
         }
-        return sorted(ids | set(episodes.creating))
+        return sorted(ids | set(episodes.creating) | episodes.preparing)
 
     def start(self, timeout: float) -> dict[str, Any]:
         """Stop taking creates; the waiting instances have ``timeout`` seconds from now (a

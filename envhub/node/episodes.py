@@ -69,6 +69,7 @@ class Episodes:
         self.refusal = "the node is stopping"  # why, while it is not accepting
         self.ended_counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (environment, state)
         self.creating: dict[str, str] = {}  # creates holding a slot: instance id -> environment
+        self.preparing: set[str] = set()  # creates taken in, before their slot (a build, the queue)
         # Instances of whole rollouts that hold a slot (so are live too). Joined and left
         # together with the slot, so /health never counts a rollout twice or not at all.
         self.rollouts: set[str] = set()
@@ -254,7 +255,7 @@ class Episodes:
             return {"instance_id": instance_id, "released": False, "state": row.state}
         async with live.lock:
             if self._live.get(instance_id) is not live:  # released while we waited for the lock
-                row = await instances.get(self.db, instance_id)
+                row = self.as_ended(await instances.get(self.db, instance_id))  # an end kept unwritten too
                 return {"instance_id": instance_id, "released": False, "state": row.state}
             await asyncio.shield(self.end(live, reason))
         return {"instance_id": instance_id, "released": True, "state": reason}

@@ -8,7 +8,10 @@ Invariants:
 - A run that failed leaves the instance as it was, so the next call runs it again; one
   that succeeded answers every later call until the episode takes a step.
 - An evaluation is recorded in SQLite once; with ``release`` it is recorded in the
-  same transaction as the end.
+  same transaction as the end. What an evaluate answers and records is a grade of the
+  state the instance is in when the call takes its lock: a step that ran in between
+  (the lock is first come, first served) makes it grade again. A step clears the
+  recorded evaluation of the state before it.
 - Every evaluation has a ``dense`` and a ``sparse`` reward, the pair its environment
   declares (``Environment.reward_pair``); :func:`reward_modes` picks the episode's.
 """
@@ -54,8 +57,8 @@ class Grader:
     async def evaluate(self, instance_id: str, *, release: Any = False) -> dict[str, Any]:
         """Grade the episode. With ``release``, then end it as a release does, in the
         same call (one round trip fewer per episode). A repeated evaluate-and-release of
-        an instance that ended after its evaluation returns that evaluation again, so a
-        client may retry it like a release."""
+        an instance released after its evaluation (no step since) returns that
+        evaluation again, so a client may retry it like a release."""
         environment = self.episodes.environment_of(instance_id)
         reply = await timed(self.metrics, "evaluate", environment, self._evaluate(instance_id, release))
         if reply.get("released"):  # counted as a release too: for most clients it is theirs
@@ -70,31 +73,39 @@ class Grader:
         if live is None and release:
             await episodes.settle(instance_id)
             row = await instances.get(self.db, instance_id)
-            if row.evaluation is not None and row.state in instances.ENDED_STATES:
+            # Released with that evaluation the last thing it did (a step clears it): the
+            # retry of an evaluate-and-release. An instance that expired or was lost
+            # answers as a plain evaluate does, not with a grade of an earlier state.
+            if row.evaluation is not None and row.state == "released":
                 return {**row.evaluation, "released": False, "state": row.state}
         live = live or await episodes.require(instance_id)
-        # One grading run per instance at a time, in a task of its own: a caller that goes
-        # away (a client timeout, a cut-off proxy) never cuts a verifier short, and its
-        # retry, or a concurrent evaluate, joins the run instead of starting another. A
-        # run that failed leaves the instance as it was, so the next call runs it again;
-        # one that succeeded answers every later call until the episode takes a step.
-        grading = live.grading
-        if grading is None or (grading.done() and (grading.cancelled() or grading.exception() is not None)):
-            live.graded_recorded = False
-            grading = live.grading = asyncio.ensure_future(self._grade(live, record_now=not release))
-        reply, record = await asyncio.shield(grading)
-        async with live.lock:
-            if episodes.find(instance_id) is not live:  # another call ended it meanwhile
-                if not release:
-                    return reply
-                return {**reply, "released": False, "state": (await instances.get(self.db, instance_id)).state}
-            if release:  # one transaction records the evaluation and the end
-                await asyncio.shield(episodes.end(live, "released", also=[record]))
-                return {**reply, "released": True, "state": "released"}
-            if not live.graded_recorded:
-                await self.db.write(*record)
-                live.graded_recorded = True
-        return reply
+        while True:
+            # One grading run per instance at a time, in a task of its own: a caller that
+            # goes away (a client timeout, a cut-off proxy) never cuts a verifier short,
+            # and its retry, or a concurrent evaluate, joins the run instead of starting
+            # another. A run that failed leaves the instance as it was, so the next call
+            # runs it again; one that succeeded answers every later call until the
+            # episode takes a step.
+            grading = live.grading
+            if grading is None or (grading.done() and (grading.cancelled() or grading.exception() is not None)):
+                live.graded_recorded = False
+                grading = live.grading = asyncio.ensure_future(self._grade(live, record_now=not release))
+            reply, record = await asyncio.shield(grading)
+            async with live.lock:
+                if episodes.find(instance_id) is not live:  # another call ended it meanwhile
+                    if not release:
+                        return reply
+                    ended = await episodes.find_row(instance_id)
+                    return {**reply, "released": False, "state": ended.state if ended else "released"}
+                if live.grading is not grading:
+                    continue  # a step ran between the grade and this lock: grade what it left
+                if release:  # one transaction records the evaluation and the end
+                    await asyncio.shield(episodes.end(live, "released", also=[record]))
+                    return {**reply, "released": True, "state": "released"}
+                if not live.graded_recorded:
+                    await self.db.write(*record)
+                    live.graded_recorded = True
+            return reply
 
     async def _grade(self, live: Live, *, record_now: bool) -> tuple[dict[str, Any], Record]:
         """Run the environment's evaluation; the reply and the statement that records it.

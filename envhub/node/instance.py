@@ -24,6 +24,7 @@ class Live:
     log: TrialLog
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_active: float = field(default_factory=time.monotonic)
+    transfers: int = 0  # file transfers under way (they take no lock): the reaper leaves it alone
     done: bool = False
     grading: asyncio.Future[tuple[dict[str, Any], tuple[str, Any]]] | None = None  # the evaluation under way (or done)
     graded_recorded: bool = False  # that evaluation is in SQLite

@@ -72,10 +72,10 @@ class Lifecycle:
         reaped = []
         for live in self.episodes:
             instance_id = live.row.id
-            if live.lock.locked() or now - live.last_active < self.settings.idle_ttl:
+            if live.lock.locked() or live.transfers or now - live.last_active < self.settings.idle_ttl:
                 continue
             async with live.lock:
-                if self.episodes.find(instance_id) is not live:
+                if self.episodes.find(instance_id) is not live or live.transfers:
                     continue
                 # A full disk refuses the record, not the end: it is kept and written later,
                 # and the other idle instances are still reaped.

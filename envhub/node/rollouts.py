@@ -7,7 +7,9 @@ reported in ``run_info.error_info`` and in the reply's ``error`` field as
 ``"<stage>: <message>"``, never as an exception or a hang: the reply is always a
 ``{"run_info", "reward", "error"}`` object. An agent that fails (the model timed out,
 errored or kept sending unusable tool calls) still gets its episode evaluated, so the
-trainer receives a reward with the error. The trial directory of the rollout
+trainer receives a reward with the error. A rollout whose ``uid`` names an instance
+already (a resend after a client timeout) runs nothing: its reply is a ``reset`` error,
+and the first rollout's episode and record are left alone. The trial directory of the rollout
 (``trials/<trial>/<uid>/``) holds ``run_info.json``, ``conversation.json`` (every message
 of the agent and the model) and the
 environment's ``verifier/`` output.
@@ -177,6 +179,7 @@ async def _run(
     timings = run_info["timings"]
     error: str | None = None
     created = False
+    repeated = False  # the uid names an instance already: another rollout's, not ours to run
     session: AgentSession | None = None
 
     def fail(stage: str, message: str) -> None:
@@ -187,10 +190,12 @@ async def _run(
 
     t0 = time.monotonic()
     try:
-        reply, _ = await node.create(
+        reply, created = await node.create(
             req.environment, req.task_id, req.params, instance_id=req.uid, trial=trial, rollout=True
         )
-        created = True
+        if not created:  # a resend (a client timeout): running it would step, then release, the first
+            repeated = True
+            fail("reset", f"uid {req.uid!r} already names an instance ({reply['state']}): a rollout runs once per uid")
     except EnvhubError as e:
         fail("reset", e.message)
     timings["1_reset_env"] = round(time.monotonic() - t0, 3)
@@ -241,10 +246,11 @@ async def _run(
             except EnvhubError as e:
                 fail("close", e.message)
             timings["5_close"] = round(time.monotonic() - t4, 3)
-        log_dir = TrialLog(node.trial_writer, node.settings.trials_dir, trial, req.uid)
-        log_dir.write_json("run_info.json", run_info)
-        if session is not None:
-            log_dir.write_json("conversation.json", {"messages": session.messages})
+        if not repeated:  # the uid's log dir holds the first rollout's record
+            log_dir = TrialLog(node.trial_writer, node.settings.trials_dir, trial, req.uid)
+            log_dir.write_json("run_info.json", run_info)
+            if session is not None:
+                log_dir.write_json("conversation.json", {"messages": session.messages})
     return {"run_info": run_info, "reward": run_info["reward"], "error": error}
 
 

@@ -244,7 +244,10 @@ class NodeService:
                 raise Conflict(f"instance {instance_id!r} is done; evaluate or release it", extra={"state": "done"})
             started = time.monotonic()
             result = await self.episodes.unless_lost(live, live.env.step(live.episode, action))
-            live.grading = None  # a step may change the grade: the next evaluate runs again
+            if live.grading is not None and live.grading.done():
+                # A step may change the grade: the next evaluate runs again. One that is
+                # not done waits for this lock, so it grades the state after this step.
+                live.grading = None
             live.last_active = time.monotonic()
             live.row.step_count += 1
             live.done = live.done or result.done

@@ -30,6 +30,7 @@ its Python overhead is the node's too.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
 import os
@@ -50,9 +51,17 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def safe_name(name: str) -> str:
-    """A path component that cannot escape its folder."""
-    cleaned = _SAFE.sub("_", name).lstrip(".")
-    return cleaned[:200] or "_"
+    """A path component that cannot escape its folder, and is no other name's.
+
+    A name of letters, digits and ``. _ -`` (not starting with a dot, at most 200
+    characters) is its own component. Any other has its other characters replaced and
+    ``~`` and a hash of the whole name appended: ``job:1`` and ``job_1`` (instance ids may
+    hold ``:``) must not share a log dir, and no name kept as it is holds a ``~``.
+    """
+    cleaned = _SAFE.sub("_", name).lstrip(".")[:200]
+    if cleaned == name and name:
+        return name
+    return f"{cleaned}~{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
 class TrialWriter:

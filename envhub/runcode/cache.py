@@ -72,6 +72,26 @@ class Entry:
         return sum(len(f.data) for f in self.artifact) + len(self.compile.stdout) + len(self.compile.stderr)
 
 
+# What a compiler prints when the machine, not the source, failed it: a failure that
+# says so is not kept, or every later call of that source would fail the same way.
+_NOT_THE_SOURCE = (
+    "Resource temporarily unavailable",  # fork or thread creation at the uid's limit
+    "unable to create native thread",  # javac
+    "Cannot allocate memory",
+    "cannot fork",
+    "No space left on device",
+)
+
+
+def source_failed(compile: StepResult) -> bool:
+    """Whether a failed compile is the source's doing, and may be kept: the compiler
+    answered (an interpreter that died answers nothing), was found and could run (126 and
+    127 are the shell's), and said nothing of the machine's resources."""
+    if compile.cpu_s is None or compile.exit_code in (126, 127, 70):
+        return False
+    return not any(marker in compile.stderr or marker in compile.stdout for marker in _NOT_THE_SOURCE)
+
+
 class CompileCache:
     """Entries under ``root`` (made 0700), at most ``max_bytes`` of them."""
 
@@ -100,10 +120,13 @@ class CompileCache:
         return entry
 
     async def put(self, digest: str, memory_mb: int | None, entry: Entry) -> None:
-        """Keep ``entry``, the compile of ``digest`` under ``memory_mb``, if it finished."""
+        """Keep ``entry``, the compile of ``digest`` under ``memory_mb``, if it finished,
+        and, if it failed, only if the source is to blame (see :func:`source_failed`)."""
         if self.enabled and not entry.compile.timed_out and entry.compile.exit_code is not None:
             if entry.compile.exit_code >= 0 and entry.size() <= self.max_bytes:
                 if entry.compile.exit_code != 0:
+                    if not source_failed(entry.compile):
+                        return
                     digest = failure_key(digest, memory_mb)
                 await asyncio.to_thread(self._write, digest, entry)
 
@@ -158,7 +181,8 @@ class CompileCache:
                 "artifact": [[f.path, f.mode] for f in entry.artifact],
                 "stored": time.time(),
             }
-            (tmp / "entry.json").write_text(json.dumps(meta))
+            record = json.dumps(meta).encode()
+            (tmp / "entry.json").write_bytes(record)
             os.rename(tmp, where)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -168,8 +192,8 @@ class CompileCache:
         with self._lock:
             if self._size is None:
                 self._size = self._measure()
-            else:
-                self._size += entry.size()
+            else:  # what it wrote, as _entries() counts it: escapes make JSON larger than its text
+                self._size += sum(len(f.data) for f in entry.artifact) + len(record)
             if self._size > self.max_bytes:
                 self._evict()
 

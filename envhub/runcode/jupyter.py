@@ -73,7 +73,7 @@ def parse(body: Any, bounds: Bounds) -> dict[str, Any]:
         "cell_timeout": float(cell_timeout),
         "total_timeout": float(total),
         "files": check_files(files, bounds),
-        "fetch": check_fetch(body.get("fetch_files", [])),
+        "fetch": check_fetch(body.get("fetch_files", []), bounds),
     }
 
 
@@ -98,6 +98,8 @@ async def run(sandbox: Sandbox, spec: SandboxSpec, request: dict[str, Any], exec
         files = {}
         room = FETCH_DIR_MAX_BYTES
         for asked, norm in request["fetch"]:
+            if room <= 0:
+                break  # nothing more can be returned: read no more
             try:
                 data = await sandbox.read_file(handle, norm)
             except (NotFound, InvalidRequest):  # missing, or not a regular file of the sandbox

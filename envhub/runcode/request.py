@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,15 @@ def parse(body: Any, offered: Mapping[str, Any], bounds: Bounds) -> RunCodeReque
     args = body.get("args", [])
     if args != []:
         raise InvalidRequest("'args' is pytest's, and no language here takes it: leave it out or empty", field="args")
+    files = check_files(body.get("files", {}), bounds)
+    lang = offered[language]
+    for path, norm, _ in files:  # the program's own files are the call's, not the client's
+        for own in filter(None, (lang.source, lang.artifact)):
+            if norm == own or _under(norm, own) or _under(own, norm):
+                raise InvalidRequest(
+                    f"files.{path} collides with {own}, which the {language} program itself writes",
+                    field=f"files.{path}",
+                )
     return RunCodeRequest(
         code=body["code"],
         language=language,
@@ -110,14 +120,22 @@ def parse(body: Any, offered: Mapping[str, Any], bounds: Bounds) -> RunCodeReque
         compile_timeout=_timeout(body, "compile_timeout", bounds),
         run_timeout=_timeout(body, "run_timeout", bounds),
         memory_mb=_memory(body, bounds),
-        files=check_files(body.get("files", {}), bounds),
-        fetch=check_fetch(body.get("fetch_files", [])),
+        files=files,
+        fetch=check_fetch(body.get("fetch_files", []), bounds),
     )
 
 
+def _under(path: str, folder: str) -> bool:
+    """Whether the normalised ``path`` lies inside the normalised ``folder``."""
+    return path.startswith(folder + "/")
+
+
 def is_number(value: Any) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float, not a bool (an int past a float's range is finite too:
+    ``math.isfinite`` would raise on it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def _timeout(body: dict[str, Any], name: str, bounds: Bounds) -> float:
@@ -164,13 +182,25 @@ def check_files(value: Any, bounds: Bounds) -> list[tuple[str, str, bytes]]:
             raise InvalidRequest(f"{where} names a file given twice", field=where)
         seen.add(norm)
         out.append((path, norm, content))
+    for path, norm, _ in out:  # a file cannot also be the folder of another
+        parent = posixpath.dirname(norm)
+        while parent:
+            if parent in seen:
+                raise InvalidRequest(f"files.{path} lies under files given as a file ({parent})", field=f"files.{path}")
+            parent = posixpath.dirname(parent)
     return out
 
 
-def check_fetch(value: Any) -> list[tuple[str, str]]:
+def check_fetch(value: Any, bounds: Bounds) -> list[tuple[str, str]]:
+    """The paths to read back, as asked and normalised; a path given twice is read once."""
     if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
         raise InvalidRequest("'fetch_files' must be a list of paths", field="fetch_files")
-    return [(p, _path(p, f"fetch_files.{p}")) for p in value]
+    if len(value) > bounds.max_files:
+        raise InvalidRequest(f"'fetch_files' holds more than {bounds.max_files} paths", field="fetch_files")
+    out: dict[str, tuple[str, str]] = {}
+    for p in value:
+        out.setdefault(p, (p, _path(p, f"fetch_files.{p}")))
+    return list(out.values())
 
 
 def _path(path: str, where: str) -> str:

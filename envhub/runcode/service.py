@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import logging
 import os
@@ -110,11 +111,16 @@ class Options:
             enabled=enabled,
             slots=_whole(config, "slots", max(8, 4 * (os.cpu_count() or 1)), 1),
             queue_size=_whole(config, "queue_size", 4096, 0),
-            queue_timeout=_seconds(config, "queue_timeout", 60.0),
+            # verl gives a call compile_timeout + run_timeout + 10 s, then scores it an API
+            # error without a retry; a call that waited 9 s still ends within that, and
+            # one that waits longer gets the 504 that verl retries while it still listens.
+            queue_timeout=_seconds(config, "queue_timeout", 9.0),
             queue_bytes=_whole(config, "queue_bytes", 1 << 30, 0),
             memory_mb=memory_mb,
             max_processes=_whole(config, "max_processes", 256, 8),
-            output_limit=_whole(config, "output_limit", 1 << 20, 1024),
+            # A correct answer must come back whole: competitive programs print 10^5-10^6
+            # numbers (a few MB); past the limit the output is cut and the case is lost.
+            output_limit=_whole(config, "output_limit", 16 << 20, 1024),
             compile_cache_mb=_whole(config, "compile_cache_mb", 1024, 0),
             path=path,
             bounds=Bounds(
@@ -165,7 +171,7 @@ class RunCode:
             settings.data_dir / "run-code-cache", self.options.compile_cache_mb << 20
         )
         self.sandbox: Sandbox | None = None
-        self._starting = asyncio.Lock()
+        self._starting: asyncio.Future[None] | None = None  # the sandbox's start (see _ready)
         self._compiles: SingleFlight[compile_cache.Entry] = SingleFlight()
         self._ids = itertools.count(1)
         self._versions: dict[str, str | None] | None = None
@@ -221,20 +227,28 @@ class RunCode:
     # -- the sandbox -----------------------------------------------------------------------
 
     async def _ready(self) -> ProgramRunner:
+        """The started sandbox. Its start is a task of its own that every caller awaits:
+        a caller that goes away (its client disconnected) neither cuts the start short,
+        which would leave a half-started zygote, nor makes the next caller start another."""
         if self.sandbox is not None:
             return cast(ProgramRunner, self.sandbox)
-        async with self._starting:
-            if self.sandbox is None:
-                sandbox = self._new_sandbox(hidden=True)
-                if not isinstance(sandbox, ProgramRunner):
-                    raise SandboxError(f"sandbox {self.sandbox_class.name!r} cannot run programs")
-                try:
-                    await sandbox.start()
-                except EnvhubError as e:
-                    log.error("run_code: the sandbox cannot start: %s", e.message)
-                    raise SandboxError(f"the run_code sandbox cannot start: {e.message}") from None
-                self.sandbox = sandbox
-            return cast(ProgramRunner, self.sandbox)
+        if self._starting is None or (self._starting.done() and self.sandbox is None):  # none yet, or it failed
+            self._starting = asyncio.ensure_future(self._start())
+            self._starting.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, whoever waits
+        await asyncio.shield(self._starting)
+        assert self.sandbox is not None  # set by the start that just succeeded
+        return cast(ProgramRunner, self.sandbox)
+
+    async def _start(self) -> None:
+        sandbox = self._new_sandbox(hidden=True)
+        if not isinstance(sandbox, ProgramRunner):
+            raise SandboxError(f"sandbox {self.sandbox_class.name!r} cannot run programs")
+        try:
+            await sandbox.start()
+        except EnvhubError as e:
+            log.error("run_code: the sandbox cannot start: %s", e.message)
+            raise SandboxError(f"the run_code sandbox cannot start: {e.message}") from None
+        self.sandbox = sandbox
 
     def _new_sandbox(self, *, hidden: bool) -> Sandbox:
         """A sandbox of run_code's config (hiding the environments' paths if ``hidden``),
@@ -261,6 +275,9 @@ class RunCode:
         return config
 
     async def stop(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            with contextlib.suppress(Exception):  # a start under way ends first: what it starts is stopped here
+                await asyncio.shield(self._starting)
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
             await sandbox.stop()

@@ -197,7 +197,7 @@ async def record_step(
     db: Database, instance_id: str, *, step_count: int, done: bool, env_state: dict[str, Any], reward: float | None
 ) -> None:
     await db.write(
-        "UPDATE instances SET step_count = ?, env_state = ?, last_active_at = ?, "
+        "UPDATE instances SET step_count = ?, env_state = ?, last_active_at = ?, evaluation = NULL, "
         "state = CASE WHEN ? THEN 'done' ELSE state END, reward = COALESCE(?, reward) "
         "WHERE id = ? AND state IN ('active', 'done')",
         (step_count, json.dumps(env_state), time.time(), done, reward, instance_id),

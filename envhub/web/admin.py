@@ -33,6 +33,7 @@ async def cleanup(request: Request):
 
 
 _drains = itertools.count(1)  # a drain's deadline task has a name of its own
+MAX_DRAIN_TIMEOUT = 7 * 86400.0  # a week: past it, a timer's arithmetic is not to be trusted
 
 
 @bp.post("/admin/drain")
@@ -40,8 +41,13 @@ async def drain(request: Request):
     """Stop taking creates; episodes that would not survive a restart have ``timeout``
     seconds (default 300) to end, then end as lost."""
     timeout = json_body(request, required=False).get("timeout", 300)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
-        raise InvalidRequest("'timeout' must be a number of seconds, 0 or more", field="timeout")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (isinstance(timeout, int) or math.isfinite(timeout))  # a huge int: isfinite would raise
+        or not 0 <= timeout <= MAX_DRAIN_TIMEOUT
+    ):
+        raise InvalidRequest(f"'timeout' must be a number of seconds, 0 to {MAX_DRAIN_TIMEOUT:g}", field="timeout")
     drain = request.app.ctx.node.drain
     status = drain.start(float(timeout))
     drain.watch(request.app.add_task(drain.expire(), name=f"node.drain.{next(_drains)}"))

@@ -271,7 +271,7 @@ class MBPP(Environment):
         value = episode.params.get("run_timeout", self.run_timeout)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise InvalidRequest("'params.run_timeout' must be a positive number", field="params.run_timeout")
-        return min(float(value), self.eval_timeout)
+        return float(min(value, self.eval_timeout))  # min first: float() of a huge int raises
 
     async def evaluate(self, episode: Episode) -> Evaluation:
         submission = episode.state.get("submission")

@@ -131,8 +131,12 @@ def _reward_json(data: bytes) -> dict[str, float]:
     out = {}
     for name, value in rewards.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise GradingError(f"reward.json {name!r} is not a number: {value!r}")
-        out[name] = _finite(float(value), f"reward.json {name!r}")
+            raise GradingError(f"reward.json {name!r} is not a number: {value!r:.60}")
+        try:
+            number = float(value)
+        except OverflowError:  # an int past a float's range
+            raise GradingError(f"reward.json {name!r} is not a finite number: {value!r:.60}") from None
+        out[name] = _finite(number, f"reward.json {name!r}")
     return out
 
 

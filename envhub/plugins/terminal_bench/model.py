@@ -152,8 +152,8 @@ class Table:
             raise self.error(key, f"expected a number, got {value!r}")
         try:
             number = float(value)
-        except ValueError:
-            raise self.error(key, f"expected a number, got {value!r}") from None
+        except (ValueError, OverflowError):  # OverflowError: an int past a float's range
+            raise self.error(key, f"expected a number, got {value!r:.60}") from None
         if not math.isfinite(number) or (positive and number <= 0) or number < 0:
             raise self.error(key, f"expected a finite number{' > 0' if positive else ' >= 0'}, got {value!r}")
         return number

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import _signal
 import ast
+import atexit
 import builtins
 import ctypes
 import io
@@ -281,7 +282,8 @@ class Interpreter:
     def run_script(self, step: dict[str, Any], memory: int | None) -> dict[str, Any]:
         """Run Python source as ``python main.py`` would: as ``__main__``, from a file in
         the work dir, ``stdin`` on fd 0, stdout block-buffered; ``sys.exit`` gives the exit
-        code and an uncaught exception its traceback on stderr and 1. Under the step's
+        code and an uncaught exception its traceback on stderr and 1; then its threads are
+        waited for and its atexit functions run (:func:`_end_script`). Under the step's
         timeout (a CellTimeout, as for a cell) and, with ``memory``, RLIMIT_AS."""
         code, timeout = step["python"], float(step["timeout"])
         path = os.path.join(self.workdir, step.get("filename") or "main.py")
@@ -323,18 +325,28 @@ class Interpreter:
         exit_code: int | None = 0
         _signal.signal(signal.SIGALRM, self.on_alarm)
         self.fired = False
+        atexit._clear()  # the zygote's, if any: a script runs its own only
         started = time.monotonic()
         try:
             try:
                 self.armed = True
                 signal.setitimer(signal.ITIMER_REAL, timeout)
-                exec(compile(code, path, "exec", dont_inherit=True), main.__dict__)
+                try:
+                    exec(compile(code, path, "exec", dont_inherit=True), main.__dict__)
+                except CellTimeout:
+                    raise
+                except SystemExit as e:
+                    exit_code = _exit_code(e)
+                except BaseException as e:
+                    exit_code = 1
+                    _print_exception(e, path)
+                _end_script()  # under the same timer: a thread may run forever
             finally:
                 self.armed = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except CellTimeout:
             pass
-        except SystemExit as e:
+        except SystemExit as e:  # raised in a thread's join
             exit_code = _exit_code(e)
         except BaseException as e:
             exit_code = 1
@@ -406,6 +418,17 @@ def _compile_cell(code: str, filename: str) -> tuple[types.CodeType, types.CodeT
         tree.body.pop()
         last = compile(ast.Expression(tail.value), filename, "eval", dont_inherit=True)
     return compile(tree, filename, "exec", dont_inherit=True), last
+
+
+def _end_script() -> None:
+    """What CPython does after a script's last line (or its uncaught exception), before
+    it exits: wait for the threads it started that are not daemons, then run the
+    functions it registered with atexit. Solutions that run in a thread (for its larger
+    stack) print from there, after the main thread's last line."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
 
 
 def _exit_code(e: SystemExit) -> int:
