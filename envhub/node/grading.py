@@ -73,10 +73,10 @@ class Grader:
         if live is None and release:
             await episodes.settle(instance_id)
             row = await instances.get(self.db, instance_id)
-            # Released with that evaluation the last thing it did (a step clears it): the
-            # retry of an evaluate-and-release. An instance that expired or was lost
-            # answers as a plain evaluate does, not with a grade of an earlier state.
-            if row.evaluation is not None and row.state == "released":
+            # Ended with that evaluation the last thing graded (a step clears it): the
+            # retry of an evaluate-and-release, also one its node's shutdown ended. One
+            # stepped after its last grade has none, and answers as a plain evaluate does.
+            if row.evaluation is not None and row.state in instances.ENDED_STATES:
                 return {**row.evaluation, "released": False, "state": row.state}
         live = live or await episodes.require(instance_id)
         while True:
