@@ -57,7 +57,7 @@ class Grader:
     async def evaluate(self, instance_id: str, *, release: Any = False) -> dict[str, Any]:
         """Grade the episode. With ``release``, then end it as a release does, in the
         same call (one round trip fewer per episode). A repeated evaluate-and-release of
-        an instance released after its evaluation (no step since) returns that
+        an instance that ended after its evaluation (no step since) returns that
         evaluation again, so a client may retry it like a release."""
         environment = self.episodes.environment_of(instance_id)
         reply = await timed(self.metrics, "evaluate", environment, self._evaluate(instance_id, release))

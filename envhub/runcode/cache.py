@@ -87,7 +87,7 @@ def source_failed(compile: StepResult) -> bool:
     """Whether a failed compile is the source's doing, and may be kept: the compiler
     answered (an interpreter that died answers nothing), was found and could run (126 and
     127 are the shell's), and said nothing of the machine's resources."""
-    if compile.cpu_s is None or compile.exit_code in (126, 127, 70):
+    if compile.cpu_s is None or compile.exit_code in (126, 127):
         return False
     return not any(marker in compile.stderr or marker in compile.stdout for marker in _NOT_THE_SOURCE)
 
