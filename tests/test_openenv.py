@@ -678,3 +678,22 @@ def test_a_terminal_bench_episode_with_the_stock_client_solves_and_scores_one(tb
             assert env.state()["terminal_ready"] is False
             assert active(node) == 1, "the socket still holds its slot"
     eventually(lambda: active(node) == 0, timeout=WAIT, message="the episode's container to be released")
+
+
+@needs_docker
+def test_a_verifier_that_gives_no_verdict_is_reward_none_and_not_done(tb_fleet):
+    """An episode that breaks its own verifier (a ``grep`` first on PATH that kills the
+    test script, so no reward file is written) gets upstream's no-verdict answer: an
+    error, ``reward`` None and ``done`` false, never a false 0.0 the trainer would learn."""
+    node = tb_fleet["node"]
+    with GenericEnvClient(base_url=f"{node.url}/openenv/terminal-bench", message_timeout_s=300).sync() as env:
+        env.reset(task_name="hello-envhub")
+        planted = env.step(
+            {"command": "printf '#!/bin/sh\\nkill -9 $PPID\\n' > /usr/local/bin/grep && chmod +x /usr/local/bin/grep"}
+        )
+        assert planted.observation["success"] is True, planted.observation
+        graded = env.step({"action_type": "evaluate"})
+        obs = Tbench2Observation(**graded.observation)
+        assert (graded.reward, graded.done, obs.success) == (None, False, False), graded
+        assert obs.error == "the verifier gave no verdict"
+    eventually(lambda: active(node) == 0, timeout=WAIT, message="the episode's container to be released")
