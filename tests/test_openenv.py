@@ -572,6 +572,14 @@ def test_http_routes_have_openenv_shapes_and_pass_openenv_validate(fleet):
         assert {t["name"] for t in listed} == {"run_python", "submit_solution"}
         assert all(t["inputSchema"]["type"] == "object" for t in listed)
         assert c.post("/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "nope"}).json()["error"]["code"] == -32601
+        for params, why in (
+            ({"name": ["run_python"]}, "'name' in params must be a string"),
+            ({"name": "run_python", "arguments": ["print(1)"]}, "'arguments' in params must be an object"),
+        ):
+            bad = c.post("/mcp", json={"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": params})
+            assert bad.status_code == 200 and bad.json()["error"] == {"code": -32602, "message": why, "data": None}, (
+                bad.text
+            )
 
     for target in (node, fleet["sched"]):
         report = validate_running_environment(f"{target.url}/openenv/mbpp")

@@ -378,6 +378,10 @@ class OpenEnvService:
         name, arguments = params.get("name"), params.get("arguments") or {}
         if not name:
             return rpc_error(rid, -32602, "Missing 'name' in params")
+        if not isinstance(name, str):  # a list or object cannot even be looked up
+            return rpc_error(rid, -32602, "'name' in params must be a string")
+        if not isinstance(arguments, dict):
+            return rpc_error(rid, -32602, "'arguments' in params must be an object")
         if name not in {t["function"].get("name") for t in tools if isinstance(t.get("function"), dict)}:
             return rpc_error(rid, -32602, f"Tool not found: {name}")
         try:
