@@ -428,6 +428,22 @@ def test_a_full_node_sends_capacity_reached_after_accept_and_closes_1000(fleet):
         assert env.reset().reward == 0.0
 
 
+def test_a_warm_pool_gives_its_slot_up_to_a_session(fleet):
+    """``small`` has one slot; a warm pool of one (of a task no other test uses there)
+    takes it. A session connecting then gets the pooled sandbox's slot (the sandbox is
+    removed), as a create would, not CAPACITY_REACHED."""
+    small = fleet["small"]
+    with small.client(timeout=WAIT) as c:  # small was started with api_key=KEY
+        r = c.post("/builds", json={"environment": "mbpp", "task_id": "601", "pool": 1})
+        assert r.status_code in (200, 201, 202), r.text
+        eventually(lambda: c.get("/health").json()["pooled"] == 1, timeout=WAIT, message="the pool to fill its slot")
+        with open_ws(small, key=KEY) as ws:
+            reply = ask(ws, {"type": "reset", "data": {"task_id": "13"}})
+            assert reply["type"] == "observation", reply
+            assert c.get("/health").json()["pooled"] == 0 and active(small) == 1
+    eventually(lambda: active(small) == 0, timeout=WAIT, message="the session's slot to be free")
+
+
 def test_a_session_the_node_turns_away_gives_its_slot_back_at_once(fleet, tmp_path):
     """A scheduler with the wrong key for ``small``: the node refuses the upgrade (403),
     so the scheduler sends SESSION_ERROR and holds the socket for the client's first
