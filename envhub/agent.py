@@ -128,7 +128,8 @@ class Agent:
 
     Built with its config section (``agents: {<name>: {...}}``). :meth:`run` drives one
     episode and must return (never raise) for anything the model does; it may raise only
-    for a bug of its own. It appends every message to ``session.messages``.
+    for a bug of its own, which fails that rollout (stage ``agent``), never its reply.
+    It appends every message to ``session.messages``.
     """
 
     name: ClassVar[str]

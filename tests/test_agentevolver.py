@@ -161,6 +161,59 @@ def test_a_tool_the_environment_lacks_is_answered_as_agentevolver_does(url):
     assert httpx.post(url + "/release", json=req(instance_id=iid)).json()["success"] is True
 
 
+def test_a_bad_call_among_good_ones_is_answered_and_the_good_ones_run_once(url):
+    """A call whose arguments are not JSON, or that the environment refuses, is answered
+    with why, in its place; the others run, and the step is a 200 a client never resends."""
+    iid = uuid.uuid4().hex
+    assert httpx.post(url + "/create", json=req(task_id="13", instance_id=iid)).json()["success"] is True
+    count = "n = globals().get('n', 0) + 1\nprint(n)"
+    calls = [
+        {"index": 0, "id": "a", "name": "run_python", "arguments": json.dumps({"code": count}), "type": "function"},
+        {"index": 1, "id": "b", "name": "run_python", "arguments": '{"code": ', "type": "function"},
+        {"index": 2, "id": "c", "name": "run_python", "arguments": json.dumps({"code": 7}), "type": "function"},
+        "not a call",
+        {"index": 4, "id": "e", "name": "run_python", "arguments": json.dumps({"code": count}), "type": "function"},
+    ]
+    r = httpx.post(
+        url + "/step", json=req(instance_id=iid, messages={"role": "assistant", "content": "", "tool_calls": calls})
+    )
+    assert r.status_code == 200, r.text
+    said = [m["content"] for m in r.json()["data"]["state"]]
+    assert said[0].startswith("Your tool call could not be read: the arguments of 'run_python' are not acceptable JSON")
+    assert said[1] == "Your tool call could not be read: a tool call must be an object"
+    assert said[2] == "1" and said[4] == "2", said
+    assert said[3].startswith("Your tool call could not be run:") and "code" in said[3], said
+    again = httpx.post(url + "/step", json=req(instance_id=iid, messages=action(count))).json()
+    assert again["data"]["state"][0]["content"] == "3", "each good call ran exactly once"
+    assert httpx.post(url + "/release", json=req(instance_id=iid)).json()["success"] is True
+
+
+def test_evaluate_refuses_params_that_are_not_an_object_before_grading(url):
+    iid = uuid.uuid4().hex
+    assert httpx.post(url + "/create", json=req(task_id="13", instance_id=iid)).json()["success"] is True
+    body = req(instance_id=iid)
+    body["params"] = ["sparse"]
+    r = httpx.post(url + "/evaluate", json=body)
+    assert (r.status_code, r.json()) == (400, {"detail": "params must be an object"})
+    ok = httpx.post(url + "/evaluate", json=req(instance_id=iid, params={"sparse": True}))
+    assert ok.status_code == 200 and ok.json()["data"] == 0.0
+    assert httpx.post(url + "/release", json=req(instance_id=iid)).json()["success"] is True
+
+
+def test_a_long_run_of_backticks_or_markup_is_answered_at_once(url):
+    """Model output that made the old fence and tool-call regexes backtrack for minutes
+    (quadratic in its length) is read in linear time: the loop never stalls on it."""
+    iid = uuid.uuid4().hex
+    assert httpx.post(url + "/create", json=req(task_id="13", instance_id=iid)).json()["success"] is True
+    for content in ("`" * 300_000, "<tool_call><function=f>" + "<parameter=a" * 25_000 + "</function></tool_call>"):
+        r = httpx.post(url + "/step", json=req(instance_id=iid, messages=said(content)), timeout=30)
+        assert r.status_code == 200, r.text
+    fenced = "```" * 1000 + "\nprint(6 * 7)\n```"
+    r = httpx.post(url + "/step", json=req(instance_id=iid, messages=said(fenced)), timeout=30)
+    assert r.json()["data"]["state"][0]["content"] == "42"
+    assert httpx.post(url + "/release", json=req(instance_id=iid)).json()["success"] is True
+
+
 # -- AgentEvolver's trainer: content only, never tool_calls ----------------------------------
 
 FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"

@@ -509,6 +509,35 @@ def test_openenv_session(aw):
         assert env.state() == {"episode_id": env.state()["episode_id"], "step_count": 2, "task_id": "synth001_1"}
 
 
+@needs_appworld
+def test_openenv_a_grade_with_no_verdict_is_reward_none(tmp_path, root):
+    """A grader that gives no verdict (here: one held to 10 ms, so it always runs past
+    its time) ends the OpenEnv episode with reward None, never a false 0.0; the
+    trainer's own evaluate says why and grades again."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("openenv", reason="OpenEnv's client (openenv-core, installed by scripts/test)")
+    from openenv.core import GenericEnvClient
+
+    node = EnvhubProcess(
+        tmp_path / "data", *appworld_args(root, "--set", "environments.appworld.grade_timeout=0.01")
+    ).start()
+    try:
+        with GenericEnvClient(base_url=f"{node.url}/openenv/appworld", message_timeout_s=120).sync() as env:
+            env.reset(task_id="synth001_1")
+            env.step({"code": login("simple_note")})
+            r = env.step({"code": "apis.supervisor.complete_task(answer='Trip ideas')"})
+            assert (r.done, r.reward, r.observation["task_completed"]) == (True, None, True), r
+        with node.client(timeout=120) as c:
+            iid = create(c, "synth001_1")
+            run(c, iid, login("simple_note"))
+            done = run(c, iid, "apis.supervisor.complete_task(answer='Trip ideas')")
+            assert done["done"] is True and done["info"]["error"].startswith("grading ran past"), done
+            graded = c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()
+            assert graded["reward"] == 0.0 and graded["details"]["error"].startswith("grading ran past"), graded
+    finally:
+        assert node.stop() == 0, node.log()
+
+
 # --- restart, and nodes without AppWorld ---------------------------------------------------
 
 

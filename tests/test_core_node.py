@@ -415,3 +415,29 @@ async def test_a_node_starts_and_stops_cleanly_around_one_request_of_sanic_testi
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_an_agent_that_raises_fails_its_rollout_and_the_reply_is_still_200(node):
+    """An agent plugin's own bug (any exception, not only envhub's) ends its rollout as a
+    failed one, ``error_info.stage`` "agent", with the episode graded and released: the
+    reply is the always-200 ``{run_info, reward, error}`` SETA's trainer reads."""
+    from envhub.agent import Agent
+
+    class Broken(Agent):
+        name = "broken"
+
+        async def run(self, session):
+            await session.step("run_python", {"code": "1"})
+            raise ZeroDivisionError("a bug of the agent's own")
+
+    node.ctx.agents["broken"] = Broken()
+    body = {"environment": "mbpp", "task_id": "13", "model_url": "http://127.0.0.1:9/v1", "agent": "broken"}
+    r = await node.http.post("/rollouts", json={**body, "uid": "broken-1"})
+    assert r.status_code == 200, r.text
+    info = r.json()["run_info"]
+    assert info["error_info"] == {
+        "stage": "agent",
+        "error_message": "the agent failed: ZeroDivisionError: a bug of the agent's own",
+    }
+    assert r.json()["reward"] == 0.0 and r.json()["error"].startswith("agent: the agent failed")
+    assert (await health(node))["active"] == 0, "its episode was released"

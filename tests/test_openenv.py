@@ -428,6 +428,22 @@ def test_a_full_node_sends_capacity_reached_after_accept_and_closes_1000(fleet):
         assert env.reset().reward == 0.0
 
 
+def test_a_warm_pool_gives_its_slot_up_to_a_session(fleet):
+    """``small`` has one slot; a warm pool of one (of a task no other test uses there)
+    takes it. A session connecting then gets the pooled sandbox's slot (the sandbox is
+    removed), as a create would, not CAPACITY_REACHED."""
+    small = fleet["small"]
+    with small.client(timeout=WAIT) as c:  # small was started with api_key=KEY
+        r = c.post("/builds", json={"environment": "mbpp", "task_id": "601", "pool": 1})
+        assert r.status_code in (200, 201, 202), r.text
+        eventually(lambda: c.get("/health").json()["pooled"] == 1, timeout=WAIT, message="the pool to fill its slot")
+        with open_ws(small, key=KEY) as ws:
+            reply = ask(ws, {"type": "reset", "data": {"task_id": "13"}})
+            assert reply["type"] == "observation", reply
+            assert c.get("/health").json()["pooled"] == 0 and active(small) == 1
+    eventually(lambda: active(small) == 0, timeout=WAIT, message="the session's slot to be free")
+
+
 def test_a_session_the_node_turns_away_gives_its_slot_back_at_once(fleet, tmp_path):
     """A scheduler with the wrong key for ``small``: the node refuses the upgrade (403),
     so the scheduler sends SESSION_ERROR and holds the socket for the client's first
@@ -572,6 +588,14 @@ def test_http_routes_have_openenv_shapes_and_pass_openenv_validate(fleet):
         assert {t["name"] for t in listed} == {"run_python", "submit_solution"}
         assert all(t["inputSchema"]["type"] == "object" for t in listed)
         assert c.post("/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "nope"}).json()["error"]["code"] == -32601
+        for params, why in (
+            ({"name": ["run_python"]}, "'name' in params must be a string"),
+            ({"name": "run_python", "arguments": ["print(1)"]}, "'arguments' in params must be an object"),
+        ):
+            bad = c.post("/mcp", json={"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": params})
+            assert bad.status_code == 200 and bad.json()["error"] == {"code": -32602, "message": why, "data": None}, (
+                bad.text
+            )
 
     for target in (node, fleet["sched"]):
         report = validate_running_environment(f"{target.url}/openenv/mbpp")
@@ -677,4 +701,23 @@ def test_a_terminal_bench_episode_with_the_stock_client_solves_and_scores_one(tb
                 env.step({"command": "ls"})
             assert env.state()["terminal_ready"] is False
             assert active(node) == 1, "the socket still holds its slot"
+    eventually(lambda: active(node) == 0, timeout=WAIT, message="the episode's container to be released")
+
+
+@needs_docker
+def test_a_verifier_that_gives_no_verdict_is_reward_none_and_not_done(tb_fleet):
+    """An episode that breaks its own verifier (a ``grep`` first on PATH that kills the
+    test script, so no reward file is written) gets upstream's no-verdict answer: an
+    error, ``reward`` None and ``done`` false, never a false 0.0 the trainer would learn."""
+    node = tb_fleet["node"]
+    with GenericEnvClient(base_url=f"{node.url}/openenv/terminal-bench", message_timeout_s=300).sync() as env:
+        env.reset(task_name="hello-envhub")
+        planted = env.step(
+            {"command": "printf '#!/bin/sh\\nkill -9 $PPID\\n' > /usr/local/bin/grep && chmod +x /usr/local/bin/grep"}
+        )
+        assert planted.observation["success"] is True, planted.observation
+        graded = env.step({"action_type": "evaluate"})
+        obs = Tbench2Observation(**graded.observation)
+        assert (graded.reward, graded.done, obs.success) == (None, False, False), graded
+        assert obs.error == "the verifier gave no verdict"
     eventually(lambda: active(node) == 0, timeout=WAIT, message="the episode's container to be released")

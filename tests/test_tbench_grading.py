@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -140,6 +141,20 @@ def test_missing_summary_is_a_parse_error():
 def test_summary_header_is_case_insensitive_and_needs_equals_signs():
     assert parse_pytest_summary("== SHORT TEST SUMMARY INFO ==\nPASSED t.py::test_a\n") == {"test_a": "passed"}
     assert parse_pytest_summary("short test summary info\nPASSED t.py::test_a\n") is None
+
+
+def test_summary_header_is_found_as_upstream_splits_and_in_linear_time():
+    """The header is upstream's ``=+\\s*short test summary info\\s*=+``: the rest after
+    its first match is read. A test that prints a long run of ``=`` (its output is the
+    episode's to shape) made that regex backtrack for minutes; the scan here is linear."""
+    text = "= x short test summary info =\n==  Short Test Summary Info\t\n====\nPASSED t.py::test_a\n"
+    assert parse_pytest_summary(text) == {"test_a": "passed"}
+    assert parse_pytest_summary("=short test summary info\nPASSED t.py::test_a\n") is None
+    started = time.monotonic()
+    flood = "=" * 200_000 + "\n" + "short test summary info " * 10_000
+    assert parse_pytest_summary(flood) is None
+    assert parse_pytest_summary(flood + "\n" + ALL_PASSED) == parse_pytest_summary(ALL_PASSED)
+    assert time.monotonic() - started < 10, "a liveness bound, 100x what it takes: the regex took minutes"
 
 
 def test_summary_with_no_result_lines_is_empty_not_an_error():

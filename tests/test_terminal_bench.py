@@ -212,6 +212,9 @@ def test_unknown_task_and_bad_arguments_are_clear_4xx(c):
         json={"action": {"tool": "run_command", "arguments": {"command": "ls", "timeout": -1}}},
     )
     assert r.status_code == 400 and r.json()["field"] == "action.arguments.timeout"
+    huge = {"action": {"tool": "run_command", "arguments": {"command": "echo held", "timeout": 10**400}}}
+    r = c.post(f"/instances/{iid}/step", json=huge)  # past a float's range: held to max_command_timeout
+    assert r.status_code == 200 and r.json()["observation"]["stdout"] == "held\n", r.text
     r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "write_file", "arguments": {"path": "x"}}})
     assert r.status_code == 400 and r.json()["field"] == "action.arguments.content"
     c.post(f"/instances/{iid}/release")

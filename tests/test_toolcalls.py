@@ -4,6 +4,7 @@ models emit when served without a tool-call parser, and what cannot be read."""
 from __future__ import annotations
 
 import json
+import time
 
 from envhub.util import toolcalls
 
@@ -66,3 +67,14 @@ def test_a_block_nested_past_any_limit_is_an_error_not_a_crash():
     assert got.calls == [] and len(got.errors) == 1 and "not JSON" in got.errors[0]
     got = toolcalls.parse(f'<tool_call>{{"name": "run_python", "arguments": {json.dumps(deep)}}}</tool_call>')
     assert got.calls == [] and len(got.errors) == 1 and "not JSON" in got.errors[0]
+
+
+def test_a_long_run_of_unclosed_parameter_tags_is_read_in_linear_time():
+    """``<parameter=a<parameter=a...`` made the old name pattern scan to the end of the
+    text from every start: minutes for a 300 kB reply. Now a name stops at ``<``."""
+    started = time.monotonic()
+    got = toolcalls.parse("<tool_call><function=f>" + "<parameter=a" * 25_000 + "</function></tool_call>")
+    assert time.monotonic() - started < 10, "a liveness bound, 100x what it takes: the old pattern took minutes"
+    assert [c["name"] for c in got.calls] == ["f"] and got.calls[0]["arguments"] == {}
+    got = toolcalls.parse("<tool_call><function=f<function=g>x</function></tool_call>")
+    assert got.calls == [] and got.errors == ["a <function=...> block is malformed"]

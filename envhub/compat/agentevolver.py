@@ -22,7 +22,10 @@ Actions, from the first of these the assistant message has (AgentEvolver's train
 4. with ``params.simple`` at create (AppWorld's raw-code mode), the whole content.
 
 A call of a tool the environment does not have is answered with a message saying so, as
-AgentEvolver's own environments do, and runs nothing. Every step's observation comes
+AgentEvolver's own environments do, and runs nothing; so is a call whose arguments are
+not JSON, and one the environment refuses (envhub's 400: arguments it cannot take). The
+calls of a step that can run still run, in order, and the step is a 200: a client that
+resent a whole step over one bad call would run the good ones twice. Every step's observation comes
 back as a ``StateMessage`` ``{"role": "user", "content", "tool_calls": [],
 "tool_call_id"?}``.
 
@@ -34,7 +37,6 @@ AgentEvolver's environments do; so does ``params.sparse`` at create, for the epi
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -45,7 +47,6 @@ from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.util import strict_json, toolcalls
 
 T = TypeVar("T")
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|$)", re.S)
 
 
 class AEError(Exception):
@@ -145,9 +146,16 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
         if tools and tool not in known:
             content = f"tools not found in the existing tool list, please check the tool name of {tool}"
         else:
-            result = await call(backend.step, instance_id, {"action": {"tool": tool, "arguments": arguments}})
-            content = str(result["observation"].get("content", ""))
-            reward, done, info = float(result.get("reward") or 0.0), bool(result.get("done")), result.get("info") or {}
+            try:
+                result = await backend.step(instance_id, {"action": {"tool": tool, "arguments": arguments}})
+            except EnvhubError as e:
+                if e.status != 400:  # the instance's own state (gone, ended, busy): the step's error
+                    raise AEError(_status(e), e.message) from None
+                content = f"Your tool call could not be run: {e.message}"
+            else:
+                content = str(result["observation"].get("content", ""))
+                reward, done = float(result.get("reward") or 0.0), bool(result.get("done"))
+                info = result.get("info") or {}
         msg = {"role": "user", "content": content, "tool_calls": []}
         if call_id:
             msg["tool_call_id"] = call_id
@@ -167,22 +175,24 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
 def _actions(message: dict[str, Any], *, raw: bool = False) -> tuple[list[tuple[str, str, Any]], list[str]]:
     """The tool calls a message makes, as ``(call id, tool, arguments)``, and why each tool
     call written in its content that could not be read was not."""
-    out = []
+    out, unreadable = [], []
     tool_calls = message.get("tool_calls") or []
     if not isinstance(tool_calls, list):
         raise AEError(400, "messages.tool_calls must be a list")
     for tc in tool_calls:
         if not isinstance(tc, dict):
-            raise AEError(400, "each tool call must be an object")
+            unreadable.append("a tool call must be an object")
+            continue
         fn = tc["function"] if isinstance(tc.get("function"), dict) else tc
         args = fn.get("arguments") or "{}"
         try:
             args = strict_json.loads(args) if isinstance(args, str) else args
         except strict_json.BadJSON as e:
-            raise AEError(400, f"tool call arguments are not acceptable JSON: {e.message}") from None
+            unreadable.append(f"the arguments of {str(fn.get('name') or '')!r} are not acceptable JSON: {e.message}")
+            continue
         out.append((str(tc.get("id") or ""), str(fn.get("name") or ""), args))
-    if out:
-        return out, []
+    if out or unreadable:
+        return out, unreadable
     content = message.get("content") or ""
     if not isinstance(content, str):
         return [], []
@@ -196,14 +206,35 @@ def _code_block(message: dict[str, Any], *, raw: bool) -> str | None:
     content = message.get("content") or ""
     if not isinstance(content, str):
         return None
-    match = _FENCE.search(content)
-    return match.group(2) if match else content if raw and content.strip() else None
+    fenced = _fenced(content)
+    return fenced if fenced is not None else content if raw and content.strip() else None
+
+
+def _fenced(content: str) -> str | None:
+    """The body of the first fenced block: from the line after the first ```` ``` ```` that
+    has a line after it, up to the next ```` ``` ```` (or the end, less one final newline).
+    Scanned with ``str.find``: the regex this replaces backtracked over a long run of
+    backticks quadratically, stalling the event loop for seconds."""
+    start = content.find("```")
+    if start == -1:
+        return None
+    eol = content.find("\n", start + 3)
+    if eol == -1:
+        return None
+    end = content.find("```", eol + 1)
+    if end != -1:
+        return content[eol + 1 : end]
+    body = content[eol + 1 :]
+    return body[:-1] if body.endswith("\n") else body
 
 
 async def evaluate(backend: Backend, body: dict[str, Any]) -> float:
     instance_id = required(body, "instance_id")
+    params = body.get("params") or {}
+    if not isinstance(params, dict):  # checked before grading, which a retry would repeat
+        raise AEError(400, "params must be an object")
     graded = await call(backend.evaluate, instance_id)
-    sparse = (body.get("params") or {}).get("sparse")
+    sparse = params.get("sparse")
     rewards = graded.get("rewards")  # every evaluation has both (reward_modes, envhub/node/grading.py)
     if isinstance(sparse, bool) and isinstance(rewards, dict):
         mode = "sparse" if sparse else "dense"

@@ -222,6 +222,9 @@ async def _run(
                 result = AgentResult("timeout", error=f"the agent ran past its {budgets.timeout_s:g} s budget")
             except EnvhubError as e:
                 result = AgentResult("error", error=e.message)
+            except Exception as e:  # an agent is a plugin: its bug fails this rollout, not the reply
+                log.exception("rollout %s: agent %s failed", req.uid, agent.name)
+                result = AgentResult("error", error=f"the agent failed: {type(e).__name__}: {e}")
             timings["2_run_agent"] = round(time.monotonic() - t1, 3)
             run_info["agent_summary"] = agent_summary(agent.name, result, model)
             if result.error:

@@ -26,8 +26,10 @@ from typing import Any
 from envhub.util import strict_json
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
-_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|\Z)", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+# A name stops at "<" too: without it, "<parameter=a<parameter=a..." made each start scan
+# to the end of the text and back (quadratic in a reply's length).
+_FUNCTION = re.compile(r"<function=([^>\s<]+)>(.*?)(?:</function>|\Z)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\s<]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 
 
 @dataclass

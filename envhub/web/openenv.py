@@ -53,7 +53,7 @@ async def known_environment(request: Request) -> None:
 async def session_socket(request: Request, ws: Any, environment: str) -> None:
     service: OpenEnvService = request.app.ctx.openenv
     try:
-        session = service.open(environment)
+        session = await service.open(environment)
     except WireError as e:  # CAPACITY_REACHED: after the upgrade, never as an HTTP status
         await refuse(ws, e.frame())
         return

@@ -252,11 +252,15 @@ class OpenEnvService:
         """The environments this node serves over OpenEnv (those that declare an adapter)."""
         return sorted(name for name, env in self.node.environments.items() if env.openenv() is not None)
 
-    def open(self, environment: str) -> Session:
-        """A new session holding a slot; ``WireError(CAPACITY_REACHED)`` when none is free."""
+    async def open(self, environment: str) -> Session:
+        """A new session holding a slot; ``WireError(CAPACITY_REACHED)`` when none is free.
+        An idle warm-pool sandbox gives its slot up to a session, as it does to a create."""
         session = Session(self, self.adapter(environment), reserved=False)
-        if not session.reserve():
-            raise capacity_reached(self.node.slots.used, self.node.slots.capacity)
+        slots = self.node.slots
+        if not session.reserve() and slots.free == 0 and not slots.queued and await self.node.pool.evict_one():
+            session.reserve()
+        if not session.reserved:
+            raise capacity_reached(slots.used, slots.capacity)
         session.task = asyncio.current_task()
         self.sessions.add(session)
         return session
@@ -378,6 +382,10 @@ class OpenEnvService:
         name, arguments = params.get("name"), params.get("arguments") or {}
         if not name:
             return rpc_error(rid, -32602, "Missing 'name' in params")
+        if not isinstance(name, str):  # a list or object cannot even be looked up
+            return rpc_error(rid, -32602, "'name' in params must be a string")
+        if not isinstance(arguments, dict):
+            return rpc_error(rid, -32602, "'arguments' in params must be an object")
         if name not in {t["function"].get("name") for t in tools if isinstance(t.get("function"), dict)}:
             return rpc_error(rid, -32602, f"Tool not found: {name}")
         try:

@@ -135,6 +135,8 @@ class AppWorld(Environment):
         episode.state["task_completed"] = True
         evaluation = await self.evaluate(episode)
         info = {k: evaluation.details.get(k) for k in ("success", "num_tests")}
+        if "error" in evaluation.details:  # no verdict: the grader failed; an evaluate grades again
+            info["error"] = evaluation.details["error"]
         info.update(
             passes=len(evaluation.details.get("passes", [])), failures=len(evaluation.details.get("failures", []))
         )

@@ -41,7 +41,10 @@ class AppWorldAdapter(OpenEnvAdapter):
         reply = await session.act("appworld", {"code": action["code"]})
         ran, done = reply["observation"], bool(reply["done"])
         obs = {"output": ran["output"], "instruction": session.instruction, "task_completed": ran["task_completed"]}
-        return wire(obs, reply["reward"] if done else None, done)
+        # A completed task whose grader gave no verdict is done (its world can change no
+        # more) with reward None, never a false 0.0; the trainer's evaluate grades it again.
+        verdict = done and "error" not in (reply.get("info") or {})
+        return wire(obs, reply["reward"] if verdict else None, done)
 
     def tools(self) -> list[dict[str, Any]]:
         return TOOLS

@@ -375,8 +375,10 @@ class TerminalBench(Environment):
             timeout = action.arguments.get("timeout", self.command_timeout)
             if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
                 raise InvalidRequest("'timeout' must be a positive number of seconds", field="action.arguments.timeout")
+            # min() before float(): a JSON int past a float's range is held to the bound,
+            # where float() would raise.
             result = await episode.exec(
-                f"{cd_workdir(tb)}{command}", timeout=min(float(timeout), self.max_command_timeout)
+                f"{cd_workdir(tb)}{command}", timeout=float(min(timeout, self.max_command_timeout))
             )
             episode.state["commands"] = episode.state.get("commands", 0) + 1
             return StepResult(

@@ -26,7 +26,7 @@ from typing import Literal
 
 PASSED, FAILED = "passed", "failed"
 
-_SUMMARY_HEADER = re.compile(r"=+\s*short test summary info\s*=+", re.IGNORECASE)
+_SUMMARY_TITLE = re.compile(r"short test summary info", re.IGNORECASE)
 _PYTEST_STATUS = {
     "PASSED": PASSED,
     "XFAIL": PASSED,
@@ -42,6 +42,25 @@ class GradingError(ValueError):
     """Verifier output that yields no verdict (missing, empty or malformed reward files)."""
 
 
+def _after_summary_header(text: str) -> str | None:
+    """The text after the first ``=+\\s*short test summary info\\s*=+`` (upstream's split
+    pattern), or ``None``. Found by scanning, not by that regex: on a long run of ``=``
+    (a test that prints one) its backtracking took seconds per 10 kB. Each whitespace run
+    walked here borders one occurrence of the title, so the scan stays linear."""
+    for title in _SUMMARY_TITLE.finditer(text):
+        i = title.start()
+        while i > 0 and text[i - 1].isspace():
+            i -= 1
+        j = title.end()
+        while j < len(text) and text[j].isspace():
+            j += 1
+        if i > 0 and text[i - 1] == "=" and j < len(text) and text[j] == "=":
+            while j < len(text) and text[j] == "=":
+                j += 1
+            return text[j:]
+    return None
+
+
 def parse_pytest_summary(text: str) -> dict[str, str] | None:
     """terminal-bench's ``PytestParser.parse``: results after the first "short test summary info" line.
 
@@ -54,11 +73,11 @@ def parse_pytest_summary(text: str) -> dict[str, str] | None:
     line's message stays part of its key; a later line for the same name overwrites an
     earlier one.
     """
-    parts = _SUMMARY_HEADER.split(text, maxsplit=1)
-    if len(parts) < 2:
+    rest = _after_summary_header(text)
+    if rest is None:
         return None
     results: dict[str, str] = {}
-    for line in parts[1].splitlines():
+    for line in rest.splitlines():
         parsed = _parse_result_line(line)
         if parsed is not None:
             results[parsed[0]] = parsed[1]

@@ -138,10 +138,12 @@ class Tbench2Adapter(OpenEnvAdapter):
             details = graded["details"]
             # The model reads this: counts only. The verifier's output and the tests' names
             # tell it what the hidden tests check; they stay in the trainer's own evaluate
-            # details and the trial log.
+            # details and the trial log. No verdict (a verifier that timed out or wrote no
+            # reward) is upstream's error, reward None and not done: never a false 0.0.
+            verdict = "error" not in details
             return (
-                graded["reward"],
-                True,
+                graded["reward"] if verdict else None,
+                verdict,
                 {
                     "output": f"{details.get('passed', 0)}/{details.get('total', 0)} tests passed.",
                     "success": "error" not in details,
