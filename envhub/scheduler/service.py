@@ -315,8 +315,7 @@ class SchedulerService:
                 json=forwarded,
                 idempotent=True,
                 timeout=self.settings.forward_timeout,
-                last_answer=True,  # a node that refuses creates answers: its 503 settles this one
-            )
+            )  # a node that refuses creates answers: its 503, even after the retries, settles this one
             status, mark = reply.status, reply.slots
             created = status in (200, 201)
             if created or status == 409:  # 409: the id names an instance there already
@@ -479,8 +478,10 @@ class SchedulerService:
     async def call(
         self, node: Node, method: str, path: str, *, answers_client: bool = True, **kw: Any
     ) -> peers.PeerReply:
-        """One call to ``node`` (``peers.call``); a transport failure marks it down, and
-        the node failing ``cut_after_checks`` health checks in a row ends it (503).
+        """One call to ``node`` (``peers.call``); a transport failure (no reply at all)
+        marks it down, a reply of any status does not (the node is alive: its own 502, 503
+        or 504 is handed back), and the node failing ``cut_after_checks`` health checks in
+        a row ends it (503).
         ``answers_client``: a failure here becomes this scheduler's own 503 (counted by
         cause); false where the caller folds failures into a reply of its own (fan-outs,
         the trial viewer's merges, the start-up check of unfinished creates)."""

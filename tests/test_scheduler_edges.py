@@ -1,0 +1,177 @@
+"""The scheduler at its edges, in process (tests/inprocess.py) in front of real node
+processes or, where a real node cannot be made to answer so, a small stand-in: a node's
+own 502/503/504, an empty fleet, a fan-out past its deadline, trial rewards merged
+across nodes, a config_path too long for the filesystem, a create joining another
+task's under the same id, and SETA's /step refused by its node."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import AsyncIterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import EnvhubProcess, faulty_plugin_env
+from inprocess import InProcessApp
+
+from envhub.settings import Settings
+
+FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a"
+
+
+@pytest.fixture(scope="module")
+def real_nodes(tmp_path_factory):
+    """Two real nodes serving mbpp and the faulty test environment (no environment for
+    SETA's /step: terminal-bench is off)."""
+    root = tmp_path_factory.mktemp("nodes")
+    env = faulty_plugin_env(root)
+    procs = [
+        EnvhubProcess(
+            root / f"node{i}",
+            "--capacity",
+            "4",
+            "--set",
+            "environments.terminal-bench.enabled=false",
+            "--set",
+            f"sandboxes.process.uid_base={3_200_000 + 64 * i}",
+            "--set",
+            "sandboxes.process.max_sandboxes=64",
+            env=env,
+        ).start()
+        for i in range(2)
+    ]
+    yield procs
+    for p in procs:
+        assert p.stop() == 0, p.log()
+
+
+@contextlib.asynccontextmanager
+async def scheduler_over(tmp_path: Path, urls: list[str], **settings: Any) -> AsyncIterator[InProcessApp]:
+    """A scheduler over ``urls`` (nodes.yaml in ``tmp_path``), retrying without waits; its
+    start runs one health round, so it knows which nodes are up once this yields."""
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"nodes": [{"url": u, "slots": 4} for u in urls]}))
+    defaults: dict[str, Any] = {"health_interval": 60.0, "retry_max_wait": 0}
+    app = InProcessApp(
+        Settings(
+            role="scheduler",
+            data_dir=tmp_path / "sched",
+            load_entrypoints=False,
+            nodes_file=nodes,
+            **{**defaults, **settings},
+        )
+    )
+    async with app:
+        yield app
+
+
+HANG = None  # an answer of a stand-in: none at all, until the test ends
+
+
+class _StandInHandler(BaseHTTPRequestHandler):
+    def _answer(self) -> None:
+        server: StandInNode = self.server  # type: ignore[assignment]
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        if self.path == "/health":
+            status, body = 200, StandInNode.HEALTH
+        else:
+            server.calls.append((self.command, self.path))
+            answer = server.answers.get((self.command, self.path), (404, {"ok": False, "error": "no", "code": "x"}))
+            if answer is HANG:
+                server.released.wait(60)
+                return
+            status, body = answer
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class StandInNode(ThreadingHTTPServer):
+    """A stand-in for a node: a healthy report on /health, and on other routes the
+    answer ``answers`` gives for ``(method, path)`` (``HANG``: none, until :meth:`close`).
+    ``calls`` lists the calls other than /health, in order."""
+
+    daemon_threads = True
+    HEALTH = {
+        "ok": True,
+        "role": "node",
+        "capacity": 4,
+        "active": 0,
+        "rollouts": 0,
+        "slot_ids": [],
+        "slot_mark": "stand-in.0",
+        "accepting": True,
+    }
+
+    def __init__(self, answers: dict[tuple[str, str], Any]) -> None:
+        super().__init__(("127.0.0.1", 0), _StandInHandler)
+        self.answers = answers
+        self.calls: list[tuple[str, str]] = []
+        self.released = threading.Event()
+        self.url = f"http://127.0.0.1:{self.server_port}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.released.set()
+        self.shutdown()
+        self.server_close()
+
+
+@pytest.fixture
+def stand_ins():
+    made: list[StandInNode] = []
+
+    def make(answers: dict[tuple[str, str], Any]) -> StandInNode:
+        made.append(StandInNode(answers))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+async def node_status(app: InProcessApp) -> list[dict[str, Any]]:
+    r = await app.http.get("/status")
+    assert r.status_code == 200, r.text
+    return r.json()["nodes"]
+
+
+# -- 1. a node's own 502/503/504 ---------------------------------------------------------------
+
+
+async def test_a_nodes_own_502_503_504_to_a_retried_call_is_its_answer_and_it_stays_up(tmp_path, stand_ins):
+    """The node is a stand-in: a real envhub node answers 503 to a listing only in a
+    window too short to aim at (stopping), and 502/504 never, but a node of another
+    version or a proxy in front of one can. Each status, answered at every attempt of an
+    idempotent call, comes back to the client as the node's own reply, and the node is
+    not marked down: it answered. (A transport failure still marks it down: see
+    test_scheduler.py's stopped node.)"""
+    answers = {
+        ("GET", "/environments"): (503, {"ok": False, "error": "stopping", "code": "unavailable", "status": 503}),
+        ("GET", "/environments/a"): (502, {"ok": False, "error": "bad gateway", "code": "bad_gateway", "status": 502}),
+        ("GET", "/environments/b"): (504, {"ok": False, "error": "too slow", "code": "timeout", "status": 504}),
+    }
+    node = stand_ins(answers)
+    async with scheduler_over(tmp_path, [node.url], retry_attempts=3) as sched:
+        assert (await node_status(sched))[0]["healthy"] is True
+        for (_, path), (status, body) in answers.items():
+            r = await sched.http.get(path)
+            assert (r.status_code, r.json()) == (status, body), r.text
+            assert node.calls.count(("GET", path)) == 3, "an idempotent call is still retried"
+            up = (await node_status(sched))[0]
+            assert up["healthy"] is True and up["error"] is None, f"{path}: a node that answered is up: {up}"
