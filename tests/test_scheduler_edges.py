@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import EnvhubProcess, faulty_plugin_env
-from inprocess import InProcessApp
+from conftest import EnvhubProcess, eventually_async, faulty_plugin_env
+from inprocess import InProcessApp, assert_envelope
 
 from envhub.settings import Settings
 
@@ -175,3 +175,26 @@ async def test_a_nodes_own_502_503_504_to_a_retried_call_is_its_answer_and_it_st
             assert node.calls.count(("GET", path)) == 3, "an idempotent call is still retried"
             up = (await node_status(sched))[0]
             assert up["healthy"] is True and up["error"] is None, f"{path}: a node that answered is up: {up}"
+
+
+# -- 2. an empty fleet -------------------------------------------------------------------------
+
+
+async def test_a_create_with_no_node_up_or_no_node_at_all_is_a_503_envelope(tmp_path, refused_url):
+    """No node up (its port refuses connections), then none at all (nodes.yaml emptied
+    while the scheduler runs): each create is a 503 with Retry-After, never a 500."""
+    async with scheduler_over(tmp_path, [refused_url], health_interval=0.05) as sched:
+        body = {"environment": "mbpp", "task_id": "11"}
+        down = await sched.http.post("/instances", json=body)
+        assert assert_envelope(down, 503, "capacity_exceeded")["error"].startswith("no node is healthy")
+        assert down.headers["Retry-After"]
+        (tmp_path / "nodes.yaml").write_text(yaml.safe_dump({"nodes": []}))
+
+        async def emptied() -> bool:
+            return await node_status(sched) == []
+
+        await eventually_async(emptied, timeout=10, message="the scheduler never took the emptied nodes.yaml")
+        for create in (body, {**body, "instance_id": "no-fleet-1"}):
+            r = await sched.http.post("/instances", json=create)
+            err = assert_envelope(r, 503, "capacity_exceeded")
+            assert err["error"].startswith("the fleet has no node") and r.headers["Retry-After"], err

@@ -3,8 +3,9 @@
 Invariants:
 - A create picks, under one lock, the node that last got the same task within
   ``affinity_window`` seconds if it has a free slot, else the healthy node with the
-  highest free-slot ratio (ties: first in nodes.yaml). No healthy node with a free slot:
-  503 with Retry-After (after waiting up to ``scheduler_wait`` seconds for one).
+  highest free-slot ratio (ties: first in nodes.yaml). No healthy node with a free slot
+  (no node at all included): 503 with Retry-After (after waiting up to
+  ``scheduler_wait`` seconds for one).
 - The route (instance -> node) is in SQLite before the create is forwarded, and the
   forwarded create carries the instance id, so a retried or repeated create never makes
   two instances and a restarted scheduler routes every instance as before. Affinity is
@@ -76,7 +77,7 @@ def _refused(reply: peers.PeerReply) -> bool:
 
 
 class AllNodesBusy(EnvhubError):
-    """Every healthy node is full (or no node is healthy)."""
+    """Every healthy node is full, or no node is healthy, or the fleet has none."""
 
     status = 503
     code = "capacity_exceeded"
@@ -200,7 +201,13 @@ class SchedulerService:
                         headers={"Retry-After": "5"},
                         extra={"retry_after": 5},
                     )
-                why = "all nodes are at capacity" if healthy else "no node is healthy"
+                why = (
+                    "all nodes are at capacity"
+                    if healthy
+                    else "no node is healthy"
+                    if self.nodes
+                    else "the fleet has no node"
+                )
                 self.metrics.unavailable(causes.NO_FREE_SLOT if healthy else causes.NO_HEALTHY_NODE)
                 raise AllNodesBusy(
                     f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
@@ -244,7 +251,9 @@ class SchedulerService:
         async def place() -> tuple[int, bytes]:
             # A node that refuses creates (draining, stopping) holds no such instance: the
             # create goes to another node, and that node gets none until it reports again.
-            for _ in range(len(self.nodes)):
+            # One try at least: with no node at all, _pick's wait (a node may join) and its
+            # 503 answer it.
+            for _ in range(max(1, len(self.nodes))):
                 status, data, refused_by = await self._create(
                     body, request.environment, request.task_id, request.params, instance_id
                 )
