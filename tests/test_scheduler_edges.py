@@ -6,9 +6,11 @@ task's under the same id, and SETA's /step refused by its node."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -198,3 +200,36 @@ async def test_a_create_with_no_node_up_or_no_node_at_all_is_a_503_envelope(tmp_
             r = await sched.http.post("/instances", json=create)
             err = assert_envelope(r, 503, "capacity_exceeded")
             assert err["error"].startswith("the fleet has no node") and r.headers["Retry-After"], err
+
+
+# -- 3. a fan-out's deadline -------------------------------------------------------------------
+
+
+async def test_a_fan_out_answers_by_its_deadline_naming_the_nodes_that_did_not_answer(tmp_path, stand_ins):
+    """One node never answers /cleanup and /config (a stand-in: a real node's cleanup
+    cannot be made to hang on purpose), the other answers at once. With forward_timeout
+    1 s, an attempt may take 1 s and the fan-out 1.25 s: the reply comes then, the silent
+    node reported with 504 and not marked down, the other with its answer."""
+    silent = stand_ins({("POST", "/cleanup"): HANG, ("POST", "/config"): HANG})
+    quick = stand_ins(
+        {
+            ("POST", "/cleanup"): (200, {"status": "ok", "released": 0}),
+            ("POST", "/config"): (200, {"status": "ok"}),
+        }
+    )
+    async with scheduler_over(tmp_path, [silent.url, quick.url], forward_timeout=1.0) as sched:
+        for path, body, answer in (
+            ("/cleanup", {}, {"status": "ok", "released": 0}),
+            ("/config", {"config": {"idle_ttl": 900}}, {"status": "ok"}),
+        ):
+            started = time.monotonic()
+            async with asyncio.timeout(30):  # the test's own bound: without a deadline it waits 6 min
+                r = await sched.http.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert time.monotonic() - started < 10, "the fan-out waited past its deadline"
+            late, answered = r.json()["results"]
+            assert (late["node"], late["status"]) == (silent.url, 504), late
+            assert f"did not answer POST {path} within 1.25 s" in late["error"], late
+            assert answered == {"node": quick.url, "status": 200, "result": answer}
+            assert all(n["healthy"] for n in await node_status(sched)), "a slow node is not marked down"
+        assert silent.calls.count(("POST", "/cleanup")) >= 1

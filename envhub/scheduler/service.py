@@ -65,6 +65,8 @@ from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.scheduler")
 
+FAN_OUT_TIMEOUT = 120.0  # one attempt of a fan-out call to a node (SETA's scheduler gives /cleanup as long)
+
 
 def _refused(reply: peers.PeerReply) -> bool:
     """A node's 503 ``unavailable``: it takes no creates (draining or stopping) and made none."""
@@ -469,18 +471,40 @@ class SchedulerService:
         raise UpstreamUnavailable("no node is healthy")
 
     async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
+        """``method path`` sent to every node at once (``/config``, ``/cleanup``): one result
+        per node, in the fleet's order. ``{node, status, result}`` is the node's reply,
+        whatever its status; ``{node, status: 503, error}`` a node that gave no reply (after
+        the retries); ``{node, status: 504, error}`` one that had not answered by the
+        deadline.
+
+        An attempt may take ``FAN_OUT_TIMEOUT`` seconds (at most ``forward_timeout``), and
+        the whole fan-out a quarter more than that: room for the retries after a quick
+        failure (a refused connection, a node's 503), never for a second slow attempt. A
+        node silent at the deadline is not waited for, nor marked down: slow is not gone,
+        and its health checks say which it is."""
+        timeout = min(FAN_OUT_TIMEOUT, self.settings.forward_timeout)
+        budget = timeout * 1.25
+        deadline = asyncio.get_running_loop().time() + budget
+
         async def one(node: Node) -> dict[str, Any]:
             try:
-                reply = await self.call(
-                    node, method, path, json=body, idempotent=True, timeout=120, answers_client=False
-                )
-                try:
-                    result = reply.json()
-                except ValueError:
-                    result = reply.body.decode(errors="replace")
-                return {"node": node.url, "status": reply.status, "result": result}
+                async with asyncio.timeout_at(deadline):
+                    reply = await self.call(
+                        node, method, path, json=body, idempotent=True, timeout=timeout, answers_client=False
+                    )
             except UpstreamUnavailable as e:
                 return {"node": node.url, "status": 503, "error": e.message}
+            except TimeoutError:  # the deadline's: a call's own timeout is an UpstreamUnavailable
+                return {
+                    "node": node.url,
+                    "status": 504,
+                    "error": f"node {node.url} did not answer {method} {path} within {budget:g} s",
+                }
+            try:
+                result = reply.json()
+            except ValueError:
+                result = reply.body.decode(errors="replace")
+            return {"node": node.url, "status": reply.status, "result": result}
 
         return list(await asyncio.gather(*(one(n) for n in self.nodes)))
 
