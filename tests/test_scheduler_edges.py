@@ -233,3 +233,18 @@ async def test_a_fan_out_answers_by_its_deadline_naming_the_nodes_that_did_not_a
             assert answered == {"node": quick.url, "status": 200, "result": answer}
             assert all(n["healthy"] for n in await node_status(sched)), "a slow node is not marked down"
         assert silent.calls.count(("POST", "/cleanup")) >= 1
+
+
+# -- 5. a config_path too long -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["a" * 300, "d/" * 3000 + "x.yaml"], ids=["long-component", "long-path"])
+async def test_a_config_path_too_long_for_the_filesystem_is_a_400_naming_the_field(tmp_path, refused_url, name):
+    """A name longer than the filesystem takes (one component past 255 bytes, or a path
+    past 4096) makes the file check itself fail (ENAMETOOLONG): a 400 naming config_path,
+    which does not echo the name back."""
+    (tmp_path / "conf").mkdir()
+    async with scheduler_over(tmp_path, [refused_url], config_dir=tmp_path / "conf") as sched:
+        r = await sched.http.post("/config", json={"config_path": name})
+        err = assert_envelope(r, 400, "invalid_request")
+        assert err["field"] == "config_path" and "too long" in err["error"] and name not in err["error"], err
