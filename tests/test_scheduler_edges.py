@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from conftest import EnvhubProcess, eventually_async, faulty_plugin_env
@@ -248,3 +249,24 @@ async def test_a_config_path_too_long_for_the_filesystem_is_a_400_naming_the_fie
         r = await sched.http.post("/config", json={"config_path": name})
         err = assert_envelope(r, 400, "invalid_request")
         assert err["field"] == "config_path" and "too long" in err["error"] and name not in err["error"], err
+
+
+# -- 7. SETA's /step refused by its node -------------------------------------------------------
+
+
+async def test_setas_step_that_a_node_refuses_is_setas_200_with_node_error_and_its_status(tmp_path, real_nodes):
+    """The nodes serve no environment for SETA's /step (terminal-bench is off), so the one
+    picked answers 400; SETA's scheduler answers a node's HTTP error with a 200
+    StepResponse whose error is ``Node error: <status>`` (PROTOCOLS.md section 2.3)."""
+    async with scheduler_over(tmp_path, [n.url for n in real_nodes]) as sched:
+        step = {
+            "task": {"task_name": "13", "instruction": "fib"},
+            "uid": "seta-refused-1",
+            "traj_i": 0,
+            "model_url": "http://127.0.0.1:9/v1/seta-refused-1",
+        }
+        async with httpx.AsyncClient(timeout=30) as client:
+            direct = await client.post(f"{real_nodes[0].url}/step", json=step)
+        assert direct.status_code == 400, direct.text  # what the node answers
+        r = await sched.http.post("/step", json=step)
+        assert (r.status_code, r.json()) == (200, {"run_info": None, "reward": None, "error": "Node error: 400"})

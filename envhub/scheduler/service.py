@@ -78,6 +78,11 @@ def _refused(reply: peers.PeerReply) -> bool:
         return False
 
 
+def _step_failed(error: str) -> bytes:
+    """SETA's StepResponse for a rollout that did not run to its end."""
+    return jsonlib.dumps({"run_info": None, "reward": None, "error": error}).encode()
+
+
 class AllNodesBusy(EnvhubError):
     """Every healthy node is full, or no node is healthy, or the fleet has none."""
 
@@ -350,8 +355,10 @@ class SchedulerService:
         failure_as_reply: bool = False,
     ) -> tuple[int, bytes]:
         """Send a whole rollout to a node picked like a create (task affinity first), with
-        its model URL rewritten, to ``path`` there. A node failure is a 503, or with
-        ``failure_as_reply`` a 200 whose ``error`` says so (as SETA's scheduler answers)."""
+        its model URL rewritten, to ``path`` there. The node's answer is the reply, and a
+        node that gives none is a 503. With ``failure_as_reply`` (SETA's ``/step``) both are
+        a 200 StepResponse instead, as SETA's scheduler answers: a node's non-2xx answer
+        has ``error`` ``"Node error: <status>"``, no answer ``"Node error: <why>"``."""
         if not isinstance(environment, str) or not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
             raise InvalidRequest("a rollout needs 'environment' and 'task_id' (SETA: task.task_name)", field="task_id")
         if isinstance(body.get("model_url"), str):
@@ -368,11 +375,13 @@ class SchedulerService:
                 timeout=self.settings.forward_timeout,
                 answers_client=not failure_as_reply,
             )
+            if failure_as_reply and not 200 <= reply.status < 300:
+                return 200, _step_failed(f"Node error: {reply.status}")
             return reply.status, reply.body
         except UpstreamUnavailable as e:
             if not failure_as_reply:
                 raise
-            return 200, jsonlib.dumps({"run_info": None, "reward": None, "error": f"Node error: {e.message}"}).encode()
+            return 200, _step_failed(f"Node error: {e.message}")
         finally:
             node.rollouts -= 1
             self.view.freed.set()
