@@ -270,3 +270,23 @@ async def test_setas_step_that_a_node_refuses_is_setas_200_with_node_error_and_i
         assert direct.status_code == 400, direct.text  # what the node answers
         r = await sched.http.post("/step", json=step)
         assert (r.status_code, r.json()) == (200, {"run_info": None, "reward": None, "error": "Node error: 400"})
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"task": "13"}, "task"),
+        ({"dataset_name": 7}, "dataset_name"),
+        ({"model_url": ""}, "model_url"),
+        ({"uid": "a b"}, "instance_id"),
+    ],
+)
+async def test_a_malformed_seta_step_is_a_400_naming_its_field_through_the_scheduler(
+    tmp_path, real_nodes, change, field
+):
+    """Checked by the scheduler as a node checks it, so that the node's 400 naming the
+    field does not turn into SETA's 200 ``Node error: 400``."""
+    step = {"task": {"task_name": "13"}, "uid": "seta-bad-1", "model_url": "http://127.0.0.1:9/v1/s"}
+    async with scheduler_over(tmp_path, [n.url for n in real_nodes]) as sched:
+        err = assert_envelope(await sched.http.post("/step", json={**step, **change}), 400, "invalid_request")
+        assert err["field"] == field, err
