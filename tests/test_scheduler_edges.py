@@ -290,3 +290,34 @@ async def test_a_malformed_seta_step_is_a_400_naming_its_field_through_the_sched
     async with scheduler_over(tmp_path, [n.url for n in real_nodes]) as sched:
         err = assert_envelope(await sched.http.post("/step", json={**step, **change}), 400, "invalid_request")
         assert err["field"] == field, err
+
+
+# -- 6. a create joining another task's --------------------------------------------------------
+
+
+async def test_a_create_of_another_task_under_an_id_in_flight_is_a_409_and_one_of_the_same_joins(tmp_path, real_nodes):
+    """The first create's reset waits on a gate file, so it is in flight for as long as
+    the test needs. A create of another task under its id is the node's 409, at once; a
+    create of the same task joins it and gets its answer as a replay."""
+    gate = tmp_path / "gate"
+    first = {"environment": "faulty", "task_id": "slow-reset", "instance_id": "join-1", "params": {"gate": str(gate)}}
+    async with (
+        scheduler_over(tmp_path, [n.url for n in real_nodes]) as sched,
+        httpx.AsyncClient(timeout=30) as direct,
+    ):
+        running = asyncio.create_task(sched.http.post("/instances", json=first))
+
+        async def on_a_node() -> bool:
+            return 200 in [(await direct.get(f"{n.url}/instances/join-1")).status_code for n in real_nodes]
+
+        await eventually_async(on_a_node, timeout=20, message="the first create never reached a node")
+        async with asyncio.timeout(10):  # without the check it would wait on the gate, joined
+            other = await sched.http.post("/instances", json={**first, "task_id": "ok", "params": {}})
+        err = assert_envelope(other, 409, "conflict")
+        assert err["instance_id"] == "join-1" and "faulty/slow-reset" in err["error"], err
+        again = asyncio.create_task(sched.http.post("/instances", json=first))
+        gate.touch()
+        made, replayed = await running, await again
+        assert (made.status_code, replayed.status_code) == (201, 200), (made.text, replayed.text)
+        assert replayed.json() == made.json() and made.json()["task_id"] == "slow-reset"
+        assert (await sched.http.post("/instances/join-1/release")).json()["released"] is True

@@ -49,7 +49,7 @@ from typing import Any
 import aiohttp
 
 from envhub.calls import CreateRequest, new_instance_id
-from envhub.errors import EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
+from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
 from envhub.metrics import scheduler as causes
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
@@ -83,6 +83,14 @@ def _step_failed(error: str) -> bytes:
     return jsonlib.dumps({"run_info": None, "reward": None, "error": error}).encode()
 
 
+def _other_task(instance_id: str, made: tuple[str, str]) -> Conflict:
+    """A node's 409 for a create whose id names an instance of another task."""
+    return Conflict(
+        f"instance id {instance_id!r} already names an instance of {made[0]}/{made[1]}",
+        extra={"instance_id": instance_id},
+    )
+
+
 class AllNodesBusy(EnvhubError):
     """Every healthy node is full, or no node is healthy, or the fleet has none."""
 
@@ -114,7 +122,9 @@ class SchedulerService:
         self.network = network
         self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
         self._lock = asyncio.Lock()
-        self._creating: SingleFlight[tuple[int, bytes]] = SingleFlight()  # creates in flight, by id
+        # Creates in flight, by id: their answer, and the (environment, task) each asked for.
+        self._creating: SingleFlight[tuple[int, bytes, tuple[str, str]]] = SingleFlight()
+        self._asked: dict[str, tuple[str, str]] = {}
         self.run_code = RunCodeRouter(self)  # /run_code, by language (run_code.py)
 
     @property
@@ -252,25 +262,39 @@ class SchedulerService:
     # -- client calls --------------------------------------------------------------------
 
     async def create(self, body: dict[str, Any]) -> tuple[int, bytes]:
+        """Place a create, or join the create in flight with the same instance id (a
+        client's retry while the first try runs): the joiner gets its answer (a replay:
+        200 for 201). A create of another environment or task under an id in flight is a
+        409, at once, with the node's own message for an id that names an instance of
+        another task (the node checks a join so too)."""
         request = CreateRequest.parse(body)  # the node's own rule: refused here before a node is picked
         instance_id = request.instance_id or new_instance_id(request.environment)
+        asked = (request.environment, request.task_id)
 
-        async def place() -> tuple[int, bytes]:
-            # A node that refuses creates (draining, stopping) holds no such instance: the
-            # create goes to another node, and that node gets none until it reports again.
-            # One try at least: with no node at all, _pick's wait (a node may join) and its
-            # 503 answer it.
-            for _ in range(max(1, len(self.nodes))):
-                status, data, refused_by = await self._create(
-                    body, request.environment, request.task_id, request.params, instance_id
-                )
-                if refused_by is None:
-                    break
-                refused_by.capacity = 0
-            return status, data
+        async def place() -> tuple[int, bytes, tuple[str, str]]:
+            self._asked[instance_id] = asked  # before the first await: SingleFlight has the id now
+            try:
+                # A node that refuses creates (draining, stopping) holds no such instance: the
+                # create goes to another node, and that node gets none until it reports again.
+                # One try at least: with no node at all, _pick's wait (a node may join) and its
+                # 503 answer it.
+                for _ in range(max(1, len(self.nodes))):
+                    status, data, refused_by = await self._create(
+                        body, request.environment, request.task_id, request.params, instance_id
+                    )
+                    if refused_by is None:
+                        break
+                    refused_by.capacity = 0
+                return status, data, asked
+            finally:
+                del self._asked[instance_id]
 
-        # A concurrent retry (a client that timed out while this runs) joins the attempt.
-        (status, data), ran = await self._creating.run(instance_id, place)
+        running = self._asked.get(instance_id)
+        if running is not None and running != asked:
+            raise _other_task(instance_id, running)  # at once: no wait on another task's create
+        (status, data, made), ran = await self._creating.run(instance_id, place)
+        if not ran and made != asked:  # the create in flight was cut off, and one of another task began since
+            raise _other_task(instance_id, made)
         if not ran and status == 201:
             status = 200  # as a node answers a replay
         return status, data
