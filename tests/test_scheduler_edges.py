@@ -321,3 +321,43 @@ async def test_a_create_of_another_task_under_an_id_in_flight_is_a_409_and_one_o
         assert (made.status_code, replayed.status_code) == (201, 200), (made.text, replayed.text)
         assert replayed.json() == made.json() and made.json()["task_id"] == "slow-reset"
         assert (await sched.http.post("/instances/join-1/release")).json()["released"] is True
+
+
+# -- 4. a task's mean reward merged across nodes -----------------------------------------------
+
+
+async def test_a_tasks_mean_reward_merged_across_nodes_is_weighted_by_scored_episodes(tmp_path, real_nodes):
+    """One node ran task 13 three times in the trial and scored one (1.0: the solution
+    submitted, then evaluated); the other ran it once and scored it 0.0. The merged mean
+    is 0.5 (one scored episode each), not 0.75 (each node's mean weighted by all the
+    episodes it ran)."""
+    trial = "merge-scored"
+    solve = {"action": {"tool": "submit_solution", "arguments": {"code": FIB}}}
+
+    async def episode(client: httpx.AsyncClient, node: EnvhubProcess, *, evaluate: bool, solved: bool = False):
+        made = await client.post(f"{node.url}/instances", json={"environment": "mbpp", "task_id": "13", "trial": trial})
+        assert made.status_code == 201, made.text
+        iid = made.json()["instance_id"]
+        if solved:
+            assert (await client.post(f"{node.url}/instances/{iid}/step", json=solve)).status_code == 200
+        reward = None
+        if evaluate:
+            reward = (await client.post(f"{node.url}/instances/{iid}/evaluate")).json()["reward"]
+        assert (await client.post(f"{node.url}/instances/{iid}/release")).json()["released"] is True
+        return reward
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        assert await episode(client, real_nodes[0], evaluate=True, solved=True) == 1.0
+        for _ in range(2):
+            await episode(client, real_nodes[0], evaluate=False)
+        assert await episode(client, real_nodes[1], evaluate=True) == 0.0
+        rows = [(await client.get(f"{n.url}/trials/{trial}")).json()["tasks"] for n in real_nodes]
+        assert rows == [
+            [{"task_id": "13", "episodes": 3, "mean_reward": 1.0}],
+            [{"task_id": "13", "episodes": 1, "mean_reward": 0.0}],
+        ], "each node's row: its mean, and all the episodes it ran"
+    async with scheduler_over(tmp_path, [n.url for n in real_nodes]) as sched:
+        for query in ({}, {"task": "13"}):
+            merged = (await sched.http.get(f"/trials/{trial}", params=query)).json()
+            assert merged["tasks"] == [{"task_id": "13", "episodes": 4, "mean_reward": 0.5}], merged
+            assert (merged["rewards"]["scored"], merged["rewards"]["mean"], merged["unreachable"]) == (2, 0.5, [])
