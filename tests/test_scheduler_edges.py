@@ -40,10 +40,6 @@ def real_nodes(tmp_path_factory):
             "4",
             "--set",
             "environments.terminal-bench.enabled=false",
-            "--set",
-            f"sandboxes.process.uid_base={3_200_000 + 64 * i}",
-            "--set",
-            "sandboxes.process.max_sandboxes=64",
             env=env,
         ).start()
         for i in range(2)
@@ -154,13 +150,13 @@ async def node_status(app: InProcessApp) -> list[dict[str, Any]]:
     return r.json()["nodes"]
 
 
-# -- 1. a node's own 502/503/504 ---------------------------------------------------------------
+# -- a node's own 502/503/504 ------------------------------------------------------------------
 
 
 async def test_a_nodes_own_502_503_504_to_a_retried_call_is_its_answer_and_it_stays_up(tmp_path, stand_ins):
-    """The node is a stand-in: a real envhub node answers 503 to a listing only in a
-    window too short to aim at (stopping), and 502/504 never, but a node of another
-    version or a proxy in front of one can. Each status, answered at every attempt of an
+    """The node is a stand-in: a real envhub node cannot be made to answer a listing
+    with 502, 503 or 504 on purpose, but a node of another version, or a proxy in front
+    of one, can. Each status, answered at every attempt of an
     idempotent call, comes back to the client as the node's own reply, and the node is
     not marked down: it answered. (A transport failure still marks it down: see
     test_scheduler.py's stopped node.)"""
@@ -180,7 +176,7 @@ async def test_a_nodes_own_502_503_504_to_a_retried_call_is_its_answer_and_it_st
             assert up["healthy"] is True and up["error"] is None, f"{path}: a node that answered is up: {up}"
 
 
-# -- 2. an empty fleet -------------------------------------------------------------------------
+# -- an empty fleet ----------------------------------------------------------------------------
 
 
 async def test_a_create_with_no_node_up_or_no_node_at_all_is_a_503_envelope(tmp_path, refused_url):
@@ -203,7 +199,7 @@ async def test_a_create_with_no_node_up_or_no_node_at_all_is_a_503_envelope(tmp_
             assert err["error"].startswith("the fleet has no node") and r.headers["Retry-After"], err
 
 
-# -- 3. a fan-out's deadline -------------------------------------------------------------------
+# -- a fan-out's deadline ----------------------------------------------------------------------
 
 
 async def test_a_fan_out_answers_by_its_deadline_naming_the_nodes_that_did_not_answer(tmp_path, stand_ins):
@@ -236,7 +232,7 @@ async def test_a_fan_out_answers_by_its_deadline_naming_the_nodes_that_did_not_a
         assert silent.calls.count(("POST", "/cleanup")) >= 1
 
 
-# -- 5. a config_path too long -----------------------------------------------------------------
+# -- a config_path too long --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["a" * 300, "d/" * 3000 + "x.yaml"], ids=["long-component", "long-path"])
@@ -251,7 +247,7 @@ async def test_a_config_path_too_long_for_the_filesystem_is_a_400_naming_the_fie
         assert err["field"] == "config_path" and "too long" in err["error"] and name not in err["error"], err
 
 
-# -- 7. SETA's /step refused by its node -------------------------------------------------------
+# -- SETA's /step refused by its node ----------------------------------------------------------
 
 
 async def test_setas_step_that_a_node_refuses_is_setas_200_with_node_error_and_its_status(tmp_path, real_nodes):
@@ -292,7 +288,7 @@ async def test_a_malformed_seta_step_is_a_400_naming_its_field_through_the_sched
         assert err["field"] == field, err
 
 
-# -- 6. a create joining another task's --------------------------------------------------------
+# -- a create joining another task's -----------------------------------------------------------
 
 
 async def test_a_create_of_another_task_under_an_id_in_flight_is_a_409_and_one_of_the_same_joins(tmp_path, real_nodes):
@@ -323,7 +319,7 @@ async def test_a_create_of_another_task_under_an_id_in_flight_is_a_409_and_one_o
         assert (await sched.http.post("/instances/join-1/release")).json()["released"] is True
 
 
-# -- 4. a task's mean reward merged across nodes -----------------------------------------------
+# -- a task's mean reward merged across nodes --------------------------------------------------
 
 
 async def test_a_tasks_mean_reward_merged_across_nodes_is_weighted_by_scored_episodes(tmp_path, real_nodes):
