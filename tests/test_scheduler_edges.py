@@ -349,11 +349,11 @@ async def test_a_tasks_mean_reward_merged_across_nodes_is_weighted_by_scored_epi
         assert await episode(client, real_nodes[1], evaluate=True) == 0.0
         rows = [(await client.get(f"{n.url}/trials/{trial}")).json()["tasks"] for n in real_nodes]
         assert rows == [
-            [{"task_id": "13", "episodes": 3, "mean_reward": 1.0}],
-            [{"task_id": "13", "episodes": 1, "mean_reward": 0.0}],
-        ], "each node's row: its mean, and all the episodes it ran"
+            [{"task_id": "13", "episodes": 3, "scored": 1, "mean_reward": 1.0}],
+            [{"task_id": "13", "episodes": 1, "scored": 1, "mean_reward": 0.0}],
+        ], "each node's row: all the episodes it ran, those it scored and their mean"
     async with scheduler_over(tmp_path, [n.url for n in real_nodes]) as sched:
         for query in ({}, {"task": "13"}):
             merged = (await sched.http.get(f"/trials/{trial}", params=query)).json()
-            assert merged["tasks"] == [{"task_id": "13", "episodes": 4, "mean_reward": 0.5}], merged
+            assert merged["tasks"] == [{"task_id": "13", "episodes": 4, "scored": 2, "mean_reward": 0.5}], merged
             assert (merged["rewards"]["scored"], merged["rewards"]["mean"], merged["unreachable"]) == (2, 0.5, [])

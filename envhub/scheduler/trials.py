@@ -4,7 +4,7 @@ one, so each read asks every healthy node and merges what they answer.
 - Lists and summaries are sums over the nodes that answered; a node that is down or
   fails is named in ``unreachable``, never an error of the whole read.
 - A mean reward merged from several nodes weights each node's mean by the episodes it
-  scored (not all it ran): a task's, by its episodes each node scored.
+  scored (not all it ran): a task's by the ``scored`` its row on each node counts.
 - A page of episodes (newest first) asks each node for its first ``offset + limit``
   and merges them, so deep pages cost more; ``offset`` is capped for that reason.
 - One episode goes to the node its route names, else to each healthy node in turn.
@@ -23,7 +23,6 @@ from envhub.scheduler.service import SchedulerService
 from envhub.store import routes
 
 MAX_MERGED = 10_000  # offset + limit of one merged page
-_ASKS_AT_ONCE = 16  # a summary's calls to nodes for the tasks several of them scored
 
 
 async def _ask(
@@ -67,15 +66,13 @@ async def list_trials(scheduler: SchedulerService) -> dict[str, Any]:
 
 
 async def summary(scheduler: SchedulerService, trial: str, params: dict[str, str]) -> dict[str, Any]:
-    path = f"/trials/{quote(trial, safe='')}"
-    answers, missing = await _ask(scheduler, path, params)
+    answers, missing = await _ask(scheduler, f"/trials/{quote(trial, safe='')}", params)
     out: dict[str, Any] = {"trial": trial, "total": 0, "outcomes": {}, "unreachable": missing}
     bins: list[int] = []
     scored, reward_sum = 0, 0.0
     tasks: dict[str, dict[str, Any]] = {}
-    means: dict[str, list[tuple[Node, float]]] = {}  # task -> each node's mean of it
     firsts, lasts = [], []
-    for node, answer in answers:
+    for _, answer in answers:
         out["total"] += answer.get("total") or 0
         for name, n in (answer.get("outcomes") or {}).items():
             out["outcomes"][name] = out["outcomes"].get(name, 0) + n
@@ -86,68 +83,29 @@ async def summary(scheduler: SchedulerService, trial: str, params: dict[str, str
             scored += rewards["scored"]
             reward_sum += rewards["scored"] * (rewards.get("mean") or 0.0)
         for task in answer.get("tasks") or []:
-            into = tasks.setdefault(task["task_id"], {"task_id": task["task_id"], "episodes": 0})
+            into = tasks.setdefault(task["task_id"], {"task_id": task["task_id"], "episodes": 0, "_sum": 0.0})
             into["episodes"] += task["episodes"]
             if task.get("mean_reward") is not None:
-                means.setdefault(task["task_id"], []).append((node, task["mean_reward"]))
+                # A node's mean is over the episodes it scored, which its row counts
+                # (``scored``); a node from before that field weights by all it ran.
+                n = task.get("scored", task["episodes"])
+                into["_sum"] += task["mean_reward"] * n
+                into["_scored"] = into.get("_scored", 0) + n
         firsts += [answer["first_created_at"]] if answer.get("first_created_at") else []
         lasts += [answer["last_created_at"]] if answer.get("last_created_at") else []
     out["rewards"] = {"bins": bins, "scored": scored, "mean": reward_sum / scored if scored else None}
     out["first_created_at"] = min(firsts, default=None)
     out["last_created_at"] = max(lasts, default=None)
-    if params.get("task"):  # one task: its mean is the read's, already weighted by scored episodes
-        merged = {task_id: out["rewards"]["mean"] for task_id in means}
-    else:
-        merged = await _task_means(scheduler, path, params, means, missing)
     out["tasks"] = [
-        {"task_id": t["task_id"], "episodes": t["episodes"], "mean_reward": merged.get(t["task_id"])}
+        {
+            "task_id": t["task_id"],
+            "episodes": t["episodes"],
+            "scored": t.get("_scored", 0),
+            "mean_reward": t["_sum"] / t["_scored"] if t.get("_scored") else None,
+        }
         for t in sorted(tasks.values(), key=lambda t: t["task_id"])
     ]
     return out
-
-
-async def _task_means(
-    scheduler: SchedulerService,
-    path: str,
-    params: dict[str, str],
-    means: dict[str, list[tuple[Node, float]]],
-    missing: list[str],
-) -> dict[str, float]:
-    """Each task's mean reward over the nodes that scored some of it, each node's mean
-    weighted by how many of the task's episodes it scored.
-
-    A node's row for a task has its mean and its count of all episodes, scored or not, so
-    a task that two nodes or more scored is asked of each of them alone (``task``), whose
-    ``rewards`` give its count of scored episodes and their mean, from one read. A node
-    that does not answer that is left out of the task's mean and named in ``missing``."""
-    merged = {task_id: rows[0][1] for task_id, rows in means.items() if len(rows) == 1}
-    asks = [(task_id, node) for task_id, rows in means.items() if len(rows) > 1 for node, _ in rows]
-    at_once = asyncio.Semaphore(_ASKS_AT_ONCE)
-
-    async def scored(task_id: str, node: Node) -> tuple[int, float] | None:
-        async with at_once:
-            try:
-                reply = await scheduler.call(
-                    node, "GET", path, params={**params, "task": task_id}, idempotent=True, answers_client=False
-                )
-                rewards = reply.json()["rewards"] if reply.status == 200 else None
-            except (UpstreamUnavailable, ValueError, KeyError, TypeError):
-                return None
-        n, mean = (rewards.get("scored"), rewards.get("mean")) if isinstance(rewards, dict) else (None, None)
-        if not isinstance(n, int) or isinstance(n, bool) or not isinstance(mean, (int, float)):
-            return None
-        return n, float(mean)
-
-    totals: dict[str, tuple[float, int]] = {}
-    for (task_id, node), got in zip(asks, await asyncio.gather(*(scored(t, n) for t, n in asks)), strict=True):
-        if got is None:
-            if node.name not in missing:
-                missing.append(node.name)
-            continue
-        total, count = totals.get(task_id, (0.0, 0))
-        totals[task_id] = (total + got[0] * got[1], count + got[0])
-    merged.update({task_id: total / count for task_id, (total, count) in totals.items() if count})
-    return merged
 
 
 async def episodes(scheduler: SchedulerService, trial: str, params: dict[str, str], limit: int, offset: int) -> dict:
