@@ -126,14 +126,15 @@ class SchedulerBackend:
         return _unwrap(*await self.scheduler.forward(instance_id, "GET", idempotent=True))
 
     async def seta_step(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SETA's /step, checked here as a node checks it and then sent to a node: a
+        malformed StepRequest is a 400 naming its field, as from a node, where the node's
+        400 would have come back as SETA's 200 ``Node error: 400`` (SchedulerService.rollout)."""
+        # Unset, each node finds the task's environment itself; here it only keys affinity.
+        environment = self.scheduler.settings.seta_environment or "seta"
+        request = seta.rollout_request(body, environment=environment)
         return _unwrap(
             *await self.scheduler.rollout(
-                body,
-                # Unset, each node finds the task's environment itself; here it only keys affinity.
-                environment=self.scheduler.settings.seta_environment or "seta",
-                task_id=seta.task_name(body) or body.get("uid"),
-                path="/step",
-                failure_as_reply=True,
+                body, environment=environment, task_id=request.task_id, path="/step", failure_as_reply=True
             )
         )
 

@@ -4,9 +4,10 @@ Invariants:
 - Only regular files inside the ``config_dir`` setting are read; the path is resolved,
   symlinks included, before that check. With no ``config_dir``, no file is read.
 - A file outside the directory gets the same answer whether or not it exists.
-- An error says what is wrong (outside the directory, missing, too large, not UTF-8, not
-  YAML at line L, not a mapping, a value JSON cannot carry) and never quotes the file:
-  not a line, not a key, not a value.
+- An error says what is wrong (outside the directory, missing, a name the filesystem
+  refuses (too long), too large, not UTF-8, not YAML at line L, not a mapping, a value
+  JSON cannot carry) and never quotes the file: not a line, not a key, not a value.
+  Every one is a 400 naming the field ``config_path``.
 - What is returned is a mapping that JSON can carry as it is (no NaN or Infinity, no
   dates or sets), so the fan-out sends exactly what the file says.
 """
@@ -43,7 +44,11 @@ def read(config_dir: Path | None, name: Any) -> dict[str, Any]:
     if path is None or not path.is_relative_to(root):
         raise _refuse("'config_path' must name a file in the scheduler's config_dir")
     shown = path.relative_to(root)
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError as e:  # a name longer than the filesystem takes (ENAMETOOLONG): not echoed
+        raise _refuse(f"'config_path' cannot name a file in config_dir: {e.strerror}") from None
+    if not is_file:
         raise _refuse(f"config_dir has no file {str(shown)!r}")
     try:
         with path.open("rb") as f:

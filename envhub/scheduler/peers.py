@@ -1,9 +1,12 @@
 """Every HTTP call from one envhub process to another (scheduler -> node).
 
 Retries live here and nowhere else: tenacity, only for idempotent calls, only on
-connection errors and 502/503/504, with exponential jittered waits whose bounds come from
-settings (tests set them to zero). A failed attempt's response is closed before the next
-try. When attempts run out the caller gets ``UpstreamUnavailable`` naming the node.
+connection errors, timeouts and 502/503/504, with exponential jittered waits whose bounds
+come from settings (tests set them to zero). A failed attempt's response is closed before
+the next try. A node that answers, whatever the status, answered: when the attempts run
+out on a 502/503/504, that last reply is handed back like any other. Only a call that got
+no reply at all (it could not connect, timed out, or the connection broke) raises
+``UpstreamUnavailable`` naming the node, which is what marks a node down (service.py).
 Replies are handed back raw (status, headers, body) so the scheduler can pass a node's
 answer through unchanged.
 
@@ -48,7 +51,7 @@ class PeerReply:
 
 
 class _Retryable(Exception):
-    def __init__(self, status: int, reply: PeerReply | None = None) -> None:
+    def __init__(self, status: int, reply: PeerReply) -> None:
         super().__init__(f"HTTP {status}")
         self.status = status
         self.reply = reply
@@ -71,13 +74,12 @@ async def call(
     retry: RetryPolicy = RetryPolicy(),  # noqa: B008 (frozen)
     timeout: float | None = None,
     on_retry: Callable[[], None] | None = None,
-    last_answer: bool = False,
 ) -> PeerReply:
     """One call to ``base_url + path``; retried only when ``idempotent``. ``data`` is a
     JSON body already encoded (passed through as it came from a client). ``on_retry`` is
-    called before each attempt after the first (the scheduler counts them). With
-    ``last_answer``, a retryable status the node still answers at the last attempt is
-    returned as its reply rather than raised (the node did answer)."""
+    called before each attempt after the first (the scheduler counts them). A retryable
+    status the node still answers at the last attempt is its reply; ``UpstreamUnavailable``
+    means no reply came."""
     headers = {"X-API-Key": api_key} if api_key else {}
     if data is not None:
         headers["Content-Type"] = "application/json"
@@ -112,9 +114,7 @@ async def call(
             with attempt:
                 return await once()
     except _Retryable as e:
-        if last_answer and e.reply is not None:
-            return e.reply
-        last_error: Exception = e
+        return e.reply  # the node answered: its own 502/503/504 is its reply
     except TRANSPORT_ERRORS as e:
         last_error = e
     raise UpstreamUnavailable(

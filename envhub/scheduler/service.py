@@ -3,8 +3,9 @@
 Invariants:
 - A create picks, under one lock, the node that last got the same task within
   ``affinity_window`` seconds if it has a free slot, else the healthy node with the
-  highest free-slot ratio (ties: first in nodes.yaml). No healthy node with a free slot:
-  503 with Retry-After (after waiting up to ``scheduler_wait`` seconds for one).
+  highest free-slot ratio (ties: first in nodes.yaml). No healthy node with a free slot
+  (no node at all included): 503 with Retry-After (after waiting up to
+  ``scheduler_wait`` seconds for one).
 - The route (instance -> node) is in SQLite before the create is forwarded, and the
   forwarded create carries the instance id, so a retried or repeated create never makes
   two instances and a restarted scheduler routes every instance as before. Affinity is
@@ -48,7 +49,7 @@ from typing import Any
 import aiohttp
 
 from envhub.calls import CreateRequest, new_instance_id
-from envhub.errors import EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
+from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
 from envhub.metrics import scheduler as causes
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
@@ -64,6 +65,8 @@ from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.scheduler")
 
+FAN_OUT_TIMEOUT = 120.0  # one attempt of a fan-out call to a node (SETA's scheduler gives /cleanup as long)
+
 
 def _refused(reply: peers.PeerReply) -> bool:
     """A node's 503 ``unavailable``: it takes no creates (draining or stopping) and made none."""
@@ -75,8 +78,21 @@ def _refused(reply: peers.PeerReply) -> bool:
         return False
 
 
+def _step_failed(error: str) -> bytes:
+    """SETA's StepResponse for a rollout that did not run to its end."""
+    return jsonlib.dumps({"run_info": None, "reward": None, "error": error}).encode()
+
+
+def _other_task(instance_id: str, made: tuple[str, str]) -> Conflict:
+    """A node's 409 for a create whose id names an instance of another task."""
+    return Conflict(
+        f"instance id {instance_id!r} already names an instance of {made[0]}/{made[1]}",
+        extra={"instance_id": instance_id},
+    )
+
+
 class AllNodesBusy(EnvhubError):
-    """Every healthy node is full (or no node is healthy)."""
+    """Every healthy node is full, or no node is healthy, or the fleet has none."""
 
     status = 503
     code = "capacity_exceeded"
@@ -106,7 +122,9 @@ class SchedulerService:
         self.network = network
         self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
         self._lock = asyncio.Lock()
-        self._creating: SingleFlight[tuple[int, bytes]] = SingleFlight()  # creates in flight, by id
+        # Creates in flight, by id: their answer, and the (environment, task) each asked for.
+        self._creating: SingleFlight[tuple[int, bytes, tuple[str, str]]] = SingleFlight()
+        self._asked: dict[str, tuple[str, str]] = {}
         self.run_code = RunCodeRouter(self)  # /run_code, by language (run_code.py)
 
     @property
@@ -200,7 +218,13 @@ class SchedulerService:
                         headers={"Retry-After": "5"},
                         extra={"retry_after": 5},
                     )
-                why = "all nodes are at capacity" if healthy else "no node is healthy"
+                why = (
+                    "all nodes are at capacity"
+                    if healthy
+                    else "no node is healthy"
+                    if self.nodes
+                    else "the fleet has no node"
+                )
                 self.metrics.unavailable(causes.NO_FREE_SLOT if healthy else causes.NO_HEALTHY_NODE)
                 raise AllNodesBusy(
                     f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
@@ -238,23 +262,39 @@ class SchedulerService:
     # -- client calls --------------------------------------------------------------------
 
     async def create(self, body: dict[str, Any]) -> tuple[int, bytes]:
+        """Place a create, or join the create in flight with the same instance id (a
+        client's retry while the first try runs): the joiner gets its answer (a replay:
+        200 for 201). A create of another environment or task under an id in flight is a
+        409, at once, with the node's own message for an id that names an instance of
+        another task (the node checks a join so too)."""
         request = CreateRequest.parse(body)  # the node's own rule: refused here before a node is picked
         instance_id = request.instance_id or new_instance_id(request.environment)
+        asked = (request.environment, request.task_id)
 
-        async def place() -> tuple[int, bytes]:
-            # A node that refuses creates (draining, stopping) holds no such instance: the
-            # create goes to another node, and that node gets none until it reports again.
-            for _ in range(len(self.nodes)):
-                status, data, refused_by = await self._create(
-                    body, request.environment, request.task_id, request.params, instance_id
-                )
-                if refused_by is None:
-                    break
-                refused_by.capacity = 0
-            return status, data
+        async def place() -> tuple[int, bytes, tuple[str, str]]:
+            self._asked[instance_id] = asked  # before the first await: SingleFlight has the id now
+            try:
+                # A node that refuses creates (draining, stopping) holds no such instance: the
+                # create goes to another node, and that node gets none until it reports again.
+                # One try at least: with no node at all, _pick's wait (a node may join) and its
+                # 503 answer it.
+                for _ in range(max(1, len(self.nodes))):
+                    status, data, refused_by = await self._create(
+                        body, request.environment, request.task_id, request.params, instance_id
+                    )
+                    if refused_by is None:
+                        break
+                    refused_by.capacity = 0
+                return status, data, asked
+            finally:
+                del self._asked[instance_id]
 
-        # A concurrent retry (a client that timed out while this runs) joins the attempt.
-        (status, data), ran = await self._creating.run(instance_id, place)
+        running = self._asked.get(instance_id)
+        if running is not None and running != asked:
+            raise _other_task(instance_id, running)  # at once: no wait on another task's create
+        (status, data, made), ran = await self._creating.run(instance_id, place)
+        if not ran and made != asked:  # the create in flight was cut off, and one of another task began since
+            raise _other_task(instance_id, made)
         if not ran and status == 201:
             status = 200  # as a node answers a replay
         return status, data
@@ -315,8 +355,7 @@ class SchedulerService:
                 json=forwarded,
                 idempotent=True,
                 timeout=self.settings.forward_timeout,
-                last_answer=True,  # a node that refuses creates answers: its 503 settles this one
-            )
+            )  # a node that refuses creates answers: its 503, even after the retries, settles this one
             status, mark = reply.status, reply.slots
             created = status in (200, 201)
             if created or status == 409:  # 409: the id names an instance there already
@@ -340,8 +379,10 @@ class SchedulerService:
         failure_as_reply: bool = False,
     ) -> tuple[int, bytes]:
         """Send a whole rollout to a node picked like a create (task affinity first), with
-        its model URL rewritten, to ``path`` there. A node failure is a 503, or with
-        ``failure_as_reply`` a 200 whose ``error`` says so (as SETA's scheduler answers)."""
+        its model URL rewritten, to ``path`` there. The node's answer is the reply, and a
+        node that gives none is a 503. With ``failure_as_reply`` (SETA's ``/step``) both are
+        a 200 StepResponse instead, as SETA's scheduler answers: a node's non-2xx answer
+        has ``error`` ``"Node error: <status>"``, no answer ``"Node error: <why>"``."""
         if not isinstance(environment, str) or not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
             raise InvalidRequest("a rollout needs 'environment' and 'task_id' (SETA: task.task_name)", field="task_id")
         if isinstance(body.get("model_url"), str):
@@ -358,11 +399,13 @@ class SchedulerService:
                 timeout=self.settings.forward_timeout,
                 answers_client=not failure_as_reply,
             )
+            if failure_as_reply and not 200 <= reply.status < 300:
+                return 200, _step_failed(f"Node error: {reply.status}")
             return reply.status, reply.body
         except UpstreamUnavailable as e:
             if not failure_as_reply:
                 raise
-            return 200, jsonlib.dumps({"run_info": None, "reward": None, "error": f"Node error: {e.message}"}).encode()
+            return 200, _step_failed(f"Node error: {e.message}")
         finally:
             node.rollouts -= 1
             self.view.freed.set()
@@ -461,26 +504,50 @@ class SchedulerService:
         raise UpstreamUnavailable("no node is healthy")
 
     async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
+        """``method path`` sent to every node at once (``/config``, ``/cleanup``): one result
+        per node, in the fleet's order. ``{node, status, result}`` is the node's reply,
+        whatever its status; ``{node, status: 503, error}`` a node that gave no reply (after
+        the retries); ``{node, status: 504, error}`` one that had not answered by the
+        deadline.
+
+        An attempt may take ``FAN_OUT_TIMEOUT`` seconds (at most ``forward_timeout``), and
+        the whole fan-out a quarter more than that: room for the retries after a quick
+        failure (a refused connection, a node's 503), never for a second slow attempt. A
+        node silent at the deadline is not waited for, nor marked down: slow is not gone,
+        and its health checks say which it is."""
+        timeout = min(FAN_OUT_TIMEOUT, self.settings.forward_timeout)
+        budget = timeout * 1.25
+        deadline = asyncio.get_running_loop().time() + budget
+
         async def one(node: Node) -> dict[str, Any]:
             try:
-                reply = await self.call(
-                    node, method, path, json=body, idempotent=True, timeout=120, answers_client=False
-                )
-                try:
-                    result = reply.json()
-                except ValueError:
-                    result = reply.body.decode(errors="replace")
-                return {"node": node.url, "status": reply.status, "result": result}
+                async with asyncio.timeout_at(deadline):
+                    reply = await self.call(
+                        node, method, path, json=body, idempotent=True, timeout=timeout, answers_client=False
+                    )
             except UpstreamUnavailable as e:
                 return {"node": node.url, "status": 503, "error": e.message}
+            except TimeoutError:  # the deadline's: a call's own timeout is an UpstreamUnavailable
+                return {
+                    "node": node.url,
+                    "status": 504,
+                    "error": f"node {node.url} did not answer {method} {path} within {budget:g} s",
+                }
+            try:
+                result = reply.json()
+            except ValueError:
+                result = reply.body.decode(errors="replace")
+            return {"node": node.url, "status": reply.status, "result": result}
 
         return list(await asyncio.gather(*(one(n) for n in self.nodes)))
 
     async def call(
         self, node: Node, method: str, path: str, *, answers_client: bool = True, **kw: Any
     ) -> peers.PeerReply:
-        """One call to ``node`` (``peers.call``); a transport failure marks it down, and
-        the node failing ``cut_after_checks`` health checks in a row ends it (503).
+        """One call to ``node`` (``peers.call``); a transport failure (no reply at all)
+        marks it down, a reply of any status does not (the node is alive: its own 502, 503
+        or 504 is handed back), and the node failing ``cut_after_checks`` health checks in
+        a row ends it (503).
         ``answers_client``: a failure here becomes this scheduler's own 503 (counted by
         cause); false where the caller folds failures into a reply of its own (fan-outs,
         the trial viewer's merges, the start-up check of unfinished creates)."""

@@ -3,6 +3,8 @@ one, so each read asks every healthy node and merges what they answer.
 
 - Lists and summaries are sums over the nodes that answered; a node that is down or
   fails is named in ``unreachable``, never an error of the whole read.
+- A mean reward merged from several nodes weights each node's mean by the episodes it
+  scored (not all it ran): a task's by the ``scored`` its row on each node counts.
 - A page of episodes (newest first) asks each node for its first ``offset + limit``
   and merges them, so deep pages cost more; ``offset`` is capped for that reason.
 - One episode goes to the node its route names, else to each healthy node in turn.
@@ -84,8 +86,11 @@ async def summary(scheduler: SchedulerService, trial: str, params: dict[str, str
             into = tasks.setdefault(task["task_id"], {"task_id": task["task_id"], "episodes": 0, "_sum": 0.0})
             into["episodes"] += task["episodes"]
             if task.get("mean_reward") is not None:
-                into["_sum"] += task["mean_reward"] * task["episodes"]
-                into["_scored"] = into.get("_scored", 0) + task["episodes"]
+                # A node's mean is over the episodes it scored, which its row counts
+                # (``scored``); a node from before that field weights by all it ran.
+                n = task.get("scored", task["episodes"])
+                into["_sum"] += task["mean_reward"] * n
+                into["_scored"] = into.get("_scored", 0) + n
         firsts += [answer["first_created_at"]] if answer.get("first_created_at") else []
         lasts += [answer["last_created_at"]] if answer.get("last_created_at") else []
     out["rewards"] = {"bins": bins, "scored": scored, "mean": reward_sum / scored if scored else None}
@@ -95,6 +100,7 @@ async def summary(scheduler: SchedulerService, trial: str, params: dict[str, str
         {
             "task_id": t["task_id"],
             "episodes": t["episodes"],
+            "scored": t.get("_scored", 0),
             "mean_reward": t["_sum"] / t["_scored"] if t.get("_scored") else None,
         }
         for t in sorted(tasks.values(), key=lambda t: t["task_id"])
