@@ -117,8 +117,8 @@ async def summary(db: Database, trial: str, *, task: str | None = None, outcome:
         f"SELECT COUNT(reward), AVG(reward), MIN(created_at), MAX(created_at) FROM instances {where}", params
     )
     tasks = await db.read_rows(
-        f"SELECT task_id, COUNT(*) AS episodes, COUNT(reward) AS scored, AVG(reward) AS mean_reward FROM instances {where} "
-        "GROUP BY task_id ORDER BY task_id LIMIT 1000",
+        "SELECT task_id, COUNT(*) AS episodes, COUNT(reward) AS scored, AVG(reward) AS mean_reward "
+        f"FROM instances {where} GROUP BY task_id ORDER BY task_id LIMIT 1000",
         params,
     )
     return {
