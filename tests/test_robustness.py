@@ -148,7 +148,8 @@ def test_wrongly_typed_fields_are_4xx_naming_them(pair, role):
         assert r.status_code == 400 and "tool_calls" in r.json()["detail"], r.text
         call = {"name": "run_python", "arguments": "[" * 5000 + "]" * 5000}
         r = post(proc, "/step", {"instance_id": iid, "messages": {"tool_calls": [call]}})
-        assert r.status_code == 400 and "nested" in r.json()["detail"], r.text
+        told = r.json()["data"]["state"]  # a call that cannot be read is answered in its place
+        assert r.status_code == 200 and len(told) == 1 and "nested" in told[0]["content"], r.text
         action = {"action": {"tool": "run_python", "arguments": '{"code": "\\ud800"}'}}
         assert_envhub_400(post(proc, f"/instances/{iid}/step", action), "action.arguments")
     finally:
