@@ -441,3 +441,42 @@ async def test_an_agent_that_raises_fails_its_rollout_and_the_reply_is_still_200
     }
     assert r.json()["reward"] == 0.0 and r.json()["error"].startswith("agent: the agent failed")
     assert (await health(node))["active"] == 0, "its episode was released"
+
+
+async def test_a_pool_a_build_names_is_that_size_and_creates_do_not_grow_it(tmp_path):
+    """``POST /builds`` with ``pool: K`` sets the task's warm pool to K, smaller or 0
+    included (its idle sandboxes past K are removed with their slots), and a create of the
+    task, which would grow a pool to ``warm_pool``, leaves that size as it is."""
+    settings = node_settings(tmp_path / "data", capacity=4, environments={
+        "terminal-bench": {"enabled": False}, "appworld": {"enabled": False}, "mbpp": {"warm_pool": 2}})  # fmt: skip
+    async with InProcessApp(settings) as app:
+
+        async def pooled() -> int:
+            return (await health(app))["pooled"]
+
+        async def pooled_is(n: int) -> bool:
+            return await pooled() == n
+
+        async def pool(size: int) -> None:
+            r = await app.http.post("/builds", json={"environment": "mbpp", "task_id": "13", "pool": size})
+            assert r.status_code == 200 and r.json()["pool"] == size, r.text
+
+        async def episode() -> None:
+            created = await app.http.post("/instances", json={"environment": "mbpp", "task_id": "13"})
+            assert created.status_code == 201, created.text
+            released = await app.http.post(f"/instances/{created.json()['instance_id']}/release")
+            assert released.status_code == 200, released.text
+
+        await pool(3)
+        await eventually_async(lambda: pooled_is(3), message="the pool to fill to 3")
+        await pool(1)
+        await eventually_async(lambda: pooled_is(1), message="the pool to shrink to 1")
+        await episode()  # takes the pooled one; warm_pool (2) would have grown it
+        await eventually_async(lambda: pooled_is(1), message="the pool to refill to 1, not 2")
+        await asyncio.sleep(0.3)
+        assert await pooled() == 1 and (await health(app))["free"] == 4
+        await pool(0)
+        await eventually_async(lambda: pooled_is(0), message="the pool to empty")
+        await episode()
+        await asyncio.sleep(0.3)
+        assert await pooled() == 0, "a pool set to 0 stays empty"

@@ -19,6 +19,9 @@ Invariants:
   never returned to a pool.
 - An entry unused for ``ttl`` seconds (the affinity window) is drained: its sandboxes
   are removed and their slots freed.
+- A create only grows its task's pool (to ``warm_pool``); a ``POST /builds`` that names a
+  pool sets its size, smaller or 0 included, and creates leave that size alone until the
+  entry drains.
 - Pooled sandboxes carry the labels ``envhub.pool=1`` and ``envhub.pool_key``, so a node
   restarted on the same engine takes its idle ones back into its pools
   (:meth:`WarmPool.adopt`); it is the node's own job to remove those it cannot use.
@@ -69,6 +72,7 @@ class Entry:
     starting: int = 0
     last_used: float = field(default_factory=time.monotonic)
     filler: asyncio.Task | None = None
+    fixed: bool = False  # its size was set by a POST /builds: a create does not grow it
 
 
 class WarmPool:
@@ -127,15 +131,26 @@ class WarmPool:
         self._removing.add(task)
         task.add_done_callback(self._removing.discard)
 
-    def want(self, environment: str, task_id: str, sandbox: Sandbox, spec: SandboxSpec, size: int) -> None:
-        """Keep ``size`` sandboxes like ``spec`` ready from now on (0 stops refilling)."""
+    def want(
+        self, environment: str, task_id: str, sandbox: Sandbox, spec: SandboxSpec, size: int, *, exact: bool = False
+    ) -> None:
+        """Keep ``size`` sandboxes like ``spec`` ready from now on. A create's want only
+        grows a pool. An ``exact`` one (a ``POST /builds`` that names a pool) sets it, 0
+        included: the idle sandboxes past it are removed, with their slots, and creates
+        leave that size as it is until the entry drains."""
         if self._closing:
             return
         key = spec_key(spec, sandbox.name)
         entry = self._entries.get((environment, task_id, key))
         if entry is None:
             entry = self._entries[(environment, task_id, key)] = Entry(environment, task_id, key, sandbox, spec, size)
-        entry.size, entry.spec, entry.last_used = max(entry.size, size), spec, time.monotonic()
+        if exact:
+            entry.size, entry.fixed = size, True
+            while len(entry.idle) > size:
+                self._background(self._remove(entry.sandbox, entry.idle.pop(0), slot=True))
+        elif not entry.fixed:
+            entry.size = max(entry.size, size)
+        entry.spec, entry.last_used = spec, time.monotonic()
         if entry.filler is None or entry.filler.done():
             entry.filler = asyncio.ensure_future(self._fill(entry))
 
@@ -160,6 +175,9 @@ class WarmPool:
                 raise
             entry.starting -= 1
             if self._closing or self._entries.get((entry.environment, entry.task_id, entry.key)) is not entry:
+                await self._remove(entry.sandbox, handle)
+                return
+            if len(entry.idle) >= entry.size:  # the pool was made smaller while this one started
                 await self._remove(entry.sandbox, handle)
                 return
             entry.idle.append(handle)

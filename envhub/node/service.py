@@ -198,7 +198,8 @@ class NodeService:
 
     async def prebuild(self, environment: Any, task_id: Any, *, pool: Any = None) -> dict[str, Any]:
         """Make a task ready (build its image) without starting an episode; with ``pool``,
-        also keep that many of its sandboxes warm (see pool.py)."""
+        also keep exactly that many of its sandboxes warm from now on, 0 for none (see
+        pool.py)."""
         env = self.environment(environment)
         if not isinstance(task_id, str):
             raise InvalidRequest("'task_id' must be a string", field="task_id")
@@ -206,10 +207,10 @@ class NodeService:
             raise InvalidRequest("'pool' must be a whole number from 0 to 1024", field="pool")
         task = env.task(task_id)
         await env.prepare(task, {})
-        if pool:
+        if pool is not None:  # 0 included: it empties the task's pool and keeps it empty
             sandbox = self.sandboxes[env.sandbox]
             spec = spec_for(str(self.settings.node_id), env, task, {}, f"pool-{task.id}")
-            self.pool.want(env.name, task.id, sandbox, spec, pool)
+            self.pool.want(env.name, task.id, sandbox, spec, pool, exact=True)
         return {"pool": pool or 0}
 
     async def step(self, instance_id: str, raw_action: Any, *, request_id: Any = None) -> dict[str, Any]:
