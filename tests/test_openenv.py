@@ -721,3 +721,31 @@ def test_a_verifier_that_gives_no_verdict_is_reward_none_and_not_done(tb_fleet):
         assert (graded.reward, graded.done, obs.success) == (None, False, False), graded
         assert obs.error == "the verifier gave no verdict"
     eventually(lambda: active(node) == 0, timeout=WAIT, message="the episode's container to be released")
+
+
+def test_a_sessions_reset_keeps_its_slot_from_a_create_waiting_in_the_queue(tmp_path):
+    """A node of one slot that a connected session holds; an HTTP create waits in the
+    queue for it. The session's reset hands its slot to its own create: the waiting create
+    does not get it in between (it times out in the queue), and the session's episode starts."""
+    node = EnvhubProcess(tmp_path / "one", *MBPP_ONLY, "--capacity", "1", "--set", "queue_timeout=3").start()
+    try:
+        with open_ws(node) as ws:
+            eventually(lambda: active(node) == 1, timeout=WAIT, message="the session to hold the slot")
+            waiting: dict[str, Any] = {}
+
+            def create() -> None:
+                body = {"environment": "mbpp", "task_id": "11"}
+                waiting["reply"] = httpx.post(node.url + "/instances", json=body, timeout=WAIT)
+
+            thread = threading.Thread(target=create)
+            thread.start()
+            eventually(
+                lambda: httpx.get(node.url + "/health").json()["queued"] == 1, timeout=WAIT, message="a create queued"
+            )
+            reply = ask(ws, {"type": "reset", "data": {"task_id": "13"}})
+            assert reply["type"] == "observation", reply
+            thread.join(timeout=WAIT)
+            assert waiting["reply"].status_code == 429, waiting["reply"].text
+            assert active(node) == 1
+    finally:
+        assert node.stop() == 0, node.log()

@@ -12,8 +12,18 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Protocol
 
 from envhub.errors import CapacityExceeded
+
+
+class SlotHolder(Protocol):
+    """Something that holds a slot without an instance (an OpenEnv session between its
+    connect and its reset) and may hand it to the create it makes."""
+
+    def give_slot(self) -> bool:
+        """Hand the slot over: True when one was held (it is now the caller's)."""
+        ...
 
 
 class Slots:

@@ -31,6 +31,7 @@ from envhub.environment import Environment, Episode, Task
 from envhub.errors import Conflict, Gone, InvalidRequest, NotFound, SandboxError, StorageFull, Unavailable
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics
+from envhub.node.capacity import SlotHolder
 from envhub.node.episodes import Episodes, Unrecorded
 from envhub.node.instance import Live, spec_for
 from envhub.node.pool import WarmPool, spec_key
@@ -95,23 +96,26 @@ class Creator:
         instance_id: Any = None,
         trial: Any = None,
         rollout: bool = False,
+        held: SlotHolder | None = None,
     ) -> Reply:
         """Start an episode of a create request's values (checked by
         :class:`~envhub.calls.CreateRequest`). Returns ``(reply, created)``; ``created`` is
         False for a replay. ``rollout``: the instance of a whole rollout, reported as such
-        in /health."""
+        in /health. ``held``: a holder of a slot this create takes over when it comes to
+        take one (it never waits in the queue then); until that moment the holder keeps
+        it, so a create refused earlier costs it nothing."""
         started = time.perf_counter()
         label = environment if isinstance(environment, str) and environment in self.environments else UNKNOWN
         try:
             request = CreateRequest.check(environment, task_id, params, instance_id=instance_id, trial=trial)
-            reply, created = await self._create_or_join(request, rollout)
+            reply, created = await self._create_or_join(request, rollout, held)
         except BaseException as e:
             self.metrics.call("create", label, outcome_of(e), time.perf_counter() - started)
             raise
         self.metrics.call("create", label, "ok" if created else "replay", time.perf_counter() - started)
         return reply, created
 
-    async def _create_or_join(self, request: CreateRequest, rollout: bool) -> Reply:
+    async def _create_or_join(self, request: CreateRequest, rollout: bool, held: SlotHolder | None) -> Reply:
         env = self.environment(request.environment)
         task = env.task(request.task_id)
         trial = self.settings.default_trial if request.trial is None else request.trial
@@ -136,7 +140,7 @@ class Creator:
             if not self.episodes.accepting:
                 raise Unavailable(f"{self.episodes.refusal} and takes no new instances")
             self.storage.check()  # before a sandbox starts that could not be recorded
-            return await self._create(env, task, request.params, instance_id, trial, rollout)
+            return await self._create(env, task, request.params, instance_id, trial, rollout, held)
 
         # A concurrent duplicate (a retry while the first try runs) joins it: a replay,
         # held to the same check as one that comes after.
@@ -145,10 +149,14 @@ class Creator:
             raise _other_instance(instance_id, reply["environment"], reply["task_id"])
         return reply, created and ran
 
-    async def _take_slot(self, env: Environment, task: Task, key: str) -> str | None:
-        """Take a slot for a create: a warm sandbox's (its handle is returned), else a
-        free one, waiting in the node's queue."""
+    async def _take_slot(self, env: Environment, task: Task, key: str, held: SlotHolder | None) -> str | None:
+        """Take a slot for a create: a warm sandbox's (its handle is returned), else the
+        one ``held`` hands over, else a free one, waiting in the node's queue."""
         pooled = self.pool.take(env.name, task.id, key)
+        if held is not None and held.give_slot():
+            if pooled is not None:  # a warm sandbox brings a slot of its own
+                self.episodes.slots.release()
+            return pooled
         if pooled is None:
             if self.episodes.slots.free == 0:  # a slot a warm pool of another task holds is ours first
                 await self.pool.evict_one(keep=(env.name, task.id))
@@ -156,7 +164,14 @@ class Creator:
         return pooled
 
     async def _create(
-        self, env: Environment, task: Task, params: dict[str, Any], instance_id: str, trial: str, rollout: bool
+        self,
+        env: Environment,
+        task: Task,
+        params: dict[str, Any],
+        instance_id: str,
+        trial: str,
+        rollout: bool,
+        held: SlotHolder | None,
     ) -> Reply:
         sandbox = self.sandboxes[env.sandbox]
         episodes = self.episodes
@@ -164,7 +179,7 @@ class Creator:
         try:
             await env.prepare(task, params)  # image builds happen before a slot is taken
             spec = spec_for(str(self.settings.node_id), env, task, params, instance_id)
-            pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name))
+            pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name), held)
         finally:
             episodes.preparing.discard(instance_id)
         if not episodes.accepting:  # it began to drain or stop while this create built or waited

@@ -50,7 +50,7 @@ from envhub.errors import Conflict, InvalidRequest, NotFound, StorageFull
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.node.access import SandboxAccess
 from envhub.node.admin import Administration
-from envhub.node.capacity import Slots
+from envhub.node.capacity import SlotHolder, Slots
 from envhub.node.creating import Creator, Reply
 from envhub.node.drain import Drain
 from envhub.node.episodes import Episodes, timed
@@ -189,11 +189,12 @@ class NodeService:
         instance_id: Any = None,
         trial: Any = None,
         rollout: bool = False,
+        held: SlotHolder | None = None,
     ) -> Reply:
         """Start an episode (creating.py). Returns ``(reply, created)``; ``created`` is
-        False for a replay of a client-chosen id."""
+        False for a replay of a client-chosen id. ``held``: see ``Creator.create``."""
         return await self.creator.create(
-            environment, task_id, params, instance_id=instance_id, trial=trial, rollout=rollout
+            environment, task_id, params, instance_id=instance_id, trial=trial, rollout=rollout, held=held
         )
 
     async def prebuild(self, environment: Any, task_id: Any, *, pool: Any = None) -> dict[str, Any]:

@@ -87,6 +87,11 @@ class Session:
             self.reserved = True
         return self.reserved
 
+    def give_slot(self) -> bool:
+        """Hand the reserved slot to the create of this session's reset (SlotHolder)."""
+        given, self.reserved = self.reserved, False
+        return given
+
     def _unreserve(self) -> None:
         if self.reserved:
             self.reserved = False
@@ -123,9 +128,11 @@ class Session:
         await self.adapter.env.prepare(task, params)  # a build happens while the session still holds its slot
         if self.instance_id is not None:
             await self.release_instance()
-        self._unreserve()  # no await from here to the create taking the slot
+            self.reserve()  # the episode's slot went back: hold one again if it is free
         try:
-            created, _ = await self.node.create(self.adapter.env.name, task.id, params, trial=trial)
+            # The create takes over the session's slot when it comes to take one, so no
+            # other create can take it meanwhile (held=self: give_slot).
+            created, _ = await self.node.create(self.adapter.env.name, task.id, params, trial=trial, held=self)
         except BaseException:
             self.reserve()  # best effort: the session goes on holding a slot if one is free
             raise
