@@ -127,10 +127,17 @@ class StepResult:
 @dataclass
 class Evaluation:
     """The grade of an episode: ``reward`` and environment-specific ``details``
-    (per-test results, output tails)."""
+    (per-test results, output tails).
+
+    ``verdict`` is False when the grader could not decide (a verifier that timed out or
+    wrote no reward, a grader that died): ``reward`` is then 0.0 for the clients that
+    need a number, ``details["error"]`` says why, OpenEnv answers reward None, and the
+    node keeps no such grade: the next evaluate runs the grader again. A wrong or
+    failing solution is a verdict (reward 0.0 or partial), not this."""
 
     reward: float
     details: dict[str, Any] = field(default_factory=dict)
+    verdict: bool = True
 
 
 @dataclass

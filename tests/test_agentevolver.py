@@ -178,11 +178,13 @@ def test_a_bad_call_among_good_ones_is_answered_and_the_good_ones_run_once(url):
         url + "/step", json=req(instance_id=iid, messages={"role": "assistant", "content": "", "tool_calls": calls})
     )
     assert r.status_code == 200, r.text
-    said = [m["content"] for m in r.json()["data"]["state"]]
-    assert said[0].startswith("Your tool call could not be read: the arguments of 'run_python' are not acceptable JSON")
-    assert said[1] == "Your tool call could not be read: a tool call must be an object"
-    assert said[2] == "1" and said[4] == "2", said
-    assert said[3].startswith("Your tool call could not be run:") and "code" in said[3], said
+    state = r.json()["data"]["state"]
+    said = [m["content"] for m in state]
+    assert [m.get("tool_call_id") for m in state] == ["a", "b", "c", None, "e"], "each answered in its place"
+    assert said[0] == "1" and said[4] == "2", said
+    assert said[1].startswith("Your tool call could not be read: the arguments of 'run_python' are not acceptable JSON")
+    assert said[2].startswith("Your tool call could not be run:") and "code" in said[2], said
+    assert said[3] == "Your tool call could not be read: a tool call must be an object"
     again = httpx.post(url + "/step", json=req(instance_id=iid, messages=action(count))).json()
     assert again["data"]["state"][0]["content"] == "3", "each good call ran exactly once"
     assert httpx.post(url + "/release", json=req(instance_id=iid)).json()["success"] is True

@@ -716,10 +716,18 @@ def test_a_verifier_that_gives_no_verdict_is_reward_none_and_not_done(tb_fleet):
             {"command": "printf '#!/bin/sh\\nkill -9 $PPID\\n' > /usr/local/bin/grep && chmod +x /usr/local/bin/grep"}
         )
         assert planted.observation["success"] is True, planted.observation
-        graded = env.step({"action_type": "evaluate"})
-        obs = Tbench2Observation(**graded.observation)
-        assert (graded.reward, graded.done, obs.success) == (None, False, False), graded
-        assert obs.error == "the verifier gave no verdict"
+        for _ in range(2):  # no grade is kept: the second evaluate runs the verifier again
+            graded = env.step({"action_type": "evaluate"})
+            obs = Tbench2Observation(**graded.observation)
+            assert (graded.reward, graded.done, obs.success) == (None, False, False), graded
+            assert obs.error == "the verifier gave no verdict"
+        iid = env.state()["episode_id"]
+
+    def evaluations() -> int:  # the trial log is written by a thread of its own: read until it is
+        logs = Path(node.data_dir, "trials").glob(f"*/{iid}/episode.jsonl")
+        return [json.loads(line)["event"] for p in logs for line in p.read_text().splitlines()].count("evaluation")
+
+    eventually(lambda: evaluations() == 2, timeout=WAIT, message="two verifier runs in the trial log")
     eventually(lambda: active(node) == 0, timeout=WAIT, message="the episode's container to be released")
 
 

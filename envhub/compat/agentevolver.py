@@ -131,11 +131,9 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     instance = await call(backend.get, instance_id)
     tools = (instance.get("observation") or {}).get("tools") or []
     raw = (instance.get("params") or {}).get("simple") is True
-    actions, unreadable = _actions(message, raw=raw)
-    state: list[dict[str, Any]] = [
-        {"role": "user", "tool_calls": [], "content": f"Your tool call could not be read: {why}"} for why in unreadable
-    ]
-    code = _code_block(message, raw=raw) if not actions and not unreadable else None
+    actions = _actions(message, raw=raw)
+    state: list[dict[str, Any]] = []
+    code = _code_block(message, raw=raw) if not actions else None
     if code is not None:  # the environment's declared code tool runs it
         declared = await call(backend.code_tool, instance["environment"])
         if declared is not None:
@@ -143,7 +141,9 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     known = {(t.get("function") or {}).get("name") for t in tools}
     reward, done, info = 0.0, False, dict[str, Any]()
     for call_id, tool, arguments in actions:
-        if tools and tool not in known:
+        if tool is None:  # answered in its place, with its id: ``arguments`` says why
+            content = f"Your tool call could not be read: {arguments}"
+        elif tools and tool not in known:
             content = f"tools not found in the existing tool list, please check the tool name of {tool}"
         else:
             try:
@@ -162,7 +162,7 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
         state.append(msg)
         if done:
             break
-    if not actions and not unreadable:
+    if not actions:
         why = (
             "This environment runs no code blocks: call one of its tools."
             if code is not None
@@ -172,32 +172,34 @@ async def step(backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "reward": reward, "is_terminated": done, "info": info}
 
 
-def _actions(message: dict[str, Any], *, raw: bool = False) -> tuple[list[tuple[str, str, Any]], list[str]]:
-    """The tool calls a message makes, as ``(call id, tool, arguments)``, and why each tool
-    call written in its content that could not be read was not."""
-    out, unreadable = [], []
+def _actions(message: dict[str, Any], *, raw: bool = False) -> list[tuple[str, str | None, Any]]:
+    """The tool calls a message makes, in order, as ``(call id, tool, arguments)``; one
+    that cannot be read is ``(call id, None, why)``, answered in its place. Of the calls
+    written in its content, those that cannot be read come first (their blocks have no id)."""
+    out: list[tuple[str, str | None, Any]] = []
     tool_calls = message.get("tool_calls") or []
     if not isinstance(tool_calls, list):
         raise AEError(400, "messages.tool_calls must be a list")
     for tc in tool_calls:
         if not isinstance(tc, dict):
-            unreadable.append("a tool call must be an object")
+            out.append(("", None, "a tool call must be an object"))
             continue
         fn = tc["function"] if isinstance(tc.get("function"), dict) else tc
+        call_id, name = str(tc.get("id") or ""), str(fn.get("name") or "")
         args = fn.get("arguments") or "{}"
         try:
             args = strict_json.loads(args) if isinstance(args, str) else args
         except strict_json.BadJSON as e:
-            unreadable.append(f"the arguments of {str(fn.get('name') or '')!r} are not acceptable JSON: {e.message}")
+            out.append((call_id, None, f"the arguments of {name!r} are not acceptable JSON: {e.message}"))
             continue
-        out.append((str(tc.get("id") or ""), str(fn.get("name") or ""), args))
-    if out or unreadable:
-        return out, unreadable
+        out.append((call_id, name, args))
+    if out:
+        return out
     content = message.get("content") or ""
     if not isinstance(content, str):
-        return [], []
+        return []
     written = toolcalls.parse(content)
-    return [(c["id"], c["name"], c["arguments"]) for c in written.calls], written.errors
+    return [("", None, why) for why in written.errors] + [(c["id"], c["name"], c["arguments"]) for c in written.calls]
 
 
 def _code_block(message: dict[str, Any], *, raw: bool) -> str | None:

@@ -84,10 +84,12 @@ class Grader:
             # goes away (a client timeout, a cut-off proxy) never cuts a verifier short,
             # and its retry, or a concurrent evaluate, joins the run instead of starting
             # another. A run that failed leaves the instance as it was, so the next call
-            # runs it again; one that succeeded answers every later call until the
-            # episode takes a step.
+            # runs it again, as does one that gave no verdict (Evaluation.verdict); one
+            # that succeeded answers every later call until the episode takes a step.
             grading = live.grading
-            if grading is None or (grading.done() and (grading.cancelled() or grading.exception() is not None)):
+            if grading is None or (
+                grading.done() and (grading.cancelled() or grading.exception() is not None or not live.graded_verdict)
+            ):
                 live.graded_recorded = False
                 grading = live.grading = asyncio.ensure_future(self._grade(live, record_now=not release))
             reply, record = await asyncio.shield(grading)
@@ -114,6 +116,7 @@ class Grader:
             self.episodes.ensure_still_live(live)
             evaluation = await self.episodes.unless_lost(live, live.env.evaluate(live.episode))
             live.last_active = time.monotonic()
+            live.graded_verdict = evaluation.verdict
             rewards, reward = reward_modes(
                 live.env.reward_pair(evaluation), evaluation, live.episode.params.get("sparse")
             )

@@ -28,6 +28,7 @@ class Live:
     done: bool = False
     grading: asyncio.Future[tuple[dict[str, Any], tuple[str, Any]]] | None = None  # the evaluation under way (or done)
     graded_recorded: bool = False  # that evaluation is in SQLite
+    graded_verdict: bool = True  # that evaluation decided (Evaluation.verdict): else it is run again
     # Replies of steps that ran but could not be recorded (a full disk), by request id: a
     # retry of the same id replays one instead of acting twice.
     unrecorded: dict[str, dict[str, Any]] = field(default_factory=dict)

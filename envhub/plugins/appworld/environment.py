@@ -148,7 +148,8 @@ class AppWorld(Environment):
             outcome = await episode.sandbox.grade(episode.handle)  # type: ignore[attr-defined]
             if "result" not in outcome:
                 mode = self._mode(episode)
-                return Evaluation(0.0, {"error": outcome.get("error"), "reward_mode": mode, "rewards": {mode: 0.0}})
+                details = {"error": outcome.get("error"), "reward_mode": mode, "rewards": {mode: 0.0}}
+                return Evaluation(0.0, details, verdict=False)
             graded = outcome["result"]
             if episode.state.get("task_completed"):
                 episode.state["graded"] = graded  # nothing can change the world after completion

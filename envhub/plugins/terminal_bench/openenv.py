@@ -139,7 +139,9 @@ class Tbench2Adapter(OpenEnvAdapter):
             # The model reads this: counts only. The verifier's output and the tests' names
             # tell it what the hidden tests check; they stay in the trainer's own evaluate
             # details and the trial log. No verdict (a verifier that timed out or wrote no
-            # reward) is upstream's error, reward None and not done: never a false 0.0.
+            # reward) is upstream's error, reward None and not done: never a false 0.0. The
+            # episode takes no steps (the tests are in its container), but the next
+            # evaluate runs the verifier again (Evaluation.verdict).
             verdict = "error" not in details
             return (
                 graded["reward"] if verdict else None,

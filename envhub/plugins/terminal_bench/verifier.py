@@ -5,8 +5,9 @@ Invariants:
 
 - The tests enter the container only here, a fresh copy for every run; from the first
   run on, the episode takes no more steps (``state["tests_copied"]``).
-- An evaluation counts only once it is complete (``state["evaluated"]``), so a failed or
-  cut-off run can be retried.
+- An evaluation counts only once it is complete and gave a verdict
+  (``state["evaluated"]``), so a failed, cut-off or undecided run (tests timed out, no
+  reward file) can be retried.
 - The verifier's files go to ``verifier/`` in the episode's trial dir, as harbor lays it
   out (dirs 0700, files 0600); a name that came from the container never leads out of
   that dir. A full disk loses them (logged), never the grade.
@@ -102,12 +103,14 @@ async def run(episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_rati
         details["rewards"] = rewards
     if error:
         details["error"] = error
-    episode.state.update(reward=float(reward), evaluation=details, evaluated=True)
+    # Only a verdict is kept: a run that gave none (timed out, wrote no reward) is run
+    # again, from a fresh copy of the tests, by the next evaluate.
+    episode.state.update(reward=float(reward), evaluation=details, evaluated=error is None)
     try:
         await asyncio.to_thread(_write_verifier_dir, episode.log_dir, files, details)
     except OSError as e:  # a full disk: the trial log loses these files, the grade stands
         log.warning("cannot write the verifier's files of %s to its trial log: %s", episode.instance_id, e)
-    return Evaluation(float(reward), details)
+    return Evaluation(float(reward), details, verdict=error is None)
 
 
 def cd_workdir(tb: TbTask) -> str:
