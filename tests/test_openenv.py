@@ -757,3 +757,20 @@ def test_a_sessions_reset_keeps_its_slot_from_a_create_waiting_in_the_queue(tmp_
             assert active(node) == 1
     finally:
         assert node.stop() == 0, node.log()
+
+
+def test_a_reset_the_node_refuses_before_its_slot_costs_the_session_no_second_slot(tmp_path):
+    """A draining node refuses the create of a session's reset before the create takes the
+    session's slot: the session goes on holding its one slot, no more, and frees it at
+    its close."""
+    node = EnvhubProcess(tmp_path / "two", *MBPP_ONLY, "--capacity", "2").start()
+    try:
+        with open_ws(node) as ws:
+            eventually(lambda: active(node) == 1, timeout=WAIT, message="the session to hold a slot")
+            assert httpx.post(node.url + "/admin/drain", json={"timeout": 60}).status_code == 200
+            refused = ask(ws, {"type": "reset", "data": {"task_id": "13"}})
+            assert refused["type"] == "error" and "draining" in refused["data"]["message"], refused
+            assert active(node) == 1, "one session, one slot"
+        eventually(lambda: active(node) == 0, timeout=WAIT, message="the session's slot to be freed at its close")
+    finally:
+        assert node.stop() == 0, node.log()

@@ -80,9 +80,10 @@ class Session:
     # -- the slot -----------------------------------------------------------------------------
 
     def reserve(self) -> bool:
-        """Hold a slot without an instance, if one is free and no create waits for one."""
+        """Hold a slot without an instance, if one is free and no create waits for one
+        (one at most: a session that holds one already takes no second)."""
         slots = self.node.slots
-        if slots.free > 0 and not slots.queued:
+        if not self.reserved and slots.free > 0 and not slots.queued:
             slots.used += 1  # what acquire() does when a slot is free and nobody waits
             self.reserved = True
         return self.reserved
