@@ -15,6 +15,7 @@ from inprocess import InProcessApp, assert_envelope, node_settings
 from sanic import Sanic
 
 from envhub.app import create_app
+from envhub.compat.openenv import WireError
 from envhub.errors import InvalidRequest, NotFound
 from envhub.store import builds as builds_store
 
@@ -480,3 +481,43 @@ async def test_a_pool_a_build_names_is_that_size_and_creates_do_not_grow_it(tmp_
         await episode()
         await asyncio.sleep(0.3)
         assert await pooled() == 0, "a pool set to 0 stays empty"
+
+
+@pytest.mark.parametrize("how", ["closed", "handler-cancelled"])
+async def test_an_openenv_session_closed_while_its_reset_releases_its_episode_leaves_no_slot_held(
+    tmp_path, monkeypatch, how
+):
+    """A session's later reset releases its episode, whose slot passes to the session for
+    its next create. The session is closed while that release runs (its sandbox is still
+    being destroyed): closed alone, or as the server closes it, its handler (the reset)
+    cancelled first (a shutdown, a dropped socket). The closed session takes no slot when
+    the release ends, and its reset starts no episode: nothing holds a slot afterwards."""
+    async with InProcessApp(node_settings(tmp_path / "data", capacity=1, queue_timeout=10)) as app:
+        service, node = app.ctx.openenv, app.ctx.node
+        session = await service.open("mbpp")
+        await session.reset({"task_id": "11"})
+        first = session.instance_id
+        assert first is not None and node.slots.used == 1
+        sandbox = node.episodes.find(first).episode.sandbox
+        entered, go = asyncio.Event(), asyncio.Event()
+        destroy = sandbox.destroy
+
+        async def slow_destroy(handle: str) -> None:
+            entered.set()
+            await go.wait()
+            await destroy(handle)
+
+        monkeypatch.setattr(sandbox, "destroy", slow_destroy)
+        reset = asyncio.ensure_future(session.reset({"task_id": "13"}))
+        await asyncio.wait_for(entered.wait(), 10)
+        if how == "handler-cancelled":
+            reset.cancel()
+            await asyncio.gather(reset, return_exceptions=True)
+        await service.close(session)
+        go.set()
+        outcome = (await asyncio.gather(reset, return_exceptions=True))[0]
+        assert isinstance(outcome, (WireError, asyncio.CancelledError)), f"a closed session's reset made {outcome}"
+        await eventually_async(lambda: first not in node.episodes.slot_ids, timeout=10, message="the release to end")
+        await asyncio.sleep(0.1)  # whatever the release does after freeing the slot
+        assert (node.slots.used, len(node.episodes), session.reserved) == (0, 0, False), "a slot held after the close"
+        assert (await health(app))["active"] == 0

@@ -731,42 +731,58 @@ def test_a_verifier_that_gives_no_verdict_is_reward_none_and_not_done(tb_fleet):
     eventually(lambda: active(node) == 0, timeout=WAIT, message="the episode's container to be released")
 
 
-def test_a_sessions_reset_keeps_its_slot_from_a_create_waiting_in_the_queue(tmp_path):
-    """A node of one slot that a connected session holds; an HTTP create waits in the
-    queue for it. The session's reset hands its slot to its own create: the waiting create
-    does not get it in between (it times out in the queue), and the session's episode starts."""
-    node = EnvhubProcess(tmp_path / "one", *MBPP_ONLY, "--capacity", "1", "--set", "queue_timeout=3").start()
+@pytest.mark.parametrize("episodes", [0, 1], ids=["first-reset", "next-reset"])
+def test_a_sessions_reset_keeps_its_slot_from_a_create_waiting_in_the_queue(tmp_path, episodes):
+    """A node of one slot that a session holds: connected and not yet reset (its
+    reservation), or after a reset (its episode's slot). An HTTP create waits in the queue
+    for that slot. The session's reset keeps the slot for its own create, the episode it
+    ends passing it to the session rather than to the queue: the reset starts its episode,
+    and the waiting create goes on waiting until the session closes, then gets the slot."""
+    node = EnvhubProcess(tmp_path / "one", *MBPP_ONLY, "--capacity", "1", "--set", f"queue_timeout={WAIT}").start()
     try:
+        waiting: dict[str, Any] = {}
+
+        def create() -> None:
+            body = {"environment": "mbpp", "task_id": "11"}
+            waiting["reply"] = httpx.post(node.url + "/instances", json=body, timeout=2 * WAIT)
+
+        thread = threading.Thread(target=create)
         with open_ws(node) as ws:
             eventually(lambda: active(node) == 1, timeout=WAIT, message="the session to hold the slot")
-            waiting: dict[str, Any] = {}
-
-            def create() -> None:
-                body = {"environment": "mbpp", "task_id": "11"}
-                waiting["reply"] = httpx.post(node.url + "/instances", json=body, timeout=WAIT)
-
-            thread = threading.Thread(target=create)
+            for _ in range(episodes):
+                assert ask(ws, {"type": "reset", "data": {"task_id": "12"}})["type"] == "observation"
             thread.start()
             eventually(
                 lambda: httpx.get(node.url + "/health").json()["queued"] == 1, timeout=WAIT, message="a create queued"
             )
-            reply = ask(ws, {"type": "reset", "data": {"task_id": "13"}})
+            reply = ask(ws, {"type": "reset", "data": {"task_id": "13"}}, timeout=2 * WAIT)
             assert reply["type"] == "observation", reply
-            thread.join(timeout=WAIT)
-            assert waiting["reply"].status_code == 429, waiting["reply"].text
-            assert active(node) == 1
+            episode = httpx.get(node.url + f"/instances/{ask(ws, {'type': 'state'})['data']['episode_id']}").json()
+            assert (episode["task_id"], episode["state"]) == ("13", "active"), episode
+            health = httpx.get(node.url + "/health").json()
+            assert (health["active"], health["queued"]) == (1, 1), "the other create still waits for the slot"
+            assert thread.is_alive()
+        thread.join(timeout=WAIT)  # the session's close frees the slot: the waiting create gets it
+        assert waiting["reply"].status_code == 201, waiting["reply"].text
+        assert active(node) == 1
+        released = httpx.post(node.url + f"/instances/{waiting['reply'].json()['instance_id']}/release")
+        assert released.json()["released"] is True, released.text
+        assert active(node) == 0
     finally:
         assert node.stop() == 0, node.log()
 
 
-def test_a_reset_the_node_refuses_before_its_slot_costs_the_session_no_second_slot(tmp_path):
+@pytest.mark.parametrize("episodes", [0, 1], ids=["first-reset", "next-reset"])
+def test_a_reset_the_node_refuses_before_its_slot_costs_the_session_no_second_slot(tmp_path, episodes):
     """A draining node refuses the create of a session's reset before the create takes the
-    session's slot: the session goes on holding its one slot, no more, and frees it at
-    its close."""
+    session's slot (its reservation, or the slot of the episode the reset ended): the
+    session goes on holding its one slot, no more, and frees it at its close."""
     node = EnvhubProcess(tmp_path / "two", *MBPP_ONLY, "--capacity", "2").start()
     try:
         with open_ws(node) as ws:
             eventually(lambda: active(node) == 1, timeout=WAIT, message="the session to hold a slot")
+            for _ in range(episodes):
+                assert ask(ws, {"type": "reset", "data": {"task_id": "12"}})["type"] == "observation"
             assert httpx.post(node.url + "/admin/drain", json={"timeout": 60}).status_code == 200
             refused = ask(ws, {"type": "reset", "data": {"task_id": "13"}})
             assert refused["type"] == "error" and "draining" in refused["data"]["message"], refused

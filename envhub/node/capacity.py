@@ -19,10 +19,17 @@ from envhub.errors import CapacityExceeded
 
 class SlotHolder(Protocol):
     """Something that holds a slot without an instance (an OpenEnv session between its
-    connect and its reset) and may hand it to the create it makes."""
+    connect and its reset, or between two episodes) and may hand it to the create it
+    makes; it may also take over the slot of an episode of its own as that ends."""
 
     def give_slot(self) -> bool:
         """Hand the slot over: True when one was held (it is now the caller's)."""
+        ...
+
+    def keep_slot(self) -> bool:
+        """Take over the slot of an ending episode, in place of its release to
+        :class:`Slots`: True when taken (it is now the holder's), False when refused (a
+        holder that is closed or holds one already), and the caller releases it."""
         ...
 
 

@@ -5,7 +5,7 @@ Invariants:
 
 - Every live instance holds exactly one slot, from before its sandbox starts until its
   sandbox is destroyed: ``slots.used == len(live) + creates in flight`` (+ OpenEnv
-  sessions holding a slot before their instance exists, + warm sandboxes in pools, see
+  sessions holding a slot without an instance, + warm sandboxes in pools, see
   envhub/node/pool.py).
 - The ids holding a slot are ``slot_ids``, and every change to that set (or to the pools'
   slots) advances ``slot_seq``. /health reports both and a create's reply carries the
@@ -13,6 +13,8 @@ Invariants:
   report already counts a create it has seen answered (see envhub/scheduler/service.py).
 - :meth:`Episodes.end` is the one way out of the table: it destroys the sandbox, frees
   the slot and records the end in SQLite and the trial log, whatever fails on the way.
+  The slot of an episode an OpenEnv session ends to start its next one (``keep_for``)
+  passes to that session instead of the queue, unless the session refuses it (closed).
   An end SQLite cannot take (a full disk: 507) is kept in ``unrecorded`` and written
   before any later call on that id reads its row (:meth:`Episodes.settle`) and by the
   reaper, so a retry finds the end as it happened, never the row still live; while the
@@ -41,7 +43,7 @@ from typing import Any, NamedTuple, TypeVar
 from envhub.errors import Conflict, Gone, StorageFull
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics
-from envhub.node.capacity import Slots
+from envhub.node.capacity import SlotHolder, Slots
 from envhub.node.instance import Live
 from envhub.store import instances
 from envhub.store.db import Database
@@ -167,11 +169,19 @@ class Episodes:
     # -- ending ------------------------------------------------------------------------
 
     async def end(
-        self, live: Live, state: str, error: str | None = None, *, also: list[tuple[str, Any]] | None = None
+        self,
+        live: Live,
+        state: str,
+        error: str | None = None,
+        *,
+        also: list[tuple[str, Any]] | None = None,
+        keep_for: SlotHolder | None = None,
     ) -> None:
         """Destroy the sandbox, free the slot and record the end (with ``also``, statements
         to commit in the same transaction). An instance another call already ended is
-        left as that call ended it: its slot is freed once, its first end is the one kept."""
+        left as that call ended it: its slot is freed once, its first end is the one kept.
+        ``keep_for``: a holder offered the slot first (``keep_slot``), so that no create
+        waiting in the queue takes it; released as usual when the holder refuses it."""
         instance_id = live.row.id
         if self._live.get(instance_id) is not live:
             return
@@ -180,7 +190,8 @@ class Episodes:
         try:
             await live.episode.sandbox.destroy(live.episode.handle)
         finally:
-            self.slots.release()
+            if keep_for is None or not keep_for.keep_slot():
+                self.slots.release()
             self.unhold(instance_id)
             live.log.record(state, {"error": error} if error else None)
             statements = [*(also or []), instances.end_statement(instance_id, state, error=error)]
@@ -233,19 +244,22 @@ class Episodes:
                 f"instance {live.row.id!r} is lost: {e.message}", extra={"state": "lost", "instance_id": live.row.id}
             ) from None
 
-    async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
-        """Destroy the sandbox and free the slot. Releasing an ended instance is a no-op
-        (counted with the outcome ``noop``)."""
+    async def release(
+        self, instance_id: str, *, reason: str = "released", keep_for: SlotHolder | None = None
+    ) -> dict[str, Any]:
+        """Destroy the sandbox and free the slot (offered to ``keep_for`` first, see
+        :meth:`end`). Releasing an ended instance is a no-op (counted with the outcome
+        ``noop``), and ``keep_for`` is offered nothing then."""
         environment = self.environment_of(instance_id)
         try:
-            reply = await self._release(instance_id, reason)
+            reply = await self._release(instance_id, reason, keep_for)
         except BaseException as e:
             self.metrics.call("release", environment, outcome_of(e))
             raise
         self.metrics.call("release", environment, "ok" if reply["released"] else "noop")
         return reply
 
-    async def _release(self, instance_id: str, reason: str) -> dict[str, Any]:
+    async def _release(self, instance_id: str, reason: str, keep_for: SlotHolder | None) -> dict[str, Any]:
         live = self._live.get(instance_id)
         if live is None:
             await self.settle(instance_id)
@@ -257,7 +271,7 @@ class Episodes:
             if self._live.get(instance_id) is not live:  # released while we waited for the lock
                 row = self.as_ended(await instances.get(self.db, instance_id))  # an end kept unwritten too
                 return {"instance_id": instance_id, "released": False, "state": row.state}
-            await asyncio.shield(self.end(live, reason))
+            await asyncio.shield(self.end(live, reason, keep_for=keep_for))
         return {"instance_id": instance_id, "released": True, "state": reason}
 
 

@@ -290,10 +290,13 @@ class NodeService:
         """Grade the episode, and with ``release`` end it in the same call (grading.py)."""
         return await self.grader.evaluate(instance_id, release=release)
 
-    async def release(self, instance_id: str, *, reason: str = "released") -> dict[str, Any]:
-        """Destroy the sandbox and free the slot; releasing an ended instance is a no-op
+    async def release(
+        self, instance_id: str, *, reason: str = "released", keep_for: SlotHolder | None = None
+    ) -> dict[str, Any]:
+        """Destroy the sandbox and free the slot, or pass it to ``keep_for`` when that takes
+        it (an OpenEnv session ending its episode); releasing an ended instance is a no-op
         (episodes.py)."""
-        return await self.episodes.release(instance_id, reason=reason)
+        return await self.episodes.release(instance_id, reason=reason, keep_for=keep_for)
 
     async def list_instances(
         self, states: tuple[str, ...] | None, limit: int, offset: int

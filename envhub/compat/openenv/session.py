@@ -12,11 +12,19 @@ Invariants:
   socket or an idle timeout releases it. There is no resume: a new socket is a new session.
 - A session holds one node slot from connect to close: a reservation (taken without
   waiting, at connect: a full node answers ``CAPACITY_REACHED``) until its first ``reset``,
-  its instance's slot afterwards. The first reset hands the reservation to the create with
-  no await in between (the task is prepared, its image built, beforehand), so only creates
-  already queued for a slot can come first. A later reset releases its instance before
-  creating the next, and a concurrent create may take the freed slot meanwhile. Such a
-  reset waits in the node's queue like any create (``queue_timeout``, then an error reply).
+  its instance's slot afterwards. A reset keeps that slot for its own create: the first
+  hands the reservation to the create (``held``: ``give_slot``); a later one releases its
+  instance with ``keep_for`` the session, so the ending episode's slot passes to the
+  session (``keep_slot``) rather than to a create waiting in the node's queue, then to the
+  create the same way. The task is prepared, its image built, before any of this. A
+  ``close`` action (``close_episode``) keeps the episode's slot in the session likewise.
+  Only a session whose episode ended some other way (reaped, released through the REST
+  API) has no slot to keep: its reset waits in the node's queue like any create
+  (``queue_timeout``, then an error reply).
+- A closed session holds nothing: ``close`` releases its instance and its reservation,
+  and from then on it takes no slot (``keep_slot`` and ``reserve`` refuse), so a release
+  still running when it closed (its reset's, its handler cancelled) gives the slot back to
+  the node, and a reset that goes on after the close starts no episode.
 - Requests are answered strictly in order, one reply per request (``close`` has none).
   Errors a request causes are reply frames and the session survives them; only a session
   that can no longer work ends with ``SESSION_ERROR``.
@@ -50,6 +58,7 @@ from envhub.compat.openenv.wire import (
     validate,
 )
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
+from envhub.node.capacity import SlotHolder
 from envhub.node.service import NodeService
 from envhub.openenv import OpenEnvAdapter, Wire
 from envhub.util import strict_json
@@ -68,6 +77,7 @@ class Session:
         self.node: NodeService = service.node
         self.adapter = adapter
         self.reserved = reserved  # holds a slot of its own (no instance yet)
+        self.closed = False  # set by close(): from then on the session takes no slot
         self.instance_id: str | None = None
         self.episode_id: str | None = None
         self.step_count = 0
@@ -81,9 +91,10 @@ class Session:
 
     def reserve(self) -> bool:
         """Hold a slot without an instance, if one is free and no create waits for one
-        (one at most: a session that holds one already takes no second)."""
+        (one at most: a session that holds one already takes no second; a closed one,
+        none)."""
         slots = self.node.slots
-        if not self.reserved and slots.free > 0 and not slots.queued:
+        if not self.closed and not self.reserved and slots.free > 0 and not slots.queued:
             slots.used += 1  # what acquire() does when a slot is free and nobody waits
             self.reserved = True
         return self.reserved
@@ -93,28 +104,45 @@ class Session:
         given, self.reserved = self.reserved, False
         return given
 
+    def keep_slot(self) -> bool:
+        """Take over the slot of this session's episode as it ends (SlotHolder), for the
+        session's next create. Refused by a closed session (its close would never free
+        it) and by one that holds a slot already: the node gets the slot back then."""
+        if self.closed or self.reserved:
+            return False
+        self.reserved = True
+        return True
+
     def _unreserve(self) -> None:
         if self.reserved:
             self.reserved = False
             self.node.slots.release()
 
-    async def release_instance(self, reason: str = "released") -> None:
+    async def release_instance(self, reason: str = "released", *, keep_for: SlotHolder | None = None) -> None:
+        """Release the session's instance; its slot goes to ``keep_for`` when that takes it
+        (the session itself, between two episodes), else back to the node."""
         iid, self.instance_id = self.instance_id, None
         if iid is not None:
             try:
-                await asyncio.shield(self.node.release(iid, reason=reason))
+                await asyncio.shield(self.node.release(iid, reason=reason, keep_for=keep_for))
             except EnvhubError as e:
                 log.warning("releasing %s: %s", iid, e.message)
 
     async def close_episode(self) -> None:
-        """Release the episode; the socket is still a session, so it goes on holding a slot
-        (when one is free)."""
-        await self.release_instance()
+        """Release the episode; the socket is still a session, so it goes on holding a slot:
+        the episode's own, or a free one when the episode had ended some other way."""
+        await self.release_instance(keep_for=self)
         self.reserve()
 
     async def close(self, reason: str = "released") -> None:
-        await self.release_instance(reason)
-        self._unreserve()
+        self.closed = True  # before any await: a release still running gives its slot back
+        try:
+            await self.release_instance(reason)
+        finally:
+            self._unreserve()
+
+    def _closed(self) -> WireError:
+        return WireError("SESSION_ERROR", "the session was closed")
 
     def idle_for(self) -> float:
         return time.monotonic() - self.last_activity
@@ -128,8 +156,11 @@ class Session:
             raise InvalidRequest("'params' must be an object")
         await self.adapter.env.prepare(task, params)  # a build happens while the session still holds its slot
         if self.instance_id is not None:
-            await self.release_instance()
-            self.reserve()  # the episode's slot went back: hold one again if it is free
+            # The episode's slot passes to the session (keep_for=self: keep_slot), not to a
+            # create waiting in the node's queue.
+            await self.release_instance(keep_for=self)
+        if self.closed:  # closed meanwhile: it starts no episode (and holds no slot)
+            raise self._closed()
         try:
             # The create takes over the session's slot when it comes to take one, so no
             # other create can take it meanwhile (held=self: give_slot).
@@ -138,6 +169,9 @@ class Session:
             self.reserve()  # best effort: the session goes on holding a slot if one is free
             raise
         self.instance_id = created["instance_id"]
+        if self.closed:  # closed while the create ran, which its close could not release
+            await self.release_instance()
+            raise self._closed()
         self.episode_id = data["episode_id"] if isinstance(data.get("episode_id"), str) else self.instance_id
         self.step_count = 0
         self.instruction = created["observation"].get("instruction", "")
