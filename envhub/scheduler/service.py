@@ -614,11 +614,11 @@ class SchedulerService:
         that serves it (:meth:`serving`: an environment the fleet does not serve is a 404
         here, naming those it does)."""
         if environment is not None:
-            node = self.serving(environment)[0]
+            node: Node | None = self.serving(environment)[0]
         else:
             node = next((n for n in self.nodes if n.healthy), None)
-            if node is None:
-                raise UpstreamUnavailable("no node is healthy")
+        if node is None:
+            raise UpstreamUnavailable("no node is healthy")
         reply = await self.call(node, method, path, params=params, idempotent=True)
         return reply.status, reply.body
 
