@@ -2,7 +2,8 @@
 processes or, where a real node cannot be made to answer so, a small stand-in: a node's
 own 502/503/504, an empty fleet, a fan-out past its deadline, trial rewards merged
 across nodes, a config_path too long for the filesystem, a create joining another
-task's under the same id, and SETA's /step refused by its node."""
+task's under the same id, SETA's /step refused by its node, and a fleet whose nodes
+serve different environments."""
 
 from __future__ import annotations
 
@@ -199,6 +200,81 @@ async def test_a_create_with_no_node_up_or_no_node_at_all_is_a_503_envelope(tmp_
             assert err["error"].startswith("the fleet has no node") and r.headers["Retry-After"], err
 
 
+# -- a fleet whose nodes serve different environments -------------------------------------------
+
+
+@pytest.fixture
+def mixed_nodes(tmp_path):
+    """Two real nodes serving different environments: one mbpp only, the other only the
+    faulty test environment (no sandbox either needs Docker)."""
+    only_mbpp = ("--set", "environments.terminal-bench.enabled=false", "--set", "environments.appworld.enabled=false")
+    procs = [
+        EnvhubProcess(tmp_path / "mbpp-node", "--capacity", "4", *only_mbpp),
+        EnvhubProcess(
+            tmp_path / "faulty-node",
+            "--capacity",
+            "4",
+            *only_mbpp,
+            "--set",
+            "environments.mbpp.enabled=false",
+            env=faulty_plugin_env(tmp_path),
+        ),
+    ]
+    for p in procs:
+        p.start()
+    yield procs
+    for p in procs:
+        assert p.stop() == 0, p.log()
+
+
+async def test_a_fleet_of_nodes_with_different_environments_lists_and_places_each_where_it_is(tmp_path, mixed_nodes):
+    """``GET /environments`` lists the whole fleet's, each as the node serving it
+    describes it; each create, faulty's first (the mbpp node is first in nodes.yaml, so
+    a placement blind to environments would send it there), lands on the node that
+    serves its environment, and so does each task listing; an environment no node serves
+    is a 404 at once naming the fleet's environments, for a create, a rollout and a
+    listing alike, never a wait for a slot (``scheduler_wait`` is long here)."""
+    mbpp_node, faulty_node = mixed_nodes
+    async with (
+        scheduler_over(tmp_path, [mbpp_node.url, faulty_node.url], scheduler_wait=30.0) as sched,
+        httpx.AsyncClient(timeout=30) as direct,
+    ):
+        listed = await sched.http.get("/environments")
+        assert listed.status_code == 200, listed.text
+        own = [(await direct.get(f"{n.url}/environments")).json()["environments"] for n in mixed_nodes]
+        assert [[e["name"] for e in envs] for envs in own] == [["mbpp"], ["faulty"]]
+        assert listed.json() == {"environments": own[0] + own[1]}
+
+        made: list[tuple[str, EnvhubProcess]] = []
+        for environment, task_id, node in [("faulty", "ok", faulty_node), ("mbpp", "11", mbpp_node)] * 2:
+            r = await sched.http.post("/instances", json={"environment": environment, "task_id": task_id})
+            assert r.status_code == 201, r.text
+            made.append((r.json()["instance_id"], node))
+        for instance_id, node in made:
+            assert (await direct.get(f"{node.url}/instances/{instance_id}")).status_code == 200, instance_id
+
+        for environment, node in (("faulty", faulty_node), ("mbpp", mbpp_node)):
+            for path in (f"/environments/{environment}", f"/environments/{environment}/tasks"):
+                r = await sched.http.get(path, params={"limit": "5"} if path.endswith("/tasks") else None)
+                assert r.status_code == 200, r.text
+                assert r.json() == (await direct.get(f"{node.url}{path}", params=r.request.url.params)).json()
+
+        started = time.monotonic()
+        refusals = [
+            await sched.http.post("/instances", json={"environment": "nope", "task_id": "1"}),
+            await sched.http.post("/rollouts", json={"environment": "nope", "task_id": "1"}),
+            await sched.http.get("/environments/nope/tasks"),
+        ]
+        assert time.monotonic() - started < 10, "a refusal waited for a slot"
+        for r in refusals:
+            err = assert_envelope(r, 404, "not_found")
+            assert err["error"] == "no environment 'nope' (the fleet serves: faulty, mbpp)", err
+            assert err["environment"] == "nope", err
+
+        for instance_id, _ in made:
+            assert (await sched.http.post(f"/instances/{instance_id}/release")).json()["released"] is True
+
+
 # -- a fan-out's deadline ----------------------------------------------------------------------
 
 
@@ -250,11 +326,17 @@ async def test_a_config_path_too_long_for_the_filesystem_is_a_400_naming_the_fie
 # -- SETA's /step refused by its node ----------------------------------------------------------
 
 
-async def test_setas_step_that_a_node_refuses_is_setas_200_with_node_error_and_its_status(tmp_path, real_nodes):
-    """The nodes serve no environment for SETA's /step (terminal-bench is off), so the one
-    picked answers 400; SETA's scheduler answers a node's HTTP error with a 200
-    StepResponse whose error is ``Node error: <status>`` (PROTOCOLS.md section 2.3)."""
-    async with scheduler_over(tmp_path, [n.url for n in real_nodes]) as sched:
+@pytest.mark.parametrize("seta_environment", [None, "terminal-bench"], ids=["unset", "named"])
+async def test_setas_step_that_a_node_refuses_is_setas_200_with_node_error_and_its_status(
+    tmp_path, real_nodes, seta_environment
+):
+    """The nodes serve no environment for SETA's /step (terminal-bench is off). With
+    ``seta_environment`` unset, each node picks its own, so the scheduler sends the step
+    to one, which answers 400; SETA's scheduler answers a node's HTTP error with a 200
+    StepResponse whose error is ``Node error: <status>`` (PROTOCOLS.md section 2.3).
+    Named, the scheduler sees that no node serves it: the same StepResponse, with the
+    404 it would answer a create and why, and no node is asked."""
+    async with scheduler_over(tmp_path, [n.url for n in real_nodes], seta_environment=seta_environment) as sched:
         step = {
             "task": {"task_name": "13", "instruction": "fib"},
             "uid": "seta-refused-1",
@@ -265,7 +347,16 @@ async def test_setas_step_that_a_node_refuses_is_setas_200_with_node_error_and_i
             direct = await client.post(f"{real_nodes[0].url}/step", json=step)
         assert direct.status_code == 400, direct.text  # what the node answers
         r = await sched.http.post("/step", json=step)
-        assert (r.status_code, r.json()) == (200, {"run_info": None, "reward": None, "error": "Node error: 400"})
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        if seta_environment is None:
+            assert reply == {"run_info": None, "reward": None, "error": "Node error: 400"}
+        else:
+            assert (reply["run_info"], reply["reward"]) == (None, None), reply
+            assert (
+                reply["error"].startswith("Node error: 404 (no environment 'terminal-bench' (the fleet serves: ")
+                and "mbpp" in reply["error"]
+            ), reply
 
 
 @pytest.mark.parametrize(

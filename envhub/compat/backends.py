@@ -90,21 +90,26 @@ class SchedulerBackend:
         offset = 0
         while True:
             params = {"offset": str(offset), "limit": "1000", **({"split": split} if split else {})}
-            page = _unwrap(*await self.scheduler.any_node("GET", f"/environments/{environment}/tasks", params))
+            path = f"/environments/{environment}/tasks"
+            page = _unwrap(*await self.scheduler.any_node("GET", path, params, environment=environment))
             ids += [t["id"] for t in page["tasks"]]
             offset += len(page["tasks"])
             if not page["tasks"] or offset >= page["total"]:
                 return ids
 
     async def splits(self, environment: str) -> list[str]:
-        return list(_unwrap(*await self.scheduler.any_node("GET", f"/environments/{environment}"))["splits"])
+        return list((await self._describe(environment))["splits"])
 
     async def code_tool(self, environment: str) -> tuple[str, str] | None:
         if environment not in self._code_tools:
-            described = _unwrap(*await self.scheduler.any_node("GET", f"/environments/{environment}"))
+            described = await self._describe(environment)
             declared = described.get("code_tool")
             self._code_tools[environment] = (declared["tool"], declared["argument"]) if declared else None
         return self._code_tools[environment]
+
+    async def _describe(self, environment: str) -> dict[str, Any]:
+        """``GET /environments/<environment>`` from a node that serves it."""
+        return _unwrap(*await self.scheduler.any_node("GET", f"/environments/{environment}", environment=environment))
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         return _unwrap(*await self.scheduler.create(body))
@@ -129,12 +134,19 @@ class SchedulerBackend:
         """SETA's /step, checked here as a node checks it and then sent to a node: a
         malformed StepRequest is a 400 naming its field, as from a node, where the node's
         400 would have come back as SETA's 200 ``Node error: 400`` (SchedulerService.rollout)."""
-        # Unset, each node finds the task's environment itself; here it only keys affinity.
-        environment = self.scheduler.settings.seta_environment or "seta"
+        # Unset, each node finds the task's environment itself; here it only keys affinity,
+        # and every node is a candidate. Set, only the nodes that serve it are.
+        named = self.scheduler.settings.seta_environment
+        environment = named or "seta"
         request = seta.rollout_request(body, environment=environment)
         return _unwrap(
             *await self.scheduler.rollout(
-                body, environment=environment, task_id=request.task_id, path="/step", failure_as_reply=True
+                body,
+                environment=environment,
+                task_id=request.task_id,
+                path="/step",
+                failure_as_reply=True,
+                served=bool(named),
             )
         )
 

@@ -66,6 +66,15 @@ class Node:
         down = self.info.get("unavailable")
         return isinstance(down, dict) and environment in down
 
+    def environments(self) -> list[str]:
+        """The environments the node's last health report said it serves ([] before one)."""
+        names = self.info.get("environments")
+        return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+    def serves(self, environment: str) -> bool:
+        """Whether the node's last health report lists ``environment``."""
+        return environment in self.environments()
+
     @property
     def free(self) -> int:
         return max(0, self.capacity - self.used)

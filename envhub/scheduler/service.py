@@ -6,6 +6,13 @@ Invariants:
   highest free-slot ratio (ties: first in nodes.yaml). No healthy node with a free slot
   (no node at all included): 503 with Retry-After (after waiting up to
   ``scheduler_wait`` seconds for one).
+- Only a node that serves a create's environment (its last health report lists it, or
+  lists none: a node of another version) is a candidate for it. An environment that no
+  node serves, by the last report of each, a down node's included, is a 404 at once
+  naming those the fleet serves, never a wait for a slot; while no node has listed its
+  environments yet, nothing is refused so. Listings are the fleet's: ``GET
+  /environments`` merges every healthy node's, and a call about one environment goes to
+  a node that serves it.
 - The route (instance -> node) is in SQLite before the create is forwarded, and the
   forwarded create carries the instance id, so a retried or repeated create never makes
   two instances and a restarted scheduler routes every instance as before. Affinity is
@@ -49,7 +56,7 @@ from typing import Any
 import aiohttp
 
 from envhub.calls import CreateRequest, new_instance_id
-from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, UpstreamUnavailable
+from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, UpstreamUnavailable
 from envhub.metrics import scheduler as causes
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
@@ -81,6 +88,18 @@ def _refused(reply: peers.PeerReply) -> bool:
 def _step_failed(error: str) -> bytes:
     """SETA's StepResponse for a rollout that did not run to its end."""
     return jsonlib.dumps({"run_info": None, "reward": None, "error": error}).encode()
+
+
+def _lists_environments(node: Node) -> bool:
+    """Whether the node's last health report listed its environments: not before its
+    first report, nor from a node of a version that does not list them."""
+    return isinstance(node.info.get("environments"), list)
+
+
+def _may_serve(node: Node, environment: str) -> bool:
+    """A placement candidate for ``environment``: it lists it, or lists none (see
+    :meth:`SchedulerService.serving`)."""
+    return node.serves(environment) or not _lists_environments(node)
 
 
 def _other_task(instance_id: str, made: tuple[str, str]) -> Conflict:
@@ -189,13 +208,19 @@ class SchedulerService:
 
     # -- choosing a node -----------------------------------------------------------------
 
-    async def _pick(self, task_key: str, instance_id: str | None = None) -> Node:
+    async def _pick(self, task_key: str, instance_id: str | None = None, *, served: bool = True) -> Node:
         """Take a slot on the best node: ``instance_id`` joins its creates in flight, or
-        (no id) its ``pending`` count goes up; the caller settles either when answered."""
+        (no id) its ``pending`` count goes up; the caller settles either when answered.
+        ``served``: only nodes that serve the task key's environment are candidates, and
+        one that no node serves is a 404 at once (:meth:`_check_served`); false for a key
+        that names no environment (SETA's /step with no ``seta_environment``)."""
+        environment = task_key.split("/", 1)[0]
+        if served:
+            self._check_served(environment)
         deadline = time.monotonic() + self.settings.scheduler_wait
         while True:
             async with self._lock:
-                node, affinity = self._choose(task_key)
+                node, affinity = self._choose(task_key, served=served)
                 if node is not None:
                     self.metrics.affinity(affinity)
                     if instance_id is None:
@@ -207,8 +232,7 @@ class SchedulerService:
                 self.view.freed.clear()
             left = deadline - time.monotonic()
             if left <= 0:
-                healthy = [n for n in self.nodes if n.healthy]
-                environment = task_key.split("/", 1)[0]
+                healthy = [n for n in self.nodes if n.healthy and (not served or _may_serve(n, environment))]
                 down = {n.name: n.info["unavailable"][environment] for n in healthy if n.unavailable(environment)}
                 if healthy and len(down) == len(healthy):
                     self.metrics.unavailable(causes.ENVIRONMENT_UNAVAILABLE)
@@ -221,6 +245,8 @@ class SchedulerService:
                 why = (
                     "all nodes are at capacity"
                     if healthy
+                    else f"no node that serves {environment} is healthy"
+                    if any(n.healthy for n in self.nodes)
                     else "no node is healthy"
                     if self.nodes
                     else "the fleet has no node"
@@ -238,12 +264,15 @@ class SchedulerService:
             except TimeoutError:
                 pass
 
-    def _choose(self, task_key: str) -> tuple[Node | None, str]:
+    def _choose(self, task_key: str, *, served: bool = True) -> tuple[Node | None, str]:
         """The node for a create of ``task_key``, and how affinity served it: ``hit``
-        (its last node), ``miss`` (that node is down or full) or ``none``."""
+        (its last node), ``miss`` (that node is down or full) or ``none``. ``served``:
+        only a node that serves the environment (see :meth:`serving`) takes it."""
         environment = task_key.split("/", 1)[0]
 
         def takes(node: Node) -> bool:  # a node whose engine is down for this environment: no
+            if served and not _may_serve(node, environment):
+                return False
             return node.healthy and node.free > 0 and not node.unavailable(environment)
 
         seen = self.view.affinity.get(task_key)
@@ -258,6 +287,79 @@ class SchedulerService:
             if takes(node) and (best is None or node.free_ratio > best.free_ratio):
                 best = node
         return best, affinity
+
+    # -- a mixed fleet: which nodes serve an environment ----------------------------------
+
+    def _check_served(self, environment: str) -> None:
+        """``NotFound`` naming the fleet's environments when no node serves ``environment``,
+        judged by each node's last health report, a down node's included (it is down, not
+        gone: its environments wait for it with a 503, never a 404). Nothing is refused
+        while nothing is known: before any node has listed its environments, or while a
+        healthy node lists none (a node of another version), the call goes on as it would
+        without this check."""
+        listed = [n for n in self.nodes if _lists_environments(n)]
+        if not listed or any(n.serves(environment) for n in listed):
+            return
+        if any(n.healthy and not _lists_environments(n) for n in self.nodes):
+            return
+        served = sorted({name for n in listed for name in n.environments()})
+        raise NotFound(
+            f"no environment {environment!r} (the fleet serves: {', '.join(served)})",
+            extra={"environment": environment},
+        )
+
+    def serving(self, environment: str) -> list[Node]:
+        """The healthy nodes that serve ``environment``, in the fleet's order: those whose
+        last report lists it, then those whose report lists none (they may). ``NotFound``
+        when no node serves it (:meth:`_check_served`); 503 when none of those that do is
+        healthy."""
+        self._check_served(environment)
+        nodes = [n for n in self.nodes if n.healthy and n.serves(environment)]
+        nodes += [n for n in self.nodes if n.healthy and not _lists_environments(n)]
+        if not nodes:
+            healthy = any(n.healthy for n in self.nodes)
+            raise UpstreamUnavailable(
+                f"no node that serves {environment} is healthy" if healthy else "no node is healthy",
+                extra={"environment": environment},
+            )
+        return nodes
+
+    async def environments(self) -> tuple[int, bytes]:
+        """``GET /environments`` over the fleet: every healthy node asked at once, and the
+        lists of those that answered 200 merged in the fleet's order, each environment once
+        (as the first of them describes it), in the node's own reply shape. No node
+        answered 200: the first node's answer as it came (a single node's fleet answers as
+        that node would), or its 503 when none answered at all."""
+        nodes = [n for n in self.nodes if n.healthy]
+        if not nodes:
+            raise UpstreamUnavailable("no node is healthy")
+
+        async def one(node: Node) -> peers.PeerReply | UpstreamUnavailable:
+            try:
+                return await self.call(node, "GET", "/environments", idempotent=True, answers_client=False)
+            except UpstreamUnavailable as e:
+                return e
+
+        replies = await asyncio.gather(*(one(n) for n in nodes))
+        merged: dict[str, Any] = {}
+        answered = False
+        for reply in replies:
+            if isinstance(reply, UpstreamUnavailable) or reply.status != 200:
+                continue
+            try:
+                listed = reply.json().get("environments")
+            except (ValueError, AttributeError):
+                continue
+            answered = True
+            for env in listed if isinstance(listed, list) else []:
+                if isinstance(env, dict) and isinstance(env.get("name"), str):
+                    merged.setdefault(env["name"], env)
+        if answered:
+            return 200, jsonlib.dumps({"environments": list(merged.values())}).encode()
+        first = replies[0]
+        if isinstance(first, UpstreamUnavailable):
+            raise first
+        return first.status, first.body
 
     # -- client calls --------------------------------------------------------------------
 
@@ -377,17 +479,26 @@ class SchedulerService:
         task_id: Any,
         path: str = "/rollouts",
         failure_as_reply: bool = False,
+        served: bool = True,
     ) -> tuple[int, bytes]:
         """Send a whole rollout to a node picked like a create (task affinity first), with
         its model URL rewritten, to ``path`` there. The node's answer is the reply, and a
         node that gives none is a 503. With ``failure_as_reply`` (SETA's ``/step``) both are
         a 200 StepResponse instead, as SETA's scheduler answers: a node's non-2xx answer
-        has ``error`` ``"Node error: <status>"``, no answer ``"Node error: <why>"``."""
+        has ``error`` ``"Node error: <status>"``, no answer ``"Node error: <why>"``.
+        ``served``: ``environment`` names one, which only the nodes that serve it take (an
+        environment no node serves: 404, or with ``failure_as_reply`` ``"Node error: 404
+        (<why>)"``); false when it only keys affinity and each node picks its own."""
         if not isinstance(environment, str) or not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
             raise InvalidRequest("a rollout needs 'environment' and 'task_id' (SETA: task.task_name)", field="task_id")
         if isinstance(body.get("model_url"), str):
             body = {**body, "model_url": self.network.rewrite(body["model_url"])}
-        node = await self._pick(f"{environment}/{task_id}")
+        try:
+            node = await self._pick(f"{environment}/{task_id}", served=served)
+        except NotFound as e:
+            if not failure_as_reply:
+                raise
+            return 200, _step_failed(f"Node error: {e.status} ({e.message})")
         node.pending -= 1  # counted as a rollout instead, for as long as it runs
         node.rollouts += 1
         try:
@@ -495,13 +606,21 @@ class SchedulerService:
         node.session_closed(opened=opened)
         self.view.freed.set()  # a create waiting for a slot (scheduler_wait) may go now
 
-    async def any_node(self, method: str, path: str, params: dict[str, str] | None = None) -> tuple[int, bytes]:
-        """Read-only calls any node can answer (environment and task listings)."""
-        for node in self.nodes:
-            if node.healthy:
-                reply = await self.call(node, method, path, params=params, idempotent=True)
-                return reply.status, reply.body
-        raise UpstreamUnavailable("no node is healthy")
+    async def any_node(
+        self, method: str, path: str, params: dict[str, str] | None = None, environment: str | None = None
+    ) -> tuple[int, bytes]:
+        """Read-only calls any node can answer (an environment's description, its tasks),
+        sent to the first healthy node or, for a call about ``environment``, the first
+        that serves it (:meth:`serving`: an environment the fleet does not serve is a 404
+        here, naming those it does)."""
+        if environment is not None:
+            node: Node | None = self.serving(environment)[0]
+        else:
+            node = next((n for n in self.nodes if n.healthy), None)
+        if node is None:
+            raise UpstreamUnavailable("no node is healthy")
+        reply = await self.call(node, method, path, params=params, idempotent=True)
+        return reply.status, reply.body
 
     async def fan_out(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
         """``method path`` sent to every node at once (``/config``, ``/cleanup``): one result

@@ -9,7 +9,8 @@ session per socket, its slot held on that node). No free slot anywhere: a
 healthy node, or the node going away mid-session: a ``SESSION_ERROR`` frame, then close.
 
 HTTP: ``reset`` and ``step`` start an episode, so they go to a node picked like a create;
-``mcp`` and the read-only routes go to any healthy node. Replies pass through unchanged.
+``mcp`` and the read-only routes go to a healthy node that serves the environment (a mixed
+fleet's others would answer 404). Replies pass through unchanged.
 
 Accounting (SchedulerService.session_*): a socket is a create that lasts, ``pending``
 while the node's socket opens, then an id-less slot until it closes; each health report
@@ -25,7 +26,7 @@ import aiohttp
 from sanic import Blueprint, Request
 
 from envhub.compat.openenv import WireError, capacity_reached
-from envhub.errors import NotFound, UpstreamUnavailable
+from envhub.errors import NotFound
 from envhub.scheduler.fleet import Node
 from envhub.scheduler.service import AllNodesBusy, SchedulerService
 from envhub.web.openenv import close_with, refuse
@@ -53,6 +54,9 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
     scheduler: SchedulerService = request.app.ctx.scheduler
     try:
         node = await scheduler.session_slot(environment)
+    except NotFound as e:  # no node up to refuse it before the upgrade, and the last reports lack it
+        await refuse(ws, WireError("SESSION_ERROR", e.message).frame())
+        return
     except AllNodesBusy:
         healthy = [n for n in scheduler.nodes if n.healthy]
         error = (
@@ -155,7 +159,8 @@ async def _pump(client: Any, upstream: aiohttp.ClientWebSocketResponse, node: No
 
 async def read_only(request: Request, environment: str):
     route = request.path.rsplit("/", 1)[-1]
-    return passthrough(*await request.app.ctx.scheduler.any_node("GET", f"/openenv/{environment}/{route}"))
+    path = f"/openenv/{environment}/{route}"
+    return passthrough(*await request.app.ctx.scheduler.any_node("GET", path, environment=environment))
 
 
 async def episode_call(request: Request, environment: str):
@@ -185,9 +190,7 @@ for _route in ("reset", "step"):
 @bp.post("/mcp")
 async def mcp(request: Request, environment: str):
     scheduler: SchedulerService = request.app.ctx.scheduler
-    node = next((n for n in scheduler.nodes if n.healthy), None)
-    if node is None:
-        raise UpstreamUnavailable("no node is healthy")
+    node = scheduler.serving(environment)[0]
     reply = await scheduler.call(
         node,
         "POST",

@@ -1,7 +1,8 @@
 """The scheduler's client API: the same routes as a node, routed to the right node.
 
 Creates go to the node the scheduler picks; every later call for an instance goes to the
-node in its route; listings go to any healthy node. A node's answer is passed through
+node in its route; the environment list is every healthy node's, merged, and a call about
+one environment goes to a healthy node that serves it. A node's answer is passed through
 unchanged (status and body), so a client cannot tell a scheduler from a node.
 """
 
@@ -21,18 +22,19 @@ def passthrough(status: int, body: bytes):
 
 @bp.get("/environments")
 async def list_environments(request: Request):
-    return passthrough(*await request.app.ctx.scheduler.any_node("GET", "/environments"))
+    return passthrough(*await request.app.ctx.scheduler.environments())
 
 
 @bp.get("/environments/<name>")
 async def get_environment(request: Request, name: str):
-    return passthrough(*await request.app.ctx.scheduler.any_node("GET", f"/environments/{name}"))
+    return passthrough(*await request.app.ctx.scheduler.any_node("GET", f"/environments/{name}", environment=name))
 
 
 @bp.get("/environments/<name>/tasks")
 async def list_tasks(request: Request, name: str):
     params = {k: v for k, v in request.args.items() for v in v[:1]}
-    return passthrough(*await request.app.ctx.scheduler.any_node("GET", f"/environments/{name}/tasks", params))
+    scheduler = request.app.ctx.scheduler
+    return passthrough(*await scheduler.any_node("GET", f"/environments/{name}/tasks", params, environment=name))
 
 
 @bp.post("/instances")

@@ -1,6 +1,7 @@
 """The scheduler's side of envhub/web/sandbox_access.py: commands and files go to the node
 of their instance, as every instance call does; an uploaded task goes to every healthy
-node that lacks it, so that whichever node a create of it lands on has it.
+node that serves its environment and lacks the task, so that whichever node a create of
+it lands on has it.
 
 A node's answer is passed through (a file or archive as such); a client that goes away
 cuts the call to the node, which ends the command it ran.
@@ -57,8 +58,8 @@ async def get_file(request: Request, instance_id: str):
 
 @bp.put("/environments/<name>/tasks/<task_id>")
 async def upload_task(request: Request, name: str, task_id: str):
-    """To every healthy node that does not have the task yet; 200 once one node has it,
-    else the first node's refusal as it came."""
+    """To every healthy node that serves the environment and does not have the task yet;
+    200 once one node has it, else the first node's refusal as it came."""
     if not request.body:
         raise InvalidRequest("the body must be a tar of the task")
     scheduler = request.app.ctx.scheduler
@@ -74,10 +75,7 @@ async def upload_task(request: Request, name: str, task_id: str):
         except UpstreamUnavailable as e:
             return node.url, 503, e.message.encode()
 
-    nodes = [n for n in scheduler.nodes if n.healthy]
-    if not nodes:
-        raise UpstreamUnavailable("no node is healthy")
-    results = await asyncio.gather(*(one(n) for n in nodes))
+    results = await asyncio.gather(*(one(n) for n in scheduler.serving(name)))
     ok = [r for r in results if r[1] == 200]
     if not ok:
         _, status, body = results[0]
@@ -94,5 +92,5 @@ async def upload_task(request: Request, name: str, task_id: str):
 @bp.get("/environments/<name>/tasks/<task_id>")
 async def get_task(request: Request, name: str, task_id: str):
     path = f"/environments/{quote(name, safe='')}/tasks/{quote(task_id, safe='')}"
-    status, body = await request.app.ctx.scheduler.any_node("GET", path)
+    status, body = await request.app.ctx.scheduler.any_node("GET", path, environment=name)
     return raw(body, status=status, content_type="application/json")
