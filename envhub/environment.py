@@ -131,7 +131,8 @@ class Evaluation:
 
     ``verdict`` is False when the grader could not decide (a verifier that timed out or
     wrote no reward, a grader that died): ``reward`` is then 0.0 for the clients that
-    need a number, ``details["error"]`` says why, OpenEnv answers reward None, and the
+    need a number, ``details["error"]`` says why, the evaluate reply says ``"verdict":
+    false``, the instance's recorded reward is NULL, OpenEnv answers reward None, and the
     node keeps no such grade: the next evaluate runs the grader again. A wrong or
     failing solution is a verdict (reward 0.0 or partial), not this."""
 

@@ -414,16 +414,21 @@ def sandbox_uids_processes(uid_min: int = 200000, uid_max: int = 2**32) -> list[
     return out
 
 
-def faulty_plugin_env(tmp_path: Path) -> dict[str, str]:
-    """The environment under which an envhub process loads tests/plugins/faulty.py
+def plugin_env(tmp_path: Path, name: str) -> dict[str, str]:
+    """The environment under which an envhub process loads tests/plugins/<name>.py
     through a real entry point (a generated dist-info on PYTHONPATH)."""
     site = tmp_path / "site"
-    dist = site / "envhub_test_faulty-0.0.0.dist-info"
+    dist = site / f"envhub_test_{name}-0.0.0.dist-info"
     if not dist.is_dir():
         dist.mkdir(parents=True)
-        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: envhub-test-faulty\nVersion: 0.0.0\n")
-        (dist / "entry_points.txt").write_text("[envhub]\nfaulty = plugins.faulty\n")
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: envhub-test-{name}\nVersion: 0.0.0\n")
+        (dist / "entry_points.txt").write_text(f"[envhub]\n{name} = plugins.{name}\n")
     return {"PYTHONPATH": os.pathsep.join([str(site), str(Path(__file__).resolve().parent)])}
+
+
+def faulty_plugin_env(tmp_path: Path) -> dict[str, str]:
+    """The environment under which an envhub process loads tests/plugins/faulty.py."""
+    return plugin_env(tmp_path, "faulty")
 
 
 FAULTY_UID_BASE = 3_100_000  # the faulty node's sandbox uids: [FAULTY_UID_BASE, + 64)

@@ -36,11 +36,12 @@ _ASGI = Sanic.__call__
 
 class InProcessApp:
     """One app from ``create_app(settings)``, started with :meth:`start` and stopped with
-    :meth:`stop` (or ``async with``); ``http`` is an ``httpx.AsyncClient`` into it."""
+    :meth:`stop` (or ``async with``); ``http`` is an ``httpx.AsyncClient`` into it. ``pm``:
+    a plugin manager of the test's own (test plugins registered), else the built-ins'."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, pm: Any = None) -> None:
         self.settings = settings
-        self.app: Any = create_app(settings)
+        self.app: Any = create_app(settings, pm=pm)
         self.http: httpx.AsyncClient | None = None
         self._to_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._from_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

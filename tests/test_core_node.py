@@ -17,6 +17,8 @@ from sanic import Sanic
 from envhub.app import create_app
 from envhub.compat.openenv import WireError
 from envhub.errors import InvalidRequest, NotFound
+from envhub.node.trajectories import HIDDEN
+from envhub.plugins import get_plugin_manager
 from envhub.store import builds as builds_store
 
 pytestmark = pytest.mark.fast
@@ -27,6 +29,17 @@ FIB = "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a
 @pytest.fixture
 async def node(tmp_path):
     async with InProcessApp(node_settings(tmp_path / "data", capacity=2, queue_timeout=10)) as app:
+        yield app
+
+
+@pytest.fixture
+async def unsure_node(tmp_path):
+    """A node that also serves tests/plugins/unsure.py, whose grader may give no verdict."""
+    from plugins import unsure
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(unsure, name="unsure")
+    async with InProcessApp(node_settings(tmp_path / "data", capacity=2), pm=pm) as app:
         yield app
 
 
@@ -521,3 +534,120 @@ async def test_an_openenv_session_closed_while_its_reset_releases_its_episode_le
         await asyncio.sleep(0.1)  # whatever the release does after freeing the slot
         assert (node.slots.used, len(node.episodes), session.reserved) == (0, 0, False), "a slot held after the close"
         assert (await health(app))["active"] == 0
+
+
+def reward_samples(app: InProcessApp, environment: str) -> float | None:
+    """How many rewards ``envhub_reward`` observed for ``environment``."""
+    return app.ctx.node.metrics.registry.get_sample_value("envhub_reward_count", {"environment": environment})
+
+
+async def test_a_grade_with_no_verdict_says_so_and_counts_as_an_error_never_a_failure(unsure_node):
+    """A grader that could not decide: the reply says ``verdict: false`` with reward 0.0
+    (a number, for clients that need one), the row's reward is NULL with the evaluation
+    recorded, envhub_reward observes nothing, the next evaluate grades again, and the
+    ended episode's outcome is ``error``, outside the trial's reward histogram and mean.
+    A decided grade's reply has no ``verdict`` key."""
+    http = unsure_node.http
+    ids = {}
+    for task in ("undecided", "decided"):
+        created = await http.post("/instances", json={"environment": "unsure", "task_id": task, "trial": "nv"})
+        assert created.status_code == 201, created.text
+        ids[task] = created.json()["instance_id"]
+
+    graded = await http.post(f"/instances/{ids['undecided']}/evaluate")
+    assert graded.status_code == 200, graded.text
+    body = graded.json()
+    assert body["verdict"] is False and body["details"]["error"] == "the grader timed out", body
+    assert body["reward"] == 0.0 and isinstance(body["reward"], float), body
+    row = (await http.get(f"/instances/{ids['undecided']}")).json()
+    assert row["reward"] is None, "a grade with no verdict is no reward"
+    assert row["evaluation"]["verdict"] is False and row["evaluation"]["details"]["error"] == "the grader timed out"
+    assert reward_samples(unsure_node, "unsure") is None, "envhub_reward observed a grade with no verdict"
+    again = (await http.post(f"/instances/{ids['undecided']}/evaluate")).json()
+    assert (again["verdict"], again["details"]["grades"]) == (False, 2), "the next evaluate grades again"
+
+    async def viewed() -> dict:  # live: the viewer hides the details, never the missing verdict
+        got = (await http.get(f"/trials/nv/episodes/{ids['undecided']}")).json()
+        return got if len([e for e in got["events"] if e["event"] == "evaluation"]) == 2 else {}
+
+    page = await eventually_async(viewed, message="the trial log to hold both grades")  # flushed every 20 ms
+    assert page["instance"]["evaluation"] == {"reward": 0.0, "verdict": False, "details": HIDDEN}
+    assert [e.get("verdict") for e in page["events"] if e["event"] == "evaluation"] == [False, False]
+
+    decided = (await http.post(f"/instances/{ids['decided']}/evaluate", json={"release": True})).json()
+    assert decided["reward"] == 1.0 and "verdict" not in decided, decided
+    assert reward_samples(unsure_node, "unsure") == 1
+    released = (await http.post(f"/instances/{ids['undecided']}/release")).json()
+    assert released["released"] is True
+    assert (await http.get(f"/instances/{ids['undecided']}")).json()["reward"] is None
+
+    outcomes = {e["instance_id"]: e["outcome"] for e in (await http.get("/trials/nv/episodes")).json()["episodes"]}
+    assert outcomes == {ids["undecided"]: "error", ids["decided"]: "passed"}
+    summary = (await http.get("/trials/nv")).json()
+    assert (summary["outcomes"]["error"], summary["outcomes"]["failed"], summary["outcomes"]["unscored"]) == (1, 0, 0)
+    assert (summary["rewards"]["scored"], summary["rewards"]["mean"]) == (1, 1.0), summary["rewards"]
+    errors = (await http.get("/trials/nv/episodes", params={"outcome": "error"})).json()["episodes"]
+    assert [e["instance_id"] for e in errors] == [ids["undecided"]]
+
+
+async def test_a_later_verdict_takes_the_place_of_a_grade_that_gave_none(unsure_node):
+    service = unsure_node.ctx.node
+    await service.create("unsure", "late", instance_id="late-1")
+    first = await service.evaluate("late-1")
+    assert first["verdict"] is False and (await service.get("late-1"))["reward"] is None
+    second = await service.evaluate("late-1")
+    assert (second["reward"], second["details"]["grades"]) == (1.0, 2) and "verdict" not in second, second
+    assert (await service.get("late-1"))["reward"] == 1.0
+    assert reward_samples(unsure_node, "unsure") == 1, "only the verdict was observed"
+
+
+async def test_a_rollout_whose_grader_gives_no_verdict_fails_at_evaluate_with_no_reward(unsure_node):
+    """The trainer gets an ``evaluate`` failure and reward null, never a 0.0 that reads as
+    a failed solution; the episode is released all the same."""
+    from envhub.agent import Agent, AgentResult
+
+    class Idle(Agent):
+        name = "idle"
+
+        async def run(self, session):
+            return AgentResult("finished")
+
+    unsure_node.ctx.agents["idle"] = Idle()
+    body = {"environment": "unsure", "model_url": "http://127.0.0.1:9/v1", "agent": "idle", "trial": "nv"}
+    r = await unsure_node.http.post("/rollouts", json={**body, "task_id": "undecided", "uid": "nv-1"})
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert reply["run_info"]["error_info"] == {
+        "stage": "evaluate",
+        "error_message": "the grader gave no verdict: the grader timed out",
+    }
+    assert reply["reward"] is None and reply["run_info"]["reward"] is None, reply
+    assert reply["error"] == "evaluate: the grader gave no verdict: the grader timed out"
+    assert (await health(unsure_node))["active"] == 0, "its episode was released"
+    assert (await unsure_node.ctx.node.get("nv-1"))["reward"] is None
+
+    decided = (await unsure_node.http.post("/rollouts", json={**body, "task_id": "decided", "uid": "nv-2"})).json()
+    assert (decided["reward"], decided["error"], decided["run_info"]["error_info"]) == (1.0, None, {}), decided
+
+
+async def test_an_agent_that_returns_no_agent_result_fails_its_rollout_not_the_reply(node):
+    """An agent plugin whose run returns something else (here None) is a failed rollout,
+    ``error_info.stage`` "agent", graded and released: never a 500."""
+    from envhub.agent import Agent
+
+    class Silent(Agent):
+        name = "silent"
+
+        async def run(self, session):
+            await session.step("run_python", {"code": "1"})
+
+    node.ctx.agents["silent"] = Silent()
+    body = {"environment": "mbpp", "task_id": "13", "model_url": "http://127.0.0.1:9/v1", "agent": "silent"}
+    r = await node.http.post("/rollouts", json={**body, "uid": "silent-1"})
+    assert r.status_code == 200, r.text
+    assert r.json()["run_info"]["error_info"] == {
+        "stage": "agent",
+        "error_message": "the agent returned NoneType, not an AgentResult",
+    }
+    assert r.json()["reward"] == 0.0 and r.json()["error"] == "agent: the agent returned NoneType, not an AgentResult"
+    assert (await health(node))["active"] == 0, "its episode was released"

@@ -15,6 +15,7 @@ outside CI these tests are skipped with one line in the summary (tests/conftest.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, BROWSER_PROBLEM, CHROMIUM, REPO, EnvhubProcess, needs_browser, needs_docker
+from conftest import BASE_IMAGE, BROWSER_PROBLEM, CHROMIUM, REPO, EnvhubProcess, needs_browser, needs_docker, plugin_env
 
 KEY = "ui-test-key"
 TRIAL = "ui-trial"
@@ -96,15 +97,18 @@ def tab(browser) -> Iterator:
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, arith_site) -> Iterator[EnvhubProcess]:
-    """A node serving MBPP and the pip-installed arith plugin side by side."""
+    """A node serving MBPP and the pip-installed arith plugin side by side, and
+    tests/plugins/unsure.py, whose grader may give no verdict."""
+    tmp = tmp_path_factory.mktemp("ui")
+    unsure = plugin_env(tmp, "unsure")["PYTHONPATH"]
     proc = EnvhubProcess(
-        tmp_path_factory.mktemp("ui") / "data",
+        tmp / "data",
         "--capacity",
         "4",
         "--set",
         "environments.terminal-bench.enabled=false",
         api_key=KEY,
-        env={"PYTHONPATH": str(arith_site)},
+        env={"PYTHONPATH": os.pathsep.join([str(arith_site), unsure])},
     ).start()
     yield proc
     assert proc.stop() == 0, proc.log()
@@ -522,6 +526,26 @@ def test_a_zero_count_is_not_red(node, tab):
             assert RED not in (css(element, "color"), css(element, "backgroundColor")), outcome
     # Counted 1: the failure is drawn in red.
     assert css(by_testid(t.page, "outcome-badge-failed"), "color") == RED
+    assert t.errors == [], t.errors
+
+
+@needs_browser
+def test_a_grade_with_no_verdict_shows_as_such_and_counts_as_an_error(node, tab):
+    """Its reply's reward is 0.0, but the viewer shows no failed solution: the evaluation
+    says "no verdict", the episode counts as an error and has no reward to plot."""
+    from playwright.sync_api import expect
+
+    trial, iid = "ui-no-verdict", "no-verdict-0"
+    with node.client() as c:
+        create(c, iid, trial=trial, task="undecided", environment="unsure")
+        assert evaluate(c, iid) == 0.0
+    t = tab(node.url).open(f"/trials/{trial}")
+    expect(by_testid(t.page, "outcome-error")).to_have_text("1")
+    expect(by_testid(t.page, "outcome-failed")).to_have_text("0")
+    assert t.errors == [], t.errors
+    t = tab(node.url).open(f"/trials/{trial}/{iid}")
+    expect(by_testid(t.page, "evaluation-reward")).to_have_text("no verdict")
+    expect(by_testid(t.page, "evaluation-details")).to_contain_text("the grader timed out")
     assert t.errors == [], t.errors
 
 

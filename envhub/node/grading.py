@@ -14,6 +14,11 @@ Invariants:
   recorded evaluation of the state before it.
 - Every evaluation has a ``dense`` and a ``sparse`` reward, the pair its environment
   declares (``Environment.reward_pair``); :func:`reward_modes` picks the episode's.
+- A grade with no verdict (``Evaluation.verdict`` False: the grader could not decide) is
+  said as such: its reply has ``"verdict": false`` (a decided one has no such key) with
+  ``reward`` 0.0 for the clients that need a number, its row's reward is NULL (an episode
+  that ends so is the trial viewer's ``error``, never a ``failed``), ``envhub_reward``
+  does not observe it, and the next evaluate runs the grader again.
 """
 
 from __future__ import annotations
@@ -121,11 +126,18 @@ class Grader:
                 live.env.reward_pair(evaluation), evaluation, live.episode.params.get("sparse")
             )
             reply = {"instance_id": live.row.id, "reward": reward, "rewards": rewards, "details": evaluation.details}
+            event = {"reward": reward, "rewards": rewards, "details": evaluation.details}
+            if evaluation.verdict:
+                self.metrics.reward(live.env.name, reward)
+            else:  # said as such: the 0.0 stays for clients that need a number, the row has none
+                reply["verdict"] = event["verdict"] = False
             record = instances.evaluation_statement(
-                live.row.id, reward=reward, evaluation=reply, env_state=live.episode.state
+                live.row.id,
+                reward=reward if evaluation.verdict else None,
+                evaluation=reply,
+                env_state=live.episode.state,
             )
-            live.log.record("evaluation", {"reward": reward, "rewards": rewards, "details": evaluation.details})
-            self.metrics.reward(live.env.name, reward)
+            live.log.record("evaluation", event)
             if record_now:
                 await self.db.write(*record)
                 live.graded_recorded = True

@@ -7,7 +7,9 @@ reported in ``run_info.error_info`` and in the reply's ``error`` field as
 ``"<stage>: <message>"``, never as an exception or a hang: the reply is always a
 ``{"run_info", "reward", "error"}`` object. An agent that fails (the model timed out,
 errored or kept sending unusable tool calls) still gets its episode evaluated, so the
-trainer receives a reward with the error. A rollout whose ``uid`` names an instance
+trainer receives a reward with the error. An evaluate whose grader gave no verdict (a
+verifier that timed out or wrote no reward) is an ``evaluate`` failure with reward None,
+never a 0.0 that reads as a failed solution. A rollout whose ``uid`` names an instance
 already (a resend after a client timeout) runs nothing: its reply is a ``reset`` error,
 and the first rollout's episode and record are left alone. The trial directory of the rollout
 (``trials/<trial>/<uid>/``) holds ``run_info.json``, ``conversation.json`` (every message
@@ -225,6 +227,9 @@ async def _run(
             except Exception as e:  # an agent is a plugin: its bug fails this rollout, not the reply
                 log.exception("rollout %s: agent %s failed", req.uid, agent.name)
                 result = AgentResult("error", error=f"the agent failed: {type(e).__name__}: {e}")
+            if not isinstance(result, AgentResult):  # a plugin's bug too: this rollout fails, not the reply
+                log.error("rollout %s: agent %s returned %s", req.uid, agent.name, type(result).__name__)
+                result = AgentResult("error", error=f"the agent returned {type(result).__name__}, not an AgentResult")
             timings["2_run_agent"] = round(time.monotonic() - t1, 3)
             run_info["agent_summary"] = agent_summary(agent.name, result, model)
             if result.error:
@@ -235,8 +240,12 @@ async def _run(
                 evaluation = await node.evaluate(req.uid)
                 timings["3_evaluate"] = round(time.monotonic() - t2, 3)
                 t3 = time.monotonic()
-                run_info["reward"] = float(evaluation["reward"])
-                run_info["evaluation"] = per_test(evaluation.get("details") or {})
+                details = evaluation.get("details") or {}
+                if evaluation.get("verdict", True):
+                    run_info["reward"] = float(evaluation["reward"])
+                    run_info["evaluation"] = per_test(details)
+                else:  # the grader could not decide: no reward, never a 0.0 that reads as a failed solution
+                    fail("evaluate", f"the grader gave no verdict: {details.get('error') or 'no reason given'}")
                 timings["4_calculate_reward"] = round(time.monotonic() - t3, 3)
             except EnvhubError as e:
                 timings["3_evaluate"] = round(time.monotonic() - t2, 3)

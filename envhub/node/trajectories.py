@@ -44,10 +44,13 @@ async def read(trials_dir: Path, row: InstanceRow) -> dict[str, Any]:
 
 
 def _redact(out: dict[str, Any]) -> None:
-    """Keep evaluations' rewards and drop everything else they hold."""
+    """Keep evaluations' rewards (and a ``verdict: false``) and drop everything else they hold."""
     instance = out["instance"]
     if instance.get("evaluation") is not None:
-        instance["evaluation"] = {"reward": instance["evaluation"].get("reward"), "details": HIDDEN}
+        kept: dict[str, Any] = {"reward": instance["evaluation"].get("reward")}
+        if instance["evaluation"].get("verdict") is False:
+            kept["verdict"] = False
+        instance["evaluation"] = {**kept, "details": HIDDEN}
     for event in out["events"]:
         if event.get("event") == "evaluation":
             event["details"] = HIDDEN

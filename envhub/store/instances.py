@@ -205,9 +205,10 @@ async def record_step(
 
 
 def evaluation_statement(
-    instance_id: str, *, reward: float, evaluation: dict[str, Any], env_state: dict[str, Any]
+    instance_id: str, *, reward: float | None, evaluation: dict[str, Any], env_state: dict[str, Any]
 ) -> tuple[str, tuple[Any, ...]]:
-    """The write that records an evaluation (for ``db.write`` or a ``write_many`` batch)."""
+    """The write that records an evaluation (for ``db.write`` or a ``write_many`` batch);
+    ``reward`` is None for a grade with no verdict, whose evaluation is recorded all the same."""
     return (
         "UPDATE instances SET reward = ?, evaluation = ?, env_state = ?, last_active_at = ? WHERE id = ?",
         (reward, json.dumps(evaluation), json.dumps(env_state), time.time(), instance_id),

@@ -9,9 +9,11 @@ large trial, polled by an open page, never holds the node's writes. An episode's
 is derived from its row (``OUTCOME_SQL``):
 
 - ``live``: creating, active or done (not ended yet), whatever its reward;
-- ``error``: the create failed, the sandbox was lost, or it ended with an error and
-  no reward (expired without an evaluation);
-- ``unscored``: ended without an evaluation;
+- ``error``: the create failed, the sandbox was lost, or it ended with no reward and
+  either an error (expired without an evaluation) or an evaluation, which is then a
+  grade with no verdict (a verifier that timed out or wrote no reward: its reward is
+  NULL, never a 0.0 that would count as ``failed``);
+- ``unscored``: ended without an evaluation or an error;
 - ``passed``: reward >= 1; ``failed``: a lower reward.
 """
 
@@ -29,7 +31,8 @@ ENSURE_SQL = "INSERT OR IGNORE INTO trials (name, created_at) VALUES (?, ?)"
 OUTCOMES = ("live", "error", "unscored", "passed", "failed")
 OUTCOME_SQL = (
     "CASE WHEN state IN ('creating', 'active', 'done') THEN 'live' "
-    "WHEN state IN ('failed', 'lost') OR (error IS NOT NULL AND reward IS NULL) THEN 'error' "
+    "WHEN state IN ('failed', 'lost') OR (reward IS NULL AND (error IS NOT NULL OR evaluation IS NOT NULL)) "
+    "THEN 'error' "
     "WHEN reward IS NULL THEN 'unscored' "
     "WHEN reward >= 1 THEN 'passed' ELSE 'failed' END"
 )

@@ -141,15 +141,15 @@ class Tbench2Adapter(OpenEnvAdapter):
             # details and the trial log. No verdict (a verifier that timed out or wrote no
             # reward) is upstream's error, reward None and not done: never a false 0.0. The
             # episode takes no steps (the tests are in its container), but the next
-            # evaluate runs the verifier again (Evaluation.verdict).
-            verdict = "error" not in details
+            # evaluate runs the verifier again (Evaluation.verdict: the reply's "verdict").
+            verdict = graded.get("verdict", True) is not False
             return (
                 graded["reward"] if verdict else None,
                 verdict,
                 {
                     "output": f"{details.get('passed', 0)}/{details.get('total', 0)} tests passed.",
-                    "success": "error" not in details,
-                    "error": "the verifier gave no verdict" if "error" in details else "",
+                    "success": verdict,
+                    "error": "" if verdict else "the verifier gave no verdict",
                     "info": {
                         "tests_passed": graded["reward"] == 1.0,
                         "passed": details.get("passed"),

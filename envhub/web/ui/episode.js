@@ -54,13 +54,16 @@ function actionBlock(action) {
 function evaluationBlock(event, live) {
   const details = event.details;
   const rewards = isPlainObject(event.rewards) ? Object.entries(event.rewards) : [];
-  const head = el(
-    "div",
-    {},
-    "reward ",
-    el("strong", { "data-testid": "evaluation-reward" }, fmtReward(event.reward)),
-    rewards.length ? el("span", { class: "muted" }, ` (${rewards.map(([k, v]) => `${k} ${typeof v === "number" ? fmtReward(v) : v}`).join(" · ")})`) : null
-  );
+  // A grade with no verdict (the grader could not decide) has no reward: its 0.0 is no failed solution.
+  const head = event.verdict === false
+    ? el("div", {}, el("strong", { "data-testid": "evaluation-reward" }, "no verdict"), el("span", { class: "muted" }, " (the grader could not decide)"))
+    : el(
+        "div",
+        {},
+        "reward ",
+        el("strong", { "data-testid": "evaluation-reward" }, fmtReward(event.reward)),
+        rewards.length ? el("span", { class: "muted" }, ` (${rewards.map(([k, v]) => `${k} ${typeof v === "number" ? fmtReward(v) : v}`).join(" · ")})`) : null
+      );
   if (live && typeof details === "string") {
     return el("div", { class: "evaluation" }, head, el("p", { class: "muted", "data-testid": "evaluation-hidden" }, `Per-test details are ${details}.`));
   }
