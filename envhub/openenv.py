@@ -257,7 +257,9 @@ class ToolAdapter(OpenEnvAdapter):
         if not reply.get("done"):
             return wire(obs, reply.get("reward"), False)
         graded = await session.evaluate()  # the episode is over: its reward is the evaluation's
-        return wire(obs, graded["reward"], True)
+        # A grade with no verdict is reward None, never a 0.0 that reads as a failed
+        # solution; the episode is over all the same (its environment ended it).
+        return wire(obs, graded["reward"] if graded.get("verdict", True) else None, True)
 
     def _call(self, action: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         if action.get("tool"):

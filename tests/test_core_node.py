@@ -601,6 +601,21 @@ async def test_a_later_verdict_takes_the_place_of_a_grade_that_gave_none(unsure_
     assert reward_samples(unsure_node, "unsure") == 1, "only the verdict was observed"
 
 
+async def test_an_openenv_episode_its_environment_ended_with_no_verdict_is_reward_none(unsure_node):
+    """The generic OpenEnv adapter (ToolAdapter) grades an episode its environment ended:
+    a grade with no verdict is reward None, never a 0.0 that reads as a failed solution;
+    a decided one is its reward."""
+    service = unsure_node.ctx.openenv
+    for task, reward in (("undecided", None), ("decided", 1.0)):
+        session = await service.open("unsure")
+        try:
+            await session.reset({"task_id": task})
+            reply = await session.step({"tool": "wait", "arguments": {}})
+            assert (reply["reward"], reply["done"]) == (reward, True), (task, reply)
+        finally:
+            await service.close(session)
+
+
 async def test_a_rollout_whose_grader_gives_no_verdict_fails_at_evaluate_with_no_reward(unsure_node):
     """The trainer gets an ``evaluate`` failure and reward null, never a 0.0 that reads as
     a failed solution; the episode is released all the same."""

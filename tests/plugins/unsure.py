@@ -2,7 +2,8 @@
 terminal-bench verifier that timed out or an AppWorld grader that failed does.
 
 Tasks: ``decided`` (reward 1.0 every time), ``undecided`` (never a verdict) and ``late``
-(no verdict at its first grade, 1.0 from its second on). ``details.grades`` counts the
+(no verdict at its first grade, 1.0 from its second on); any action ends the episode
+(``done``). ``details.grades`` counts the
 episode's grades, so a test sees whether an evaluate ran the grader again. Registered as a
 module: in process (tests/test_core_node.py) or through an entry point (conftest.plugin_env).
 """
@@ -23,7 +24,7 @@ class Unsure(envhub.Environment):
         return {"system_prompt": "", "instruction": "wait for the grader", "tools": []}
 
     async def step(self, episode, action):
-        return envhub.StepResult({"content": "ok"})
+        return envhub.StepResult({"content": "ok"}, done=True)
 
     async def evaluate(self, episode):
         episode.state["grades"] += 1
