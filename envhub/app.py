@@ -229,8 +229,9 @@ def setup_scheduler(app: Any) -> None:
         app.ctx.backend = SchedulerBackend(app.ctx.scheduler)
 
     @app.after_server_start
-    async def start_health_loop(app: Any) -> None:
+    async def start_loops(app: Any) -> None:
         app.add_task(app.ctx.scheduler.health_forever(), name="scheduler.health")
+        app.add_task(app.ctx.scheduler.config_forever(), name="scheduler.config")
 
     @app.before_server_stop
     async def stop_scheduler(app: Any) -> None:

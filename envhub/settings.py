@@ -211,6 +211,11 @@ def check(name: str, value: Any) -> Any:
     return value
 
 
+# What a node's POST /config may change while it runs (envhub/node/admin.py); a scheduler
+# checks a fleet config no node could judge by the same list (envhub/scheduler/fleet_config.py).
+RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
+
+
 def non_finite(value: Any, path: str = "") -> str | None:
     """The dotted path of the first NaN or infinite float in ``value`` (nested dicts and
     lists), or ``None``: JSON has no such numbers, so no section may hold one."""

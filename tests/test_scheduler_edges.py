@@ -2,8 +2,9 @@
 processes or, where a real node cannot be made to answer so, a small stand-in: a node's
 own 502/503/504, an empty fleet, a fan-out past its deadline, trial rewards merged
 across nodes, a config_path too long for the filesystem, a create joining another
-task's under the same id, SETA's /step refused by its node, and a fleet whose nodes
-serve different environments."""
+task's under the same id, SETA's /step refused by its node, a fleet whose nodes serve
+different environments, and the fleet's config (POST /config) kept and given to every
+node that comes up without it."""
 
 from __future__ import annotations
 
@@ -77,12 +78,12 @@ class _StandInHandler(BaseHTTPRequestHandler):
     def _answer(self) -> None:
         server: StandInNode = self.server  # type: ignore[assignment]
         length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
+        sent = self.rfile.read(length) if length else b""
         if self.path == "/health":
-            status, body = 200, StandInNode.HEALTH
+            status, body = 200, server.health
         else:
             server.calls.append((self.command, self.path))
+            server.bodies.append(json.loads(sent) if sent else None)
             answer = server.answers.get((self.command, self.path), (404, {"ok": False, "error": "no", "code": "x"}))
             if answer is HANG:
                 server.released.wait(60)
@@ -102,9 +103,10 @@ class _StandInHandler(BaseHTTPRequestHandler):
 
 
 class StandInNode(ThreadingHTTPServer):
-    """A stand-in for a node: a healthy report on /health, and on other routes the
-    answer ``answers`` gives for ``(method, path)`` (``HANG``: none, until :meth:`close`).
-    ``calls`` lists the calls other than /health, in order."""
+    """A stand-in for a node: a healthy report on /health (``HEALTH``, with ``health``'s
+    fields), and on other routes the answer ``answers`` gives for ``(method, path)``
+    (``HANG``: none, until :meth:`close`). ``calls`` lists the calls other than /health,
+    in order, and ``bodies`` their JSON bodies."""
 
     daemon_threads = True
     HEALTH = {
@@ -118,10 +120,12 @@ class StandInNode(ThreadingHTTPServer):
         "accepting": True,
     }
 
-    def __init__(self, answers: dict[tuple[str, str], Any]) -> None:
+    def __init__(self, answers: dict[tuple[str, str], Any], health: dict[str, Any] | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _StandInHandler)
         self.answers = answers
+        self.health = {**self.HEALTH, **(health or {})}
         self.calls: list[tuple[str, str]] = []
+        self.bodies: list[Any] = []
         self.released = threading.Event()
         self.url = f"http://127.0.0.1:{self.server_port}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -136,8 +140,8 @@ class StandInNode(ThreadingHTTPServer):
 def stand_ins():
     made: list[StandInNode] = []
 
-    def make(answers: dict[tuple[str, str], Any]) -> StandInNode:
-        made.append(StandInNode(answers))
+    def make(answers: dict[tuple[str, str], Any], health: dict[str, Any] | None = None) -> StandInNode:
+        made.append(StandInNode(answers, health))
         return made[-1]
 
     yield make
@@ -448,3 +452,156 @@ async def test_a_tasks_mean_reward_merged_across_nodes_is_weighted_by_scored_epi
             merged = (await sched.http.get(f"/trials/{trial}", params=query)).json()
             assert merged["tasks"] == [{"task_id": "13", "episodes": 4, "scored": 2, "mean_reward": 0.5}], merged
             assert (merged["rewards"]["scored"], merged["rewards"]["mean"], merged["unreachable"]) == (2, 0.5, [])
+
+
+# -- the fleet's config --------------------------------------------------------------------------
+
+MBPP_ONLY = ("--set", "environments.terminal-bench.enabled=false", "--set", "environments.appworld.enabled=false")
+
+
+async def node_config(client: httpx.AsyncClient, node: EnvhubProcess) -> dict[str, Any]:
+    r = await client.get(f"{node.url}/config")
+    assert r.status_code == 200, r.text
+    return r.json()["config"]
+
+
+async def test_every_node_gets_the_fleets_config_after_missing_it_restarting_or_the_schedulers_restart(tmp_path):
+    """A node's POST /config lives in its memory: before, the scheduler sent a POST /config
+    to the nodes up at that moment and forgot it, so a node that was down then, or that
+    restarted, or any node after the scheduler's own restart, ran without it. Now the
+    scheduler keeps the fleet's config (in its SQLite, with a version) and gives it to
+    every node that comes up without it, within a few health intervals."""
+    a = EnvhubProcess(tmp_path / "a", *MBPP_ONLY, "--capacity", "1")
+    b = EnvhubProcess(tmp_path / "b", *MBPP_ONLY, "--capacity", "1")
+    await asyncio.to_thread(a.start)  # b stays down for now
+    given = {"idle_ttl": 901, "environments": {"mbpp": {"run_timeout": 7}}}
+
+    def has_it(config: dict[str, Any], **more: Any) -> bool:
+        mbpp = config["environments"]["mbpp"]
+        return config["idle_ttl"] == 901 and mbpp["run_timeout"] == 7 and all(config[k] == v for k, v in more.items())
+
+    async def gets_it(client: httpx.AsyncClient, node: EnvhubProcess, why: str, **more: Any) -> None:
+        async def check() -> bool:
+            return has_it(await node_config(client, node), **more)
+
+        await eventually_async(check, timeout=15, interval=0.1, message=f"{why}: the node never got the fleet's config")
+
+    async def restart(node: EnvhubProcess) -> None:
+        assert await asyncio.to_thread(node.stop) == 0, node.log()
+        await asyncio.to_thread(node.start)  # same port and data dir
+
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            assert (await node_config(client, a))["idle_ttl"] == 900, "a node starts with its own config"
+            async with scheduler_over(tmp_path, [a.url, b.url], health_interval=0.2) as sched:
+                assert (await sched.http.get("/config")).json() == {"config": {}, "version": 0}
+                r = await sched.http.post("/config", json={"config": given})
+                assert r.status_code == 200, r.text
+                took, missed = r.json()["results"]
+                assert r.json()["version"] == 1
+                assert (took["node"], took["status"]) == (a.url, 200), took
+                assert (missed["node"], missed["status"]) == (b.url, 503), missed
+                assert missed["error"].startswith("not asked: the node is down"), missed
+                assert has_it(await node_config(client, a)), "the live node has it at once"
+
+                await asyncio.to_thread(b.start)
+                await gets_it(client, b, "a node that was down when the config was given")
+                await restart(a)
+                await gets_it(client, a, "a restarted node")
+
+                r = await sched.http.post("/config", json={"config": {"queue_timeout": 42}})
+                assert r.status_code == 200 and r.json()["version"] == 2, r.text
+                for node in (a, b):
+                    assert has_it(await node_config(client, node), queue_timeout=42), "changes merge, as on a node"
+
+            async with scheduler_over(tmp_path, [a.url, b.url], health_interval=0.2) as sched:  # the same SQLite
+                kept = (await sched.http.get("/config")).json()
+                assert kept == {"config": {**given, "queue_timeout": 42}, "version": 2}, kept
+                await restart(b)
+                await gets_it(client, b, "a node restarted after the scheduler's restart", queue_timeout=42)
+
+                async def all_have_it() -> dict[str, Any]:
+                    status = (await sched.http.get("/status")).json()
+                    return status if all(n["config_version"] == 2 for n in status["nodes"]) else {}
+
+                status = await eventually_async(all_have_it, timeout=15, message="/status never showed version 2")
+                assert status["config_version"] == 2
+                assert [(n["url"], n["config_error"]) for n in status["nodes"]] == [(a.url, None), (b.url, None)]
+    finally:
+        for node in (a, b):
+            if node.proc is not None:
+                assert await asyncio.to_thread(node.stop) == 0, node.log()
+
+
+async def test_a_config_for_an_environment_no_node_serves_is_a_404_and_records_nothing(tmp_path, stand_ins):
+    """Before, every node answered the section with its own 404 and the reply was a 200
+    listing them; now the scheduler knows what its fleet serves and answers the 404 itself,
+    recording nothing and sending nothing."""
+    nodes = [stand_ins({}, {"environments": ["a"]}), stand_ins({}, {"environments": ["b", "a"]})]
+    async with scheduler_over(tmp_path, [n.url for n in nodes]) as sched:
+        r = await sched.http.post("/config", json={"config": {"idle_ttl": 5, "environments": {"x": {"y": 1}}}})
+        err = assert_envelope(r, 404, "not_found")
+        assert err["error"] == "no environment 'x' (the fleet serves: a, b)" and err["environment"] == "x", err
+        assert (await sched.http.get("/config")).json() == {"config": {}, "version": 0}
+        assert [n.calls for n in nodes] == [[], []], "no node was sent the config"
+
+
+async def test_each_node_gets_only_the_sections_of_the_environments_it_serves(tmp_path, stand_ins):
+    ok = (200, {"status": "ok"})
+    nodes = [
+        stand_ins({("POST", "/config"): ok}, {"environments": ["a"]}),
+        stand_ins({("POST", "/config"): ok}, {"environments": ["b"]}),
+    ]
+    async with scheduler_over(tmp_path, [n.url for n in nodes]) as sched:
+        given = {"idle_ttl": 5, "environments": {"a": {"k": 1}, "b": {"k": 2}}}
+        r = await sched.http.post("/config", json={"config": given})
+        assert r.status_code == 200 and r.json()["version"] == 1, r.text
+        assert nodes[0].bodies == [{"idle_ttl": 5, "environments": {"a": {"k": 1}}}]
+        assert nodes[1].bodies == [{"idle_ttl": 5, "environments": {"b": {"k": 2}}}]
+        r = await sched.http.post("/config", json={"config": {"environments": {"a": {"j": 3}}}})
+        assert r.status_code == 200 and r.json()["version"] == 2, r.text
+        assert nodes[0].bodies[1:] == [{"environments": {"a": {"j": 3}}}], "a node that has version 1 gets the change"
+        assert nodes[1].bodies[1:] == [{}]
+        merged = (await sched.http.get("/config")).json()["config"]
+        assert merged == {"idle_ttl": 5, "environments": {"a": {"k": 1, "j": 3}, "b": {"k": 2}}}, merged
+
+
+async def test_a_config_that_no_node_takes_and_one_refuses_is_their_4xx_and_is_not_recorded(tmp_path, stand_ins):
+    """A node checks a config (its keys, their values, each environment's section) and
+    refuses it whole with a 4xx. Refused by every node that answered: not recorded, and the
+    reply is their 4xx with the results. Taken by one: recorded, and the node that refused
+    it shows why in /status and is not sent it again until the next version or its restart."""
+    no = (400, {"ok": False, "error": "idle_ttl must not be negative", "code": "invalid_request", "status": 400})
+    picky, easy = stand_ins({("POST", "/config"): no}), stand_ins({("POST", "/config"): no})
+    async with scheduler_over(tmp_path, [picky.url, easy.url]) as sched:
+        r = await sched.http.post("/config", json={"config": {"idle_ttl": -1}})
+        err = assert_envelope(r, 400, "invalid_request")
+        assert "not recorded" in err["error"] and "idle_ttl must not be negative" in err["error"], err
+        assert [x["status"] for x in err["results"]] == [400, 400] and err["version"] == 0, err
+        assert (await sched.http.get("/config")).json()["version"] == 0
+
+        easy.answers[("POST", "/config")] = (200, {"status": "ok"})
+        r = await sched.http.post("/config", json={"config": {"idle_ttl": 1}})
+        assert r.status_code == 200 and r.json()["version"] == 1, r.text
+        status = (await sched.http.get("/status")).json()
+        rows = {n["url"]: n for n in status["nodes"]}
+        assert status["config_version"] == 1
+        assert (rows[easy.url]["config_version"], rows[easy.url]["config_error"]) == (1, None)
+        assert rows[picky.url]["config_version"] is None
+        assert "version 1 refused: 400 idle_ttl must not be negative" in rows[picky.url]["config_error"]
+        sent = len(picky.calls)
+        assert await sched.ctx.scheduler.sync_config() == 0, "a refused version is not sent again"
+        assert len(picky.calls) == sent
+
+
+async def test_a_config_given_while_no_node_is_up_is_kept_once_checked_by_the_scheduler(tmp_path, refused_url):
+    """No node can judge it, so the scheduler checks what needs no node (the settings a
+    node changes at run time, by their rules) and keeps the rest for the nodes to come."""
+    async with scheduler_over(tmp_path, [refused_url]) as sched:
+        for change, field in (({"capacity": 5}, "capacity"), ({"idle_ttl": -1}, "idle_ttl")):
+            r = await sched.http.post("/config", json={"config": change})
+            assert assert_envelope(r, 400, "invalid_request")["field"] == field
+        r = await sched.http.post("/config", json={"config": {"idle_ttl": 901}})
+        assert r.status_code == 200, r.text
+        assert r.json()["version"] == 1 and r.json()["results"][0]["status"] == 503, r.json()
+        assert (await sched.http.get("/config")).json() == {"config": {"idle_ttl": 901}, "version": 1}

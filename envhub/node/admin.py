@@ -17,15 +17,13 @@ from envhub.errors import EnvhubError, InvalidRequest, NotFound, StorageFull
 from envhub.node.capacity import Slots
 from envhub.node.episodes import Episodes
 from envhub.sandbox import Sandbox
-from envhub.settings import Settings, non_finite
+from envhub.settings import RECONFIGURABLE, Settings, non_finite
 from envhub.settings import check as settings_check
 
 
 class Administration:
     """A node's running config and cleanup. ``environments`` is the node's own mapping,
     updated in place by :meth:`reconfigure`; ``settings`` too."""
-
-    RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
 
     def __init__(
         self,
@@ -55,10 +53,10 @@ class Administration:
         """Merge ``changes`` into the running config. An environment section is merged into
         its config and the environment reloaded; live episodes keep the one they started
         with. Nothing is applied unless everything validates."""
-        unknown = sorted(set(changes) - set(self.RECONFIGURABLE))
+        unknown = sorted(set(changes) - set(RECONFIGURABLE))
         if unknown:
             raise InvalidRequest(
-                f"cannot change {', '.join(unknown)} at run time (can: {', '.join(self.RECONFIGURABLE)})",
+                f"cannot change {', '.join(unknown)} at run time (can: {', '.join(RECONFIGURABLE)})",
                 field=unknown[0],
             )
         sections = changes.get("environments") or {}
