@@ -279,6 +279,28 @@ async def test_a_fleet_of_nodes_with_different_environments_lists_and_places_eac
             assert (await sched.http.post(f"/instances/{instance_id}/release")).json()["released"] is True
 
 
+# -- a listing when its first node has died ----------------------------------------------------
+
+
+async def test_a_listing_goes_to_the_next_node_when_the_first_gives_no_reply(tmp_path, stand_ins):
+    """Two stand-ins serving mbpp (stand-ins: a node cannot be made to die between two
+    health checks on purpose). The first dies after the scheduler's health round, so the
+    scheduler still holds it healthy: a listing sent to it gets no reply, marks it down
+    and is answered by the second, where it was a 503."""
+    tasks = {"environment": "mbpp", "tasks": [{"id": "11"}], "total": 1}
+    health = {"environments": ["mbpp"]}
+    first = stand_ins({}, health)
+    second = stand_ins({("GET", "/environments/mbpp/tasks"): (200, tasks)}, health)
+    async with scheduler_over(tmp_path, [first.url, second.url]) as sched:
+        assert all(n["healthy"] for n in await node_status(sched))
+        first.close()
+        r = await sched.http.get("/environments/mbpp/tasks")
+        assert r.status_code == 200, r.text
+        assert r.json() == tasks
+        assert [n["healthy"] for n in await node_status(sched)] == [False, True], "the dead node is marked down"
+        assert second.calls == [("GET", "/environments/mbpp/tasks")]
+
+
 # -- a fan-out's deadline ----------------------------------------------------------------------
 
 

@@ -623,14 +623,23 @@ class SchedulerService:
         """Read-only calls any node can answer (an environment's description, its tasks),
         sent to the first healthy node or, for a call about ``environment``, the first
         that serves it (:meth:`serving`: an environment the fleet does not serve is a 404
-        here, naming those it does)."""
+        here, naming those it does). A node that gives no reply (it died since its last
+        health check: :meth:`call` marks it down) passes the call to the next one; a
+        reply of any status is the answer."""
         if environment is not None:
-            node: Node | None = self.serving(environment)[0]
+            nodes = self.serving(environment)
         else:
-            node = next((n for n in self.nodes if n.healthy), None)
-        if node is None:
+            nodes = [n for n in self.nodes if n.healthy]
+        if not nodes:
             raise UpstreamUnavailable("no node is healthy")
-        reply = await self.call(node, method, path, params=params, idempotent=True)
+        for node in nodes[:-1]:
+            try:
+                reply = await self.call(node, method, path, params=params, idempotent=True, answers_client=False)
+            except UpstreamUnavailable as e:
+                log.warning("%s %s: node %s gave no reply (%s); asking the next", method, path, node.url, e.message)
+                continue
+            return reply.status, reply.body
+        reply = await self.call(nodes[-1], method, path, params=params, idempotent=True)
         return reply.status, reply.body
 
     async def fan_out(
