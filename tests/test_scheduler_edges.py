@@ -612,7 +612,7 @@ async def test_a_config_that_no_node_takes_and_one_refuses_is_their_4xx_and_is_n
         assert rows[picky.url]["config_version"] is None
         assert "version 1 refused: 400 idle_ttl must not be negative" in rows[picky.url]["config_error"]
         sent = len(picky.calls)
-        assert await sched.ctx.scheduler.sync_config() == 0, "a refused version is not sent again"
+        assert await sched.ctx.scheduler.configs.sync() == 0, "a refused version is not sent again"
         assert len(picky.calls) == sent
 
 
