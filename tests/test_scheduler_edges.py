@@ -616,6 +616,27 @@ async def test_a_config_that_no_node_takes_and_one_refuses_is_their_4xx_and_is_n
         assert len(picky.calls) == sent
 
 
+async def test_a_config_a_node_turns_away_for_the_schedulers_key_is_kept_and_sent_again(tmp_path, stand_ins):
+    """A node that answers 401 (the scheduler's key for it is wrong; stand-ins, since the
+    key a real node holds cannot change while it runs) did not judge the config: the
+    change is recorded (the scheduler checked it), /status says it was not delivered, and
+    every sync sends it again, so that it arrives once the key is right."""
+    no_key = (401, {"ok": False, "error": "missing or invalid API key", "code": "unauthorized", "status": 401})
+    locked = stand_ins({("POST", "/config"): no_key})
+    async with scheduler_over(tmp_path, [locked.url]) as sched:
+        r = await sched.http.post("/config", json={"config": {"idle_ttl": 5}})
+        assert r.status_code == 200 and r.json()["version"] == 1, r.text
+        (row,) = (await sched.http.get("/status")).json()["nodes"]
+        assert row["config_version"] is None and "version 1 not delivered: 401" in row["config_error"], row
+        assert await sched.ctx.scheduler.configs.sync() == 1, "a config the node did not judge is sent again"
+        locked.answers[("POST", "/config")] = (200, {"status": "ok"})
+        assert await sched.ctx.scheduler.configs.sync() == 1
+        (row,) = (await sched.http.get("/status")).json()["nodes"]
+        assert (row["config_version"], row["config_error"]) == (1, None), row
+        assert await sched.ctx.scheduler.configs.sync() == 0
+        assert locked.bodies[-1] == {"idle_ttl": 5}
+
+
 async def test_a_config_given_while_no_node_is_up_is_kept_once_checked_by_the_scheduler(tmp_path, refused_url):
     """No node can judge it, so the scheduler checks what needs no node (the settings a
     node changes at run time, by their rules) and keeps the rest for the nodes to come."""

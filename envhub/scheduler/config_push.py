@@ -5,7 +5,8 @@ config itself (SQLite, versioned) and what each node took of it.
 Invariants:
 
 - A change is in SQLite with its version before the reply, unless no node took it and one
-  refused it (4xx): then nothing is recorded and the refusal is the reply. A change
+  refused it (fleet_config.JUDGED: a 400, 404, 409 or 422; a 401 or 403 is the
+  scheduler's key, not the config): then nothing is recorded and the refusal is the reply. A change
   naming an environment no node serves is a 404, recorded and sent nowhere.
 - Every node that is up and has not taken the current version since it started (it was
   down, restarted, joined, or this scheduler restarted) is sent it within a
@@ -20,7 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from envhub.scheduler.fleet import Node
-from envhub.scheduler.fleet_config import FleetConfig, config_refused
+from envhub.scheduler.fleet_config import FleetConfig, config_refused, refused
 from envhub.store.db import Database
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class ConfigPush:
         config with it), recorded unless no node took it and one refused it, so that
         :meth:`sync` gives it to every other node once it is up.
         ``{results, version}``; a change naming an environment no node serves is a 404,
-        one the nodes refused their 4xx, and neither is recorded."""
+        one the nodes refused their refusal (fleet_config.JUDGED), and neither is recorded."""
         fleet, service = self.state, self.service
         async with self._lock:
             preview = fleet.preview(change)
@@ -64,7 +65,7 @@ class ConfigPush:
             results = await service.fan_out("POST", "/config", body_for=body_for, skip_down=True)
             asked = [r for r in results if r["node"] in boots]
             took = [r for r in asked if 200 <= r["status"] < 300]
-            refusals = [r for r in asked if 400 <= r["status"] < 500]
+            refusals = [r for r in asked if refused(r["status"])]
             if refusals and not took:
                 raise config_refused(refusals, results, fleet.version)
             if not took:  # no node could judge it
