@@ -27,7 +27,7 @@ import docker
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, needs_docker
+from conftest import BASE_IMAGE, REPO, EnvhubProcess, eventually, faulty_plugin_env, needs_docker
 
 # OpenEnv's client is installed by scripts/test. Locally a venv without it skips this module;
 # in CI the import must not be skipped (a missing client fails loudly there).
@@ -790,3 +790,61 @@ def test_a_reset_the_node_refuses_before_its_slot_costs_the_session_no_second_sl
         eventually(lambda: active(node) == 0, timeout=WAIT, message="the session's slot to be freed at its close")
     finally:
         assert node.stop() == 0, node.log()
+
+
+def test_an_environment_whose_only_node_is_down_waits_for_it_through_the_scheduler(tmp_path):
+    """A mixed fleet: one node serves mbpp, the other only the faulty test environment.
+    With faulty's node down, faulty is not unknown to the scheduler (its node last said it
+    serves it): its OpenEnv routes answer 503 saying no node that serves it is healthy,
+    and a socket gets SESSION_ERROR saying so, never a 404 nor a CAPACITY_REACHED; an
+    environment no node ever served is still a 404, and mbpp still works."""
+    mbpp = EnvhubProcess(tmp_path / "mbpp", *MBPP_ONLY, "--set", "environments.appworld.enabled=false")
+    faulty = EnvhubProcess(
+        tmp_path / "faulty",
+        *MBPP_ONLY,
+        "--set",
+        "environments.appworld.enabled=false",
+        "--set",
+        "environments.mbpp.enabled=false",
+        env=faulty_plugin_env(tmp_path),
+    )
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump({"nodes": [{"url": mbpp.url, "slots": 2}, {"url": faulty.url, "slots": 2}]}))
+    sched = EnvhubProcess(
+        tmp_path / "sched",
+        "--set",
+        f"nodes_file={nodes}",
+        "--set",
+        "health_interval=0.2",
+        "--set",
+        "retry_max_wait=0",
+        "--set",
+        "scheduler_wait=0",
+        role="scheduler",
+    )
+    start_all(mbpp, faulty, sched)
+    try:
+        eventually(lambda: node_is_up(sched), timeout=WAIT, message="the scheduler to see both nodes")
+        assert httpx.get(f"{sched.url}/openenv/faulty/health", timeout=WAIT).status_code == 200
+        assert faulty.stop() == 0, faulty.log()
+
+        def faulty_down() -> bool:
+            return not httpx.get(sched.url + "/status", timeout=WAIT).json()["nodes"][1]["healthy"]
+
+        eventually(faulty_down, timeout=WAIT, message="the scheduler to see faulty's node down")
+        for path in ("/openenv/faulty/schema", "/openenv/faulty/metadata"):
+            r = httpx.get(sched.url + path, timeout=WAIT)
+            assert r.status_code == 503, (path, r.status_code, r.text)
+            assert "no node that serves faulty is healthy" in r.json()["error"], r.text
+        with open_ws(sched, env="faulty") as ws:
+            frame = json.loads(ws.recv(timeout=WAIT))
+            assert frame["data"]["code"] == "SESSION_ERROR", frame
+            assert "no node that serves faulty is healthy" in frame["data"]["message"], frame
+            assert closed_with(ws) == 1000
+        unknown = httpx.get(f"{sched.url}/openenv/nope/schema", timeout=WAIT)
+        assert unknown.status_code == 404 and "nope" in unknown.json()["error"], unknown.text
+        with GenericEnvClient(base_url=f"{sched.url}/openenv/mbpp").sync() as env:
+            assert env.reset().reward == 0.0
+    finally:
+        stop_all(mbpp, sched)
+        faulty.stop()

@@ -279,6 +279,28 @@ async def test_a_fleet_of_nodes_with_different_environments_lists_and_places_eac
             assert (await sched.http.post(f"/instances/{instance_id}/release")).json()["released"] is True
 
 
+# -- a listing when its first node has died ----------------------------------------------------
+
+
+async def test_a_listing_goes_to_the_next_node_when_the_first_gives_no_reply(tmp_path, stand_ins):
+    """Two stand-ins serving mbpp (stand-ins: a node cannot be made to die between two
+    health checks on purpose). The first dies after the scheduler's health round, so the
+    scheduler still holds it healthy: a listing sent to it gets no reply, marks it down
+    and is answered by the second, where it was a 503."""
+    tasks = {"environment": "mbpp", "tasks": [{"id": "11"}], "total": 1}
+    health = {"environments": ["mbpp"]}
+    first = stand_ins({}, health)
+    second = stand_ins({("GET", "/environments/mbpp/tasks"): (200, tasks)}, health)
+    async with scheduler_over(tmp_path, [first.url, second.url]) as sched:
+        assert all(n["healthy"] for n in await node_status(sched))
+        first.close()
+        r = await sched.http.get("/environments/mbpp/tasks")
+        assert r.status_code == 200, r.text
+        assert r.json() == tasks
+        assert [n["healthy"] for n in await node_status(sched)] == [False, True], "the dead node is marked down"
+        assert second.calls == [("GET", "/environments/mbpp/tasks")]
+
+
 # -- a fan-out's deadline ----------------------------------------------------------------------
 
 
@@ -590,8 +612,29 @@ async def test_a_config_that_no_node_takes_and_one_refuses_is_their_4xx_and_is_n
         assert rows[picky.url]["config_version"] is None
         assert "version 1 refused: 400 idle_ttl must not be negative" in rows[picky.url]["config_error"]
         sent = len(picky.calls)
-        assert await sched.ctx.scheduler.sync_config() == 0, "a refused version is not sent again"
+        assert await sched.ctx.scheduler.configs.sync() == 0, "a refused version is not sent again"
         assert len(picky.calls) == sent
+
+
+async def test_a_config_a_node_turns_away_for_the_schedulers_key_is_kept_and_sent_again(tmp_path, stand_ins):
+    """A node that answers 401 (the scheduler's key for it is wrong; stand-ins, since the
+    key a real node holds cannot change while it runs) did not judge the config: the
+    change is recorded (the scheduler checked it), /status says it was not delivered, and
+    every sync sends it again, so that it arrives once the key is right."""
+    no_key = (401, {"ok": False, "error": "missing or invalid API key", "code": "unauthorized", "status": 401})
+    locked = stand_ins({("POST", "/config"): no_key})
+    async with scheduler_over(tmp_path, [locked.url]) as sched:
+        r = await sched.http.post("/config", json={"config": {"idle_ttl": 5}})
+        assert r.status_code == 200 and r.json()["version"] == 1, r.text
+        (row,) = (await sched.http.get("/status")).json()["nodes"]
+        assert row["config_version"] is None and "version 1 not delivered: 401" in row["config_error"], row
+        assert await sched.ctx.scheduler.configs.sync() == 1, "a config the node did not judge is sent again"
+        locked.answers[("POST", "/config")] = (200, {"status": "ok"})
+        assert await sched.ctx.scheduler.configs.sync() == 1
+        (row,) = (await sched.http.get("/status")).json()["nodes"]
+        assert (row["config_version"], row["config_error"]) == (1, None), row
+        assert await sched.ctx.scheduler.configs.sync() == 0
+        assert locked.bodies[-1] == {"idle_ttl": 5}
 
 
 async def test_a_config_given_while_no_node_is_up_is_kept_once_checked_by_the_scheduler(tmp_path, refused_url):

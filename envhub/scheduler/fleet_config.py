@@ -13,7 +13,8 @@ Invariants:
   does not serve. A node that has not reported yet gets nothing.
 - A node has the config when a push of the current version was taken (2xx) by the node
   process now running: its boot (:meth:`FleetConfig.boot_of`, from its health report)
-  is the one the push went to. A push it refused (4xx) is settled too, and is not sent
+  is the one the push went to. A push it refused (``JUDGED``: 400, 404, 409, 422) is
+  settled too, and is not sent
   again until the version or its boot changes (it would be refused again); a push that
   got no answer is sent again at the next sync.
 - Whether the nodes take a change is theirs to judge (``SchedulerService.configure``,
@@ -198,7 +199,7 @@ class FleetConfig:
         status = result["status"]
         if 200 <= status < 300:
             s.version, s.boot, s.settled, s.error = version, boot, (version, boot), None
-        elif 400 <= status < 500:
+        elif refused(status):
             s.settled, s.error = (version, boot), f"version {version} refused: {status} {_why(result)}"
         else:
             s.error = f"version {version} not delivered: {status} {_why(result)}"
@@ -213,6 +214,17 @@ class FleetConfig:
         return {"config_version": has, "config_error": s.error}
 
 
+# The statuses of a node that judged a config and refused it. Its other 4xx are about the
+# call, not the config (401/403: the scheduler's key for it is wrong; 413, 429), so the
+# config counts as not delivered, and goes again at the next sync.
+JUDGED = (400, 404, 409, 422)
+
+
+def refused(status: int) -> bool:
+    """Whether a node's answer to a config push is its refusal of the config (JUDGED)."""
+    return status in JUDGED
+
+
 def _why(result: dict[str, Any]) -> str:
     """A fan-out result's reason: the node's error message, or the fan-out's own."""
     answer = result.get("result")
@@ -224,7 +236,7 @@ def _why(result: dict[str, Any]) -> str:
 
 
 def config_refused(refusals: list[dict[str, Any]], results: list[dict[str, Any]], version: int) -> ConfigRefused:
-    """The error for a change that no node took and ``refusals`` (4xx answers) refused:
+    """The error for a change that no node took and ``refusals`` (JUDGED answers) refused:
     their status and code when they agree (else 400 ``invalid_request``), their reasons
     in the message, and every node's result beside the version still in force."""
     statuses = {r["status"] for r in refusals}

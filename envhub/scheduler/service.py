@@ -42,12 +42,8 @@ Invariants:
   health round): a node that joins takes creates from its first good check; a node that
   leaves takes no more calls, and calls for its instances get 410 ``gone`` (their
   sandboxes went with it). A node that comes back under the same URL has its routes again.
-- The fleet's config (``POST /config``) is in SQLite with its version before the reply,
-  and every node that is up and has not taken the current version since it started (it
-  was down, restarted, joined, or this scheduler restarted) is sent it within a
-  ``health_interval`` (fleet_config.py). Changes and syncs run one at a time, so the
-  pushes reach each node in order. A change that no node took and one refused (4xx) is
-  not recorded.
+- The fleet's config (``POST /config``) is kept, and given to every node that comes up
+  without it (config_push.py: ``ConfigPush``, :attr:`SchedulerService.configs`).
 """
 
 from __future__ import annotations
@@ -68,8 +64,8 @@ from envhub.metrics import scheduler as causes
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
 from envhub.scheduler import peers
+from envhub.scheduler.config_push import ConfigPush
 from envhub.scheduler.fleet import Fleet, Node, NodeSource
-from envhub.scheduler.fleet_config import FleetConfig, config_refused
 from envhub.scheduler.health import FleetHealth
 from envhub.scheduler.run_code import RunCodeRouter
 from envhub.scheduler.view import FleetView
@@ -153,8 +149,7 @@ class SchedulerService:
         self._creating: SingleFlight[tuple[int, bytes, tuple[str, str]]] = SingleFlight()
         self._asked: dict[str, tuple[str, str]] = {}
         self.run_code = RunCodeRouter(self)  # /run_code, by language (run_code.py)
-        self.fleet_config = FleetConfig(db)  # what POST /config gave the fleet (fleet_config.py)
-        self._config_lock = asyncio.Lock()  # one change or sync at a time: pushes reach a node in order
+        self.configs = ConfigPush(self, db)  # what POST /config gave the fleet (config_push.py)
 
     @property
     def nodes(self) -> list[Node]:
@@ -177,7 +172,7 @@ class SchedulerService:
     async def start(self) -> None:
         """Routes, affinity and the fleet's config from SQLite, a first health round, then
         the creates a killed scheduler left half-done settled."""
-        await self.fleet_config.load()
+        await self.configs.state.load()
         window = self.settings.affinity_window
         wall, mono = time.time(), time.monotonic()  # SQLite's wall-clock times, as monotonic ones
         for key, (url, at) in (await routes.affinities(self.db, newer_than=wall - window)).items():
@@ -223,11 +218,11 @@ class SchedulerService:
         """Take a slot on the best node: ``instance_id`` joins its creates in flight, or
         (no id) its ``pending`` count goes up; the caller settles either when answered.
         ``served``: only nodes that serve the task key's environment are candidates, and
-        one that no node serves is a 404 at once (:meth:`_check_served`); false for a key
+        one that no node serves is a 404 at once (:meth:`check_served`); false for a key
         that names no environment (SETA's /step with no ``seta_environment``)."""
         environment = task_key.split("/", 1)[0]
         if served:
-            self._check_served(environment)
+            self.check_served(environment)
         deadline = time.monotonic() + self.settings.scheduler_wait
         while True:
             async with self._lock:
@@ -301,7 +296,7 @@ class SchedulerService:
 
     # -- a mixed fleet: which nodes serve an environment ----------------------------------
 
-    def _check_served(self, environment: str) -> None:
+    def check_served(self, environment: str) -> None:
         """``NotFound`` naming the fleet's environments when no node serves ``environment``,
         judged by each node's last health report, a down node's included (it is down, not
         gone: its environments wait for it with a 503, never a 404). Nothing is refused
@@ -322,9 +317,9 @@ class SchedulerService:
     def serving(self, environment: str) -> list[Node]:
         """The healthy nodes that serve ``environment``, in the fleet's order: those whose
         last report lists it, then those whose report lists none (they may). ``NotFound``
-        when no node serves it (:meth:`_check_served`); 503 when none of those that do is
+        when no node serves it (:meth:`check_served`); 503 when none of those that do is
         healthy."""
-        self._check_served(environment)
+        self.check_served(environment)
         nodes = [n for n in self.nodes if n.healthy and n.serves(environment)]
         nodes += [n for n in self.nodes if n.healthy and not _lists_environments(n)]
         if not nodes:
@@ -623,14 +618,23 @@ class SchedulerService:
         """Read-only calls any node can answer (an environment's description, its tasks),
         sent to the first healthy node or, for a call about ``environment``, the first
         that serves it (:meth:`serving`: an environment the fleet does not serve is a 404
-        here, naming those it does)."""
+        here, naming those it does). A node that gives no reply (it died since its last
+        health check: :meth:`call` marks it down) passes the call to the next one; a
+        reply of any status is the answer."""
         if environment is not None:
-            node: Node | None = self.serving(environment)[0]
+            nodes = self.serving(environment)
         else:
-            node = next((n for n in self.nodes if n.healthy), None)
-        if node is None:
+            nodes = [n for n in self.nodes if n.healthy]
+        if not nodes:
             raise UpstreamUnavailable("no node is healthy")
-        reply = await self.call(node, method, path, params=params, idempotent=True)
+        for node in nodes[:-1]:
+            try:
+                reply = await self.call(node, method, path, params=params, idempotent=True, answers_client=False)
+            except UpstreamUnavailable as e:
+                log.warning("%s %s: node %s gave no reply (%s); asking the next", method, path, node.url, e.message)
+                continue
+            return reply.status, reply.body
+        reply = await self.call(nodes[-1], method, path, params=params, idempotent=True)
         return reply.status, reply.body
 
     async def fan_out(
@@ -655,7 +659,7 @@ class SchedulerService:
         failure (a refused connection, a node's 503), never for a second slow attempt. A
         node silent at the deadline is not waited for, nor marked down: slow is not gone,
         and its health checks say which it is."""
-        timeout, deadline = self._fan_out_deadline()
+        timeout, deadline = self.fan_out_deadline()
 
         async def one(node: Node) -> dict[str, Any]:
             if skip_down and not node.healthy:
@@ -663,16 +667,16 @@ class SchedulerService:
             sent = body if body_for is None else body_for(node)
             if body_for is not None and sent is None:
                 return {"node": node.url, "status": 503, "error": "not asked: its environments are not known yet"}
-            return await self._ask(node, method, path, sent, timeout=timeout, deadline=deadline)
+            return await self.ask(node, method, path, sent, timeout=timeout, deadline=deadline)
 
         return list(await asyncio.gather(*(one(n) for n in self.nodes)))
 
-    def _fan_out_deadline(self) -> tuple[float, float]:
+    def fan_out_deadline(self) -> tuple[float, float]:
         """A fan-out's timeout for one attempt, and its deadline (a loop time) from now."""
         timeout = min(FAN_OUT_TIMEOUT, self.settings.forward_timeout)
         return timeout, asyncio.get_running_loop().time() + timeout * 1.25
 
-    async def _ask(
+    async def ask(
         self, node: Node, method: str, path: str, body: Any, *, timeout: float, deadline: float
     ) -> dict[str, Any]:
         """One node's part of a fan-out: its result (see :meth:`fan_out`)."""
@@ -694,86 +698,6 @@ class SchedulerService:
         except ValueError:
             result = reply.body.decode(errors="replace")
         return {"node": node.url, "status": reply.status, "result": result}
-
-    # -- the fleet's config (fleet_config.py) --------------------------------------------
-
-    def config(self) -> dict[str, Any]:
-        """The fleet's config and its version (0: none given yet)."""
-        return {"config": self.fleet_config.merged(), "version": self.fleet_config.version}
-
-    async def configure(self, change: dict[str, Any]) -> dict[str, Any]:
-        """Give the fleet ``change`` (a ``POST /config``): sent to every node that is up
-        (a node that has the current config gets the change, any other the fleet's whole
-        config with it), recorded unless no node took it and one refused it, so that
-        :meth:`sync_config` gives it to every other node once it is up.
-        ``{results, version}``; a change naming an environment no node serves is a 404,
-        one the nodes refused their 4xx, and neither is recorded."""
-        fleet = self.fleet_config
-        async with self._config_lock:
-            preview = fleet.preview(change)
-            for environment in fleet.sections(change):
-                self._check_served(environment)  # no node serves it: 404, nothing recorded or sent
-            version = fleet.version + 1
-            boots: dict[str, str | None] = {}
-
-            def body_for(node: Node) -> dict[str, Any] | None:
-                body = fleet.for_node(node, change if fleet.has_current(node) else preview)
-                if body is not None:
-                    boots[node.url] = fleet.boot_of(node)
-                return body
-
-            results = await self.fan_out("POST", "/config", body_for=body_for, skip_down=True)
-            asked = [r for r in results if r["node"] in boots]
-            took = [r for r in asked if 200 <= r["status"] < 300]
-            refusals = [r for r in asked if 400 <= r["status"] < 500]
-            if refusals and not took:
-                raise config_refused(refusals, results, fleet.version)
-            if not took:  # no node could judge it
-                fleet.check(change)
-            version = await fleet.change(change)
-            for r in asked:
-                node = self.by_url.get(r["node"])
-                if node is not None:
-                    fleet.sync(node, version, boots[node.url], r)
-            log.info("fleet config version %d: %d of %d node(s) took it", version, len(took), len(results))
-            return {"results": results, "version": version}
-
-    async def sync_config(self) -> int:
-        """Push the fleet's config to every node that is up and has not answered a push of
-        the current version since it started (down when it was given, restarted, joined
-        since, or the scheduler restarted); returns how many were sent it."""
-        fleet = self.fleet_config
-        async with self._config_lock:
-            if fleet.version == 0:
-                return 0
-            todo = [n for n in self.nodes if n.healthy and n.info and not fleet.in_sync(n)]
-            _, deadline = self._fan_out_deadline()
-            await asyncio.gather(*(self._push_config(n, deadline) for n in todo))
-            return len(todo)
-
-    async def _push_config(self, node: Node, deadline: float | None = None) -> dict[str, Any]:
-        """The fleet's config, as much of it as ``node`` serves, sent to it; its outcome
-        recorded against the node's boot at the time it was sent."""
-        fleet = self.fleet_config
-        version, boot, body = fleet.version, fleet.boot_of(node), fleet.for_node(node)
-        timeout, own_deadline = self._fan_out_deadline()
-        result = await self._ask(node, "POST", "/config", body, timeout=timeout, deadline=deadline or own_deadline)
-        fleet.sync(node, version, boot, result)
-        if 200 <= result["status"] < 300:
-            log.info("node %s took the fleet config (version %d)", node.url, version)
-        else:
-            log.warning("node %s: fleet config version %d: %s", node.url, version, fleet.status(node)["config_error"])
-        return result
-
-    async def config_forever(self) -> None:
-        """:meth:`sync_config` now (a restarted scheduler's config goes out at once), then
-        every ``health_interval``; an unexpected failure is logged and the next one runs."""
-        while True:
-            try:
-                await self.sync_config()
-            except Exception:
-                log.exception("fleet config sync")
-            await asyncio.sleep(self.settings.health_interval)
 
     async def call(
         self, node: Node, method: str, path: str, *, answers_client: bool = True, **kw: Any
@@ -852,10 +776,10 @@ class SchedulerService:
                         for k, (url, t) in self.view.affinity.items()
                         if url == node.url and now - t <= window
                     },
-                    **self.fleet_config.status(node),
+                    **self.configs.state.status(node),
                 }
             )
-        return {"nodes": out, "cached_routes": len(self.view.routes), "config_version": self.fleet_config.version}
+        return {"nodes": out, "cached_routes": len(self.view.routes), "config_version": self.configs.state.version}
 
     def overview(self) -> dict[str, Any]:
         """What the dashboard shows: the totals, and each node's status with what its last

@@ -2,7 +2,7 @@
 
 GET /health, GET /status, GET /dashboard (what its dashboard page shows), GET and POST
 /url_rewrite (SETA's shapes), POST /config (the fleet's config: kept, and sent to every
-node, now and whenever one comes up without it; envhub/scheduler/fleet_config.py) and
+node, now and whenever one comes up without it; envhub/scheduler/config_push.py) and
 GET /config (that config and its version), POST /cleanup (sent to every node; per-node
 results). POST /config reads a ``config_path`` only inside the ``config_dir`` setting
 (envhub/scheduler/config_files.py).
@@ -65,12 +65,12 @@ async def fan_out_config(request: Request):
         raise InvalidRequest("send {'config': {...}} or {'config_path': '<a YAML file in config_dir>'}")
     if not isinstance(config, dict):
         raise InvalidRequest("the config must be a mapping", field="config")
-    return json(await request.app.ctx.scheduler.configure(config))
+    return json(await request.app.ctx.scheduler.configs.configure(config))
 
 
 @bp.get("/config")
 async def fleet_config(request: Request):
-    return json(request.app.ctx.scheduler.config())
+    return json(request.app.ctx.scheduler.configs.config())
 
 
 @bp.post("/cleanup")

@@ -6,7 +6,9 @@ own socket with the node's API key and passes frames both ways, unchanged, until
 side closes. Every frame is the node's, so the protocol is exactly the node's (one
 session per socket, its slot held on that node). No free slot anywhere: a
 ``CAPACITY_REACHED`` frame, then close 1000 (never an HTTP status on the upgrade); no
-healthy node, or the node going away mid-session: a ``SESSION_ERROR`` frame, then close.
+healthy node that serves the environment, or the node going away mid-session: a
+``SESSION_ERROR`` frame saying why, then close. An environment that only a node that is
+down serves is such a wait, never a 404.
 
 HTTP: ``reset`` and ``step`` start an episode, so they go to a node picked like a create;
 ``mcp`` and the read-only routes go to a healthy node that serves the environment (a mixed
@@ -40,10 +42,12 @@ MAX_FRAME = 100 * 2**20  # the OpenEnv client's own limit (max_message_size_mb=1
 @bp.on_request
 async def known_environment(request: Request) -> None:
     environment = request.match_info["environment"]
-    # Nodes say which environments they serve over OpenEnv (/health's "openenv"); with
-    # no node healthy, the socket's own refusal says so.
-    healthy = [n for n in request.app.ctx.scheduler.nodes if n.healthy]
-    if healthy and not any(environment in n.info.get("openenv", ()) for n in healthy):
+    # Nodes say which environments they serve over OpenEnv (/health's "openenv"), and a
+    # down node still serves what it last said: its environment waits for it (a 503, a
+    # SESSION_ERROR), never a 404 that tells the client it does not exist. With no node
+    # known at all, the socket's own refusal says so.
+    known = [n for n in request.app.ctx.scheduler.nodes if n.healthy or isinstance(n.info.get("openenv"), list)]
+    if known and not any(environment in (n.info.get("openenv") or ()) for n in known):
         raise NotFound(
             f"no OpenEnv environment {environment!r} behind this scheduler", extra={"environment": environment}
         )
@@ -57,12 +61,14 @@ async def session_socket(request: Request, ws: Any, environment: str) -> None:
     except NotFound as e:  # no node up to refuse it before the upgrade, and the last reports lack it
         await refuse(ws, WireError("SESSION_ERROR", e.message).frame())
         return
-    except AllNodesBusy:
-        healthy = [n for n in scheduler.nodes if n.healthy]
+    except AllNodesBusy as e:
+        # Full is CAPACITY_REACHED, as a node says it; no node up to serve it is the
+        # scheduler's own SESSION_ERROR, saying why.
+        serving = [n for n in scheduler.nodes if n.healthy and environment in (n.info.get("openenv") or ())]
         error = (
-            capacity_reached(sum(n.used for n in healthy), sum(n.capacity for n in healthy))
-            if healthy
-            else WireError("SESSION_ERROR", "no node is healthy")
+            capacity_reached(sum(n.used for n in serving), sum(n.capacity for n in serving))
+            if serving
+            else WireError("SESSION_ERROR", e.message)
         )
         await refuse(ws, error.frame())
         return
