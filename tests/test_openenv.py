@@ -123,11 +123,15 @@ def start_all(*procs: EnvhubProcess, timeout: float = 60) -> None:
         raise errors[0]
 
 
-def scheduler_for(tmp: Path, node: EnvhubProcess, slots: int) -> EnvhubProcess:
-    """A scheduler in front of ``node`` (its port is known before it starts, so both can
-    start at once); it sends the node's API key."""
+def scheduler_for(
+    tmp: Path, node: EnvhubProcess, slots: int, *others: EnvhubProcess, extra: tuple[str, ...] = ()
+) -> EnvhubProcess:
+    """A scheduler in front of ``node`` and ``others``, ``slots`` each (their ports are
+    known before they start, so all can start at once); it sends ``node``'s API key.
+    ``extra``: more arguments of ``envhub serve``."""
     nodes = tmp / "nodes.yaml"
-    nodes.write_text(yaml.safe_dump({"nodes": [{"url": node.url, "slots": slots}], "api_key": node.api_key}))
+    listed = [{"url": n.url, "slots": slots} for n in (node, *others)]
+    nodes.write_text(yaml.safe_dump({"nodes": listed, "api_key": node.api_key}))
     return EnvhubProcess(
         tmp / "sched",
         "--set",
@@ -136,6 +140,7 @@ def scheduler_for(tmp: Path, node: EnvhubProcess, slots: int) -> EnvhubProcess:
         "health_interval=0.2",
         "--set",
         "retry_max_wait=0",
+        *extra,
         role="scheduler",
         env=FAST_PINGS,
     )
@@ -808,20 +813,7 @@ def test_an_environment_whose_only_node_is_down_waits_for_it_through_the_schedul
         "environments.mbpp.enabled=false",
         env=faulty_plugin_env(tmp_path),
     )
-    nodes = tmp_path / "nodes.yaml"
-    nodes.write_text(yaml.safe_dump({"nodes": [{"url": mbpp.url, "slots": 2}, {"url": faulty.url, "slots": 2}]}))
-    sched = EnvhubProcess(
-        tmp_path / "sched",
-        "--set",
-        f"nodes_file={nodes}",
-        "--set",
-        "health_interval=0.2",
-        "--set",
-        "retry_max_wait=0",
-        "--set",
-        "scheduler_wait=0",
-        role="scheduler",
-    )
+    sched = scheduler_for(tmp_path, mbpp, 2, faulty, extra=("--set", "scheduler_wait=0"))
     start_all(mbpp, faulty, sched)
     try:
         eventually(lambda: node_is_up(sched), timeout=WAIT, message="the scheduler to see both nodes")
