@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from envhub.errors import StartupError
+from envhub.errors import InvalidRequest, StartupError
 
 _PREFIX = "ENVHUB_"
 
@@ -212,8 +212,43 @@ def check(name: str, value: Any) -> Any:
 
 
 # What a node's POST /config may change while it runs (envhub/node/admin.py); a scheduler
-# checks a fleet config no node could judge by the same list (envhub/scheduler/fleet_config.py).
+# checks a fleet config no node could judge by the same rules (envhub/scheduler/fleet_config.py).
 RECONFIGURABLE = ("environments", "idle_ttl", "queue_timeout")
+
+
+def check_changes(changes: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a config change may hold, checked without any environment: only RECONFIGURABLE
+    keys, ``environments`` a mapping, and each number by the rule it has at start.
+    Returns the environment sections (unchecked: see :func:`check_section`) and the
+    numbers as parsed; ``InvalidRequest`` naming the first field that is wrong."""
+    unknown = sorted(set(changes) - set(RECONFIGURABLE))
+    if unknown:
+        raise InvalidRequest(
+            f"cannot change {', '.join(unknown)} at run time (can: {', '.join(RECONFIGURABLE)})",
+            field=unknown[0],
+        )
+    sections = changes.get("environments") or {}
+    if not isinstance(sections, dict):
+        raise InvalidRequest("'environments' must map names to config sections", field="environments")
+    numbers = {}
+    for key in RECONFIGURABLE:
+        if key != "environments" and key in changes:
+            try:  # the rule the setting has at start
+                numbers[key] = check(key, changes[key])
+            except ValueError as e:
+                raise InvalidRequest(str(e), field=key) from None
+    return sections, numbers
+
+
+def check_section(name: str, section: Any) -> None:
+    """An environment's section of a config change: a mapping with no NaN or infinite
+    number (``InvalidRequest`` naming the field); what it means is its environment's to check."""
+    field = f"environments.{name}"
+    if not isinstance(section, dict):
+        raise InvalidRequest(f"{field} must be a mapping", field=field)
+    bad = non_finite(section)
+    if bad is not None:
+        raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
 
 
 def non_finite(value: Any, path: str = "") -> str | None:

@@ -17,8 +17,7 @@ from envhub.errors import EnvhubError, InvalidRequest, NotFound, StorageFull
 from envhub.node.capacity import Slots
 from envhub.node.episodes import Episodes
 from envhub.sandbox import Sandbox
-from envhub.settings import RECONFIGURABLE, Settings, non_finite
-from envhub.settings import check as settings_check
+from envhub.settings import Settings, check_changes, check_section
 
 
 class Administration:
@@ -53,34 +52,15 @@ class Administration:
         """Merge ``changes`` into the running config. An environment section is merged into
         its config and the environment reloaded; live episodes keep the one they started
         with. Nothing is applied unless everything validates."""
-        unknown = sorted(set(changes) - set(RECONFIGURABLE))
-        if unknown:
-            raise InvalidRequest(
-                f"cannot change {', '.join(unknown)} at run time (can: {', '.join(RECONFIGURABLE)})",
-                field=unknown[0],
-            )
-        sections = changes.get("environments") or {}
-        if not isinstance(sections, dict):
-            raise InvalidRequest("'environments' must map names to config sections", field="environments")
-        numbers = {}
-        for key in ("idle_ttl", "queue_timeout"):
-            if key in changes:
-                try:  # the rule the setting has at start
-                    numbers[key] = settings_check(key, changes[key])
-                except ValueError as e:
-                    raise InvalidRequest(str(e), field=key) from None
+        sections, numbers = check_changes(changes)
         reloaded: dict[str, Environment] = {}
         for name, section in sections.items():
             env = self.environments.get(name)
             if env is None:
                 known = ", ".join(sorted(self.environments))
                 raise NotFound(f"no environment {name!r} (this node serves: {known})", extra={"environment": name})
+            check_section(name, section)
             field = f"environments.{name}"
-            if not isinstance(section, dict):
-                raise InvalidRequest(f"{field} must be a mapping", field=field)
-            bad = non_finite(section)
-            if bad is not None:
-                raise InvalidRequest(f"{field}.{bad} must be a finite number", field=f"{field}.{bad}")
             try:  # what the environment does with its section at start
                 fresh = type(env)({**env.config, **section})
                 if "sandbox" not in fresh.config:  # the sandbox it runs in, a fallback's too

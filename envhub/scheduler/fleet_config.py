@@ -31,8 +31,7 @@ from typing import Any
 
 from envhub.errors import EnvhubError, InvalidRequest
 from envhub.scheduler.fleet import Node, parse_mark
-from envhub.settings import RECONFIGURABLE, non_finite
-from envhub.settings import check as settings_check
+from envhub.settings import check_changes, check_section
 from envhub.store import fleet_config
 from envhub.store.db import Database
 
@@ -123,23 +122,9 @@ class FleetConfig:
         at run time and their values, by the rules they have at start. For a change no
         node could judge: one that every node would refuse would otherwise stay in the
         fleet's config, and every change after it would be refused with it."""
-        unknown = sorted(set(change) - set(RECONFIGURABLE))
-        if unknown:
-            raise InvalidRequest(
-                f"cannot change {', '.join(unknown)} at run time (can: {', '.join(RECONFIGURABLE)})",
-                field=unknown[0],
-            )
-        for key in RECONFIGURABLE:
-            if key != "environments" and key in change:
-                try:
-                    settings_check(key, change[key])
-                except ValueError as e:
-                    raise InvalidRequest(str(e), field=key) from None
-        for name, section in _shape(change).items():
-            bad = non_finite(section)
-            if bad is not None:
-                field = f"environments.{name}.{bad}"
-                raise InvalidRequest(f"{field} must be a finite number", field=field)
+        sections, _ = check_changes(change)  # the node's own checks (settings.py)
+        for name, section in sections.items():
+            check_section(name, section)
 
     async def change(self, change: Config) -> int:
         """Record ``change``: merged into the fleet's config under the next version, in

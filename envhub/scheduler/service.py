@@ -77,6 +77,9 @@ from envhub.util.singleflight import SingleFlight
 log = logging.getLogger("envhub.scheduler")
 
 FAN_OUT_TIMEOUT = 120.0  # one attempt of a fan-out call to a node (SETA's scheduler gives /cleanup as long)
+FAN_OUT_SLACK = (
+    1.25  # a whole fan-out may take this many attempts: retries after quick failures, never a second slow one
+)
 
 
 def _refused(reply: peers.PeerReply) -> bool:
@@ -674,7 +677,7 @@ class SchedulerService:
     def fan_out_deadline(self) -> tuple[float, float]:
         """A fan-out's timeout for one attempt, and its deadline (a loop time) from now."""
         timeout = min(FAN_OUT_TIMEOUT, self.settings.forward_timeout)
-        return timeout, asyncio.get_running_loop().time() + timeout * 1.25
+        return timeout, asyncio.get_running_loop().time() + timeout * FAN_OUT_SLACK
 
     async def ask(
         self, node: Node, method: str, path: str, body: Any, *, timeout: float, deadline: float
@@ -691,7 +694,7 @@ class SchedulerService:
             return {
                 "node": node.url,
                 "status": 504,
-                "error": f"node {node.url} did not answer {method} {path} within {timeout * 1.25:g} s",
+                "error": f"node {node.url} did not answer {method} {path} within {timeout * FAN_OUT_SLACK:g} s",
             }
         try:
             result = reply.json()
