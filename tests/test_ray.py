@@ -394,7 +394,7 @@ def test_acceptance_3_raylets_64_mbpp_8_terminal_bench_a_killed_actor_a_removed_
                 assert r.status_code == 410 and r.json()["code"] == "gone", r.text
 
             restarted = eventually(
-                lambda: (i := ray.get(actor.info.remote(), timeout=120))["serving"] and i,
+                lambda: (i := _info(actor)).get("serving") and i,
                 timeout=120,
                 interval=0.2,
                 message="the restart",
