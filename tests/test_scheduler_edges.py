@@ -279,6 +279,37 @@ async def test_a_fleet_of_nodes_with_different_environments_lists_and_places_eac
             assert (await sched.http.post(f"/instances/{instance_id}/release")).json()["released"] is True
 
 
+async def test_the_fleets_listing_keeps_the_environment_of_a_node_that_is_down(tmp_path, mixed_nodes):
+    """The node serving ``faulty`` stops: ``GET /environments`` still lists ``faulty`` as
+    that node last described it, with ``"available": false``, as a create of it is a 503
+    (it waits for its node), not a 404; mbpp's entry is the live node's, unmarked. The
+    node back, the listing is as at the start."""
+    mbpp_node, faulty_node = mixed_nodes
+    async with scheduler_over(tmp_path, [mbpp_node.url, faulty_node.url], health_interval=0.2) as sched:
+        before = await sched.http.get("/environments")
+        assert [e["name"] for e in before.json()["environments"]] == ["mbpp", "faulty"], before.text
+        assert faulty_node.stop() == 0, faulty_node.log()
+
+        async def down() -> bool:
+            return [n["healthy"] for n in await node_status(sched)] == [True, False]
+
+        await eventually_async(down, timeout=30, message="the stopped node was never marked down")
+        during = await sched.http.get("/environments")
+        assert during.status_code == 200, during.text
+        mbpp, faulty = before.json()["environments"]
+        assert during.json() == {"environments": [mbpp, {**faulty, "available": False}]}
+        create = await sched.http.post("/instances", json={"environment": "faulty", "task_id": "ok"})
+        assert_envelope(create, 503, "capacity_exceeded")
+
+        faulty_node.start()
+
+        async def back() -> bool:
+            return all(n["healthy"] for n in await node_status(sched))
+
+        await eventually_async(back, timeout=30, message="the restarted node was never marked up")
+        assert (await sched.http.get("/environments")).json() == before.json()
+
+
 # -- a listing when its first node has died ----------------------------------------------------
 
 

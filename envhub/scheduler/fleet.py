@@ -47,6 +47,7 @@ class Node:
     failed_checks: int = 0  # health checks failed in a row
     calls: set[InFlight] = field(default_factory=set)  # our calls to it not answered yet
     sessions_moved: int = 0  # our OpenEnv sessions opened or closed there so far (see report)
+    described: list[dict[str, Any]] = field(default_factory=list)  # its last GET /environments entries
 
     @property
     def used(self) -> int:

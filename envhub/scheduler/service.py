@@ -336,9 +336,12 @@ class SchedulerService:
     async def environments(self) -> tuple[int, bytes]:
         """``GET /environments`` over the fleet: every healthy node asked at once, and the
         lists of those that answered 200 merged in the fleet's order, each environment once
-        (as the first of them describes it), in the node's own reply shape. No node
-        answered 200: the first node's answer as it came (a single node's fleet answers as
-        that node would), or its 503 when none answered at all."""
+        (as the first of them describes it), in the node's own reply shape. An environment
+        only a node that is down (or gave no reply) serves is listed as that node last
+        described it, with ``"available": false``, as :meth:`check_served` counts it (a
+        create of it waits with a 503, it is not unknown). No node answered 200: the first
+        node's answer as it came (a single node's fleet answers as that node would), or
+        its 503 when none answered at all."""
         nodes = [n for n in self.nodes if n.healthy]
         if not nodes:
             raise UpstreamUnavailable("no node is healthy")
@@ -351,19 +354,24 @@ class SchedulerService:
 
         replies = await asyncio.gather(*(one(n) for n in nodes))
         merged: dict[str, Any] = {}
-        answered = False
-        for reply in replies:
+        answered: set[str] = set()
+        for node, reply in zip(nodes, replies, strict=True):
             if isinstance(reply, UpstreamUnavailable) or reply.status != 200:
                 continue
             try:
                 listed = reply.json().get("environments")
             except (ValueError, AttributeError):
                 continue
-            answered = True
-            for env in listed if isinstance(listed, list) else []:
-                if isinstance(env, dict) and isinstance(env.get("name"), str):
-                    merged.setdefault(env["name"], env)
+            answered.add(node.url)
+            listed = listed if isinstance(listed, list) else []
+            node.described = [e for e in listed if isinstance(e, dict) and isinstance(e.get("name"), str)]
+            for env in node.described:
+                merged.setdefault(env["name"], env)
         if answered:
+            for node in self.nodes:  # down, or no reply: what it served when it last said
+                for env in node.described if node.url not in answered else ():
+                    if env["name"] not in merged and node.serves(env["name"]):
+                        merged[env["name"]] = {**env, "available": False}
             return 200, jsonlib.dumps({"environments": list(merged.values())}).encode()
         first = replies[0]
         if isinstance(first, UpstreamUnavailable):
