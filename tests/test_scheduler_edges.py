@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -74,6 +74,13 @@ async def scheduler_over(tmp_path: Path, urls: list[str], **settings: Any) -> As
 HANG = None  # an answer of a stand-in: none at all, until the test ends
 
 
+class Late(NamedTuple):
+    """An answer of a stand-in given ``seconds`` after the call came."""
+
+    seconds: float
+    answer: tuple[int, Any]
+
+
 class _StandInHandler(BaseHTTPRequestHandler):
     def _answer(self) -> None:
         server: StandInNode = self.server  # type: ignore[assignment]
@@ -88,6 +95,9 @@ class _StandInHandler(BaseHTTPRequestHandler):
             if answer is HANG:
                 server.released.wait(60)
                 return
+            if isinstance(answer, Late):
+                server.released.wait(answer.seconds)
+                answer = answer.answer
             status, body = answer
         data = json.dumps(body).encode()
         self.send_response(status)
@@ -584,6 +594,67 @@ async def test_every_node_gets_the_fleets_config_after_missing_it_restarting_or_
         for node in (a, b):
             if node.proc is not None:
                 assert await asyncio.to_thread(node.stop) == 0, node.log()
+
+
+async def test_a_node_that_comes_up_without_the_fleets_config_takes_creates_only_once_it_took_it(tmp_path, stand_ins):
+    """A node that restarted (its health report names a new boot) lost the fleet's
+    config with its process. Before, the scheduler placed creates on it at once and sent
+    the config up to a health interval later, so those episodes ran under the node's own
+    config. Now the push goes as soon as a health check sees the new boot, and the node
+    takes no create until it answered: a create waits for the push (here it takes 1.5 s)
+    and reaches the node after it. A push not delivered (the node answers 401: the
+    scheduler's key for it is wrong) keeps it out: the create is a 503 naming the node
+    and why, and nothing reaches it, until a push gets through. A stand-in node: a real
+    node cannot be made to take its config slowly or to turn its push away on purpose."""
+    ok = (200, {"status": "ok"})
+    node = stand_ins(
+        {("POST", "/config"): ok, ("POST", "/instances"): (201, {"instance_id": "made", "state": "active"})},
+        {"environments": ["mbpp"]},
+    )
+    async with scheduler_over(tmp_path, [node.url], health_interval=0.2) as sched:
+        r = await sched.http.post("/config", json={"config": {"idle_ttl": 901}})
+        assert r.status_code == 200 and r.json()["version"] == 1, r.text
+
+        async def restarted(boot: str) -> None:
+            node.health["slot_mark"] = f"{boot}.0"
+
+            async def lost_it() -> bool:
+                return (await node_status(sched))[0]["config_version"] is None
+
+            await eventually_async(lost_it, timeout=10, message="the scheduler never saw the restart")
+
+        node.answers[("POST", "/config")] = Late(1.5, ok)
+        node.calls.clear()
+        node.bodies.clear()
+        await restarted("second")
+        started = time.monotonic()
+        r = await sched.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})
+        assert r.status_code == 201, r.text
+        assert node.calls == [("POST", "/config"), ("POST", "/instances")], "the create came before the config"
+        assert node.bodies[0] == {"idle_ttl": 901}, "the fleet's config, whole"
+        assert time.monotonic() - started > 0.5, "the create did not wait for the push"
+
+        node.answers[("POST", "/config")] = (401, {"ok": False, "error": "bad key", "code": "unauthorized"})
+        node.calls.clear()
+        await restarted("third")
+
+        async def failed() -> bool:
+            return bool((await node_status(sched))[0]["config_error"])
+
+        await eventually_async(failed, timeout=10, message="the push never failed")
+        r = await sched.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})
+        err = assert_envelope(r, 503, "capacity_exceeded")
+        assert err["error"].startswith("no node that can take mbpp creates has the fleet's config (version 1) yet"), err
+        assert "not delivered: 401 bad key" in err["error"] and r.headers["Retry-After"], err
+        assert ("POST", "/instances") not in node.calls
+
+        node.answers[("POST", "/config")] = ok
+
+        async def placed() -> bool:
+            r = await sched.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})
+            return r.status_code == 201
+
+        await eventually_async(placed, timeout=10, message="the node never took creates again")
 
 
 async def test_a_config_for_an_environment_no_node_serves_is_a_404_and_records_nothing(tmp_path, stand_ins):

@@ -23,6 +23,7 @@ from envhub.metrics import LATENCY_BUCKETS, WRITE_BUCKETS, Children
 NO_FREE_SLOT = "no_free_slot"  # every healthy node is full
 NO_HEALTHY_NODE = "no_healthy_node"  # no node passed its last health check
 ENVIRONMENT_UNAVAILABLE = "environment_unavailable"  # every healthy node's sandbox for it is down
+CONFIG_PENDING = "config_pending"  # no healthy node that could take it has the fleet's config yet
 NODE_DOWN = "node_down"  # the instance's node failed its last health check
 NODE_UNREACHABLE = "node_unreachable"  # a call to a node failed (connection, timeout) after its retries
 NODE_UNAVAILABLE = "node_unavailable"  # the node itself answered 503 (stopping, ...)

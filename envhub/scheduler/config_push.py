@@ -9,8 +9,11 @@ Invariants:
   scheduler's key, not the config): then nothing is recorded and the refusal is the reply. A change
   naming an environment no node serves is a 404, recorded and sent nowhere.
 - Every node that is up and has not taken the current version since it started (it was
-  down, restarted, joined, or this scheduler restarted) is sent it within a
-  ``health_interval``: the part of it for the environments it serves.
+  down, restarted, joined, or this scheduler restarted) is sent it as soon as a health
+  check sees it up (``FleetView.came_up``), and again every ``health_interval`` until it
+  answers: the part of it for the environments it serves.
+- Until it answers that push, the node takes no creates (``FleetConfig.standing``;
+  service.py's placement): no episode runs under a config the fleet replaced.
 - Changes and syncs run one at a time, so the pushes reach each node in order.
 """
 
@@ -106,11 +109,20 @@ class ConfigPush:
         return result
 
     async def forever(self) -> None:
-        """:meth:`sync` now (a restarted scheduler's config goes out at once), then every
-        ``health_interval``; an unexpected failure is logged and the next one runs."""
+        """:meth:`sync` now (a restarted scheduler's config goes out at once), then
+        whenever a node comes up or restarts, and every ``health_interval``; an unexpected
+        failure is logged and the next one runs. After each, creates waiting for a node
+        look again (a node that took the config may take them now)."""
+        came_up = self.service.view.came_up
         while True:
+            came_up.clear()  # before the sync: a node up during it is synced next time
             try:
-                await self.sync()
+                if await self.sync():
+                    self.service.view.freed.set()
             except Exception:
                 log.exception("fleet config sync")
-            await asyncio.sleep(self.service.settings.health_interval)
+            try:
+                async with asyncio.timeout(self.service.settings.health_interval):
+                    await came_up.wait()
+            except TimeoutError:
+                pass

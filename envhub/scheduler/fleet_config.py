@@ -55,6 +55,7 @@ class NodeSync:
     version: int = 0  # the version the node took, at ``boot``; 0: none
     boot: str | None = None
     settled: tuple[int, str | None] | None = None  # (version, boot) of the last push it answered, took or refused
+    failed: tuple[int, str | None] | None = None  # (version, boot) of the last push not delivered
     error: str | None = None  # why its last push failed; None once one is taken
 
 
@@ -177,17 +178,31 @@ class FleetConfig:
         s = self._nodes.get(node.url)
         return s is not None and s.settled == (self.version, self.boot_of(node))
 
+    def standing(self, node: Node) -> str:
+        """Whether the node process running now may take creates as far as the fleet's
+        config goes: ``ready`` (there is no fleet config, or it answered a push of the
+        current version: took it, or refused it and runs its own), ``pending`` (it has
+        not answered one yet: it came up, restarted or joined, and the push is on its
+        way) or ``failed`` (the last push of the current version to it was not
+        delivered; it goes again at the next sync)."""
+        if self.version == 0 or self.in_sync(node):
+            return "ready"
+        s = self._nodes.get(node.url)
+        failed = s is not None and s.failed == (self.version, self.boot_of(node))
+        return "failed" if failed else "pending"
+
     def sync(self, node: Node, version: int, boot: str | None, result: dict[str, Any]) -> None:
         """The outcome of pushing ``version`` to ``node`` at ``boot``: ``result`` is a
         fan-out's (``{node, status, result or error}``)."""
         s = self._sync_of(node)
         status = result["status"]
         if 200 <= status < 300:
-            s.version, s.boot, s.settled, s.error = version, boot, (version, boot), None
+            s.version, s.boot, s.settled, s.failed, s.error = version, boot, (version, boot), None, None
         elif refused(status):
-            s.settled, s.error = (version, boot), f"version {version} refused: {status} {_why(result)}"
+            s.settled, s.failed = (version, boot), None
+            s.error = f"version {version} refused: {status} {_why(result)}"
         else:
-            s.error = f"version {version} not delivered: {status} {_why(result)}"
+            s.failed, s.error = (version, boot), f"version {version} not delivered: {status} {_why(result)}"
 
     def status(self, node: Node) -> dict[str, Any]:
         """``config_version``: the version the node process running now took (None: no

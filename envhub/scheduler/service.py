@@ -19,6 +19,9 @@ Invariants:
   in SQLite too. Only the node's answer settles a create: until that node answers, a
   retry goes to it or, while it is down, is a 503 with Retry-After; it is never placed
   on another node.
+- A node that came up without the fleet's current config (config_push.py) takes no
+  creates until it answered its push: a create that only such a node could take waits
+  for the push, or is a 503 naming it when the push was not delivered.
 - A node that answers a create with 503 ``unavailable`` takes no creates (it is draining
   ahead of a restart, or stopping) and made no instance: the create is placed on another
   node, and the refusing node gets none until its next health report (which says
@@ -226,7 +229,8 @@ class SchedulerService:
         environment = task_key.split("/", 1)[0]
         if served:
             self.check_served(environment)
-        deadline = time.monotonic() + self.settings.scheduler_wait
+        started = time.monotonic()
+        deadline = started + self.settings.scheduler_wait
         while True:
             async with self._lock:
                 node, affinity = self._choose(task_key, served=served)
@@ -242,7 +246,30 @@ class SchedulerService:
             left = deadline - time.monotonic()
             if left <= 0:
                 healthy = [n for n in self.nodes if n.healthy and (not served or _may_serve(n, environment))]
+                # A node whose fleet config push is on its way (it just came up) takes
+                # creates once it answers: wait for that, as long as the push may take.
+                if any(
+                    n.free > 0 and not n.unavailable(environment) and self.configs.state.standing(n) == "pending"
+                    for n in healthy
+                ):
+                    push_timeout, _ = self.fan_out_deadline()
+                    left = started + push_timeout * FAN_OUT_SLACK - time.monotonic()
+            if left <= 0:
                 down = {n.name: n.info["unavailable"][environment] for n in healthy if n.unavailable(environment)}
+                unconfigured = {
+                    n.name or n.url: self.configs.state.status(n)["config_error"] or "not answered yet"
+                    for n in healthy
+                    if n.name not in down and self.configs.state.standing(n) != "ready"
+                }
+                if unconfigured and len(down) + len(unconfigured) == len(healthy):
+                    self.metrics.unavailable(causes.CONFIG_PENDING)
+                    raise AllNodesBusy(
+                        f"no node that can take {environment} creates has the fleet's config "
+                        f"(version {self.configs.state.version}) yet: "
+                        + "; ".join(f"{name}: {why}" for name, why in sorted(unconfigured.items())),
+                        headers={"Retry-After": "2"},
+                        extra={"retry_after": 2},
+                    )
                 if healthy and len(down) == len(healthy):
                     self.metrics.unavailable(causes.ENVIRONMENT_UNAVAILABLE)
                     raise AllNodesBusy(
@@ -282,7 +309,12 @@ class SchedulerService:
         def takes(node: Node) -> bool:  # a node whose engine is down for this environment: no
             if served and not _may_serve(node, environment):
                 return False
-            return node.healthy and node.free > 0 and not node.unavailable(environment)
+            return (
+                node.healthy
+                and node.free > 0
+                and not node.unavailable(environment)
+                and self.configs.state.standing(node) == "ready"  # no episode under a replaced config
+            )
 
         seen = self.view.affinity.get(task_key)
         affinity = "none"

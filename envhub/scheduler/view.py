@@ -10,7 +10,9 @@ Invariants:
   and now keeps its health and slot accounting; one that joins is down until its first
   good check.
 - ``freed`` is set whenever a slot may have come free (a node up, an instance ended, a
-  session closed): a placement waiting for one looks again.
+  session closed, a node took the fleet's config): a placement waiting for one looks again.
+- ``came_up`` is set whenever a health check finds a node up that was down, or running
+  a new process: the fleet's config goes to it at once (config_push.py).
 - The route cache only ever holds live routes, so dropping any entry is safe (a miss
   reads SQLite).
 """
@@ -35,6 +37,7 @@ class FleetView:
         # (every step) needs no SQLite read. Filled on create and on first lookup.
         self.routes: dict[str, str] = {}
         self.freed = asyncio.Event()
+        self.came_up = asyncio.Event()
 
     def healthy(self) -> list[Node]:
         return [n for n in self.nodes if n.healthy]
