@@ -33,6 +33,10 @@ Invariants (each breach is listed under ``violations``):
   AppWorld's warm workers), no
   cgroup of theirs holding a process, no sandbox dir, no container but pooled ones; after
   the final stop no container, mount, cgroup dir, sandbox dir or root of theirs at all;
+- the fleet's config (a ``POST /config`` to the scheduler at the start, ``idle_ttl``
+  one second more than the nodes' own; ``--no-fleet-config`` leaves it out) is on every
+  node at the end, as the scheduler's ``/status`` and each node's ``GET /config`` say,
+  however often the nodes and the scheduler were killed;
 - each node's trial logs and its SQLite agree: every episode dir has a row, every row of
   the soak's trial ended, and a row without a log is explained by failed writes the node
   counted (since its last start), a create that failed before its first log line, or a
@@ -848,6 +852,34 @@ def final_checks(rig: Rig, stats: Stats) -> dict:
     return out
 
 
+def fleet_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The config the soak gives the fleet: the nodes' own ``idle_ttl`` plus one second,
+    so a node that runs without it is seen."""
+    return {"idle_ttl": args.idle_ttl + 1}
+
+
+def check_fleet_config(rig: Rig, stats: Stats, args: argparse.Namespace) -> dict[str, Any]:
+    """Whether every node has the fleet's config, by the scheduler's ``/status`` and by
+    the node's own ``GET /config`` (given a few health intervals after the last fault)."""
+    want = fleet_config(args)
+
+    def seen() -> dict[str, Any] | None:
+        try:
+            status = httpx.get(rig.sched_url + "/status", timeout=5).json()
+            configs = {n.node_id: httpx.get(n.url + "/config", timeout=5).json()["config"] for n in rig.nodes}
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        versions = {n["url"]: (n["config_version"], n["config_error"]) for n in status["nodes"]}
+        took = {node: all(c.get(k) == v for k, v in want.items()) for node, c in configs.items()}
+        out = {"version": status.get("config_version"), "nodes": versions, "node_has_it": took}
+        return out if all(took.values()) and all(v == (out["version"], None) for v in versions.values()) else None
+
+    found = wait_for(seen, 30)
+    if found is None:
+        stats.violation("fleet_config_missing", last=seen() or "no answer")
+    return found or {}
+
+
 def trial_log_agreement(rig: Rig, stats: Stats, node: Node, out: dict) -> dict:
     db = sqlite3.connect(f"file:{node.data / 'envhub.db'}?mode=ro", uri=True)
     try:
@@ -915,6 +947,10 @@ def soak(args: argparse.Namespace) -> dict:
         rig.start_fleet()
         rig.baseline_mounts = rig.mount_lines()
         log(f"fleet up in {time.monotonic() - started:.1f} s: {rig.sched_url}, nodes {[n.url for n in rig.nodes]}")
+        if args.fleet_config:
+            given = httpx.post(rig.sched_url + "/config", json={"config": fleet_config(args)}, timeout=60)
+            given.raise_for_status()
+            result["fleet_config"] = given.json()
         mix = {
             "mbpp": mbpp_episodes(args.mbpp or MBPP_SAMPLE),
             "terminal-bench": tbench_episodes() if rig.engine is not None else [],
@@ -946,6 +982,8 @@ def soak(args: argparse.Namespace) -> dict:
         stop_all.set()
         for t in threads:
             t.join(10)
+        if args.fleet_config:
+            result["fleet_config_at_end"] = check_fleet_config(rig, stats, args)
         result["final"] = final_checks(rig, stats)
     finally:
         stop_faults.set()
@@ -1009,6 +1047,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm-pool", type=int, default=1, help="terminal-bench's warm pool per task")
     ap.add_argument("--appworld-pool", type=int, default=2, help="AppWorld's warm workers per node")
     ap.add_argument("--idle-ttl", type=float, default=120)
+    ap.add_argument(
+        "--fleet-config",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give the fleet a config through the scheduler at the start, and check every node has it at the end",
+    )
     ap.add_argument("--affinity-window", type=float, default=5, help="the scheduler's, in seconds")
     ap.add_argument("--disk-mb", type=int, default=256, help="each node's tmpfs data dir")
     ap.add_argument("--live-restore", action=argparse.BooleanOptionalAction, default=True)

@@ -37,3 +37,5 @@ def test_a_short_chaos_soak_breaks_no_invariant(tmp_path):
     for env, outcomes in result["episodes_by_env"].items():
         assert outcomes.get("completed"), f"no {env} episode completed: {outcomes}"
     assert result["listing_checks"] > 0
+    assert result["fleet_config"]["version"] == 1, result["fleet_config"]
+    assert all(result["fleet_config_at_end"]["node_has_it"].values()), result["fleet_config_at_end"]

@@ -4,21 +4,15 @@ ended (``run_episode``): real node and scheduler processes, envhub's own client.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
 import yaml
-from conftest import REPO, EnvhubProcess, eventually, start_scheduler
+from conftest import MBPP_13, EnvhubProcess, eventually, start_scheduler
 
 from envhub.client import EnvhubClient, EpisodeLost, RetryPolicy
 
 NODE_ARGS = ("--capacity", "4", "--set", "environments.terminal-bench.enabled=false")
-MBPP_13 = next(
-    json.loads(line)["code"]
-    for line in (REPO / "envhub/plugins/mbpp/data/mbpp_sample.jsonl").read_text().splitlines()
-    if json.loads(line)["task_id"] == 13
-)
 FAST = RetryPolicy(attempts=20, multiplier=0.05, max_wait=0.5)
 
 

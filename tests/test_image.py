@@ -11,7 +11,6 @@ looked at.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,15 +20,9 @@ import docker
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, eventually, needs_docker
+from conftest import BASE_IMAGE, MBPP_13, REPO, eventually, needs_docker
 
 pytestmark = [needs_docker, pytest.mark.slow]
-
-MBPP_13 = next(
-    json.loads(line)["code"]
-    for line in (REPO / "envhub/plugins/mbpp/data/mbpp_sample.jsonl").read_text().splitlines()
-    if json.loads(line)["task_id"] == 13
-)
 
 
 @pytest.fixture(scope="module")

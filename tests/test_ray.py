@@ -25,7 +25,7 @@ import docker
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, eventually, needs_docker
+from conftest import BASE_IMAGE, MBPP_13, REPO, eventually, needs_docker
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 os.environ.update(RAY_ENV)  # read when Ray is imported: only Ray reads it
@@ -37,14 +37,6 @@ from envhub.errors import InvalidRequest, NotFound, StartupError  # noqa: E402
 from envhub.ray.actors import NAMESPACE, controller_name, node_actor_name  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-MBPP_13 = json.loads(
-    next(
-        line
-        for line in (REPO / "envhub/plugins/mbpp/data/mbpp_sample.jsonl").read_text().splitlines()
-        if json.loads(line)["task_id"] == 13
-    )
-)["code"]
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +298,7 @@ def test_acceptance_3_raylets_64_mbpp_8_terminal_bench_a_killed_actor_a_removed_
     episodes; the removed node's episodes answer 410 at once; every other episode
     finishes; a raylet added afterwards gets creates; ``envhub ray down`` leaves no
     process, container or actor. The killed node's MBPP episodes end as at any SIGTERM
-    today (409, released "node shut down"): process sandboxes do not survive a node.
+    today (410, lost: "its node shut down ..."): process sandboxes do not survive a node.
     Task affinity is off (``affinity_window=0``) so that episodes spread over
     the three nodes, and creates wait for a slot (``scheduler_wait``)."""
     root = tmp_path / "fleet"
@@ -428,8 +420,8 @@ def test_acceptance_3_raylets_64_mbpp_8_terminal_bench_a_killed_actor_a_removed_
                 sub = {"action": {"tool": "submit_solution", "arguments": {"code": MBPP_13}}}
                 r = c.post(f"/instances/{iid}/step", json=sub)
                 if where[iid] == killed["url"]:
-                    assert r.status_code == 409 and r.json()["state"] == "released", r.text
-                    assert "node shut down" in r.json()["error"]
+                    assert r.status_code == 410 and r.json()["state"] == "lost", r.text
+                    assert "its node shut down" in r.json()["error"]
                     continue
                 assert r.status_code == 200, r.text
                 assert c.post(f"/instances/{iid}/evaluate", json={"release": True}).json()["reward"] == 1.0

@@ -14,6 +14,7 @@ import httpx
 import yaml
 from conftest import (
     BASE_IMAGE,
+    MBPP_13,
     REPO,
     EnvhubProcess,
     eventually,
@@ -163,8 +164,42 @@ def test_release_on_shutdown_removes_every_container(tmp_path):
     assert containers(node_id) == []
     node.start(timeout=60)
     with node.client() as c:
-        assert c.get(f"/instances/{iid}").json()["state"] == "released"
+        got = c.get(f"/instances/{iid}").json()
+        assert (got["state"], got["error"]) == ("lost", "its node shut down with release_on_shutdown"), got
     assert node.stop() == 0
+
+
+def test_episodes_a_sigterm_ends_are_lost_so_a_retry_is_told_gone_not_conflict(tmp_path):
+    """A node stopped with SIGTERM ends the episodes whose sandbox cannot survive it (MBPP's
+    process sandboxes). Before, it recorded them ``released``, so the next call, a
+    client's retry of a step it sent while the node was down included, was a 409: read as
+    the client's own doing (bench/chaos.py caught it). Now they are ``lost``, as after a
+    kill -9 or a drain's timeout: a 410 saying the node shut down. An episode evaluated
+    before the stop still replays its evaluation to a retried evaluate-and-release."""
+    node = EnvhubProcess(tmp_path / "n", "--set", "environments.terminal-bench.enabled=false").start()
+    step = {"action": {"tool": "run_python", "arguments": {"code": "x = 1"}}, "request_id": "retried-1"}
+    submit = {"action": {"tool": "submit_solution", "arguments": {"code": MBPP_13}}}
+    try:
+        with httpx.Client(base_url=node.url, timeout=TIMEOUT) as c:
+            playing = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            graded = c.post("/instances", json={"environment": "mbpp", "task_id": "13"}).json()["instance_id"]
+            assert c.post(f"/instances/{graded}/step", json=submit).status_code == 200
+            evaluation = c.post(f"/instances/{graded}/evaluate").json()
+            assert evaluation["reward"] == 1.0, evaluation
+        assert node.stop() == 0, node.log()
+        node.start()
+        with httpx.Client(base_url=node.url, timeout=TIMEOUT) as c:
+            r = c.post(f"/instances/{playing}/step", json=step)
+            assert r.status_code == 410 and r.json()["code"] == "gone", r.text
+            assert r.json()["error"] == (
+                f"instance {playing!r} is lost: its node shut down, and its sandbox does not survive a restart"
+            ), r.text
+            assert c.get(f"/instances/{playing}").json()["state"] == "lost"
+            again = c.post(f"/instances/{graded}/evaluate", json={"release": True})
+            assert again.status_code == 200, again.text
+            assert (again.json()["reward"], again.json()["released"], again.json()["state"]) == (1.0, False, "lost")
+    finally:
+        assert node.stop() == 0, node.log()
 
 
 def test_scheduler_killed_during_a_burst_of_creates_makes_no_duplicates(tmp_path):

@@ -11,7 +11,9 @@ Invariants:
 - Retention deletes ended rows in small batches, so the one SQLite connection every
   create and step waits on is never held long; trial logs stay.
 - At shutdown, a sandbox that survives a restart is left running for the next start to
-  adopt (unless ``release_on_shutdown``); every other one is destroyed.
+  adopt (unless ``release_on_shutdown``); every other one is destroyed, and its instance
+  is ``lost`` (410), as one a kill -9 or a drain's timeout cut off: its client did not end
+  it, so its next call, a retry included, is told the episode is gone, never a 409.
 """
 
 from __future__ import annotations
@@ -209,7 +211,12 @@ class Lifecycle:
                     await sandbox.detach(live.episode.handle)
                     live.log.record("detached")
                 else:
-                    await self.episodes.end(live, "released", error="node shut down")
+                    why = (
+                        "its node shut down with release_on_shutdown"
+                        if sandbox.survives_restart
+                        else "its node shut down, and its sandbox does not survive a restart"
+                    )
+                    await self.episodes.end(live, "lost", error=why)
             except Exception:
                 log.exception("releasing %s at shutdown", live.row.id)
         await asyncio.to_thread(self.trial_writer.close)
