@@ -362,13 +362,9 @@ def test_a_stopped_node_gets_no_work_and_its_instances_answer_503_until_it_retur
             timeout=10,
             message="the scheduler never saw the node back",
         )
-        # The node released its instances when it stopped: a clear 409 now, not a hang.
-        assert (
-            c.post(
-                f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}}
-            ).status_code
-            == 409
-        )
+        # The node ended its instances when it stopped: a clear 410 now, not a hang.
+        r = c.post(f"/instances/{iid}/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}})
+        assert r.status_code == 410 and r.json()["code"] == "gone" and "its node shut down" in r.json()["error"]
         for o in others:
             c.post(f"/instances/{o}/release")
 
