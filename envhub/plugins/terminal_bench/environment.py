@@ -245,6 +245,10 @@ class TerminalBench(Environment):
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         tb = self.tb(task)
+        if tb.extra.get("gpus"):
+            raise InvalidRequest(
+                f"task {tb.id!r} needs {tb.extra['gpus']} GPU(s), and envhub's sandboxes have none", field="task_id"
+            )
         services = tb.extra.get("compose_services") or []
         if services and not self.ignore_compose_services:
             raise InvalidRequest(
@@ -477,6 +481,7 @@ def _public(tb: TbTask) -> dict[str, Any]:
         "memory_mb": tb.memory_mb,
         "allow_internet": tb.allow_internet,
         "compose_services": tb.extra.get("compose_services") or [],
+        "gpus": tb.extra.get("gpus") or 0,
     }
 
 
