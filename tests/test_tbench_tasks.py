@@ -261,6 +261,16 @@ def test_tb1_compose_environment_mapping_takes_numbers_and_booleans(tmp_path):
     assert t.memory_mb == 512 and t.build_context == t.path
 
 
+@pytest.mark.parametrize(
+    "services, others", [({"main": {"build": "."}}, []), ({"main": {}, "redis": {}, "db": {}}, ["db", "redis"])]
+)
+def test_tb2_compose_services_are_those_beside_harbors_main(tmp_path, services, others):
+    d = make_tb2(tmp_path)
+    write(d / "environment" / "docker-compose.yaml", yaml.safe_dump({"services": services}))
+    assert load_task(d).extra["compose_services"] == others
+    assert load_task(make_tb2(tmp_path, name="plain")).extra["compose_services"] == []
+
+
 def test_workdir_is_none_when_only_the_base_image_sets_it(tmp_path):
     assert load_task(make_tb1(tmp_path, dockerfile="FROM ubuntu:24.04\nRUN true\n")).workdir is None
 

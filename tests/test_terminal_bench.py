@@ -442,3 +442,50 @@ def test_a_multi_step_task_runs_its_first_step_and_passes_in_oracle_mode(tmp_pat
         assert created["observation"]["oracle"]["exit_code"] == 0, created["observation"]["oracle"]
         ev = client.post(f"/instances/{created['instance_id']}/evaluate", json={"release": True}).json()
         assert ev["reward"] == 1.0, ev
+
+
+def test_a_task_whose_compose_file_adds_services_is_refused_unless_the_node_runs_it_without_them(
+    tmp_path, start_tb_node
+):
+    """envhub runs one container per episode, without GPUs. A task whose docker-compose file defines
+    services beside its own container (a tb1 ``db`` beside ``client``, a tb2 ``redis``
+    beside Harbor's ``main``) was run without them, and its tests, which may need them,
+    gave a reward that was wrong through no fault of the model. Now its create is a 400
+    naming the services and the option, and the task's listing names them; a node with
+    ``ignore_compose_services: true`` runs it (the sidecar is not what word-count's tests
+    need, so its oracle earns 1.0). A task that asks for a GPU is refused likewise."""
+    data = tmp_path / "ds"
+    tb1 = shutil.copytree(BUNDLED / "word-count", data / "word-count-db")
+    compose = yaml.safe_load((tb1 / "docker-compose.yaml").read_text())
+    compose["services"]["db"] = {"image": "postgres:16"}
+    (tb1 / "docker-compose.yaml").write_text(yaml.safe_dump(compose))
+    tb2 = shutil.copytree(BUNDLED / "hello-envhub", data / "hello-redis")
+    (tb2 / "environment" / "docker-compose.yaml").write_text(
+        yaml.safe_dump({"services": {"main": {"build": "."}, "redis": {"image": "redis:7"}}})
+    )
+    gpu = shutil.copytree(BUNDLED / "hello-envhub", data / "hello-gpu")
+    (gpu / "task.toml").write_text((gpu / "task.toml").read_text() + "gpus = 1\n")  # in [environment]
+    strict = start_tb_node(write_config(tmp_path / "strict.yaml", data))
+    with strict.client(timeout=60) as c:
+        for task_id, services in (("word-count-db", "db"), ("hello-redis", "redis")):
+            r = c.post("/instances", json={"environment": "terminal-bench", "task_id": task_id})
+            assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
+            error = r.json()["error"]
+            assert error.startswith(f"task {task_id!r} needs the service(s) {services} of its docker-compose"), error
+            assert "ignore_compose_services: true" in error and r.json()["field"] == "task_id", error
+            task = c.get(f"/environments/terminal-bench/tasks/{task_id}").json()["task"]
+            assert task["compose_services"] == [services], task
+        r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-gpu"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == "task 'hello-gpu' needs 1 GPU(s), and envhub's sandboxes have none", r.text
+        assert c.get("/health").json()["active"] == 0, "a refused create holds no slot"
+    loose_config = tmp_path / "loose.yaml"
+    write_config(loose_config, data)
+    config = yaml.safe_load(loose_config.read_text())
+    config["environments"]["terminal-bench"]["ignore_compose_services"] = True
+    loose_config.write_text(yaml.safe_dump(config))
+    loose = start_tb_node(loose_config)
+    with loose.client(timeout=300) as c:
+        oracle = create(c, "word-count-db", params={"oracle": True})
+        graded = c.post(f"/instances/{oracle['instance_id']}/evaluate", json={"release": True}).json()
+        assert graded["reward"] == 1.0, graded

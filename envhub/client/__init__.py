@@ -19,8 +19,8 @@ Policy (docs/client.md explains it for users):
   envhub's error envelope ``{"ok": false, "error", "code", "status"}``. A retryable one
   still failing after the last attempt (or at once, for a call that is not retried) becomes
   :class:`EnvhubUnavailable`, a subclass.
-- An episode whose sandbox is gone (410: its node restarted, or a node's drain ended it)
-  raises :class:`EpisodeLost`; ``run_episode`` creates, plays and releases a whole
+- An episode whose sandbox is gone (410: its node restarted or shut down, or a node's
+  drain ended it) raises :class:`EpisodeLost`; ``run_episode`` creates, plays and releases a whole
   episode, and plays one lost that way again from a fresh create (a new instance id).
 - ``fallback=True`` (as AgentEvolver's robust client): ``create``, ``step``, ``evaluate``
   and ``release`` return a harmless reply marked ``"fallback": true`` instead of raising.
@@ -434,8 +434,8 @@ class EnvhubClient(_ClientBase):
     ) -> T:
         """One whole episode: create it, ``play(created)`` (your steps and evaluation, given
         the create's reply), then release it, whatever happened. An episode that is lost
-        meanwhile (:class:`EpisodeLost`, 410: its node restarted, or a drain's timeout
-        ended it) is played again from a fresh create with a new instance id, up to
+        meanwhile (:class:`EpisodeLost`, 410: its node restarted or shut down, or a
+        drain's timeout ended it) is played again from a fresh create with a new instance id, up to
         ``attempts`` times in all; ``play`` must start from the reply it is given."""
         _check_attempts(attempts)
         for attempt in range(1, attempts + 1):

@@ -63,8 +63,8 @@ class EnvhubUnavailable(EnvhubClientError):
 
 
 class EpisodeLost(EnvhubClientError):
-    """410 ``gone``: the episode's sandbox is gone with its state (its node restarted, its
-    sandbox died, or a node's drain ended it at the drain timeout). The call cannot be
+    """410 ``gone``: the episode's sandbox is gone with its state (its node restarted or
+    shut down, its sandbox died, or a node's drain ended it at the drain timeout). The call cannot be
     repeated, but the episode can: ``run_episode`` plays it again from a fresh create."""
 
 

@@ -115,7 +115,10 @@ class TerminalBench(Environment):
     per task once it is in use, see envhub/node/pool.py), ``verifier_tools`` (false; true puts uv,
     uvx and a uv cache warmed with what the task's test scripts pin into each task
     image, for verifiers without internet: see offline.py), ``debian_mirror`` (for
-    ``envhub build --base-images``).
+    ``envhub build --base-images``), ``ignore_compose_services`` (false: a create of a
+    task whose docker-compose file defines services beside its own container, sidecars
+    its tests may need, is refused, since envhub runs one container per episode and its
+    reward would be wrong; true runs such tasks without them).
 
     ``image_map``: the node's, then this section's, over :data:`offline.DEFAULT_IMAGE_MAP`
     for whichever stand-in base images exist on the engine (``envhub build
@@ -166,6 +169,7 @@ class TerminalBench(Environment):
         self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
         self._images: dict[str, str] = {}
         self.verifier_tools = bool(self.config.get("verifier_tools", False))
+        self.ignore_compose_services = bool(self.config.get("ignore_compose_services", False))
         self._tools: tuple[bytes, bytes] | None = None  # uv's binaries, once read
         self._tools_lock = asyncio.Lock()
         self._stand_ins: dict[str, str] = {}  # the default image_map entries whose image exists
@@ -241,6 +245,18 @@ class TerminalBench(Environment):
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         tb = self.tb(task)
+        if tb.extra.get("gpus"):
+            raise InvalidRequest(
+                f"task {tb.id!r} needs {tb.extra['gpus']} GPU(s), and envhub's sandboxes have none", field="task_id"
+            )
+        services = tb.extra.get("compose_services") or []
+        if services and not self.ignore_compose_services:
+            raise InvalidRequest(
+                f"task {tb.id!r} needs the service(s) {', '.join(services)} of its docker-compose file beside "
+                "its own container, and envhub runs one container per episode, so its tests would fail for want "
+                "of them; set environments.terminal-bench.ignore_compose_services: true to run it without them",
+                field="task_id",
+            )
         dataset = params.get("dataset")  # SETA's dataset_name: the task must be from that dataset
         if dataset is not None:
             if not isinstance(dataset, str):
@@ -464,6 +480,8 @@ def _public(tb: TbTask) -> dict[str, Any]:
         "cpus": tb.cpus,
         "memory_mb": tb.memory_mb,
         "allow_internet": tb.allow_internet,
+        "compose_services": tb.extra.get("compose_services") or [],
+        "gpus": tb.extra.get("gpus") or 0,
     }
 
 

@@ -156,6 +156,17 @@ def _tb1_compose(path: Path) -> _Compose:
     return out
 
 
+def _tb2_compose_services(file: Path) -> list[str]:
+    """The services a tb2 task's docker-compose file adds beside Harbor's ``main`` (the
+    task's own container): sidecars its tests may need."""
+    try:
+        raw = yaml.safe_load(read_text(file))
+    except yaml.YAMLError as e:
+        raise TaskFormatError(file, f"invalid YAML: {e}") from None
+    services = Table(raw, file).table("services")
+    return sorted(str(s) for s in services.data if s != "main")
+
+
 def _compose_env(svc: Table, file: Path) -> dict[str, str]:
     value = svc.data.get("environment") or {}
     if isinstance(value, list):
@@ -205,6 +216,7 @@ def _load_tb2(path: Path) -> TbTask:
     # internet" so a runner that cannot enforce allowlists errs on the closed side.
     allow_internet = (network_mode == "public") if network_mode else envc.boolean("allow_internet", True)
     workdir = envc.string("workdir") or (dockerfile_workdir(read_text(dockerfile)) if dockerfile else None)
+    compose_file = first_existing(context / "docker-compose.yaml", context / "docker-compose.yml")
     extra = {
         "schema_version": cfg.string("schema_version") or cfg.string("version"),
         "metadata": dict(meta.data),
@@ -223,7 +235,8 @@ def _load_tb2(path: Path) -> TbTask:
         "verifier_user": verifier.data.get("user"),
         "artifacts": cfg.data.get("artifacts") or [],
         "multi_step_reward_strategy": cfg.string("multi_step_reward_strategy"),
-        "compose_file": first_existing(context / "docker-compose.yaml", context / "docker-compose.yml"),
+        "compose_file": compose_file,
+        "compose_services": _tb2_compose_services(compose_file) if compose_file else [],
     }
     return TbTask(
         id=path.name,
