@@ -62,7 +62,7 @@ class ConfigPush:
             def body_for(node: Node) -> dict[str, Any] | None:
                 body = fleet.for_node(node, change if fleet.has_current(node) else preview)
                 if body is not None:
-                    boots[node.url] = fleet.boot_of(node)
+                    boots[node.url] = node.process
                 return body
 
             results = await service.fan_out("POST", "/config", body_for=body_for, skip_down=True)
@@ -98,7 +98,7 @@ class ConfigPush:
         """The fleet's config, as much of it as ``node`` serves, sent to it; its outcome
         recorded against the node's boot at the time it was sent."""
         fleet = self.state
-        version, boot, body = fleet.version, fleet.boot_of(node), fleet.for_node(node)
+        version, boot, body = fleet.version, node.process, fleet.for_node(node)
         timeout, _ = self.service.fan_out_deadline()
         result = await self.service.ask(node, "POST", "/config", body, timeout=timeout, deadline=deadline)
         fleet.sync(node, version, boot, result)

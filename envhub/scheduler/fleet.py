@@ -61,6 +61,16 @@ class Node:
         n -= sum(1 for i in self.ended if i in self.holders or i in self.creating or i in self.created)
         return n + self.active + self.pending + max(0, self.rollouts - self.reported_rollouts)
 
+    @property
+    def process(self) -> str | None:
+        """The node process that sent the last health report: its node id and the boot in
+        its ``slot_mark``. A restarted node is another process (and lost what it was told
+        at run time, its config with it). None before its first report."""
+        if not self.info:
+            return None
+        boot, _ = parse_mark(self.info.get("slot_mark"))
+        return f"{self.info.get('node_id') or ''}/{boot}"
+
     def unavailable(self, environment: str) -> bool:
         """Whether the node's last health report said ``environment`` takes no creates
         there now (its sandbox is down)."""

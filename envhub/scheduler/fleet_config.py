@@ -12,7 +12,7 @@ Invariants:
   the environments its last health report lists, never a section of an environment it
   does not serve. A node that has not reported yet gets nothing.
 - A node has the config when a push of the current version was taken (2xx) by the node
-  process now running: its boot (:meth:`FleetConfig.boot_of`, from its health report)
+  process now running: its boot (``Node.process``, from its health report)
   is the one the push went to. A push it refused (``JUDGED``: 400, 404, 409, 422) is
   settled too, and is not sent
   again until the version or its boot changes (it would be refused again); a push that
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envhub.errors import EnvhubError, InvalidRequest
-from envhub.scheduler.fleet import Node, parse_mark
+from envhub.scheduler.fleet import Node
 from envhub.settings import check_changes, check_section
 from envhub.store import fleet_config
 from envhub.store.db import Database
@@ -154,29 +154,19 @@ class FleetConfig:
             out["environments"] = sections
         return out
 
-    @staticmethod
-    def boot_of(node: Node) -> str | None:
-        """The node process that sent the last health report: its node id and the boot in
-        its ``slot_mark``. A restarted node has another, and lost its config with the
-        process. None before its first report."""
-        if not node.info:
-            return None
-        boot, _ = parse_mark(node.info.get("slot_mark"))
-        return f"{node.info.get('node_id') or ''}/{boot}"
-
     def _sync_of(self, node: Node) -> NodeSync:
         return self._nodes.setdefault(node.url, NodeSync())
 
     def has_current(self, node: Node) -> bool:
         """Whether the node process running now took the current version."""
         s = self._nodes.get(node.url)
-        return s is not None and s.version == self.version and s.boot == self.boot_of(node)
+        return s is not None and s.version == self.version and s.boot == node.process
 
     def in_sync(self, node: Node) -> bool:
         """Whether the node process running now answered a push of the current version
         (took it or refused it): nothing to send it until the version or its boot changes."""
         s = self._nodes.get(node.url)
-        return s is not None and s.settled == (self.version, self.boot_of(node))
+        return s is not None and s.settled == (self.version, node.process)
 
     def standing(self, node: Node) -> str:
         """Whether the node process running now may take creates as far as the fleet's
@@ -188,7 +178,7 @@ class FleetConfig:
         if self.version == 0 or self.in_sync(node):
             return "ready"
         s = self._nodes.get(node.url)
-        failed = s is not None and s.failed == (self.version, self.boot_of(node))
+        failed = s is not None and s.failed == (self.version, node.process)
         return "failed" if failed else "pending"
 
     def sync(self, node: Node, version: int, boot: str | None, result: dict[str, Any]) -> None:
@@ -210,7 +200,7 @@ class FleetConfig:
         s = self._nodes.get(node.url)
         if s is None:
             return {"config_version": None, "config_error": None}
-        has = s.version if s.version and s.boot == self.boot_of(node) else None
+        has = s.version if s.version and s.boot == node.process else None
         return {"config_version": has, "config_error": s.error}
 
 

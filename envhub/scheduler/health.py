@@ -17,13 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import aiohttp
 
 from envhub.errors import UpstreamUnavailable
 from envhub.scheduler import peers
-from envhub.scheduler.fleet import Node, NodeSource, parse_mark
+from envhub.scheduler.fleet import Node, NodeSource
 from envhub.scheduler.view import FleetView
 from envhub.settings import Settings
 from envhub.store import routes
@@ -33,11 +32,6 @@ log = logging.getLogger("envhub.scheduler")
 
 _PRUNE_BATCH = 500  # retention (prune_routes): routes per transaction
 _PRUNE_PER_ROUND = 5_000  # and per health round
-
-
-def _boot(report: dict[str, Any]) -> tuple[Any, str]:
-    """The node process that made a health report: its node id and its boot."""
-    return report.get("node_id"), parse_mark(report.get("slot_mark"))[0]
 
 
 class FleetHealth:
@@ -100,9 +94,10 @@ class FleetHealth:
             return
         if not node.healthy:
             log.info("node %s is up", node.url)
-        if not node.healthy or _boot(report) != _boot(node.info):
-            self.view.came_up.set()
+        was_up, process = node.healthy, node.process
         node.healthy, node.error, node.last_seen, node.info = True, None, time.monotonic(), report
+        if not was_up or node.process != process:
+            self.view.came_up.set()
         node.failed_checks = 0
         self.view.freed.set()
 
