@@ -126,11 +126,7 @@ def _tb1_compose(path: Path) -> _Compose:
     file = first_existing(path / "docker-compose.yaml", path / "docker-compose.yml")
     if file is None:
         return out
-    try:
-        raw = yaml.safe_load(read_text(file))
-    except yaml.YAMLError as e:
-        raise TaskFormatError(file, f"invalid YAML: {e}") from None
-    services = Table(raw, file).table("services")
+    services = _compose_services(file)
     if not services.data:
         raise TaskFormatError(file, "no services defined", field="services")
     main = "client" if "client" in services.data else next(iter(services.data))
@@ -156,15 +152,19 @@ def _tb1_compose(path: Path) -> _Compose:
     return out
 
 
-def _tb2_compose_services(file: Path) -> list[str]:
-    """The services a tb2 task's docker-compose file adds beside Harbor's ``main`` (the
-    task's own container): sidecars its tests may need."""
+def _compose_services(file: Path) -> Table:
+    """The ``services`` table of a docker-compose file."""
     try:
         raw = yaml.safe_load(read_text(file))
     except yaml.YAMLError as e:
         raise TaskFormatError(file, f"invalid YAML: {e}") from None
-    services = Table(raw, file).table("services")
-    return sorted(str(s) for s in services.data if s != "main")
+    return Table(raw, file).table("services")
+
+
+def _tb2_compose_services(file: Path) -> list[str]:
+    """The services a tb2 task's docker-compose file adds beside Harbor's ``main`` (the
+    task's own container): sidecars its tests may need."""
+    return sorted(str(s) for s in _compose_services(file).data if s != "main")
 
 
 def _compose_env(svc: Table, file: Path) -> dict[str, str]:
