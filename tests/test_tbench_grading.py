@@ -331,3 +331,64 @@ def test_rejects_unknown_mode_and_unknown_status():
         reward_from_tests({"a": "passed"}, "mean")  # type: ignore[arg-type]
     with pytest.raises(GradingError, match="'a': 'PASSED'"):
         reward_from_tests({"a": "PASSED"}, "all_pass")
+
+
+# ---------------------------------------------------------------------------
+# A multi-step trial's reward (steps.trial_reward: harbor's multi_step_reward_strategy)
+
+
+def _steps_task(strategy: str, count: int = 3):
+    from pathlib import Path
+
+    from envhub.plugins.terminal_bench.model import TbStep, TbTask
+
+    step = TbStep("s", "do it", Path("t"), Path("t/test.sh"), None, None, None, 30.0)
+    return TbTask(
+        "t",
+        "t",
+        "tb2",
+        Path("t"),
+        "do it",
+        None,
+        Path("e"),
+        None,
+        None,
+        30.0,
+        60.0,
+        Path("t"),
+        Path("t/test.sh"),
+        None,
+        steps=[step] * count,
+        reward_strategy=strategy,  # type: ignore[arg-type]
+    )
+
+
+def _graded(*rewards: dict[str, float]) -> list[dict]:
+    return [
+        {"name": f"s{i}", "reward": r.get("reward", sum(r.values()) / len(r)), "rewards": r}
+        for i, r in enumerate(rewards)
+    ]
+
+
+@pytest.mark.parametrize(
+    "strategy, graded, over, reward, rewards",
+    [
+        # harbor's mean: per key, a key a step lacks counts 0
+        ("mean", _graded({"reward": 1.0}, {"reward": 0.5}, {"reward": 0.0}), "last", 0.5, {"reward": 0.5}),
+        ("mean", _graded({"a": 1.0}, {"a": 1.0, "b": 1.0}), "min_reward", 0.75, {"a": 1.0, "b": 0.5}),
+        # an early stop leaves the skipped steps out; a client that stopped counts them as 0
+        ("mean", _graded({"reward": 1.0}, {"reward": 0.25}), "min_reward", 0.625, {"reward": 0.625}),
+        ("mean", _graded({"reward": 1.0}), "evaluated", 1 / 3, {"reward": 1 / 3}),
+        # final: the last graded step's, or 0 when the last step was never reached
+        ("final", _graded({"reward": 1.0}, {"reward": 0.25}), "min_reward", 0.25, {"reward": 0.25}),
+        ("final", _graded({"reward": 1.0}, {"reward": 1.0}), "evaluated", 0.0, {"reward": 0.0}),
+        ("final", _graded({"reward": 1.0}, {"reward": 0.0}, {"reward": 0.5}), "last", 0.5, {"reward": 0.5}),
+    ],
+)
+def test_a_multi_step_trials_reward_follows_harbors_strategy_and_stopping_early_never_pays(
+    strategy, graded, over, reward, rewards
+):
+    from envhub.plugins.terminal_bench.steps import trial_reward
+
+    got_reward, got_rewards = trial_reward(_steps_task(strategy), graded, over)
+    assert got_reward == pytest.approx(reward) and got_rewards == pytest.approx(rewards)

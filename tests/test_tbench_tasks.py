@@ -13,7 +13,7 @@ import yaml
 from conftest import TB_DATA, needs_shared
 
 from envhub.plugins.terminal_bench.images import context_hash, substitute_base
-from envhub.plugins.terminal_bench.model import TaskFormatError
+from envhub.plugins.terminal_bench.model import Healthcheck, TaskFormatError
 from envhub.plugins.terminal_bench.tasks import load_dataset, load_task
 
 
@@ -155,14 +155,15 @@ def test_tb2_multi_step_keeps_steps_and_flat_fields_describe_the_first():
     implement = t.steps[1]
     assert implement.verifier_env == {"EXPECTED_NAME": "Harbor", "EXPECTED_GREETING": "Hello, Harbor!"}
     assert implement.workdir_upload == t.path / "steps" / "implement" / "workdir"
-    assert implement.healthcheck["command"] == "test -x /app/greet.sh"
+    assert implement.healthcheck == Healthcheck("test -x /app/greet.sh", interval_sec=1, timeout_sec=5, retries=3)
     assert t.steps[0].workdir_upload is None and t.steps[2].artifacts == ["/app/README.md"]
     assert t.instruction == t.steps[0].instruction and "greet.sh" in t.instruction
     assert t.test_script == t.path / "steps" / "scaffold" / "tests" / "test.sh"
     assert (t.agent_timeout_sec, t.test_timeout_sec) == (60.0, 30.0)
     assert t.tests_dir == t.path / "tests"  # shared helpers.sh, merged under each step's tests
     assert t.env == {"GREETER_PROJECT": "hello-multi-step-full"} and t.workdir == "/app"
-    assert t.extra["artifacts"] == ["/app/greet.sh"]
+    assert t.extra["artifacts"] == t.artifacts == ["/app/greet.sh"]
+    assert t.reward_strategy == "mean" and t.healthcheck is None and t.verifier_env == {}
 
 
 # ---------------------------------------------------------------------------
@@ -363,6 +364,12 @@ def test_rejects_tb1_fields_of_the_wrong_type(tmp_path, line, field):
         ("[environment.env]\nPORT = 8080\n", "environment.env.PORT"),  # harbor's env is dict[str, str]
         ("environment = 3\n", "environment"),
         ("[metadata]\ntags = [1, 2]\n", "metadata.tags"),
+        ("[environment.healthcheck]\ninterval_sec = 1\n", "environment.healthcheck.command"),
+        ('[environment.healthcheck]\ncommand = "true"\nretries = 0\n', "environment.healthcheck.retries"),
+        ('[environment.healthcheck]\ncommand = "true"\ntimeout_sec = -1\n', "environment.healthcheck.timeout_sec"),
+        ('multi_step_reward_strategy = "max"\n', "multi_step_reward_strategy"),
+        ("artifacts = [3]\n", "artifacts[0]"),
+        ('artifacts = "/app"\n', "artifacts"),
     ],
 )
 def test_rejects_tb2_fields_of_the_wrong_type(tmp_path, toml, field):
@@ -374,6 +381,17 @@ def test_rejects_multi_step_task_missing_a_step_instruction(tmp_path):
     d = make_tb2(tmp_path, task_toml='[[steps]]\nname = "one"\n', instruction=None)
     write(d / "steps" / "one" / "tests" / "test.sh", "#!/bin/bash\n")
     assert_format_error(d, "steps/one/instruction.md")
+
+
+def test_tb2_healthcheck_verifier_env_artifacts_and_strategy_are_read_with_harbors_defaults(tmp_path):
+    toml = (
+        'multi_step_reward_strategy = "final"\nartifacts = ["/app/out.txt", {source = "logs", destination = "x"}]\n'
+        '[verifier.env]\nMODE = "strict"\n[environment.healthcheck]\ncommand = "test -f /ready"\nretries = 5\n'
+    )
+    t = load_task(make_tb2(tmp_path, task_toml=toml))
+    assert t.healthcheck == Healthcheck("test -f /ready", retries=5)  # harbor's defaults otherwise
+    assert t.verifier_env == {"MODE": "strict"} and t.reward_strategy == "final"
+    assert t.artifacts == ["/app/out.txt", "logs"]
 
 
 def test_rejects_duplicate_step_names(tmp_path):

@@ -429,21 +429,6 @@ def test_a_verifier_longer_than_a_minute_is_graded_through_a_scheduler(tmp_path,
         assert scheduler.stop() == 0
 
 
-@needs_shared
-def test_a_multi_step_task_runs_its_first_step_and_passes_in_oracle_mode(tmp_path, start_tb_node):
-    """The step's own tests/test.sh is staged beside the task's shared tests/ (harbor's
-    layout); only loading was tested before, and every grading failed."""
-    cfg = write_config(
-        tmp_path / "node.yaml", TB_DATA / "tb2", image_map={"debian:bookworm": BASE_IMAGE, "ubuntu:24.04": BASE_IMAGE}
-    )
-    node = start_tb_node(cfg)
-    with node.client(timeout=600) as client:
-        created = create(client, "multi-step", params={"oracle": True})
-        assert created["observation"]["oracle"]["exit_code"] == 0, created["observation"]["oracle"]
-        ev = client.post(f"/instances/{created['instance_id']}/evaluate", json={"release": True}).json()
-        assert ev["reward"] == 1.0, ev
-
-
 def test_a_task_whose_compose_file_adds_services_is_refused_unless_the_node_runs_it_without_them(
     tmp_path, start_tb_node
 ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import stat
 
+import pytest
 from conftest import eventually
 
 from envhub.node.trial_log import TrialLog, TrialWriter, safe_name
@@ -70,14 +71,19 @@ def test_the_trials_tree_is_the_node_s_user_s_only_dirs_0700_and_files_0600(tmp_
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o600 for p in files}
 
 
-def test_the_verifier_s_files_are_kept_like_the_trial_log(tmp_path):
+@pytest.mark.parametrize("where", [".", "steps/scaffold"])
+def test_the_verifier_s_files_are_kept_like_the_trial_log(tmp_path, where):
+    """A grade's files (and a multi-step task's step's, under steps/<name>/), and the
+    artifacts beside them: no name from the container leads out of its dir."""
     from envhub.plugins.terminal_bench.verifier import _write_verifier_dir
 
     instance = tmp_path / "trials" / "t" / "i"
     files = {"reward.txt": b"1\n", "ctrf.json": b"{}", "sub/dir/out.txt": b"x", "../../escape.txt": b"no"}
-    _write_verifier_dir(instance, files, {"passed": 1})
-    verifier = instance / "verifier"
-    assert not (instance.parent / "escape.txt").exists() and not (tmp_path / "trials" / "escape.txt").exists()
+    artifacts = {"app/greet.sh": b"echo hello", "../verifier/reward.txt": b"forged", "../../../escape.txt": b"no"}
+    _write_verifier_dir(instance, where, files, {"passed": 1}, artifacts)
+    verifier = instance / where / "verifier"
+    assert not list(tmp_path.rglob("escape.txt"))
+    assert (verifier / "reward.txt").read_bytes() == b"1\n"
     written = {p.relative_to(verifier).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in verifier.rglob("*")}
     assert written == {
         "reward.txt": 0o600,
@@ -87,7 +93,15 @@ def test_the_verifier_s_files_are_kept_like_the_trial_log(tmp_path):
         "sub/dir/out.txt": 0o600,
         "result.json": 0o600,
     }
-    for d in (tmp_path / "trials", instance.parent, instance, verifier):
+    assert (instance / where / "artifacts" / "app" / "greet.sh").read_bytes() == b"echo hello"
+    for d in (
+        tmp_path / "trials",
+        instance.parent,
+        instance,
+        (instance / where).parent,
+        verifier,
+        instance / where / "artifacts",
+    ):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
 
 

@@ -19,7 +19,11 @@ terminal-bench's grade: tb1 1.0 iff every test passed, tb2 the verifier's reward
 ``verifier/`` in the episode's trial directory, as harbor lays it out.
 
 Oracle mode (create param ``oracle: true``) runs the task's reference solution before the
-episode starts, for checking a dataset. Multi-step tb2 tasks run as their first step.
+episode starts, for checking a dataset.
+
+A tb2 task's ``[environment].healthcheck`` runs before the episode starts (a create whose
+check does not pass fails). Multi-step tb2 tasks (``[[steps]]``) are one episode through
+all their steps, handed in one at a time with the tool ``finish_step``: see steps.py.
 """
 
 from __future__ import annotations
@@ -29,13 +33,13 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.terminal_bench import offline, verifier
+from envhub.plugins.terminal_bench import offline, steps, verifier
 from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base
 from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
@@ -339,16 +343,30 @@ class TerminalBench(Environment):
     async def reset(self, episode: Episode) -> dict[str, Any]:
         tb = self.tb(episode.task)
         episode.state.update(commands=0, evaluated=False)
-        if tb.steps and tb.steps[0].workdir_upload is not None:  # the first step's files, as harbor uploads them
-            await episode.sandbox.copy_dir(episode.handle, tb.steps[0].workdir_upload, tb.workdir or "/")
-        if episode.params.get("oracle"):
+        if tb.healthcheck is not None:
+            problem = await steps.healthcheck(episode, tb, tb.healthcheck)
+            if problem:
+                raise SandboxError(f"task {tb.id}: its {problem}")
+        oracle = bool(episode.params.get("oracle"))
+        system_prompt, tools = SYSTEM_PROMPT, TOOLS
+        if tb.steps:
+            problem = await steps.start(episode, tb, 0, oracle=oracle)
+            if problem:
+                raise SandboxError(f"task {tb.id}: {problem}")
+            system_prompt += steps.SYSTEM_PROMPT_STEPS.format(count=len(tb.steps))
+            tools = [*TOOLS, steps.FINISH_STEP]
+        elif oracle:
             episode.state["oracle"] = await self._run_oracle(episode, tb)
+        if tb.steps and oracle:  # what the first step's solution did, as a single step's oracle says it
+            episode.state["oracle"] = episode.state["oracle_steps"][tb.steps[0].name]
+        step = {"step": {"name": tb.steps[0].name, "index": 0, "count": len(tb.steps)}} if tb.steps else {}
         return {
-            "system_prompt": SYSTEM_PROMPT,
+            "system_prompt": system_prompt,
             "instruction": tb.instruction,
-            "tools": TOOLS,
-            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": tb.instruction}],
+            "tools": tools,
+            "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": tb.instruction}],
             "task": _public(tb),
+            **step,
             **({"oracle": episode.state["oracle"]} if "oracle" in episode.state else {}),
         }
 
@@ -414,6 +432,8 @@ class TerminalBench(Environment):
             except InvalidRequest as e:
                 return StepResult({"content": f"error: {e.message}", "ok": False})
             return StepResult({"content": f"wrote {len(content.encode())} bytes to {path}", "ok": True})
+        if action.tool == "finish_step" and tb.steps:
+            return await steps.finish(episode, tb, self._mode(episode))
         if action.tool == "read_file":
             path = action.require_str("path")
             try:
@@ -425,7 +445,8 @@ class TerminalBench(Environment):
                 {"content": text[: self.output_limit], "ok": True, "truncated": len(text) > self.output_limit}
             )
         raise InvalidRequest(
-            f"terminal-bench has no tool {action.tool!r} (tools: run_command, write_file, read_file)",
+            f"terminal-bench has no tool {action.tool!r} (tools: run_command, write_file, read_file"
+            f"{', finish_step' if tb.steps else ''})",
             field="action.tool",
         )
 
@@ -449,10 +470,15 @@ class TerminalBench(Environment):
         if episode.state.get("evaluated"):
             return Evaluation(episode.state["reward"], episode.state["evaluation"])
         tb = self.tb(episode.task)
+        if tb.steps:
+            return await steps.evaluate(episode, tb, self._mode(episode))
+        return await verifier.run(episode, tb, self._mode(episode))
+
+    def _mode(self, episode: Episode) -> Literal["all_pass", "pass_ratio"]:
         mode = episode.params.get("reward_mode", self.reward_mode)
         if mode not in ("all_pass", "pass_ratio"):
             raise InvalidRequest("'params.reward_mode' must be all_pass or pass_ratio", field="params.reward_mode")
-        return await verifier.run(episode, tb, mode)
+        return "pass_ratio" if mode == "pass_ratio" else "all_pass"
 
 
 def _as_list(datasets: Any) -> list[Any]:
@@ -469,13 +495,22 @@ def _dataset_root(entry: Any) -> Path:
 
 
 def _public(tb: TbTask) -> dict[str, Any]:
+    agent_timeout = tb.agent_timeout_sec
+    if tb.steps:  # the trial's: every step's agent time (a rollout's budget), None when one has no limit
+        limits = [s.agent_timeout_sec for s in tb.steps]
+        agent_timeout = None if None in limits else sum(t for t in limits if t is not None)
     return {
         "format": tb.format,
         "name": tb.name,
         "difficulty": tb.difficulty,
         "category": tb.category,
         "tags": tb.tags,
-        "agent_timeout_sec": tb.agent_timeout_sec,
+        "agent_timeout_sec": agent_timeout,
+        **(
+            {"steps": [{"name": s.name, "agent_timeout_sec": s.agent_timeout_sec} for s in tb.steps]}
+            if tb.steps
+            else {}
+        ),
         "test_timeout_sec": tb.test_timeout_sec,
         "cpus": tb.cpus,
         "memory_mb": tb.memory_mb,

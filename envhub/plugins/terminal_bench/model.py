@@ -21,10 +21,14 @@ Invariants of a loaded ``TbTask``:
   sets them, build 600 s (tb1 has no build budget; harbor's tb1 import uses its default).
   tb2: verifier 600 s, agent ``None``, build 600 s, cpus 1, memory 2048 MB,
   storage 10240 MB, gpus 0, internet allowed.
-* Multi-step tb2 tasks keep every step in ``steps``; the flat fields (instruction,
-  test script, solution, timeouts) describe the first step, so a single-step runner
-  degrades to "run step one". To verify a step, copy ``task.tests_dir`` (the shared
-  ``tests/``, when present) and then the step's ``tests_dir`` into ``/tests``.
+* Multi-step tb2 tasks keep every step in ``steps``, in ``[[steps]]`` order; the flat
+  fields (instruction, test script, solution, timeouts) describe the first step. To
+  verify a step, copy ``task.tests_dir`` (the shared ``tests/``, when present) and then
+  the step's ``tests_dir`` into ``/tests``; its verifier's environment is the task's
+  ``[verifier].env`` with the step's over it. ``reward_strategy`` is ``mean`` or
+  ``final`` (harbor's ``multi_step_reward_strategy``, ``mean`` when unset).
+* A healthcheck (``[environment].healthcheck``, ``[steps.healthcheck]``) has a command
+  and Docker HEALTHCHECK's numbers, each finite and >= 0 (``retries`` a whole number >= 1).
 * Verifying any task means: copy ``test_script`` and the contents of ``tests_dir`` into
   ``/tests`` and run ``bash /tests/<test_script.name>`` (tb1 also sets ``TEST_DIR=/tests``,
   which ``env`` already holds).
@@ -59,6 +63,20 @@ class TaskFormatError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
+@dataclass(frozen=True)
+class Healthcheck:
+    """Harbor's ``HealthcheckConfig``: ``command`` is run until it exits 0; failures in the
+    first ``start_period_sec`` do not count (checks ``start_interval_sec`` apart), after it
+    ``retries`` failures in a row (``interval_sec`` apart) fail the check."""
+
+    command: str
+    interval_sec: float = 5.0
+    timeout_sec: float = 30.0
+    start_period_sec: float = 0.0
+    start_interval_sec: float = 5.0
+    retries: int = 3
+
+
 @dataclass
 class TbStep:
     """One step of a multi-step tb2 task (``[[steps]]`` plus ``steps/<name>/``)."""
@@ -73,8 +91,8 @@ class TbStep:
     test_timeout_sec: float
     min_reward: float | dict[str, float] | None = None
     verifier_env: dict[str, str] = field(default_factory=dict)
-    healthcheck: dict[str, Any] | None = None
-    artifacts: list[Any] = field(default_factory=list)
+    healthcheck: Healthcheck | None = None
+    artifacts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +125,10 @@ class TbTask:
     parser: str | None = None
     run_tests_in_same_shell: bool = False
     steps: list[TbStep] = field(default_factory=list)
+    healthcheck: Healthcheck | None = None
+    verifier_env: dict[str, str] = field(default_factory=dict)  # [verifier].env, under every step's own
+    artifacts: list[str] = field(default_factory=list)  # collected after every step (and a single-step grade)
+    reward_strategy: Literal["mean", "final"] = "mean"
     extra: dict[str, Any] = field(default_factory=dict)
 
 

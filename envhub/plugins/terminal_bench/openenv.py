@@ -3,6 +3,9 @@
 ``exec`` runs a command (``run_command``; stdout then stderr in ``output``, ``success`` =
 exit code 0), ``write_file`` writes ``content`` to ``file_path``, ``evaluate`` grades the
 episode (reward, ``done``), ``close`` releases the instance (the session keeps its slot).
+``finish_step`` (envhub's, for multi-step tasks: steps.py) hands the current step in: the
+step's reward and the next step's ``instruction``, or, when that ended the trial, the
+trial's grade as ``evaluate`` gives it, with ``done``.
 ``write``, ``view``, ``wait`` and ``kill`` need a local terminal process and are
 unsupported, as in upstream Docker mode. A failed step is an observation
 (``success: false`` with the error), as upstream's is. What the model reads of a grade is
@@ -134,29 +137,20 @@ class Tbench2Adapter(OpenEnvAdapter):
                 ),
             )
         if kind == "evaluate":
-            graded = await session.evaluate()
-            details = graded["details"]
-            # The model reads this: counts only. The verifier's output and the tests' names
-            # tell it what the hidden tests check; they stay in the trainer's own evaluate
-            # details and the trial log. No verdict (a verifier that timed out or wrote no
-            # reward) is upstream's error, reward None and not done: never a false 0.0. The
-            # episode takes no steps (the tests are in its container), but the next
-            # evaluate runs the verifier again (Evaluation.verdict: the reply's "verdict").
-            verdict = graded.get("verdict", True) is not False
+            return await self._grade(session)
+        if kind == "finish_step":
+            stepped = await session.act("finish_step", {})
+            obs = stepped["observation"]
+            upcoming = obs.get("next_step")
+            if stepped["done"]:  # the trial is over: its grade, as an evaluate gives it
+                reward, done, fields = await self._grade(session)
+                return reward, done, {**fields, "output": f"{obs['content']}\n{fields['output']}"}
+            session.instruction = upcoming["instruction"]
+            info = {"step": obs["step"], "step_reward": obs["step_reward"], "next_step": upcoming["name"]}
             return (
-                graded["reward"] if verdict else None,
-                verdict,
-                {
-                    "output": f"{details.get('passed', 0)}/{details.get('total', 0)} tests passed.",
-                    "success": verdict,
-                    "error": "" if verdict else "the verifier gave no verdict",
-                    "info": {
-                        "tests_passed": graded["reward"] == 1.0,
-                        "passed": details.get("passed"),
-                        "total": details.get("total"),
-                        "harness": details.get("format"),
-                    },
-                },
+                stepped["reward"],
+                False,
+                {"output": obs["content"], "instruction": session.instruction, "info": info},
             )
         if kind == "close":
             await session.close_episode()  # the socket is still a session: it goes on holding its slot
@@ -165,6 +159,32 @@ class Tbench2Adapter(OpenEnvAdapter):
         if kind in ("write", "view", "wait", "kill"):
             return None, False, {"success": False, "error": f"Unsupported action_type in Docker mode: {kind}"}
         return None, False, {"success": False, "error": f"Unsupported action_type: {kind}"}
+
+    async def _grade(self, session: OpenEnvSession) -> tuple[Any, bool, dict[str, Any]]:
+        graded = await session.evaluate()
+        details = graded["details"]
+        # The model reads this: counts only. The verifier's output and the tests' names
+        # tell it what the hidden tests check; they stay in the trainer's own evaluate
+        # details and the trial log. No verdict (a verifier that timed out or wrote no
+        # reward) is upstream's error, reward None and not done: never a false 0.0. The
+        # episode takes no steps (the tests are in its container), but the next
+        # evaluate runs the verifier again (Evaluation.verdict: the reply's "verdict").
+        verdict = graded.get("verdict", True) is not False
+        return (
+            graded["reward"] if verdict else None,
+            verdict,
+            {
+                "output": f"{details.get('passed', 0)}/{details.get('total', 0)} tests passed.",
+                "success": verdict,
+                "error": "" if verdict else "the verifier gave no verdict",
+                "info": {
+                    "tests_passed": graded["reward"] == 1.0,
+                    "passed": details.get("passed"),
+                    "total": details.get("total"),
+                    "harness": details.get("format"),
+                },
+            },
+        )
 
     def tools(self) -> list[dict[str, Any]]:
         return TOOLS

@@ -23,6 +23,7 @@ from envhub.plugins.terminal_bench.model import (
     TB2_MEMORY_MB,
     TB2_STORAGE_MB,
     TB2_VERIFIER_TIMEOUT_SEC,
+    Healthcheck,
     LoadErrors,
     Table,
     TaskFormatError,
@@ -264,6 +265,10 @@ def _load_tb2(path: Path) -> TbTask:
         tags=meta.strings("tags"),
         parser=None,
         steps=steps,
+        healthcheck=_healthcheck(envc, "healthcheck"),
+        verifier_env=verifier.env("env"),
+        artifacts=_artifacts(cfg, "artifacts"),
+        reward_strategy=_reward_strategy(cfg),
         extra=extra,
     )
 
@@ -305,11 +310,55 @@ def _tb2_steps(path: Path, cfg: Table, agent_timeout: float | None, test_timeout
                 test_timeout_sec=_number(verifier, "timeout_sec", test_timeout, positive=True),
                 min_reward=_min_reward(s),
                 verifier_env=verifier.env("env"),
-                healthcheck=s.data.get("healthcheck"),
-                artifacts=list(s.data.get("artifacts") or []),
+                healthcheck=_healthcheck(s, "healthcheck"),
+                artifacts=_artifacts(s, "artifacts"),
             )
         )
     return steps
+
+
+def _healthcheck(table: Table, key: str) -> Healthcheck | None:
+    """A ``healthcheck`` table as harbor reads it (its defaults), or None when absent."""
+    if table.data.get(key) is None:
+        return None
+    t = table.table(key)
+    command = t.string("command")
+    if not command or not command.strip():
+        raise t.error("command", "a healthcheck needs a command")
+    defaults = Healthcheck(command=command)
+    retries = t.integer("retries", defaults.retries)
+    if retries is None or retries < 1:
+        raise t.error("retries", f"expected a whole number >= 1, got {retries!r}")
+    return Healthcheck(
+        command=command,
+        retries=retries,
+        **{
+            name: _number(t, name, getattr(defaults, name))
+            for name in ("interval_sec", "timeout_sec", "start_period_sec", "start_interval_sec")
+        },
+    )
+
+
+def _artifacts(table: Table, key: str) -> list[str]:
+    """Paths in the container to collect (harbor also takes ``{source, ...}`` tables: their
+    source; a relative one is under the task's workdir)."""
+    raw = table.data.get(key) or []
+    if not isinstance(raw, list):
+        raise table.error(key, f"expected a list of paths, got {raw!r:.80}")
+    paths = []
+    for i, item in enumerate(raw):
+        path = item.get("source") if isinstance(item, dict) else item
+        if not isinstance(path, str) or not path.strip():
+            raise table.error(f"{key}[{i}]", f"expected a path in the container, got {item!r:.80}")
+        paths.append(path)
+    return paths
+
+
+def _reward_strategy(cfg: Table) -> Literal["mean", "final"]:
+    strategy = cfg.string("multi_step_reward_strategy") or "mean"
+    if strategy not in ("mean", "final"):
+        raise cfg.error("multi_step_reward_strategy", f"expected mean or final, got {strategy!r}")
+    return "final" if strategy == "final" else "mean"
 
 
 def _min_reward(s: Table) -> float | dict[str, float] | None:

@@ -4,13 +4,16 @@
 Invariants:
 
 - The tests enter the container only here, a fresh copy for every run; from the first
-  run on, the episode takes no more steps (``state["tests_copied"]``).
+  run on, the episode takes no more steps (``state["tests_copied"]``), until a
+  multi-step task moves on to its next step (steps.py), which removes them first.
 - An evaluation counts only once it is complete and gave a verdict
   (``state["evaluated"]``), so a failed, cut-off or undecided run (tests timed out, no
   reward file) can be retried.
 - The verifier's files go to ``verifier/`` in the episode's trial dir, as harbor lays it
-  out (dirs 0700, files 0600); a name that came from the container never leads out of
-  that dir. A full disk loses them (logged), never the grade.
+  out (``steps/<name>/verifier/`` for a step of a multi-step task), with the tb2 task's
+  artifacts in ``artifacts/`` beside it (dirs 0700, files 0600); a name that came from
+  the container never leads out of its dir. A full disk loses them (logged), never the
+  grade; an artifact that cannot be read is left out (logged).
 """
 
 from __future__ import annotations
@@ -23,17 +26,31 @@ from pathlib import Path
 from typing import Any, Literal
 
 from envhub.environment import Episode, Evaluation
+from envhub.errors import EnvhubError, InvalidRequest
 from envhub.plugins.terminal_bench import grading
-from envhub.plugins.terminal_bench.model import TbTask
+from envhub.plugins.terminal_bench.model import TbStep, TbTask
 from envhub.util.files import private_dirs, write_private
 
 log = logging.getLogger("envhub.terminal_bench")
 
 
 async def run(episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_ratio"]) -> Evaluation:
-    """Run ``tb``'s tests in ``episode``'s container and grade them by ``mode``
-    (``all_pass`` or ``pass_ratio``). Uses only the sandbox contract (``exec``,
-    ``write_file``, ``copy_dir``, ``fetch_dir``)."""
+    """Run a single-step task's tests in ``episode``'s container and grade them by
+    ``mode`` (``all_pass`` or ``pass_ratio``); the grade is the episode's (its state
+    keeps a verdict)."""
+    evaluation = await grade(episode, tb, mode)
+    # Only a verdict is kept: a run that gave none (timed out, wrote no reward) is run
+    # again, from a fresh copy of the tests, by the next evaluate.
+    episode.state.update(reward=evaluation.reward, evaluation=evaluation.details, evaluated=evaluation.verdict)
+    return evaluation
+
+
+async def grade(
+    episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_ratio"], step: TbStep | None = None
+) -> Evaluation:
+    """Run the tests of ``tb`` (of its ``step``, for a multi-step task) in ``episode``'s
+    container and grade them by ``mode``. Uses only the sandbox contract (``exec``,
+    ``write_file``, ``read_file``, ``copy_dir``, ``fetch_dir``)."""
     # From here on the tests are (or may be) in the container: no more steps. The
     # evaluation counts only once it is complete, so a failed or cut-off run can be
     # retried; each run starts from a fresh copy of the tests.
@@ -61,17 +78,18 @@ async def run(episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_rati
         )
     else:
         await episode.exec("rm -rf /logs/verifier /tests && mkdir -p /logs/verifier /tests", timeout=30)
-        # The task's shared tests/ first, then the step's own (a multi-step task runs as
-        # its first step), as harbor stages them.
+        # The task's shared tests/ first, then the step's own, as harbor stages them.
+        test_script = step.test_script if step else tb.test_script
         if await asyncio.to_thread(tb.tests_dir.is_dir):
             await sandbox.copy_dir(episode.handle, tb.tests_dir, "/tests")
-        if tb.test_script.parent != tb.tests_dir:
-            await sandbox.copy_dir(episode.handle, tb.test_script.parent, "/tests")
-        verifier_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in _verifier_env(tb).items())
+        if test_script.parent != tb.tests_dir:
+            await sandbox.copy_dir(episode.handle, test_script.parent, "/tests")
+        env = {**tb.verifier_env, **(step.verifier_env if step else {})}
+        verifier_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         result = await episode.exec(
-            f"{cd_workdir(tb)}{verifier_env + ' ' if verifier_env else ''}bash /tests/{tb.test_script.name} "
+            f"{cd_workdir(tb)}{verifier_env + ' ' if verifier_env else ''}bash /tests/{test_script.name} "
             "> /logs/verifier/test-stdout.txt 2>&1",
-            timeout=tb.test_timeout_sec,
+            timeout=step.test_timeout_sec if step else tb.test_timeout_sec,
         )
         files = await sandbox.fetch_dir(episode.handle, "/logs/verifier")
         output = files.get("test-stdout.txt", b"").decode("utf-8", errors="replace")
@@ -99,18 +117,43 @@ async def run(episode: Episode, tb: TbTask, mode: Literal["all_pass", "pass_rati
         "timed_out": result.timed_out,
         "output_tail": output[-4000:],
     }
+    artifacts: dict[str, bytes] = {}
     if tb.format == "tb2":
         details["rewards"] = rewards
+        artifacts = await collect_artifacts(episode, tb, step)
+    if step is not None:
+        details["step"] = step.name
     if error:
         details["error"] = error
-    # Only a verdict is kept: a run that gave none (timed out, wrote no reward) is run
-    # again, from a fresh copy of the tests, by the next evaluate.
-    episode.state.update(reward=float(reward), evaluation=details, evaluated=error is None)
+    where = f"steps/{step.name}" if step else "."
     try:
-        await asyncio.to_thread(_write_verifier_dir, episode.log_dir, files, details)
+        await asyncio.to_thread(_write_verifier_dir, episode.log_dir, where, files, details, artifacts)
     except OSError as e:  # a full disk: the trial log loses these files, the grade stands
         log.warning("cannot write the verifier's files of %s to its trial log: %s", episode.instance_id, e)
     return Evaluation(float(reward), details, verdict=error is None)
+
+
+async def collect_artifacts(episode: Episode, tb: TbTask, step: TbStep | None) -> dict[str, bytes]:
+    """What harbor collects after a step (or the agent of a single-step task): the files
+    under ``/logs/artifacts`` and the task's (and the step's) ``artifacts`` paths, files
+    or dirs, by their path in the container. One that is missing or too large is left
+    out (logged): artifacts are for people reading the trial, never part of the grade."""
+    out: dict[str, bytes] = {}
+    paths = ["/logs/artifacts", *tb.artifacts, *(step.artifacts if step else [])]
+    for path in dict.fromkeys(paths):
+        absolute = path if path.startswith("/") else f"{(tb.workdir or '/').rstrip('/')}/{path}"
+        try:
+            try:
+                found = {"": await episode.sandbox.read_file(episode.handle, absolute)}
+            except InvalidRequest:  # not a regular file: a dir (read_file's contract)
+                found = await episode.sandbox.fetch_dir(episode.handle, absolute)
+        except EnvhubError as e:
+            if path != "/logs/artifacts":
+                log.info("artifact %s of %s not collected: %s", path, episode.instance_id, e.message)
+            continue
+        base = absolute.strip("/") if path != "/logs/artifacts" else ""
+        out.update({"/".join(p for p in (base, rel) if p): data for rel, data in found.items()})
+    return out
 
 
 def cd_workdir(tb: TbTask) -> str:
@@ -118,21 +161,26 @@ def cd_workdir(tb: TbTask) -> str:
     return f"cd {shlex.quote(tb.workdir)} 2>/dev/null; " if tb.workdir else ""
 
 
-def _verifier_env(tb: TbTask) -> dict[str, str]:
-    """The step's verifier environment (``[steps.verifier].env``) for a multi-step task."""
-    return dict(tb.steps[0].verifier_env) if tb.steps else {}
-
-
-def _write_verifier_dir(log_dir: Path | None, files: dict[str, bytes], details: dict[str, Any]) -> None:
-    """The verifier's files and ``result.json`` in ``log_dir/verifier``: dirs 0700, files
-    0600, as the rest of the trial log (they hold the grading)."""
+def _write_verifier_dir(
+    log_dir: Path | None, where: str, files: dict[str, bytes], details: dict[str, Any], artifacts: dict[str, bytes]
+) -> None:
+    """The verifier's files and ``result.json`` in ``log_dir/<where>/verifier``, the
+    artifacts in ``log_dir/<where>/artifacts``: dirs 0700, files 0600, as the rest of the
+    trial log (they hold the grading)."""
     if log_dir is None:
         return
-    verifier = log_dir / "verifier"
+    verifier = log_dir / where / "verifier"
     private_dirs(verifier)
+    _write_tree(verifier, files)
+    write_private(verifier / "result.json", json.dumps(details, indent=2, default=str).encode())
+    if artifacts:
+        _write_tree(log_dir / where / "artifacts", artifacts)
+
+
+def _write_tree(root: Path, files: dict[str, bytes]) -> None:
+    private_dirs(root)
     for rel, data in files.items():
-        target = (verifier / rel).resolve()
-        if verifier.resolve() in target.parents:  # names come from the container
+        target = (root / rel).resolve()
+        if root.resolve() in target.parents:  # names come from the container
             private_dirs(target.parent)
             write_private(target, data)
-    write_private(verifier / "result.json", json.dumps(details, indent=2, default=str).encode())
