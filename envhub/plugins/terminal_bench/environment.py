@@ -22,8 +22,9 @@ Oracle mode (create param ``oracle: true``) runs the task's reference solution b
 episode starts, for checking a dataset.
 
 A tb2 task's ``[environment].healthcheck`` runs before the episode starts (a create whose
-check does not pass fails). Multi-step tb2 tasks (``[[steps]]``) are one episode through
-all their steps, handed in one at a time with the tool ``finish_step``: see steps.py.
+check does not pass fails); the skills of its ``skills_dir`` are named to the model
+(skills.py). Multi-step tb2 tasks (``[[steps]]``) are one episode through all their
+steps, handed in one at a time with the tool ``finish_step``: see steps.py.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import yaml
 
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.terminal_bench import offline, steps, verifier
+from envhub.plugins.terminal_bench import offline, skills, steps, verifier
 from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base
 from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
@@ -357,6 +358,8 @@ class TerminalBench(Environment):
             tools = [*TOOLS, steps.FINISH_STEP]
         elif oracle:
             episode.state["oracle"] = await self._run_oracle(episode, tb)
+        found = await skills.discover(episode, tb.skills_dir) if tb.skills_dir else []
+        system_prompt += skills.prompt(found)
         if tb.steps and oracle:  # what the first step's solution did, as a single step's oracle says it
             episode.state["oracle"] = episode.state["oracle_steps"][tb.steps[0].name]
         step = {"step": {"name": tb.steps[0].name, "index": 0, "count": len(tb.steps)}} if tb.steps else {}
@@ -367,6 +370,7 @@ class TerminalBench(Environment):
             "messages": [{"role": "system", "content": system_prompt}, {"role": "user", "content": tb.instruction}],
             "task": _public(tb),
             **step,
+            **({"skills": found} if tb.skills_dir else {}),
             **({"oracle": episode.state["oracle"]} if "oracle" in episode.state else {}),
         }
 

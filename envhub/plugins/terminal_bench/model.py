@@ -129,6 +129,7 @@ class TbTask:
     verifier_env: dict[str, str] = field(default_factory=dict)  # [verifier].env, under every step's own
     artifacts: list[str] = field(default_factory=list)  # collected after every step (and a single-step grade)
     reward_strategy: Literal["mean", "final"] = "mean"
+    skills_dir: str | None = None  # Agent Skills the image carries, one folder each (skills.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -269,6 +269,7 @@ def _load_tb2(path: Path) -> TbTask:
         verifier_env=verifier.env("env"),
         artifacts=_artifacts(cfg, "artifacts"),
         reward_strategy=_reward_strategy(cfg),
+        skills_dir=extra["skills_dir"],
         extra=extra,
     )
 
