@@ -24,6 +24,13 @@ def call(name: str, **arguments) -> dict:
 
 GREET = "printf '#!/bin/bash\\necho \"Hello, $1!\"\\n' > /app/greet.sh && chmod +x /app/greet.sh"
 
+# The three steps of the published multi-step task, each as one shell command.
+MULTI_STEP_SCRIPTS = [
+    "printf '#!/bin/bash\\necho hello\\n' > /app/greet.sh && chmod +x /app/greet.sh",
+    "printf '#!/bin/bash\\necho \"Hello, $(cat /app/config.txt)!\"\\n' > /app/greet.sh",
+    "printf '# greet.sh\\n\\nReads config.txt.\\n\\n```bash\\n./greet.sh\\n```\\n' > /app/README.md",
+]
+
 SCRIPTS = {
     "solve": [
         {
@@ -84,6 +91,21 @@ SCRIPTS = {
         {"content": "Sorry."},
     ],
     "cut": [{"content": "Let me think about this for a very long", "finish_reason": "length"}],
+    # The published multi-step task (tests/test_tbench_steps.py): each step, then finish_step.
+    "multistep": [
+        {"content": "", "tool_calls": [call("run_command", command=MULTI_STEP_SCRIPTS[0])]},
+        {"content": "", "tool_calls": [call("finish_step")]},
+        {"content": "", "tool_calls": [call("run_command", command=MULTI_STEP_SCRIPTS[1])]},
+        {"content": "", "tool_calls": [call("finish_step")]},
+        {"content": "", "tool_calls": [call("run_command", command=MULTI_STEP_SCRIPTS[2])]},
+        {"content": "", "tool_calls": [call("finish_step")]},
+        {"content": "Done."},
+    ],
+    # The same, stopping after the first step without handing it in.
+    "multistop": [
+        {"content": "", "tool_calls": [call("run_command", command=MULTI_STEP_SCRIPTS[0])]},
+        {"content": "Done."},
+    ],
     # plugins_contrib/envhub-arith's task "mix": compute with its python tool, then answer.
     "arith": [
         {"content": "", "tool_calls": [call("python", code="print((7 + 3) * 11 - 4)")]},

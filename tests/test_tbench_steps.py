@@ -237,3 +237,29 @@ def test_openenv_clients_hand_steps_in_with_the_finish_step_action(node):
             assert handed.observation["info"]["step_reward"] == 1.0
         assert handed.done is True and handed.reward == 1.0, handed
         assert "The task is over" in handed.observation["output"] and handed.observation["success"] is True
+
+
+def test_a_rollout_model_hands_each_step_in_and_one_that_stops_early_earns_its_share(node):
+    """``POST /rollouts`` with the built-in agent and a scripted model (the trainer's model
+    proxy cannot run here: tests/openai_standin.py stands in for it). The model sees
+    ``finish_step`` among its tools and each next instruction in its tool reply; one that
+    stops after the first step without handing it in is graded as a client that
+    evaluates early."""
+    from openai_standin import StandIn
+
+    with StandIn() as model, node.client(timeout=600) as c:
+        for session, reward in (("multistep-1", 1.0), ("multistop-1", 1 / 3)):
+            body = {
+                "environment": "terminal-bench",
+                "task_id": "multi-step",
+                "model_url": f"{model.url}/v1/{session}",
+                "uid": session,
+                "trial": "rollouts",
+            }
+            out = c.post("/rollouts", json=body).json()
+            assert out["error"] is None and out["reward"] == pytest.approx(reward), out
+        sent = [r for r in model.requests if r["session"] == "multistep-1"]
+        assert "finish_step" in {t["function"]["name"] for t in sent[0]["body"]["tools"]}
+        replies = [m["content"] for m in sent[-1]["body"]["messages"] if m["role"] == "tool"]
+        assert "Step 2 of 3 ('implement')" in replies[1] and "Step 3 of 3 ('document')" in replies[3]
+        assert "The task is over" in replies[5]
