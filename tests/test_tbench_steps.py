@@ -134,6 +134,8 @@ def test_an_agent_goes_through_every_step_of_the_published_task_with_finish_step
         assert (trial / name / "artifacts" / "app" / "greet.sh").exists()  # the task's artifact, every step
     assert (trial / "implement" / "artifacts" / "setup-marker.txt").exists()  # /logs/artifacts, as harbor's
     assert (trial / "document" / "artifacts" / "app" / "README.md").read_text() == README  # the step's own
+    shown = c.get(f"/trials/steps/episodes/{iid}").json()["verifier"]  # the trial viewer's episode page
+    assert {"scaffold/reward.txt", "implement/reward.txt", "document/reward.txt"} <= {f["name"] for f in shown}
 
 
 def test_a_step_below_its_min_reward_ends_the_trial_and_stopping_early_never_pays(c):

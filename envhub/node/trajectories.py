@@ -65,7 +65,7 @@ def _read_folder(folder: str) -> dict[str, Any]:
         "events_cut": cut,
         "run_info": _read_json(os.path.join(folder, "run_info.json")),
         "conversation": _read_json(os.path.join(folder, "conversation.json")),
-        "verifier": _read_verifier(os.path.join(folder, "verifier")),
+        "verifier": _read_verifier(folder),
     }
 
 
@@ -102,22 +102,31 @@ def _read_json(path: str) -> Any:
 
 
 def _read_verifier(folder: str) -> list[dict[str, Any]]:
+    """The verifier's files: ``verifier/``'s, then each step's of a multi-step task
+    (``steps/<name>/verifier/``), named ``<name>/<file>``; :data:`MAX_FILES` in all."""
+    base = Path(folder)
+    steps = base / "steps"
+    roots = [(base / "verifier", "")]
+    if steps.is_dir():
+        roots += [(d / "verifier", f"{d.name}/") for d in sorted(steps.iterdir()) if d.is_dir() and not d.is_symlink()]
     files: list[dict[str, Any]] = []
-    root = Path(folder)
-    if not root.is_dir():
-        return files
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())[:MAX_FILES]:
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_FILE_BYTES + 1)
-        except OSError:
+    for root, prefix in roots:
+        if not root.is_dir() or root.is_symlink():
             continue
-        files.append(
-            {
-                "name": str(path.relative_to(root)),
-                "size": path.stat().st_size,
-                "text": data[:MAX_FILE_BYTES].decode("utf-8", errors="replace"),
-                "cut": len(data) > MAX_FILE_BYTES,
-            }
-        )
+        for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
+            if len(files) >= MAX_FILES:
+                return files
+            try:
+                with open(path, "rb") as f:
+                    data = f.read(MAX_FILE_BYTES + 1)
+            except OSError:
+                continue
+            files.append(
+                {
+                    "name": prefix + str(path.relative_to(root)),
+                    "size": path.stat().st_size,
+                    "text": data[:MAX_FILE_BYTES].decode("utf-8", errors="replace"),
+                    "cut": len(data) > MAX_FILE_BYTES,
+                }
+            )
     return files
