@@ -68,25 +68,30 @@ def find_slirp(mode: str, tun: str = "/dev/net/tun") -> tuple[str | None, str]:
 
 
 def blackholes(egress_allow: list[str], host: list[str] | None = None) -> list[str]:
-    """The IPv4 networks an episode's routes send nowhere: the denied ranges and the
-    host's own addresses, less slirp4netns's network and the ``egress_allow`` ones."""
-    denied = [ipaddress.ip_network(c) for c in DENIED]
-    denied += [ipaddress.ip_network(f"{a}/32") for a in (host_addresses() if host is None else host)]
-    holes = [ipaddress.ip_network(SLIRP_NETWORK)]
+    """The IPv4 networks an episode's routes send nowhere: the denied ranges less
+    slirp4netns's own network, and the host's own addresses (one in that network too),
+    each less the ``egress_allow`` networks."""
+    allowed: list[ipaddress.IPv4Network] = []
     for cidr in egress_allow:
         try:
             network = ipaddress.ip_network(str(cidr), strict=False)
         except ValueError as e:
             raise SandboxError(f"egress_allow: not an address or network: {cidr!r} ({e})") from None
-        if network.version == 4:
-            holes.append(network)
-    kept: list[ipaddress.IPv4Network] = []
-    for net in ipaddress.collapse_addresses(n for n in denied if isinstance(n, ipaddress.IPv4Network)):
+        if isinstance(network, ipaddress.IPv4Network):
+            allowed.append(network)
+    ranges = _less([ipaddress.IPv4Network(c) for c in DENIED], [ipaddress.IPv4Network(SLIRP_NETWORK), *allowed])
+    hosts = _less([ipaddress.IPv4Network(f"{a}/32") for a in (host_addresses() if host is None else host)], allowed)
+    return [str(n) for n in ipaddress.collapse_addresses(ranges + hosts)]
+
+
+def _less(networks: list[ipaddress.IPv4Network], holes: list[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
+    kept = []
+    for net in networks:
         pieces = [net]
         for hole in holes:
-            pieces = [p for piece in pieces for p in _without(piece, hole)]  # type: ignore[arg-type]
+            pieces = [p for piece in pieces for p in _without(piece, hole)]
         kept += pieces
-    return [str(n) for n in ipaddress.collapse_addresses(kept)]
+    return kept
 
 
 def _without(net: ipaddress.IPv4Network, hole: ipaddress.IPv4Network) -> list[ipaddress.IPv4Network]:
@@ -142,6 +147,9 @@ class Slirp:
         slirp = cls(proc, exit_w)
         try:
             ready = await _read_one(ready_r, READY_TIMEOUT)
+        except BaseException:  # the create was cancelled: this slirp4netns ends here too
+            slirp._close_exit_fd()
+            raise
         finally:
             os.close(ready_r)
         if ready != b"1":
@@ -164,11 +172,14 @@ class Slirp:
         text = (await self.proc.stderr.read(4000)).decode(errors="replace").strip()
         return text.splitlines()[-1] if text else f"it exited with {self.proc.returncode}"
 
-    async def close(self) -> None:
-        """End slirp4netns (closing its exit fd) and reap it; a second call does nothing."""
+    def _close_exit_fd(self) -> None:
         if self._exit_fd is not None:
             os.close(self._exit_fd)
             self._exit_fd = None
+
+    async def close(self) -> None:
+        """End slirp4netns (closing its exit fd) and reap it; a second call does nothing."""
+        self._close_exit_fd()
         try:
             await asyncio.wait_for(self.proc.wait(), 2.0)
         except TimeoutError:
