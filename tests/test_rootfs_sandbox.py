@@ -388,7 +388,7 @@ def test_net():
             timeout=10,
             message="the test namespace's HTTP server",
         )  # fmt: skip
-        yield {"host_port": listener.getsockname()[1]}
+        yield {"host_port": listener.getsockname()[1], "name": name}
     finally:
         if listener is not None:
             listener.close()
@@ -416,7 +416,11 @@ def test_an_episode_reaches_the_network_but_not_the_host_metadata_or_private_ran
     here), and nothing of what the docker sandbox's egress policy denies: the same server
     on a private address, cloud metadata, the host's own addresses (its listener on
     0.0.0.0), the host's loopback through the gateway. It cannot change its routes or
-    send raw packets around them. Its slirp4netns ends with it."""
+    send raw packets around them. Its slirp4netns ends with it, and leaves the host's
+    mounts alone: the named network namespaces of the host (the test's here; another
+    node's, a chaos rig's) still work. slirp4netns's own sandbox, started as root in the
+    host's mount namespace, unmounted every one of them through mount propagation (found
+    by a chaos soak that ran beside this test: its nodes could no longer restart)."""
 
     def connect(address: str, port: int) -> str:
         probe = f"exec 3<>/dev/tcp/{address}/{port} && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 && head -c 12 <&3"
@@ -443,6 +447,8 @@ def test_an_episode_reaches_the_network_but_not_the_host_metadata_or_private_ran
             assert not bounding & (1 << 12) and not bounding & (1 << 13), hex(bounding)  # net_admin, net_raw
             slirps = slirps_of(episode_processes(node))
             assert len(slirps) == 1, slirps  # this episode's own
+            named = subprocess.run(["ip", "netns", "exec", test_net["name"], "true"], capture_output=True, text=True)
+            assert named.returncode == 0, named.stderr
         finally:
             c.post(f"/instances/{iid}/release")
     eventually(lambda: not any(alive(p) for p in slirps), timeout=10, message="the episode's slirp4netns to end")

@@ -21,6 +21,8 @@ Invariants:
 - Every slirp4netns this module starts exits with its episode: it holds the read end of
   a pipe (``--exit-fd``) whose write end only the node holds, closed at the episode's
   end, and by the kernel when the node dies. None outlives its node.
+- None changes a mount of the host: as root it runs in a mount namespace of its own,
+  every mount private (see :meth:`Slirp.start`).
 - A create returns only once slirp4netns has configured the namespace (``--ready-fd``):
   the episode's first command has its network. One that cannot be configured fails the
   create, with slirp4netns's own words, and leaves nothing.
@@ -62,6 +64,8 @@ def find_slirp(mode: str, tun: str = "/dev/net/tun") -> tuple[str | None, str]:
         why = "no slirp4netns on PATH"
     elif not os.access(tun, os.R_OK | os.W_OK):
         why = f"slirp4netns needs {tun}, which this user cannot open"
+    elif os.geteuid() == 0 and shutil.which("unshare") is None:
+        why = "slirp4netns as root needs util-linux's unshare (Slirp.start says why)"
     if why and mode == "slirp4netns":
         raise StartupError(f"sandboxes.rootfs.network is slirp4netns, and {why}")
     return (None, why) if why else (path, "")
@@ -117,7 +121,17 @@ class Slirp:
         without root owns the namespace only there)."""
         ready_r, ready_w = os.pipe()
         exit_r, exit_w = os.pipe()
+        # slirp4netns's own sandbox makes "/" private without MS_REC and then detaches the
+        # old root: run as root in the host's mount namespace, that unmount reaches every
+        # shared mount's peers, and unmounted each named network namespace of the host
+        # (/run/netns: another node's, a test's). A mount namespace of its own with every
+        # mount private keeps it in. A node without root needs none: slirp4netns then makes
+        # a user namespace first, where shared mounts become slaves.
+        wrapper = (
+            [] if join_userns else [shutil.which("unshare") or "unshare", "--mount", "--propagation", "private", "--"]
+        )
         args = [
+            *wrapper,
             binary,
             "--configure",
             "--mtu=65520",
