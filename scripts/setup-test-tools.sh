@@ -5,7 +5,8 @@
 # cannot be fetched here), `promtool`, taken out of Debian's `prometheus` package without
 # installing it (the package would start a Prometheus server), and the toolchains of the
 # languages /run_code offers (g++, nodejs, golang, default-jdk-headless, rustc), and
-# skopeo, whose archives the rootfs sandbox's tests import (tests/test_rootfs_images.py).
+# skopeo, whose archives the rootfs sandbox's tests import (tests/test_rootfs_images.py),
+# and slirp4netns, which gives the rootfs sandbox's episodes their network.
 # Assumes the only network is the Debian mirror + PyPI.
 set -euo pipefail
 export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
@@ -42,9 +43,11 @@ fi
 # /usr, where the process sandbox's view shows them (a rustup toolchain in a home dir is
 # not offered). About 25 s and 740 MB when g++ and the JDK are there already; the JDK
 # adds about a minute on a bare machine. skopeo too (tests/test_rootfs_images.py: what
-# `skopeo copy` writes, and a pull that fails), about 10 s.
+# `skopeo copy` writes, and a pull that fails), about 10 s; slirp4netns
+# (tests/test_rootfs_sandbox.py: an episode's network), a second.
 toolchains=()
-for pair in g++:g++ node:nodejs go:golang-go javac:default-jdk-headless rustc:rustc skopeo:skopeo; do
+for pair in g++:g++ node:nodejs go:golang-go javac:default-jdk-headless rustc:rustc skopeo:skopeo \
+  slirp4netns:slirp4netns; do
   [[ -x /usr/bin/${pair%%:*} ]] || toolchains+=("${pair#*:}")
 done
 if (( ${#toolchains[@]} )); then
@@ -55,4 +58,4 @@ fi
 echo "setup-test-tools: OK $(/usr/bin/chromium --version 2>/dev/null | head -n1)," \
   "$(promtool --version 2>&1 | head -n1), $(/usr/bin/g++ --version | head -n1), node $(/usr/bin/node --version)," \
   "$(/usr/bin/go version), $(/usr/bin/javac -version 2>&1), $(/usr/bin/rustc --version)," \
-  "skopeo $(/usr/bin/skopeo --version | awk '{print $3}')"
+  "skopeo $(/usr/bin/skopeo --version | awk '{print $3}'), $(/usr/bin/slirp4netns --version | head -n1)"

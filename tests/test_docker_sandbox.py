@@ -421,7 +421,7 @@ async def test_the_default_policy_resolves_names_and_refuses_every_host_address(
     every address of the host, private or not (here one in 192.0.2.0/24)."""
     import socket
 
-    from envhub.plugins.docker_sandbox.egress import host_addresses
+    from envhub.confine.addresses import host_addresses
 
     listener = socket.socket()
     listener.bind(("0.0.0.0", 0))

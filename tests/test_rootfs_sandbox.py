@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +40,17 @@ pytestmark = [
 ]
 
 BUNDLED_TASKS = REPO / "envhub" / "plugins" / "terminal_bench" / "data"
+# Where slirp4netns is installed (scripts/setup-test-tools.sh), episodes that ask for a
+# network get one (sandboxes.rootfs.network: auto), but where the node's user may not
+# open /dev/net/tun (nobody, where it is root's only): networked() says which.
+SLIRP = shutil.which("slirp4netns") is not None
+
+
+def networked(node: EnvhubProcess) -> bool:
+    """Whether ``node``'s episodes that ask for a network get one (its start log says)."""
+    return "episodes that ask for a network get one through" in node.log()
+
+
 NO_DOCKER = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
 SOLVE = (
     "printf '#!/bin/bash\\necho \"Hello, $1!\"\\n' > /app/greet.sh && chmod +x /app/greet.sh && "
@@ -132,6 +146,7 @@ def node(request, archives):
     try:
         proc = rootfs_node(data_dir_for(request.param, top), archives, **how)
         proc.node_id = None  # the config names none: the node makes its own
+        proc.user = request.param
         proc.start(timeout=120)
         yield proc
         assert proc.stop() == 0, proc.log()
@@ -220,7 +235,9 @@ def test_without_docker_terminal_bench_runs_in_the_rootfs_sandbox_and_the_bundle
         assert moved.status_code == 400 and moved.json()["field"] == "environments.terminal-bench.sandbox", moved.text
     log = node.log()
     assert "terminal-bench runs in the rootfs sandbox: sandbox 'docker' cannot start" in log, log[-2000:]
-    assert "rootfs sandbox: " in log and "episodes have loopback only" in log
+    assert "rootfs sandbox: " in log and (networked(node) or "episodes have loopback only (" in log), log[-2000:]
+    if node.user == "root":  # nobody's depends on /dev/net/tun's mode
+        assert networked(node) == SLIRP, "root's node has a network for its episodes where slirp4netns is installed"
 
 
 def test_the_tools_work_in_an_episode_of_its_own(node, tmp_path):
@@ -323,12 +340,118 @@ def test_an_episode_keeps_dockers_capabilities_and_proc_masks_and_cannot_undo_th
             c.post(f"/instances/{iid}/release")
     out = seen["stdout"]
     bounding = int(out.split("CapBnd:")[1].split()[0], 16)
-    assert bounding == sum(1 << cap for cap in (0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31)), hex(bounding)
+    kept = {0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31} - ({13} if networked(node) else set())  # no net_raw then
+    assert bounding == sum(1 << cap for cap in kept), hex(bounding)
     assert "kmsg 1:3" in out, seen  # /dev/null
     assert "sysrq" not in out or "sysrq 1:3" in out, seen  # where the kernel has one
     for bad in ("sys-written", "unmounted", "gone", "init-read"):
         assert bad not in out, out
     assert "done" in out
+
+
+@pytest.fixture(scope="module")
+def test_net():
+    """A network namespace of the test's own, behind a veth pair: the host's side has
+    198.51.100.1 (TEST-NET-2) and 172.31.254.1 (a private range), the namespace's .2 of
+    each, where an HTTP server answers on port 8080; and a TCP listener on the host's
+    0.0.0.0. Every address is the test's own: nothing leaves this machine."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a test network namespace needs root and iproute2")
+    name = f"envhub-t-{uuid.uuid4().hex[:6]}"
+    host_if, ns_if = f"vh{name[-6:]}", f"vn{name[-6:]}"
+    commands = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+        ["ip", "link", "set", ns_if, "netns", name],
+        ["ip", "addr", "add", "198.51.100.1/24", "dev", host_if],
+        ["ip", "addr", "add", "172.31.254.1/24", "dev", host_if],
+        ["ip", "link", "set", host_if, "up"],
+        ["ip", "-n", name, "addr", "add", "198.51.100.2/24", "dev", ns_if],
+        ["ip", "-n", name, "addr", "add", "172.31.254.2/24", "dev", ns_if],
+        ["ip", "-n", name, "link", "set", ns_if, "up"],
+        ["ip", "-n", name, "link", "set", "lo", "up"],
+    ]
+    server = listener = None
+    try:
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True)
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, "-m", "http.server", "8080", "--bind", "0.0.0.0"],
+            cwd=tempfile.gettempdir(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        listener = socket.create_server(("0.0.0.0", 0))
+        eventually(
+            lambda: subprocess.run(["ip", "netns", "exec", name, "bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/8080"],
+                                   capture_output=True).returncode == 0,
+            timeout=10,
+            message="the test namespace's HTTP server",
+        )  # fmt: skip
+        yield {"host_port": listener.getsockname()[1], "name": name}
+    finally:
+        if listener is not None:
+            listener.close()
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def slirps_of(episode: set[int]) -> list[int]:
+    """The slirp4netns processes serving a namespace of ``episode``'s processes."""
+    found = []
+    for pid, cmd in _cmdlines().items():
+        words = cmd.split()
+        if len(words) > 2 and words[0].endswith("slirp4netns") and words[-1] == "tap0" and words[-2].isdigit():
+            if int(words[-2]) in episode and alive(pid):
+                found.append(pid)
+    return found
+
+
+def test_an_episode_reaches_the_network_but_not_the_host_metadata_or_private_ranges(node, test_net):
+    """Through slirp4netns an episode that asks for a network (a tb task with internet)
+    reaches an address past the host (the test's namespace, as the internet stands in
+    here), and nothing of what the docker sandbox's egress policy denies: the same server
+    on a private address, cloud metadata, the host's own addresses (its listener on
+    0.0.0.0), the host's loopback through the gateway. It cannot change its routes or
+    send raw packets around them. Its slirp4netns ends with it, and leaves the host's
+    mounts alone: the named network namespaces of the host (the test's here; another
+    node's, a chaos rig's) still work. slirp4netns's own sandbox, started as root in the
+    host's mount namespace, unmounted every one of them through mount propagation (found
+    by a chaos soak that ran beside this test: its nodes could no longer restart)."""
+
+    def connect(address: str, port: int) -> str:
+        probe = f"exec 3<>/dev/tcp/{address}/{port} && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 && head -c 12 <&3"
+        ran = run(c, iid, f"timeout 5 bash -c {shlex.quote(probe)} 2>&1; echo exit=$?")
+        return ran["stdout"]
+
+    if not networked(node):
+        pytest.skip(f"this node's episodes have loopback only: {node.log().split('loopback only (')[-1][:120]}")
+    with node.client(timeout=120) as c:
+        iid = create(c)
+        try:
+            assert connect("198.51.100.2", 8080).startswith("HTTP/1.0 200"), "the network past the host"
+            for address, port in (
+                ("172.31.254.2", 8080),  # the same server, on a private address
+                ("169.254.169.254", 80),  # cloud metadata
+                ("198.51.100.1", test_net["host_port"]),  # the host's own address
+                ("10.0.2.2", node.port),  # the gateway: the host's loopback, where the node listens
+            ):
+                out = connect(address, port)
+                assert "HTTP" not in out and "exit=0" not in out, (address, out)
+            seen = run(c, iid, "cat /etc/resolv.conf; grep CapBnd /proc/self/status")
+            assert "nameserver 10.0.2.3" in seen["stdout"], seen
+            bounding = int(seen["stdout"].split("CapBnd:")[1].split()[0], 16)
+            assert not bounding & (1 << 12) and not bounding & (1 << 13), hex(bounding)  # net_admin, net_raw
+            slirps = slirps_of(episode_processes(node))
+            assert len(slirps) == 1, slirps  # this episode's own
+            named = subprocess.run(["ip", "netns", "exec", test_net["name"], "true"], capture_output=True, text=True)
+            assert named.returncode == 0, named.stderr
+        finally:
+            c.post(f"/instances/{iid}/release")
+    eventually(lambda: not any(alive(p) for p in slirps), timeout=10, message="the episode's slirp4netns to end")
 
 
 def test_32_concurrent_episodes_writing_the_same_path_each_get_their_own_verdict(node):
@@ -413,6 +536,8 @@ def _killed_and_restarted(data: Path, archives: Path, how: dict) -> None:
                 run(c, iid, "sleep 600 > /dev/null 2>&1 &")  # processes of their own, too
         ours = episode_processes(first)
         assert len(ours) > 16 * 3, "zygote, and per episode its init, shell and sleep"
+        slirps = slirps_of(ours)  # their networks, where the node gives them one (children of the node)
+        assert len(slirps) == (16 if networked(first) else 0), slirps
     except BaseException:
         first.stop()
         raise
@@ -420,6 +545,7 @@ def _killed_and_restarted(data: Path, archives: Path, how: dict) -> None:
     first.proc.wait()
     first._log.close()
     eventually(lambda: not any(alive(p) for p in ours), timeout=30, message="episode processes outlived their node")
+    eventually(lambda: not any(alive(p) for p in slirps), timeout=30, message="slirp4netns outlived its node")
     assert not host_mounts_of(data / "rootfs-scratch")
     second = rootfs_node(data, archives, "--set", f"node_id={first.node_id}", own_node_id=False, **how)
     second.node_id = first.node_id  # the same node, restarted on its data dir

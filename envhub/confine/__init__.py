@@ -12,6 +12,8 @@ The node's side:
   included, and processes).
 - ``records.py``: :func:`~.records.node_records`, the node's own files episode code must
   not read.
+- ``addresses.py``: the addresses an episode's network never reaches (metadata, private
+  ranges, the host's own), for the sandboxes that give episodes a network.
 
 The zygote's side, ``zygote/`` (standard library only, run under ``python -I``): the fork
 server's loop, reaping and uid kill, mount-namespace hiding, Landlock, the rlimits of a

@@ -39,10 +39,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from envhub.confine.addresses import DENIED, host_addresses
+
 log = logging.getLogger("envhub.egress")
 
 CHAIN = "ENVHUB-EGRESS"
-DENIED = ("169.254.0.0/16", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
 LOCK_PATH = "/run/lock/envhub-egress.lock"
 
 
@@ -72,28 +73,6 @@ def validate_cidrs(values: list[str]) -> list[str]:
         except ValueError as e:
             raise EgressError(f"not an address or network: {v!r} ({e})") from None
     return out
-
-
-def host_addresses(fib_trie: str = "/proc/net/fib_trie") -> list[str]:
-    """Every IPv4 address of this host's own interfaces but loopback, from the kernel's
-    routing table (no ``ip`` binary needed)."""
-    found: set[str] = set()
-    last = None
-    try:
-        lines = Path(fib_trie).read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] in ("|--", "+--"):
-            last = parts[1]
-        elif "/32 host LOCAL" in line and last is not None:
-            try:
-                if not ipaddress.ip_address(last).is_loopback:
-                    found.add(last)
-            except ValueError:
-                pass
-    return sorted(found, key=ipaddress.ip_address)
 
 
 def engine_resolvers(

@@ -42,7 +42,12 @@ its node's, which runs as the same host uid). ``modes``: paths of the root whose
 sets (the image store keeps lower layers without group or other write bits; ``/tmp`` is
 1777 again in the episode's upper layer). ``hide``:
   paths over which G mounts an empty read-only tmpfs (the host's own files, when the
-  lower layer is the host's root).
+  lower layer is the host's root). ``network`` (absent: loopback only): ``{"blackhole":
+  [IPv4 CIDRs], "nameserver"}``: G adds a blackhole route for each CIDR (the node's
+  slirp4netns then gives the namespace its ``tap0`` and default route, which these
+  more specific routes win over) and writes ``/etc/resolv.conf`` naming the nameserver;
+  the agent's processes lose ``CAP_NET_RAW`` as well, so that no packet socket sends
+  past those routes. Without ``CAP_NET_ADMIN`` they cannot remove them.
 - ``{"op": "kill", "id", "pid"}`` -> ``{"id"}``: SIGKILL to G, which ends the episode.
 
 The hello, sent first: ``{"ready": true, "pid", "uid"}`` or ``{"ready": false, "error"}``
@@ -93,6 +98,7 @@ PR_CAPBSET_DROP = 24
 # (ptrace, /proc/1/root, its fds: the kernel wants CAP_SYS_PTRACE of a caller that
 # lacks a capability its target has).
 KEPT_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31})
+CAP_NET_RAW = 13
 # Under /proc: what Docker masks. With root's identity uid map the episode's uid 0 is the
 # host's root for these files' permission checks (kernel.core_pattern would run a program
 # as the host's root; sysrq-trigger would crash it): /proc/sys read-only, the rest /dev/null.
@@ -139,6 +145,39 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, 0x8914, request)  # SIOCSIFFLAGS
     finally:
         sock.close()
+
+
+def _blackhole_routes(cidrs: list[str]) -> None:
+    """A blackhole route for each IPv4 CIDR in this network namespace, through rtnetlink
+    (no ``ip`` binary: the image may have none)."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)  # NETLINK_ROUTE
+    try:
+        sock.bind((0, 0))
+        for seq, cidr in enumerate(cidrs, 1):
+            address, _, length = cidr.partition("/")
+            # struct rtmsg: family, dst_len, src_len, tos, table (main), protocol (static),
+            # scope (universe), type (blackhole), flags; then one RTA_DST attribute.
+            body = struct.pack("=BBBBBBBBI", socket.AF_INET, int(length), 0, 0, 254, 4, 0, 6, 0)
+            body += struct.pack("=HH", 8, 1) + socket.inet_aton(address)
+            flags = 0x1 | 0x4 | 0x400 | 0x200  # NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL
+            sock.send(struct.pack("=IHHII", 16 + len(body), 24, flags, seq, 0) + body)  # RTM_NEWROUTE
+            reply = sock.recv(4096)
+            kind, error = struct.unpack_from("=H", reply, 4)[0], struct.unpack_from("=i", reply, 16)[0]
+            if kind != 2 or error != 0:  # NLMSG_ERROR carries the ack; 0 is success
+                raise Failed(f"adding a blackhole route for {cidr}: {os.strerror(-error) if error else 'no ack'}")
+    finally:
+        sock.close()
+
+
+def _resolv_conf(nameserver: str) -> None:
+    """The episode's ``/etc/resolv.conf`` (in its own root, after pivot_root: a symlink
+    the image has there then leads nowhere outside it), naming ``nameserver``."""
+    os.makedirs("/etc", exist_ok=True)
+    if os.path.islink("/etc/resolv.conf"):
+        os.unlink("/etc/resolv.conf")
+    with open("/etc/resolv.conf", "w") as f:
+        f.write(f"nameserver {nameserver}\n")
+    os.chmod("/etc/resolv.conf", 0o644)
 
 
 def _write(path: str, text: str) -> None:
@@ -292,6 +331,10 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
         hostname = str(req.get("hostname") or "envhub")[:64].encode()
         _check(_libc.sethostname(hostname, len(hostname)), "sethostname")
         _loopback_up()
+        network = req.get("network")
+        if network:
+            _blackhole_routes([str(c) for c in network.get("blackhole") or ()])
+            _resolv_conf(str(network["nameserver"]))
         env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
         env["ENVHUB_AGENT_DIR"] = AGENT_DIR
         workdir = str(req.get("workdir") or "/")
@@ -309,7 +352,7 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             raise Failed("the image has no /bin/sh")
         agent = os.fork()
         if agent == 0:
-            _drop_capabilities()
+            _drop_capabilities(KEPT_CAPS - {CAP_NET_RAW} if network else KEPT_CAPS)
             os.dup2(agent_fd, 0)
             os.dup2(agent_fd, 1)
             devnull = os.open("/dev/null", os.O_WRONLY)
@@ -333,11 +376,11 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
-def _drop_capabilities() -> None:
-    """Leave only ``KEPT_CAPS`` in the bounding set: what the agent execs (and all it
-    starts) has no other capability, whatever its uid."""
+def _drop_capabilities(kept: frozenset[int]) -> None:
+    """Leave only ``kept`` in the bounding set: what the agent execs (and all it starts)
+    has no other capability, whatever its uid."""
     for cap in range(64):
-        if cap not in KEPT_CAPS and _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) != 0:
+        if cap not in kept and _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) != 0:
             if ctypes.get_errno() == errno.EINVAL:  # past the kernel's last capability
                 break
             _check(-1, f"dropping capability {cap}")

@@ -14,6 +14,10 @@ Config (``sandboxes.rootfs``):
   the node can make cgroups (as root); the spec's own limits win; the writable layer is
   added to the memory limit. Without cgroups, ``max_processes`` is the episode's
   RLIMIT_NPROC, counted within its own user namespace (see nsinit.py);
+- ``network``: ``auto`` (default: episodes that ask for a network get one through
+  slirp4netns where it is on PATH and the node's user may open /dev/net/tun, see
+  network.py; else loopback only, and the start log says why), ``slirp4netns`` (a start
+  without it fails), ``none`` (loopback only);
 - ``output_limit`` (1 MiB per output of a command), ``start_timeout`` (10 s),
   ``python`` (the zygote's interpreter; default the node's);
 - ``host`` (false): episodes run over the host's own system instead of images, for a node
@@ -32,7 +36,8 @@ Invariants:
   nothing of it exists on the host's filesystem. A node killed with its zygote takes every
   episode with it (``PR_SET_PDEATHSIG``); a restarted node ends their rows as ``lost``
   (sandboxes of this kind do not survive their node).
-- An episode has loopback and no other network.
+- An episode has loopback, and, when its spec asks for a network and the node has
+  slirp4netns, a ``tap0`` behind the egress policy of network.py; nothing else.
 - The lower layer is never written: the store's rootfs is shared by every episode of the
   image.
 - As root, the episode's root is uid 0 of its own user namespace, with the host's uids
@@ -65,6 +70,7 @@ from envhub.plugins.rootfs_sandbox import files as episode_files
 from envhub.plugins.rootfs_sandbox.agent import Agent
 from envhub.plugins.rootfs_sandbox.images import Image, RootfsStore, normalize_name
 from envhub.plugins.rootfs_sandbox.launcher import RootfsZygote
+from envhub.plugins.rootfs_sandbox.network import NAMESERVER, Slirp, blackholes, find_slirp
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 from envhub.util import shell_agent
 from envhub.util.singleflight import SingleFlight
@@ -98,6 +104,7 @@ class _Episode:
     files: episode_files.EpisodeFiles
     slot: int | None  # its cgroup slot, if any
     image: str
+    slirp: Slirp | None = None  # its network, if it has one
 
 
 class RootfsSandbox(Sandbox):
@@ -129,6 +136,8 @@ class RootfsSandbox(Sandbox):
             raise StartupError("sandboxes.rootfs.host_dirs must be a list of top-level dirs")
         self.host_dirs = [d.strip("/") for d in host_dirs]
         self.workdir = str(self.config.get("workdir") or "/app")
+        self.network_mode = str(self.config.get("network", "auto"))
+        self.slirp: str | None = None  # slirp4netns's path, once started, where episodes get a network
         hide = self.config.get("hide") or []
         if not isinstance(hide, list) or not all(isinstance(p, str) for p in hide):
             raise StartupError("sandboxes.rootfs.hide must be a list of paths")
@@ -159,6 +168,7 @@ class RootfsSandbox(Sandbox):
             raise SandboxError("rootfs sandbox: this kernel has no openat2 (Linux 5.6+ is needed)")
         self.store = await asyncio.to_thread(RootfsStore, self.store_dir)
         await asyncio.to_thread(self.scratch.mkdir, 0o700, True, True)
+        self.slirp, no_network = find_slirp(self.network_mode)
         cgroups = await asyncio.to_thread(self.cgroups.start)
         self.zygote = RootfsZygote(python=self.python, scratch=self.scratch, start_timeout=self.start_timeout)
         self.zygote.running = True
@@ -177,12 +187,15 @@ class RootfsSandbox(Sandbox):
                 "(sandboxes.rootfs.archives: where `envhub build --export DIR` wrote them)"
             )
         log.info(
-            "rootfs sandbox: %s; %d image(s) in %s; image sources: %s%s; episodes have loopback only",
+            "rootfs sandbox: %s; %d image(s) in %s; image sources: %s%s; %s",
             cgroups,
             len(images),
             self.store_dir,
             ", ".join(self.store.sources()),
             f" (archives in {', '.join(map(str, self.archives))})" if self.archives else " (no archives dir set)",
+            f"episodes that ask for a network get one through {self.slirp}"
+            if self.slirp
+            else f"episodes have loopback only ({no_network})",
         )
         if self.host:
             log.info("rootfs sandbox: episodes run over this host's own %s", ", ".join(f"/{d}" for d in self.host_dirs))
@@ -325,10 +338,9 @@ class RootfsSandbox(Sandbox):
     async def create(self, spec: SandboxSpec) -> str:
         if self.zygote is None:
             raise SandboxError("the rootfs sandbox is not running")
-        if spec.network not in (None, "none"):
-            log.debug(
-                "rootfs sandbox: %s asks for network %r; episodes have loopback only", spec.instance_id, spec.network
-            )
+        network = None
+        if spec.network != "none" and self.slirp is not None:
+            network = {"blackhole": blackholes(list(spec.egress_allow or [])), "nameserver": NAMESERVER}
         if self.host:
             image, layers = None, {"host": True, "host_dirs": self.host_dirs, "hide": self.hide, "lower": []}
             workdir, digest = self.workdir, "host"
@@ -358,6 +370,7 @@ class RootfsSandbox(Sandbox):
                     "env": env,
                     "workdir": workdir,
                     "script": shell_agent.script(self.output_limit),
+                    **({"network": network} if network else {}),
                 }
             )
         except BaseException:
@@ -368,8 +381,11 @@ class RootfsSandbox(Sandbox):
         for fd in fds[1:]:
             os.close(fd)
         handle = f"{spec.instance_id}.{secrets.token_hex(4)}"
-        self._episodes[handle] = _Episode(pid, agent, episode_files.EpisodeFiles(pid, workdir), slot, digest)
+        ep = self._episodes[handle] = _Episode(pid, agent, episode_files.EpisodeFiles(pid, workdir), slot, digest)
         try:
+            if network is not None:
+                assert self.slirp is not None
+                ep.slirp = await Slirp.start(self.slirp, pid, join_userns=not self._root)
             await agent.open(self.start_timeout)
         except BaseException:
             await self.destroy(handle)
@@ -397,6 +413,8 @@ class RootfsSandbox(Sandbox):
             return
         ep.agent.close()
         ep.files.close()
+        if ep.slirp is not None:
+            await ep.slirp.close()
         try:
             if self.zygote is not None and self.zygote.alive:
                 await self.zygote.call({"op": "kill", "pid": ep.pid})
