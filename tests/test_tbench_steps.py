@@ -58,6 +58,8 @@ def node(tmp_path_factory):
         ),
     )
     _variant(data, "final-strategy", lambda t: 'multi_step_reward_strategy = "final"\n' + t)
+    _variant(data, "no-solution", lambda t: t)
+    shutil.rmtree(data / "no-solution" / "steps" / "scaffold" / "solution")
     cfg = write_config(tmp / "node.yaml", data, image_map={"debian:bookworm": BASE_IMAGE, "ubuntu:24.04": BASE_IMAGE})
     proc = tb_process(tmp / "data", cfg, "--capacity", "6").start(timeout=60)
     yield proc
@@ -170,6 +172,10 @@ def test_the_final_strategy_takes_the_last_steps_reward_and_oracle_mode_runs_eve
         ev = c.post(f"/instances/{created['instance_id']}/evaluate", json={"release": True}).json()
         assert ev["reward"] == 1.0 and [s["reward"] for s in ev["details"]["steps"]] == [1.0, 1.0, 1.0], ev
         assert set(ev["details"]["oracle_steps"]) == {"scaffold", "implement", "document"}
+    r = c.post(
+        "/instances", json={"environment": "terminal-bench", "task_id": "no-solution", "params": {"oracle": True}}
+    )
+    assert r.status_code == 400 and r.json()["field"] == "params.oracle", r.text  # as for a single-step task
     early = create(c, "final-strategy")["instance_id"]
     write(c, early, "/app/greet.sh", GREET_HELLO, "+x")
     ev = c.post(f"/instances/{early}/evaluate", json={"release": True}).json()

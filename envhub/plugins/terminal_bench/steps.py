@@ -45,7 +45,7 @@ import shlex
 from typing import Any, Literal
 
 from envhub.environment import Episode, Evaluation, StepResult
-from envhub.errors import SandboxError
+from envhub.errors import InvalidRequest
 from envhub.plugins.terminal_bench import verifier
 from envhub.plugins.terminal_bench.model import Healthcheck, TbStep, TbTask
 from envhub.plugins.terminal_bench.verifier import cd_workdir
@@ -121,8 +121,10 @@ async def healthcheck(episode: Episode, tb: TbTask, check: Healthcheck) -> str |
 
 async def run_solution(episode: Episode, tb: TbTask, step: TbStep) -> dict[str, Any]:
     """Oracle mode: the step's reference solution, run as harbor's oracle agent runs it."""
-    if step.solution is None:
-        raise SandboxError(f"step {step.name!r} of task {tb.id} has no reference solution for oracle mode")
+    if step.solution is None:  # a 400, as for a single-step task without one
+        raise InvalidRequest(
+            f"step {step.name!r} of task {tb.id} has no reference solution for oracle mode", field="params.oracle"
+        )
     await episode.sandbox.copy_dir(episode.handle, step.solution.parent, "/oracle")
     ran = await episode.exec(f"{cd_workdir(tb)}bash /oracle/{step.solution.name}", timeout=step_timeout(step))
     await episode.exec("rm -rf /oracle", timeout=30)
