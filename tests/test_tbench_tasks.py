@@ -131,7 +131,7 @@ def test_tb2_skills_and_seta_values_read_from_task_toml():
     skills = load_task(TB_DATA / "tb2" / "skills")
     assert (skills.agent_timeout_sec, skills.test_timeout_sec, skills.build_timeout_sec) == (600.0, 120.0, 600.0)
     assert (skills.cpus, skills.memory_mb, skills.storage_mb) == (1.0, 2048, 10240)
-    assert skills.extra["skills_dir"] == "/skills"
+    assert skills.skills_dir == "/skills"
     assert skills.build_context == skills.path / "environment" and skills.docker_image is None
     assert skills.test_script == skills.path / "tests" / "test.sh"
     assert skills.solution == skills.path / "solution" / "solve.sh"
@@ -162,7 +162,7 @@ def test_tb2_multi_step_keeps_steps_and_flat_fields_describe_the_first():
     assert (t.agent_timeout_sec, t.test_timeout_sec) == (60.0, 30.0)
     assert t.tests_dir == t.path / "tests"  # shared helpers.sh, merged under each step's tests
     assert t.env == {"GREETER_PROJECT": "hello-multi-step-full"} and t.workdir == "/app"
-    assert t.extra["artifacts"] == t.artifacts == ["/app/greet.sh"]
+    assert t.artifacts == ["/app/greet.sh"]
     assert t.reward_strategy == "mean" and t.healthcheck is None and t.verifier_env == {}
 
 

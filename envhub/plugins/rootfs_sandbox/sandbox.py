@@ -339,7 +339,7 @@ class RootfsSandbox(Sandbox):
         if self.zygote is None:
             raise SandboxError("the rootfs sandbox is not running")
         network = None
-        if spec.network != "none" and self.slirp is not None:
+        if spec.network != "none" and self.slirp is not None:  # the host's addresses as they are now
             network = {"blackhole": blackholes(list(spec.egress_allow or [])), "nameserver": NAMESERVER}
         if self.host:
             image, layers = None, {"host": True, "host_dirs": self.host_dirs, "hide": self.hide, "lower": []}

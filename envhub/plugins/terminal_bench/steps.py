@@ -186,7 +186,7 @@ def _record(state: dict[str, Any], step: TbStep, graded: Evaluation) -> None:
             "total": details.get("total", 0),
         }
     )
-    state.setdefault("step_details", {})[step.name] = details
+    state["last_details"] = details  # the trial's details show the last graded step's own
 
 
 def _stop_reason(step: TbStep, graded: Evaluation, index: int, count: int) -> str | None:
@@ -219,9 +219,7 @@ async def evaluate(episode: Episode, tb: TbTask, mode: Mode) -> Evaluation:
             state["over"] = "no_verdict"
             return _no_verdict(state, tb, step, graded.details.get("error") or "no verdict")
         _record(state, step, graded)
-        state["over"] = "evaluated" if index + 1 < len(tb.steps) else "last"
-        if _stop_reason(step, graded, index, len(tb.steps)) == "min_reward":
-            state["over"] = "min_reward"
+        state["over"] = _stop_reason(step, graded, index, len(tb.steps)) or "evaluated"
     reward, rewards = trial_reward(tb, state["steps"], state["over"], mode)
     details = _details(state, tb, rewards)
     verdict = state["over"] != "start_failed"
@@ -240,9 +238,8 @@ def _details(state: dict[str, Any], tb: TbTask, rewards: dict[str, float]) -> di
     """The trial's evaluation details: the last graded step's own (its tests, output),
     then every step's result, in the task's order."""
     graded = state.get("steps") or []
-    last = (state.get("step_details") or {}).get(graded[-1]["name"], {}) if graded else {}
     return {
-        **last,
+        **(state.get("last_details") or {}),
         "format": "tb2",
         "rewards": rewards,
         "reward_strategy": tb.reward_strategy,

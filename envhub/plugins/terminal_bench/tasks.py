@@ -227,15 +227,10 @@ def _load_tb2(path: Path) -> TbTask:
         "os": envc.string("os", "linux"),
         "network_mode": network_mode,
         "allowed_hosts": envc.strings("allowed_hosts"),
-        "skills_dir": envc.string("skills_dir"),
-        "healthcheck": envc.data.get("healthcheck"),
         "mcp_servers": envc.data.get("mcp_servers") or [],
-        "verifier_env": verifier.env("env"),
         "solution_env": cfg.table("solution").env("env"),
         "agent_user": agent.data.get("user"),
         "verifier_user": verifier.data.get("user"),
-        "artifacts": cfg.data.get("artifacts") or [],
-        "multi_step_reward_strategy": cfg.string("multi_step_reward_strategy"),
         "compose_file": compose_file,
         "compose_services": _tb2_compose_services(compose_file) if compose_file else [],
     }
@@ -269,7 +264,7 @@ def _load_tb2(path: Path) -> TbTask:
         verifier_env=verifier.env("env"),
         artifacts=_artifacts(cfg, "artifacts"),
         reward_strategy=_reward_strategy(cfg),
-        skills_dir=extra["skills_dir"],
+        skills_dir=envc.string("skills_dir"),
         extra=extra,
     )
 
