@@ -325,7 +325,12 @@ def test_a_dataset_switched_at_run_time_is_out_of_sight_too(client, node, open_d
 
 def test_processes_a_killed_node_left_are_killed_when_a_node_starts(tmp_path):
     """Before: a child an episode started (``sleep 600``) survived ``kill -9`` of its node,
-    re-parented to PID 1, and the restarted node did not end it."""
+    re-parented to PID 1, and the restarted node did not end it.
+
+    The node's zygotes are stopped before the node is killed, as when the whole service is
+    killed at once (an OOM kill, systemd's SIGKILL of its cgroup): a zygote that sees its
+    node's socket close kills its episodes' uids itself, and it races its own
+    PR_SET_PDEATHSIG, so without the stop the survivor sometimes did not survive (CI)."""
     data = tmp_path / "data"
     # Uids of their own: another node on the machine (a bench, a second checkout) purges
     # leftovers under the uids it takes from the default range, which would end the
@@ -340,6 +345,8 @@ def test_processes_a_killed_node_left_are_killed_when_a_node_starts(tmp_path):
     except BaseException:
         first.stop()  # a failed check must not leave a node holding its uids
         raise
+    for child in _children(first.proc.pid):
+        os.kill(child, signal.SIGSTOP)  # a stopped zygote dies of its PDEATHSIG, unable to clean up
     os.kill(first.proc.pid, signal.SIGKILL)
     first.proc.wait()
     first._log.close()
@@ -383,6 +390,11 @@ def _pid_of_sleep(node_pid: int, out: dict) -> int:
     # finishing its exec.
     eventually(lambda: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] == b"sleep", timeout=5, message=status)
     return pid
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (of every thread of it)."""
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
 
 
 def _alive(pid: int) -> bool:
