@@ -1,0 +1,345 @@
+"""Harbor's separate verifier (``[verifier] environment_mode = "separate"``), on the real
+Docker engine: the tests run in a fresh container that sees only the artifacts collected
+from the episode's, never in the container the agent worked in.
+
+The tasks are written here (in the shape of harbor 0.26's ``verifier_mode.py`` and of
+published tasks that use it: deep-swe's, whose ``tests/Dockerfile`` builds the verifier
+image). Their images are the local base image (``debian:bookworm`` is mapped to it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import docker
+import pytest
+from conftest import BASE_IMAGE, eventually, needs_docker
+from test_terminal_bench import act, create, our_containers, tb_process, write_config
+
+pytestmark = [needs_docker]
+
+ANSWER_TEST = """#!/bin/bash
+# The verifier sees the answer only as an artifact; it says what else it sees.
+echo "answer: $(cat /app/answer.txt 2>&1)"
+echo "scratch: $(ls /app/scratch 2>&1)"
+echo "state: $(cat /logs/artifacts/state.txt 2>&1)"
+echo "judge: $(cat /opt/judge/expected.txt 2>&1)"
+echo "net: $(ls /sys/class/net | tr '\\n' ' ')"
+echo "env: $VERIFIER_ENV_SAYS $CONTAINER_ENV_SAYS"
+if [ "$(cat /app/answer.txt 2>/dev/null)" = "42" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+
+def _task(root: Path, name: str, toml: str, *, tests_dockerfile: str | None = None, test: str = ANSWER_TEST) -> None:
+    task = root / name
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "solution").mkdir()
+    (task / "instruction.md").write_text("Write the answer to /app/answer.txt.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\n")
+    (task / "tests" / "test.sh").write_text(test)
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\necho 42 > /app/answer.txt\n")
+    if tests_dockerfile is not None:
+        (task / "tests" / "Dockerfile").write_text(tests_dockerfile)
+    (task / "task.toml").write_text(  # the task's own text first: it may start with top-level keys
+        textwrap.dedent(toml)
+        + textwrap.dedent(
+            """
+            [task]
+            name = "envhub-tests/{name}"
+
+            [agent]
+            timeout_sec = 60.0
+
+            [environment]
+            cpus = 1
+            memory_mb = 256
+            allow_internet = false
+
+            [environment.env]
+            CONTAINER_ENV_SAYS = "task-env"
+            """
+        ).format(name=name)
+    )
+
+
+SEPARATE = """
+artifacts = ["/app/answer.txt"]
+
+[verifier]
+environment_mode = "separate"
+timeout_sec = 60.0
+
+[verifier.env]
+VERIFIER_ENV_SAYS = "verifier-env"
+"""
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("separate") / "tasks"
+    root.mkdir()
+    # The task's own image, fresh; the answer is its only artifact.
+    _task(root, "separate", SEPARATE)
+    # The same task graded in the agent's container, to compare.
+    _task(root, "shared", SEPARATE.replace('environment_mode = "separate"', 'environment_mode = "shared"'))
+    # A verifier image built from tests/Dockerfile, the tests in it; a collect hook
+    # snapshots state; the verifier environment has resources and env of its own.
+    _task(
+        root,
+        "bundled",
+        """
+        artifacts = ["/app/answer.txt"]
+
+        [verifier]
+        timeout_sec = 60.0
+
+        [[verifier.collect]]
+        command = "mkdir -p /logs/artifacts && echo snapshot-$(cat /app/answer.txt) > /logs/artifacts/state.txt"
+
+        [verifier.environment]
+        cpus = 1
+        memory_mb = 512
+        allow_internet = false
+
+        [verifier.environment.env]
+        CONTAINER_ENV_SAYS = "verifier-container-env"
+        """,
+        tests_dockerfile="FROM debian:bookworm\nCOPY . /tests/\nRUN mkdir -p /opt/judge && echo 42 > /opt/judge/expected.txt\n",
+    )
+    # Two steps: the task's verifiers are separate, but step one says shared.
+    _task(
+        root,
+        "steps",
+        """
+        schema_version = "1.1"
+
+        [verifier]
+        environment_mode = "separate"
+
+        [[steps]]
+        name = "one"
+
+        [steps.verifier]
+        environment_mode = "shared"
+
+        [[steps]]
+        name = "two"
+        artifacts = ["/app/two.txt"]
+        """,
+    )
+    for step, check in (
+        ("one", '[ "$(cat /app/one.txt)" = 1 ]'),
+        ("two", '[ "$(cat /app/two.txt)" = 2 ] && [ ! -e /app/one.txt ]'),
+    ):
+        (root / "steps" / "steps" / step / "tests").mkdir(parents=True)
+        (root / "steps" / "steps" / step / "instruction.md").write_text(f"Write {step} to /app/{step}.txt.\n")
+        (root / "steps" / "steps" / step / "tests" / "test.sh").write_text(
+            f"#!/bin/bash\nif {check}; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
+        )
+    # A verifier that takes a while: a node killed while it runs.
+    _task(root, "slow", SEPARATE, test="#!/bin/bash\nsleep 600\n")
+    # A verifier environment envhub cannot run.
+    _task(root, "compose-verifier", SEPARATE)
+    (root / "compose-verifier" / "tests" / "docker-compose.yaml").write_text("services:\n  main: {}\n")
+    return root
+
+
+def _config(tmp: Path, tasks: Path) -> Path:
+    # No warm pool: the tests find an episode's container by its instance label.
+    environments = {"terminal-bench": {"datasets": [str(tasks)], "warm_pool": 0}}
+    return write_config(tmp / "node.yaml", image_map={"debian:bookworm": BASE_IMAGE}, environments=environments)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, tasks):
+    tmp = tmp_path_factory.mktemp("separate-node")
+    proc = tb_process(tmp / "data", _config(tmp, tasks), "--capacity", "4").start(timeout=60)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+@pytest.fixture
+def c(node):
+    with node.client(timeout=600) as client:
+        yield client
+
+
+def sh(c, iid: str, command: str) -> dict:
+    return act(c, iid, "run_command", command=command)
+
+
+def evaluate(c, iid: str) -> dict:
+    r = c.post(f"/instances/{iid}/evaluate")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def said(evaluation: dict, what: str) -> str:
+    """What the test script printed after ``<what>:``."""
+    for line in evaluation["details"]["output_tail"].splitlines():
+        if line.startswith(f"{what}:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(evaluation["details"]["output_tail"])
+
+
+def verifier_containers(node_id: str) -> list:
+    return [row for row in our_containers(node_id) if row["Labels"].get("envhub.verifier") == "1"]
+
+
+def test_the_tests_run_in_a_fresh_container_that_sees_only_the_artifacts(c, node):
+    """The answer reaches the verifier as an artifact; what else the agent left in its
+    container (a scratch dir) does not, and the verifier has its own env, no network, and
+    the tests never enter the agent's container. The verifier's container is gone after."""
+    iid = create(c, "separate")["instance_id"]
+    assert sh(c, iid, "echo 42 > /app/answer.txt && mkdir /app/scratch && touch /app/scratch/left")["exit_code"] == 0
+    graded = evaluate(c, iid)
+    assert graded["reward"] == 1.0, graded
+    assert graded["details"]["verifier_environment"] == "separate"
+    assert said(graded, "answer") == "42"
+    assert "No such file" in said(graded, "scratch")
+    assert said(graded, "net") == "lo"
+    assert said(graded, "env") == "verifier-env task-env"
+    assert verifier_containers(node.node_id) == []
+    engine = docker.from_env()
+    try:
+        (agent,) = engine.api.containers(filters={"label": f"envhub.instance={iid}"})
+        ls = engine.containers.get(agent["Id"]).exec_run(["ls", "-A", "/tests", "/logs/verifier"])
+        assert b"test.sh" not in ls.output, ls.output
+    finally:
+        engine.close()
+    # The trial log has the verifier's files and the artifact.
+    trial = node.data_dir / "trials"
+    assert any(p.name == "answer.txt" for p in trial.rglob("artifacts/app/*")), sorted(trial.rglob("*"))
+
+    wrong = create(c, "separate")["instance_id"]
+    sh(c, wrong, "echo 41 > /app/answer.txt")
+    assert evaluate(c, wrong)["reward"] == 0.0
+    c.post(f"/instances/{iid}/release")
+    c.post(f"/instances/{wrong}/release")
+
+
+def test_a_process_the_agent_leaves_cannot_forge_the_reward_or_read_the_tests(c, node):
+    """Adversarial: before it hands in a wrong answer, the agent starts a process that
+    writes reward 1 into /logs/verifier in a loop and copies whatever shows up in /tests.
+    Graded in the agent's container (shared mode) that forges a 1.0; graded separately it
+    earns what the answer deserves, and the process never sees a test."""
+    forger = (
+        "nohup bash -c 'while true; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
+        "cp -r /tests /var/tmp/stolen 2>/dev/null; sleep 0.01; done' >/dev/null 2>&1 &"
+    )
+    scores = {}
+    for task in ("shared", "separate"):
+        iid = create(c, task)["instance_id"]
+        sh(c, iid, "echo 41 > /app/answer.txt")
+        sh(c, iid, forger)
+        scores[task] = evaluate(c, iid)["reward"]
+        engine = docker.from_env()
+        try:
+            (agent,) = engine.api.containers(filters={"label": f"envhub.instance={iid}"})
+            stolen = engine.containers.get(agent["Id"]).exec_run(["ls", "-A", "/var/tmp/stolen"])
+        finally:
+            engine.close()
+        if task == "separate":
+            assert stolen.exit_code != 0, stolen.output
+        c.post(f"/instances/{iid}/release")
+    # The shared-mode score shows the attack is real; the separate one that it fails.
+    assert scores == {"shared": 1.0, "separate": 0.0}, scores
+
+
+def test_a_verifier_image_from_the_tests_dockerfile_holds_the_tests_and_gets_collected_state(c, node):
+    """``tests/Dockerfile`` builds the verifier's image (its context the tests dir: the
+    tests are in it, nothing is copied in), once; a collect hook ran in the agent's
+    container before the artifacts were taken; the verifier environment's own env."""
+    iid = create(c, "bundled")["instance_id"]
+    sh(c, iid, "echo 42 > /app/answer.txt")
+    assert sh(c, iid, "ls /opt/judge /tests 2>&1")["exit_code"] != 0  # neither is the agent's
+    graded = evaluate(c, iid)
+    assert graded["reward"] == 1.0, graded
+    assert said(graded, "judge") == "42" and said(graded, "state") == "snapshot-42"
+    assert said(graded, "env") == "verifier-container-env"
+    assert graded["details"]["collect"] == [
+        {"command": graded["details"]["collect"][0]["command"], "exit_code": 0, "timed_out": False}
+    ]
+    engine = docker.from_env()
+    try:
+        tags = [t for image in engine.images.list() for t in image.tags if "-verifier:" in t and "bundled" in t]
+    finally:
+        engine.close()
+    assert len(tags) == 1, tags
+    again = create(c, "bundled")["instance_id"]
+    sh(c, again, "echo 7 > /app/answer.txt")
+    assert evaluate(c, again)["reward"] == 0.0
+    for i in (iid, again):
+        c.post(f"/instances/{i}/release")
+
+
+def test_each_step_of_a_multi_step_task_is_verified_where_its_mode_says(c, node):
+    """Step one (shared, by its own ``[steps.verifier]``) is graded in the agent's
+    container, step two (separate, the task's mode) in a fresh one that sees only the
+    step's artifact: not the first step's file, which is still in the agent's container."""
+    iid = create(c, "steps")["instance_id"]
+    sh(c, iid, "echo 1 > /app/one.txt")
+    first = c.post(f"/instances/{iid}/step", json={"action": {"tool": "finish_step", "arguments": {}}}).json()
+    assert first["reward"] == 1.0 and first["done"] is False, first
+    sh(c, iid, "echo 2 > /app/two.txt")
+    second = c.post(f"/instances/{iid}/step", json={"action": {"tool": "finish_step", "arguments": {}}}).json()
+    assert second["reward"] == 1.0 and second["done"] is True, second
+    graded = evaluate(c, iid)
+    assert graded["reward"] == 1.0, graded
+    modes = {s["name"]: s["verifier_environment"] for s in graded["details"]["steps"]}
+    assert modes == {"one": "shared", "two": "separate"}, graded["details"]
+    assert sh_after(iid, "cat /app/one.txt") == "1"  # what step two's verifier could not see
+    assert verifier_containers(node.node_id) == []
+    c.post(f"/instances/{iid}/release")
+
+
+def sh_after(iid: str, command: str) -> str:
+    """``command``'s output in the episode's container, run by the test (the episode takes
+    no more steps)."""
+    engine = docker.from_env()
+    try:
+        (agent,) = engine.api.containers(filters={"label": f"envhub.instance={iid}"})
+        return engine.containers.get(agent["Id"]).exec_run(["sh", "-c", command]).output.decode().strip()
+    finally:
+        engine.close()
+
+
+def test_a_verifier_environment_envhub_cannot_run_is_refused_at_create(c):
+    r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "compose-verifier"})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["field"] == "task_id" and "docker-compose" in body["error"], body
+
+
+def test_a_verifier_container_of_a_killed_node_is_removed_when_it_starts_again(tmp_path, tasks):
+    """A node killed -9 while a separate verifier runs leaves that container; the node,
+    restarted on its data dir, removes it (it is labelled as the node's)."""
+    cfg = _config(tmp_path, tasks)
+    first = tb_process(tmp_path / "data", cfg).start(timeout=60)
+    try:
+        with first.client(timeout=60) as c:
+            iid = create(c, "slow")["instance_id"]
+            with pytest.raises(Exception):  # the evaluate never ends; the client gives up
+                c.post(f"/instances/{iid}/evaluate", timeout=1)
+        eventually(lambda: verifier_containers(first.node_id), timeout=60, message=first.log)
+    except BaseException:
+        first.stop()
+        raise
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait()
+    first._log.close()
+    assert verifier_containers(first.node_id), "it outlived its node"
+    time.sleep(0.1)
+    second = tb_process(tmp_path / "data", cfg).start(timeout=60)
+    try:
+        eventually(lambda: verifier_containers(first.node_id) == [], timeout=30, message=second.log)
+        with second.client() as c:  # the episode's own container was adopted; its release ends it
+            assert c.post(f"/instances/{iid}/release").status_code == 200
+    finally:
+        assert second.stop() == 0, second.log()
+    assert our_containers(first.node_id) == []
