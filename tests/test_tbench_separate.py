@@ -9,16 +9,24 @@ image). Their images are the local base image (``debian:bookworm`` is mapped to 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import docker
+import httpx
 import pytest
-from conftest import BASE_IMAGE, eventually, needs_docker
+import yaml
+from conftest import BASE_IMAGE, REPO, eventually, needs_docker
+from test_rootfs_sandbox import rootfs_node
 from test_terminal_bench import act, create, our_containers, tb_process, write_config
+
+from envhub.plugins.rootfs_sandbox import files as rootfs_files
 
 pytestmark = [needs_docker]
 
@@ -28,9 +36,9 @@ echo "answer: $(cat /app/answer.txt 2>&1)"
 echo "scratch: $(ls /app/scratch 2>&1)"
 echo "state: $(cat /logs/artifacts/state.txt 2>&1)"
 echo "judge: $(cat /opt/judge/expected.txt 2>&1)"
-echo "net: $(ls /sys/class/net | tr '\\n' ' ')"
+echo "net: $(tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\\n' ' ')"
 echo "env: $VERIFIER_ENV_SAYS $CONTAINER_ENV_SAYS"
-if [ "$(cat /app/answer.txt 2>/dev/null)" = "42" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+if [ "$(cat /app/answer.txt 2>/dev/null)" = "42" ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
 """
 
 
@@ -109,7 +117,9 @@ def tasks(tmp_path_factory) -> Path:
         [verifier.environment.env]
         CONTAINER_ENV_SAYS = "verifier-container-env"
         """,
-        tests_dockerfile="FROM debian:bookworm\nCOPY . /tests/\nRUN mkdir -p /opt/judge && echo 42 > /opt/judge/expected.txt\n",
+        tests_dockerfile=(
+            "FROM debian:bookworm\nCOPY . /tests/\nRUN mkdir -p /opt/judge && echo 42 > /opt/judge/expected.txt\n"
+        ),
     )
     # Two steps: the task's verifiers are separate, but step one says shared.
     _task(
@@ -265,15 +275,12 @@ def test_a_verifier_image_from_the_tests_dockerfile_holds_the_tests_and_gets_col
     assert graded["details"]["collect"] == [
         {"command": graded["details"]["collect"][0]["command"], "exit_code": 0, "timed_out": False}
     ]
-    engine = docker.from_env()
-    try:
-        tags = [t for image in engine.images.list() for t in image.tags if "-verifier:" in t and "bundled" in t]
-    finally:
-        engine.close()
-    assert len(tags) == 1, tags
     again = create(c, "bundled")["instance_id"]
     sh(c, again, "echo 7 > /app/answer.txt")
     assert evaluate(c, again)["reward"] == 0.0
+    builds = c.get("/builds", params={"task_id": "bundled"}).json()["builds"]
+    verifier_builds = [b for b in builds if "-verifier:" in b["image"]]
+    assert [b["state"] for b in verifier_builds] == ["ready"], builds  # built once, for both episodes
     for i in (iid, again):
         c.post(f"/instances/{i}/release")
 
@@ -324,7 +331,7 @@ def test_a_verifier_container_of_a_killed_node_is_removed_when_it_starts_again(t
     try:
         with first.client(timeout=60) as c:
             iid = create(c, "slow")["instance_id"]
-            with pytest.raises(Exception):  # the evaluate never ends; the client gives up
+            with pytest.raises(httpx.TimeoutException):  # the evaluate never ends; the client gives up
                 c.post(f"/instances/{iid}/evaluate", timeout=1)
         eventually(lambda: verifier_containers(first.node_id), timeout=60, message=first.log)
     except BaseException:
@@ -343,3 +350,43 @@ def test_a_verifier_container_of_a_killed_node_is_removed_when_it_starts_again(t
     finally:
         assert second.stop() == 0, second.log()
     assert our_containers(first.node_id) == []
+
+
+@pytest.mark.skipif(not rootfs_files.available(), reason="the rootfs sandbox needs openat2 (Linux 5.6+)")
+def test_separate_verifiers_run_on_a_node_without_docker(tmp_path, tasks):
+    """``envhub build --export`` writes the verifier's image beside the task's (the one its
+    tests dir's Dockerfile builds), and a rootfs node without a Docker engine grades in
+    separate sandboxes of its own as the docker node does."""
+    config = tmp_path / "export.yaml"
+    config.write_text(yaml.safe_dump({"image_map": {"debian:bookworm": BASE_IMAGE}}))
+    exported = tmp_path / "archives"
+    built = subprocess.run(
+        [sys.executable, "-m", "envhub", "build", "separate", "bundled", "--export", str(exported)]
+        + ["--config", str(config), "--data-dir", str(tmp_path / "export-data")]
+        + ["--set", f"environments.terminal-bench.datasets={tasks}"]
+        + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    images = json.loads((exported / "index.json").read_text())["images"]
+    assert sum("-verifier:" in image for image in images) == 1 and len(images) == 3, images
+    node = rootfs_node(tmp_path / "data", exported, "--set", f"environments.terminal-bench.datasets={tasks}")
+    node.start(timeout=120)
+    try:
+        with node.client(timeout=600) as c:
+            for task, expected in (
+                ("separate", {"answer": "42"}),
+                ("bundled", {"judge": "42", "state": "snapshot-42"}),
+            ):
+                iid = create(c, task)["instance_id"]
+                assert sh(c, iid, "echo 42 > /app/answer.txt")["exit_code"] == 0
+                graded = evaluate(c, iid)
+                assert graded["reward"] == 1.0 and graded["details"]["verifier_environment"] == "separate", graded
+                assert {k: said(graded, k) for k in expected} == expected
+                assert said(graded, "net") == "lo"
+                assert c.post(f"/instances/{iid}/release").status_code == 200
+    finally:
+        assert node.stop() == 0, node.log()

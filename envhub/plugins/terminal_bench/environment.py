@@ -354,6 +354,18 @@ class TerminalBench(Environment):
             image = self._images[task.id] = await self._task_image(task)
         return image
 
+    def images(self, task: Task) -> list[str]:
+        """The task's image and its separate verifiers' (``envhub build --export`` writes
+        them all: a node without Docker imports a verifier's image as it does the task's)."""
+        out = super().images(task)
+        for sep in _separate_verifiers(self.tb(task)).values():
+            req = self.verifier_build_request(task, sep)
+            if sep.docker_image is not None:
+                out.append(self._image_map().get(sep.docker_image, sep.docker_image))
+            elif req is not None:
+                out.append(req.image)
+        return list(dict.fromkeys(out))
+
     async def verifier_spec(self, episode: Episode, step: TbStep | None) -> SandboxSpec | None:
         """The sandbox a separate verifier of ``episode`` (of its ``step``) runs in: a fresh
         one of its own, labelled as the episode's (a node that dies while it runs removes

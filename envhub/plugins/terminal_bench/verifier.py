@@ -1,11 +1,15 @@
-"""Running a terminal-bench task's verifier in the episode's container, and its grade
-(the parsing is grading.py's, which does no I/O).
+"""Running a terminal-bench task's verifier, in the episode's container or (harbor's
+separate mode) in a fresh sandbox of its own, and its grade (the parsing is
+grading.py's, which does no I/O).
 
 Invariants:
 
-- The tests enter the container only here, a fresh copy for every run; from the first
-  run on, the episode takes no more steps (``state["tests_copied"]``), until a
+- The tests enter the episode's container only here, a fresh copy for every run; from
+  the first run on, the episode takes no more steps (``state["tests_copied"]``), until a
   multi-step task moves on to its next step (steps.py), which removes them first.
+- A separate verifier's tests never enter the episode's container: its sandbox gets
+  only the artifacts collected from it (regular files, by their container paths), and is
+  destroyed before the grade returns, also when the call is cancelled.
 - An evaluation counts only once it is complete and gave a verdict
   (``state["evaluated"]``), so a failed, cut-off or undecided run (tests timed out, no
   reward file) can be retried.
