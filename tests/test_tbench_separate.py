@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +23,9 @@ import docker
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, eventually, needs_docker
+from conftest import BASE_IMAGE, REPO, TB_DATA, EnvhubProcess, eventually, needs_docker, needs_shared
 from test_rootfs_sandbox import rootfs_node
+from test_tbench_offline import HERE, readme_offline
 from test_terminal_bench import act, create, our_containers, tb_process, write_config
 
 from envhub.plugins.rootfs_sandbox import files as rootfs_files
@@ -388,5 +390,50 @@ def test_separate_verifiers_run_on_a_node_without_docker(tmp_path, tasks):
                 assert {k: said(graded, k) for k in expected} == expected
                 assert said(graded, "net") == "lo"
                 assert c.post(f"/instances/{iid}/release").status_code == 200
+    finally:
+        assert node.stop() == 0, node.log()
+
+
+@needs_shared
+def test_published_tasks_made_separate_grade_their_artifacts_with_their_own_tests(tmp_path):
+    """Two published harbor tasks (simple-task, multi-reward), their task.toml told to
+    grade separately with the files their tests read declared as artifacts: their own
+    tests (pytest through uv, offline: the README's offline config, verifier tools in the
+    image) score the reference solution 1.0 in a fresh container of the task's image, and
+    an agent that did nothing 0."""
+    tasks = tmp_path / "terminal-bench"
+    for name, artifacts in (("simple-task", '["/app/hello.txt"]'), ("multi-reward", '["/app/deduplicate.py"]')):
+        shutil.copytree(TB_DATA / "tb2" / name, tasks / name)
+        toml = tasks / name / "task.toml"
+        text = toml.read_text()
+        assert "[verifier]\n" in text and "environment_mode" not in text
+        toml.write_text(
+            f"artifacts = {artifacts}\n" + text.replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
+        )
+    config, (build, serve) = readme_offline()
+    (tmp_path / "offline.yaml").write_text(config)
+    made = subprocess.run(  # the stand-in base images, kept when present (test_tbench_offline made them)
+        [sys.executable, "-m", "envhub", *build, *HERE], capture_output=True, text=True, timeout=1800, cwd=tmp_path
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    node_id = f"separate-{tmp_path.name}"
+    node = EnvhubProcess(tmp_path / "data", *serve[3:], *HERE, "--set", f"node_id={node_id}", cwd=tmp_path)
+    node.node_id = node_id
+    node.start(timeout=60)
+    try:
+        with node.client(timeout=1800) as c:
+            for name in ("simple-task", "multi-reward"):
+                for oracle_mode, expected in ((True, 1.0), (False, 0.0)):
+                    created = c.post(
+                        "/instances",
+                        json={"environment": "terminal-bench", "task_id": name, "params": {"oracle": oracle_mode}},
+                    )
+                    assert created.status_code == 201, created.text
+                    iid = created.json()["instance_id"]
+                    graded = evaluate(c, iid)
+                    assert graded["reward"] == expected, (name, oracle_mode, graded["details"]["output_tail"])
+                    assert graded["details"]["verifier_environment"] == "separate"
+                    c.post(f"/instances/{iid}/release")
+        assert verifier_containers(node_id) == []
     finally:
         assert node.stop() == 0, node.log()
