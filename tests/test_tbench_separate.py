@@ -26,7 +26,7 @@ import yaml
 from conftest import BASE_IMAGE, REPO, TB_DATA, EnvhubProcess, eventually, needs_docker, needs_shared
 from test_rootfs_sandbox import rootfs_node
 from test_tbench_offline import HERE, readme_offline
-from test_terminal_bench import act, create, our_containers, tb_process, write_config
+from test_terminal_bench import act, create, node_id_of, our_containers, tb_process, write_config
 
 from envhub.plugins.rootfs_sandbox import files as rootfs_files
 
@@ -153,6 +153,24 @@ def tasks(tmp_path_factory) -> Path:
         (root / "steps" / "steps" / step / "tests" / "test.sh").write_text(
             f"#!/bin/bash\nif {check}; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n"
         )
+    # harbor's ${NAME} templates: filled from the node's environment for the names it lets
+    # through (JUDGE below), from their default otherwise.
+    _task(
+        root,
+        "templated",
+        """
+        [verifier.env]
+        TOKEN = "${ENVHUB_TEST_JUDGE}"
+        FALLBACK = "${ENVHUB_TEST_UNLISTED:-fallback}"
+        """,
+        test='#!/bin/bash\necho "token: $TOKEN"\necho "fallback: $FALLBACK"\necho 1 > /logs/verifier/reward.txt\n',
+    )
+    (root / "templated" / "task.toml").write_text(
+        (root / "templated" / "task.toml")
+        .read_text()
+        .replace('CONTAINER_ENV_SAYS = "task-env"', 'CONTAINER_ENV_SAYS = "${ENVHUB_TEST_UNLISTED:-agent-default}"')
+    )
+    _task(root, "untemplated", '[verifier.env]\nTOKEN = "${ENVHUB_TEST_UNLISTED}"\n')
     # A verifier that takes a while: a node killed while it runs.
     _task(root, "slow", SEPARATE, test="#!/bin/bash\nsleep 600\n")
     # A verifier environment envhub cannot run.
@@ -163,14 +181,21 @@ def tasks(tmp_path_factory) -> Path:
 
 def _config(tmp: Path, tasks: Path) -> Path:
     # No warm pool: the tests find an episode's container by its instance label.
-    environments = {"terminal-bench": {"datasets": [str(tasks)], "warm_pool": 0}}
+    environments = {
+        "terminal-bench": {"datasets": [str(tasks)], "warm_pool": 0, "env_from_node": ["ENVHUB_TEST_JUDGE"]}
+    }
     return write_config(tmp / "node.yaml", image_map={"debian:bookworm": BASE_IMAGE}, environments=environments)
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, tasks):
     tmp = tmp_path_factory.mktemp("separate-node")
-    proc = tb_process(tmp / "data", _config(tmp, tasks), "--capacity", "4").start(timeout=60)
+    cfg = _config(tmp, tasks)
+    # The node's environment has both; only ENVHUB_TEST_JUDGE is let through (env_from_node).
+    env = {"ENVHUB_TEST_JUDGE": "judge-secret", "ENVHUB_TEST_UNLISTED": "not-for-tasks"}
+    proc = EnvhubProcess(tmp / "data", "--config", str(cfg), "--capacity", "4", env=env)
+    proc.node_id = node_id_of(cfg)
+    proc.start(timeout=60)
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -235,29 +260,26 @@ def test_the_tests_run_in_a_fresh_container_that_sees_only_the_artifacts(c, node
     c.post(f"/instances/{wrong}/release")
 
 
-def test_a_process_the_agent_leaves_cannot_forge_the_reward_or_read_the_tests(c, node):
-    """Adversarial: before it hands in a wrong answer, the agent starts a process that
-    writes reward 1 into /logs/verifier in a loop and copies whatever shows up in /tests.
-    Graded in the agent's container (shared mode) that forges a 1.0; graded separately it
-    earns what the answer deserves, and the process never sees a test."""
-    forger = (
-        "nohup bash -c 'while true; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
-        "cp -r /tests /var/tmp/stolen 2>/dev/null; sleep 0.01; done' >/dev/null 2>&1 &"
+def test_an_agent_that_rigs_its_container_cannot_forge_the_reward_or_read_the_tests(c, node):
+    """Adversarial: before it hands in a wrong answer, the agent (root in its container)
+    swaps ``bash`` for a wrapper that, when run on a test script, copies ``/tests`` away
+    and writes reward 1 instead. Graded in the agent's container (shared mode) that
+    forges a 1.0; graded separately it earns what the answer deserves, and the tests are
+    never where the agent's code could copy them."""
+    rig = (
+        "cp /usr/bin/bash /usr/bin/real-bash && printf '%s\\n' '#!/usr/bin/real-bash' "
+        '\'case "$1" in /tests/*) cp -r /tests /var/tmp/stolen; mkdir -p /logs/verifier; '
+        "echo 1 > /logs/verifier/reward.txt; exit 0;; esac' 'exec /usr/bin/real-bash \"$@\"' > /usr/bin/bash.new "
+        "&& chmod 755 /usr/bin/bash.new && mv /usr/bin/bash.new /usr/bin/bash"
     )
     scores = {}
     for task in ("shared", "separate"):
         iid = create(c, task)["instance_id"]
-        sh(c, iid, "echo 41 > /app/answer.txt")
-        sh(c, iid, forger)
+        assert sh(c, iid, f"echo 41 > /app/answer.txt && {rig}")["exit_code"] == 0
+        assert sh(c, iid, "head -1 /usr/bin/bash")["stdout"] == "#!/usr/bin/real-bash\n"  # rigged, and still works
         scores[task] = evaluate(c, iid)["reward"]
-        engine = docker.from_env()
-        try:
-            (agent,) = engine.api.containers(filters={"label": f"envhub.instance={iid}"})
-            stolen = engine.containers.get(agent["Id"]).exec_run(["ls", "-A", "/var/tmp/stolen"])
-        finally:
-            engine.close()
-        if task == "separate":
-            assert stolen.exit_code != 0, stolen.output
+        stolen = sh_after(iid, "ls -A /var/tmp/stolen 2>&1; true")
+        assert ("test.sh" in stolen) == (task == "shared"), stolen
         c.post(f"/instances/{iid}/release")
     # The shared-mode score shows the attack is real; the separate one that it fails.
     assert scores == {"shared": 1.0, "separate": 0.0}, scores
@@ -313,9 +335,26 @@ def sh_after(iid: str, command: str) -> str:
     engine = docker.from_env()
     try:
         (agent,) = engine.api.containers(filters={"label": f"envhub.instance={iid}"})
-        return engine.containers.get(agent["Id"]).exec_run(["sh", "-c", command]).output.decode().strip()
+        ran = engine.containers.get(agent["Id"]).exec_run(["sh", "-c", command])
+        assert ran.exit_code == 0, ran
+        return ran.output.decode().strip()
     finally:
         engine.close()
+
+
+def test_env_templates_take_the_node_s_values_it_lets_through_and_defaults_otherwise(c):
+    """``${ENVHUB_TEST_JUDGE}`` gets the node's value (env_from_node lists it);
+    ``${ENVHUB_TEST_UNLISTED:-...}`` its default although the node has it set (not let
+    through), in the verifier's env and in the agent's; without a default, a 400."""
+    iid = create(c, "templated")["instance_id"]
+    assert sh(c, iid, "echo $CONTAINER_ENV_SAYS")["stdout"] == "agent-default\n"
+    graded = evaluate(c, iid)
+    assert said(graded, "token") == "judge-secret" and said(graded, "fallback") == "fallback", graded
+    c.post(f"/instances/{iid}/release")
+    r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "untemplated"})
+    assert r.status_code == 400 and r.json()["field"] == "task_id", r.text
+    assert "${ENVHUB_TEST_UNLISTED}" in r.json()["error"] and "env_from_node" in r.json()["error"], r.text
+    assert "not-for-tasks" not in r.text
 
 
 def test_a_verifier_environment_envhub_cannot_run_is_refused_at_create(c):

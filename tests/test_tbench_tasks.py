@@ -15,6 +15,7 @@ from conftest import TB_DATA, needs_shared
 from envhub.plugins.terminal_bench.images import context_hash, substitute_base
 from envhub.plugins.terminal_bench.model import CollectHook, Healthcheck, SeparateVerifier, TaskFormatError
 from envhub.plugins.terminal_bench.tasks import load_dataset, load_task
+from envhub.plugins.terminal_bench.templates import TemplateError, resolve, resolve_task
 
 
 def write(path: Path, text: str, mode: int | None = None) -> Path:
@@ -469,6 +470,38 @@ def test_tb2_steps_take_their_own_verifier_mode_before_the_tasks(tmp_path):
 )
 def test_rejects_bad_verifier_modes_and_hooks(tmp_path, toml, field):
     assert_format_error(make_tb2(tmp_path, task_toml=toml), field)
+
+
+def test_env_templates_take_only_allowed_names_from_the_node_then_their_default():
+    node = {"JUDGE_KEY": "sk-1", "HOME": "/root"}
+    env = {
+        "A": "${JUDGE_KEY}",  # allowed and set
+        "B": "${HOME:-/nowhere}",  # set, but not allowed: the default
+        "C": "${MISSING:-}",  # an empty default is a default
+        "D": "Bearer ${JUDGE_KEY}",  # not a whole value: as written, as in harbor
+        "E": "plain",
+    }
+    out = resolve(env, {"JUDGE_KEY", "MISSING"}, node)
+    assert out == {"A": "sk-1", "B": "/nowhere", "C": "", "D": "Bearer ${JUDGE_KEY}", "E": "plain"}
+    with pytest.raises(TemplateError, match=r"\$\{HOME\}, which is not in env_from_node"):
+        resolve({"X": "${HOME}"}, {"JUDGE_KEY"}, node)
+    with pytest.raises(TemplateError, match=r"\$\{MISSING\}, which is not set"):
+        resolve({"X": "${MISSING}"}, {"MISSING"}, node)
+
+
+def test_env_templates_are_filled_in_every_env_table_of_a_task_and_its_steps(tmp_path):
+    toml = (
+        '[environment.env]\nA = "${K}"\n[verifier.env]\nB = "${K}"\n'
+        '[verifier.environment.env]\nC = "${K:-no}"\n'
+        '[[steps]]\nname = "one"\n[steps.verifier.env]\nD = "${K}"\n'
+    )
+    d = make_tb2(tmp_path, task_toml=toml, instruction=None)
+    write(d / "steps" / "one" / "instruction.md", "do one\n")
+    write(d / "steps" / "one" / "tests" / "test.sh", "#!/bin/bash\n")
+    t = resolve_task(load_task(d), {"K"}, {"K": "v"})
+    assert (t.env, t.verifier_env, t.steps[0].verifier_env) == ({"A": "v"}, {"B": "v"}, {"D": "v"})
+    sep = t.steps[0].separate_verifier
+    assert sep is not None and sep.env == {"C": "v"}
 
 
 def test_rejects_duplicate_step_names(tmp_path):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import secrets
 from collections.abc import Callable, Mapping
@@ -41,7 +42,7 @@ import yaml
 
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.terminal_bench import offline, skills, steps, verifier
+from envhub.plugins.terminal_bench import offline, skills, steps, templates, verifier
 from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base, tree_hash
 from envhub.plugins.terminal_bench.model import SeparateVerifier, TaskFormatError, TbStep, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
@@ -124,7 +125,9 @@ class TerminalBench(Environment):
     ``envhub build --base-images``), ``ignore_compose_services`` (false: a create of a
     task whose docker-compose file defines services beside its own container, sidecars
     its tests may need, is refused, since envhub runs one container per episode and its
-    reward would be wrong; true runs such tasks without them).
+    reward would be wrong; true runs such tasks without them), ``env_from_node`` (names
+    of the node's environment variables whose values a tb2 task's ``${NAME}`` env
+    templates may take, an LLM judge's API key say; none by default: see templates.py).
 
     ``image_map``: the node's, then this section's, over :data:`offline.DEFAULT_IMAGE_MAP`
     for whichever stand-in base images exist on the engine (``envhub build
@@ -156,12 +159,21 @@ class TerminalBench(Environment):
         self.output_limit = int(self.config_number("output_limit", 16000))
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
         self._datasets: dict[str, set[str]] = {}  # task id -> the names its dataset goes by
+        self._unusable: dict[str, str] = {}  # task id -> why its creates are refused (an env template)
+        from_node = self.config.get("env_from_node") or []
+        if not isinstance(from_node, list) or not all(isinstance(n, str) for n in from_node):
+            raise StartupError(f"terminal-bench: env_from_node must be a list of names, not {from_node!r:.80}")
         for root in roots:
             try:
                 loaded = load_dataset(root)
             except (TaskFormatError, OSError) as e:
                 raise StartupError(f"terminal-bench: dataset {root}: {e}") from None
             for tb in loaded:
+                if tb.format == "tb2":
+                    try:
+                        tb = templates.resolve_task(tb, set(from_node), os.environ)
+                    except templates.TemplateError as e:
+                        self._unusable[tb.id] = str(e)
                 if tb.id in self._tasks:
                     raise StartupError(
                         f"terminal-bench: task id {tb.id!r} is in {self._tasks[tb.id][0].path} and {tb.path}"
@@ -272,6 +284,8 @@ class TerminalBench(Environment):
                     f"task {tb.id!r} is not in a dataset named {dataset!r} "
                     f"(it is in {', '.join(sorted(self._datasets[tb.id]))})"
                 )
+        if tb.id in self._unusable:
+            raise InvalidRequest(f"task {tb.id!r}: {self._unusable[tb.id]}", field="task_id")
         separate = _separate_verifiers(tb)
         problems = [f"{sep.problem}" for sep in separate.values() if sep.problem]
         if problems:
