@@ -26,7 +26,8 @@ import yaml
 from conftest import BASE_IMAGE, REPO, TB_DATA, EnvhubProcess, eventually, needs_docker, needs_shared
 from test_rootfs_sandbox import rootfs_node
 from test_tbench_offline import HERE, readme_offline
-from test_terminal_bench import act, create, node_id_of, our_containers, tb_process, write_config
+from test_tbench_steps import sh
+from test_terminal_bench import create, node_id_of, our_containers, tb_process, write_config
 
 from envhub.plugins.rootfs_sandbox import files as rootfs_files
 
@@ -204,10 +205,6 @@ def node(tmp_path_factory, tasks):
 def c(node):
     with node.client(timeout=600) as client:
         yield client
-
-
-def sh(c, iid: str, command: str) -> dict:
-    return act(c, iid, "run_command", command=command)
 
 
 def evaluate(c, iid: str) -> dict:
