@@ -373,10 +373,9 @@ class TerminalBench(Environment):
         them all: a node without Docker imports a verifier's image as it does the task's)."""
         out = super().images(task)
         for sep in _separate_verifiers(self.tb(task)).values():
-            req = self.verifier_build_request(task, sep)
             if sep.docker_image is not None:
                 out.append(self._image_map().get(sep.docker_image, sep.docker_image))
-            elif req is not None:
+            elif (req := self.verifier_build_request(task, sep)) is not None:
                 out.append(req.image)
         return list(dict.fromkeys(out))
 
