@@ -430,6 +430,23 @@ def test_separate_verifiers_run_on_a_node_without_docker(tmp_path, tasks):
         assert node.stop() == 0, node.log()
 
 
+# Published harbor tasks and the files their tests read, which separate mode must collect.
+PUBLISHED_SEPARATE = {"simple-task": ["/app/hello.txt"], "multi-reward": ["/app/deduplicate.py"]}
+
+
+def made_separate(root: Path, name: str) -> Path:
+    """A copy of the published tb2 task ``name`` in ``root``, its task.toml told to grade
+    separately, with the files its tests read declared as artifacts."""
+    task = root / name
+    shutil.copytree(TB_DATA / "tb2" / name, task)
+    toml = task / "task.toml"
+    text = toml.read_text()
+    assert "[verifier]\n" in text and "environment_mode" not in text
+    separate = text.replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
+    toml.write_text(f"artifacts = {json.dumps(PUBLISHED_SEPARATE[name])}\n" + separate)
+    return task
+
+
 @needs_shared
 def test_published_tasks_made_separate_grade_their_artifacts_with_their_own_tests(tmp_path):
     """Two published harbor tasks (simple-task, multi-reward), their task.toml told to
@@ -438,14 +455,8 @@ def test_published_tasks_made_separate_grade_their_artifacts_with_their_own_test
     image) score the reference solution 1.0 in a fresh container of the task's image, and
     an agent that did nothing 0."""
     tasks = tmp_path / "terminal-bench"
-    for name, artifacts in (("simple-task", '["/app/hello.txt"]'), ("multi-reward", '["/app/deduplicate.py"]')):
-        shutil.copytree(TB_DATA / "tb2" / name, tasks / name)
-        toml = tasks / name / "task.toml"
-        text = toml.read_text()
-        assert "[verifier]\n" in text and "environment_mode" not in text
-        toml.write_text(
-            f"artifacts = {artifacts}\n" + text.replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
-        )
+    for name in PUBLISHED_SEPARATE:
+        made_separate(tasks, name)
     config, (build, serve) = readme_offline()
     (tmp_path / "offline.yaml").write_text(config)
     made = subprocess.run(  # the stand-in base images, kept when present (test_tbench_offline made them)
