@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from envhub.errors import InvalidRequest, StartupError
+from envhub.sandbox import SandboxSpec
 from envhub.util import strict_json
 
 # The most started, idle sandboxes a task's warm pool may keep (free slots bound it too).
@@ -23,7 +24,7 @@ MAX_WARM_POOL = 1024
 
 if TYPE_CHECKING:
     from envhub.openenv import OpenEnvAdapter
-    from envhub.sandbox import BuildRequest, ExecResult, Sandbox, SandboxSpec
+    from envhub.sandbox import BuildRequest, ExecResult, Sandbox
     from envhub.settings import Settings
 
 
@@ -335,6 +336,13 @@ class Environment:
     def sandbox_spec(self, task: Task, params: Mapping[str, Any], spec: SandboxSpec) -> SandboxSpec:
         """Adjust the sandbox spec the node proposes (image, limits) for ``task``."""
         return spec
+
+    def images(self, task: Task) -> list[str]:
+        """Every image ``task``'s episodes run in, once :meth:`prepare` made them ready:
+        what ``envhub build --export`` writes and ``--prune`` keeps. The default: the
+        image of the task's sandbox spec."""
+        spec = self.sandbox_spec(task, {}, SandboxSpec(instance_id="build", environment=self.name, task_id=task.id))
+        return [spec.image] if spec.image else []
 
     # -- what the compatibility layers need (AgentEvolver, OpenEnv, rewards) -------------
 

@@ -199,6 +199,26 @@ def test_the_oracle_scores_one_on_the_bundled_and_published_tb2_tasks_through_a_
     assert len(instances) == len(trials) and {i["state"] for i in instances} == {"released"}, instances
 
 
+@pytest.mark.skipif(not TB_DATA.is_dir(), reason=f"the published tasks are not at {TB_DATA}")
+def test_harbors_separate_verifier_runs_in_an_envhub_instance_of_its_own(harbor, fleet):
+    """Two published tasks told to grade separately (harbor 0.26's environment_mode, the
+    files their tests read declared as artifacts): Harbor's harness starts the verifier's
+    environment as a second instance, and its oracle scores 1, its nop agent 0."""
+    from test_tbench_separate import PUBLISHED_SEPARATE, made_separate
+
+    node, scheduler, tmp = fleet
+    tasks = tmp / "separate-tasks"
+    for name in PUBLISHED_SEPARATE:
+        made_separate(tasks, name)
+    for agent, expected in (("oracle", 1), ("nop", 0)):
+        trials = run_harbor(harbor, scheduler.url, tasks, tmp / "jobs", f"separate-{agent}", "-a", agent, "-n", "2")
+        # multi-reward's keys are its own (correctness, performance): every one counts.
+        got = {name.split("__")[0]: set(rewards(r).values()) for name, r in trials.items()}
+        assert got == dict.fromkeys(PUBLISHED_SEPARATE, {expected}), {n: r["exception_info"] for n, r in trials.items()}
+        instances = trial_instances(node, f"separate-{agent}")  # the agent's and the verifier's, per trial
+        assert len(instances) == 2 * len(trials) and {i["state"] for i in instances} == {"released"}, instances
+
+
 def test_the_nop_agent_scores_zero(harbor, fleet):
     node, scheduler, tmp = fleet
     tasks = dataset(tmp, "nop-tasks", [BUNDLED / "hello-envhub"])

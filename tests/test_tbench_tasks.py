@@ -13,8 +13,9 @@ import yaml
 from conftest import TB_DATA, needs_shared
 
 from envhub.plugins.terminal_bench.images import context_hash, substitute_base
-from envhub.plugins.terminal_bench.model import Healthcheck, TaskFormatError
+from envhub.plugins.terminal_bench.model import CollectHook, Healthcheck, SeparateVerifier, TaskFormatError
 from envhub.plugins.terminal_bench.tasks import load_dataset, load_task
+from envhub.plugins.terminal_bench.templates import TemplateError, resolve, resolve_task
 
 
 def write(path: Path, text: str, mode: int | None = None) -> Path:
@@ -392,6 +393,115 @@ def test_tb2_healthcheck_verifier_env_artifacts_and_strategy_are_read_with_harbo
     assert t.healthcheck == Healthcheck("test -f /ready", retries=5)  # harbor's defaults otherwise
     assert t.verifier_env == {"MODE": "strict"} and t.reward_strategy == "final"
     assert t.artifacts == ["/app/out.txt", "logs"]
+
+
+ENV = '[environment]\ncpus = 2\nmemory_mb = 1024\nallow_internet = false\n[environment.env]\nA = "task"\n'
+TASK_ENV = SeparateVerifier(cpus=2, memory_mb=1024, allow_internet=False, env={"A": "task"})
+
+
+@pytest.mark.parametrize(
+    "verifier, expected",
+    [
+        ("", None),  # harbor's default: shared
+        ('[verifier]\nenvironment_mode = "shared"\n', None),
+        ('[verifier]\nenvironment_mode = "separate"\n', TASK_ENV),  # a fresh copy of [environment]
+        # A [verifier.environment] implies separate; its own resources, harbor's defaults else.
+        ("[verifier.environment]\ncpus = 3\n", SeparateVerifier(cpus=3, memory_mb=2048)),
+        (
+            '[verifier.environment]\ndocker_image = "judge:1"\nnetwork_mode = "no-network"\n',
+            SeparateVerifier(docker_image="judge:1", cpus=1, memory_mb=2048, allow_internet=False),
+        ),
+    ],
+)
+def test_tb2_verifier_mode_and_environment_resolve_as_harbors(tmp_path, verifier, expected):
+    assert load_task(make_tb2(tmp_path, task_toml=ENV + verifier)).separate_verifier == expected
+
+
+def test_tb2_a_tests_dockerfile_builds_the_separate_verifier_and_a_compose_file_is_a_problem(tmp_path):
+    d = make_tb2(tmp_path, task_toml=ENV + '[verifier]\nenvironment_mode = "separate"\n')
+    write(d / "tests" / "Dockerfile", "FROM judge\nCOPY . /tests/\n")
+    sep = load_task(d).separate_verifier
+    assert sep is not None and sep.dockerfile == d / "tests" / "Dockerfile" and sep.bundled_tests
+    (d / "tests" / "Dockerfile").unlink()
+    write(d / "tests" / "docker-compose.yaml", "services: {}\n")
+    sep = load_task(d).separate_verifier  # the task loads; a create of it is refused
+    assert sep is not None and sep.problem is not None and "docker-compose" in sep.problem
+
+
+def test_tb2_steps_take_their_own_verifier_mode_before_the_tasks(tmp_path):
+    toml = ENV + (
+        '[verifier]\nenvironment_mode = "separate"\n'
+        '[[verifier.collect]]\ncommand = "snap"\n'
+        '[[verifier.collect]]\ncommand = "db dump"\nservice = "db"\n'
+        '[[steps]]\nname = "one"\n[steps.verifier]\nenvironment_mode = "shared"\n'
+        '[[steps]]\nname = "two"\n'
+        '[[steps]]\nname = "three"\n[steps.verifier.environment]\nmemory_mb = 512\n'
+        '[[steps.verifier.collect]]\ncommand = "snap three"\ntimeout_sec = 5\n'
+    )
+    d = make_tb2(tmp_path, task_toml=toml, instruction=None)
+    for name in ("one", "two", "three"):
+        write(d / "steps" / name / "instruction.md", f"do {name}\n")
+        write(d / "steps" / name / "tests" / "test.sh", "#!/bin/bash\n")
+    write(d / "steps" / "two" / "tests" / "Dockerfile", "FROM judge\n")  # the step's own before the task's
+    t = load_task(d)
+    assert t.separate_verifier is None  # a multi-step task's verifiers are its steps'
+    one, two, three = (s.separate_verifier for s in t.steps)
+    assert one is None
+    assert two == SeparateVerifier(
+        dockerfile=d / "steps" / "two" / "tests" / "Dockerfile",
+        cpus=2,
+        memory_mb=1024,
+        allow_internet=False,
+        env={"A": "task"},
+    )
+    assert three == SeparateVerifier(cpus=1, memory_mb=512)
+    # The task's hooks of its own container (a sidecar's are left out), and the step's.
+    assert t.collect == [CollectHook("snap")] and t.steps[2].collect == [CollectHook("snap three", 5)]
+
+
+@pytest.mark.parametrize(
+    "toml, field",
+    [
+        ('[verifier]\nenvironment_mode = "elsewhere"\n', "verifier.environment_mode"),
+        ('[verifier]\nenvironment_mode = "shared"\n[verifier.environment]\ncpus = 1\n', "verifier.environment"),
+        ('[[verifier.collect]]\nservice = "main"\n', "verifier.collect[0].command"),
+        ("[verifier]\ncollect = 3\n", "verifier.collect"),
+    ],
+)
+def test_rejects_bad_verifier_modes_and_hooks(tmp_path, toml, field):
+    assert_format_error(make_tb2(tmp_path, task_toml=toml), field)
+
+
+def test_env_templates_take_only_allowed_names_from_the_node_then_their_default():
+    node = {"JUDGE_KEY": "sk-1", "HOME": "/root"}
+    env = {
+        "A": "${JUDGE_KEY}",  # allowed and set
+        "B": "${HOME:-/nowhere}",  # set, but not allowed: the default
+        "C": "${MISSING:-}",  # an empty default is a default
+        "D": "Bearer ${JUDGE_KEY}",  # not a whole value: as written, as in harbor
+        "E": "plain",
+    }
+    out = resolve(env, {"JUDGE_KEY", "MISSING"}, node)
+    assert out == {"A": "sk-1", "B": "/nowhere", "C": "", "D": "Bearer ${JUDGE_KEY}", "E": "plain"}
+    with pytest.raises(TemplateError, match=r"\$\{HOME\}, which is not in env_from_node"):
+        resolve({"X": "${HOME}"}, {"JUDGE_KEY"}, node)
+    with pytest.raises(TemplateError, match=r"\$\{MISSING\}, which is not set"):
+        resolve({"X": "${MISSING}"}, {"MISSING"}, node)
+
+
+def test_env_templates_are_filled_in_every_env_table_of_a_task_and_its_steps(tmp_path):
+    toml = (
+        '[environment.env]\nA = "${K}"\n[verifier.env]\nB = "${K}"\n'
+        '[verifier.environment.env]\nC = "${K:-no}"\n'
+        '[[steps]]\nname = "one"\n[steps.verifier.env]\nD = "${K}"\n'
+    )
+    d = make_tb2(tmp_path, task_toml=toml, instruction=None)
+    write(d / "steps" / "one" / "instruction.md", "do one\n")
+    write(d / "steps" / "one" / "tests" / "test.sh", "#!/bin/bash\n")
+    t = resolve_task(load_task(d), {"K"}, {"K": "v"})
+    assert (t.env, t.verifier_env, t.steps[0].verifier_env) == ({"A": "v"}, {"B": "v"}, {"D": "v"})
+    sep = t.steps[0].separate_verifier
+    assert sep is not None and sep.env == {"C": "v"}
 
 
 def test_rejects_duplicate_step_names(tmp_path):

@@ -24,7 +24,7 @@ from envhub.environment import Environment, Task
 from envhub.errors import EnvhubError, InvalidRequest, NotFound
 from envhub.node.runtime import NodeRuntime
 from envhub.plugins import Registry, collect, get_plugin_manager
-from envhub.sandbox import CONTEXT_LABEL, SandboxSpec
+from envhub.sandbox import CONTEXT_LABEL
 from envhub.settings import Settings
 from envhub.store.db import Database, migrate
 
@@ -155,7 +155,7 @@ async def export_images(
     await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
     index_path = folder / "index.json"
     index, contexts = await asyncio.to_thread(_read_index, index_path)
-    images = sorted({spec.image for spec in (_spec(env, t) for t in tasks) if spec.image})
+    images = sorted({image for t in tasks for image in env.images(t)})
     for image in images:
         file = re.sub(r"[^A-Za-z0-9_.-]+", "_", image) + ".tar"
         if index.get(image) == file and await asyncio.to_thread((folder / file).is_file):
@@ -174,13 +174,9 @@ async def _prune(runtime: NodeRuntime, env: Environment, tasks: list[Task], echo
     prune = getattr(sandbox, "prune_images", None)
     if prune is None:
         raise InvalidRequest(f"--prune: the {env.sandbox} sandbox keeps no images of its own to prune")
-    keep = {spec.image for spec in (_spec(env, t) for t in tasks) if spec.image}
+    keep = {image for t in tasks for image in env.images(t)}
     freed = await prune(keep)
     echo(f"pruned {freed / 2**20:.0f} MiB of images no task here uses")
-
-
-def _spec(env: Environment, task: Task) -> SandboxSpec:
-    return env.sandbox_spec(task, {}, SandboxSpec(instance_id="build", environment=env.name, task_id=task.id))
 
 
 def _read_index(path: Path) -> tuple[dict[str, str], dict[str, str]]:

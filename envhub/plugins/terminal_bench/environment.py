@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,9 +42,9 @@ import yaml
 
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.terminal_bench import offline, skills, steps, verifier
-from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base
-from envhub.plugins.terminal_bench.model import TaskFormatError, TbTask
+from envhub.plugins.terminal_bench import offline, skills, steps, templates, verifier
+from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base, tree_hash
+from envhub.plugins.terminal_bench.model import SeparateVerifier, TaskFormatError, TbStep, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
 from envhub.plugins.terminal_bench.verifier import cd_workdir
 from envhub.sandbox import BuildRequest, ImageBuilder, Limits, SandboxSpec
@@ -123,7 +125,9 @@ class TerminalBench(Environment):
     ``envhub build --base-images``), ``ignore_compose_services`` (false: a create of a
     task whose docker-compose file defines services beside its own container, sidecars
     its tests may need, is refused, since envhub runs one container per episode and its
-    reward would be wrong; true runs such tasks without them).
+    reward would be wrong; true runs such tasks without them), ``env_from_node`` (names
+    of the node's environment variables whose values a tb2 task's ``${NAME}`` env
+    templates may take, an LLM judge's API key say; none by default: see templates.py).
 
     ``image_map``: the node's, then this section's, over :data:`offline.DEFAULT_IMAGE_MAP`
     for whichever stand-in base images exist on the engine (``envhub build
@@ -155,12 +159,21 @@ class TerminalBench(Environment):
         self.output_limit = int(self.config_number("output_limit", 16000))
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
         self._datasets: dict[str, set[str]] = {}  # task id -> the names its dataset goes by
+        self._unusable: dict[str, str] = {}  # task id -> why its creates are refused (an env template)
+        from_node = self.config.get("env_from_node") or []
+        if not isinstance(from_node, list) or not all(isinstance(n, str) for n in from_node):
+            raise StartupError(f"terminal-bench: env_from_node must be a list of names, not {from_node!r:.80}")
         for root in roots:
             try:
                 loaded = load_dataset(root)
             except (TaskFormatError, OSError) as e:
                 raise StartupError(f"terminal-bench: dataset {root}: {e}") from None
             for tb in loaded:
+                if tb.format == "tb2":
+                    try:
+                        tb = templates.resolve_task(tb, set(from_node), os.environ)
+                    except templates.TemplateError as e:
+                        self._unusable[tb.id] = str(e)
                 if tb.id in self._tasks:
                     raise StartupError(
                         f"terminal-bench: task id {tb.id!r} is in {self._tasks[tb.id][0].path} and {tb.path}"
@@ -271,29 +284,123 @@ class TerminalBench(Environment):
                     f"task {tb.id!r} is not in a dataset named {dataset!r} "
                     f"(it is in {', '.join(sorted(self._datasets[tb.id]))})"
                 )
+        if tb.id in self._unusable:
+            raise InvalidRequest(f"task {tb.id!r}: {self._unusable[tb.id]}", field="task_id")
+        separate = _separate_verifiers(tb)
+        problems = [f"{sep.problem}" for sep in separate.values() if sep.problem]
+        if problems:
+            raise InvalidRequest(f"task {tb.id!r}: {problems[0]}, which envhub cannot run", field="task_id")
+        self._images[task.id] = await self._task_image(task)
+        for sep in separate.values():  # the verifier's own images are made before the episode starts too
+            await self._verifier_image(task, sep)
+
+    async def _task_image(self, task: Task) -> str:
+        """The image ``task``'s episodes run in, built (or imported, or fetched) if need be."""
+        tb = self.tb(task)
         tools = None
         if self.verifier_tools and tb.dockerfile is not None:
             tools = await self._uv_binaries()
         req = self.build_request(task, tools)
         if req is None:  # the task names a prebuilt image instead of a Dockerfile
             assert tb.docker_image is not None, "a task without a Dockerfile names its image (model.py)"
-            image = self._image_map().get(tb.docker_image, tb.docker_image)
-            sandbox = self.context.sandboxes.get(self.sandbox) if self.context else None
-            if not isinstance(sandbox, ImageBuilder):
-                raise SandboxError(f"terminal-bench needs a sandbox that holds images, not {self.sandbox!r}")
-            fetch = getattr(sandbox, "fetch_image", None)  # a sandbox that can get one without an engine
-            if not await sandbox.image_exists(image) and fetch is not None:
-                await fetch(image)
-            elif not await sandbox.image_exists(image):
-                raise SandboxError(
-                    f"task {tb.id} names image {image!r}, which is not on this node's engine "
-                    "(map it to a local image with image_map)"
-                )
-            self._images[task.id] = image
-            return
+            return await self._prebuilt(tb.docker_image, f"task {tb.id}")
+        return await self._build(req)
+
+    async def _prebuilt(self, name: str, whose: str) -> str:
+        """A prebuilt image a task names (after ``image_map``), fetched where the sandbox can."""
+        image = self._image_map().get(name, name)
+        sandbox = self.context.sandboxes.get(self.sandbox) if self.context else None
+        if not isinstance(sandbox, ImageBuilder):
+            raise SandboxError(f"terminal-bench needs a sandbox that holds images, not {self.sandbox!r}")
+        fetch = getattr(sandbox, "fetch_image", None)  # a sandbox that can get one without an engine
+        if not await sandbox.image_exists(image) and fetch is not None:
+            await fetch(image)
+        elif not await sandbox.image_exists(image):
+            raise SandboxError(
+                f"{whose} names image {image!r}, which is not on this node's engine "
+                "(map it to a local image with image_map)"
+            )
+        return image
+
+    async def _build(self, req: BuildRequest) -> str:
         if self.context is None or self.context.builds is None:
             raise SandboxError("terminal-bench needs the docker sandbox's build gate")
-        self._images[task.id] = await self.context.builds.ensure(req)
+        return await self.context.builds.ensure(req)
+
+    def verifier_build_request(self, task: Task, sep: SeparateVerifier) -> BuildRequest | None:
+        """What the build gate needs for the image of a separate verifier that a tests dir's
+        Dockerfile builds (its context is that dir: the tests go into the image, which only
+        verifier containers run); ``None`` for any other verifier."""
+        if sep.dockerfile is None:
+            return None
+        tb = self.tb(task)
+        dockerfile = substitute_base(sep.dockerfile.read_text(), self._image_map())
+        extra: dict[str, bytes] = {}
+        ca_bundle = getattr(self.context.settings, "ca_bundle", None) if self.context else None
+        if ca_bundle:
+            extra["envhub-ca.crt"] = Path(ca_bundle).read_bytes()
+            dockerfile = _trust_ca(dockerfile)
+        digest = tree_hash(sep.dockerfile.parent, dockerfile)
+        if ca_bundle:
+            digest = _sha256(digest.encode() + extra["envhub-ca.crt"])
+        name = image_tag(self.name, tb, digest).split(":")[0]
+        return BuildRequest(
+            environment=self.name,
+            task_id=tb.id,
+            context_hash=digest,
+            image=f"{name}-verifier:{digest[:16]}",
+            context_dir=sep.dockerfile.parent,
+            dockerfile=dockerfile,
+            timeout=tb.build_timeout_sec,
+            extra_files=extra,
+        )
+
+    async def _verifier_image(self, task: Task, sep: SeparateVerifier) -> str:
+        """The image a separate verifier of ``task`` runs in, made if need be (the build
+        gate answers at once for one already made)."""
+        if sep.docker_image is not None:
+            return await self._prebuilt(sep.docker_image, f"the verifier of task {task.id}")
+        req = self.verifier_build_request(task, sep)
+        if req is not None:
+            return await self._build(req)
+        image = self._images.get(task.id)  # a fresh container of the task's own image
+        if image is None:  # a restarted node grading an episode it adopted
+            image = self._images[task.id] = await self._task_image(task)
+        return image
+
+    def images(self, task: Task) -> list[str]:
+        """The task's image and its separate verifiers' (``envhub build --export`` writes
+        them all: a node without Docker imports a verifier's image as it does the task's)."""
+        out = super().images(task)
+        for sep in _separate_verifiers(self.tb(task)).values():
+            if sep.docker_image is not None:
+                out.append(self._image_map().get(sep.docker_image, sep.docker_image))
+            elif (req := self.verifier_build_request(task, sep)) is not None:
+                out.append(req.image)
+        return list(dict.fromkeys(out))
+
+    async def verifier_spec(self, episode: Episode, step: TbStep | None) -> SandboxSpec | None:
+        """The sandbox a separate verifier of ``episode`` (of its ``step``) runs in: a fresh
+        one of its own, labelled as the episode's (a node that dies while it runs removes
+        it at its next start), with the verifier environment's resources and network
+        under this node's policy. ``None`` when the verifier runs in the episode's own."""
+        tb = self.tb(episode.task)
+        sep = step.separate_verifier if step is not None else tb.separate_verifier
+        if sep is None:
+            return None
+        verifier_id = f"{episode.instance_id}.verifier-{secrets.token_hex(3)}"
+        no_network = not sep.allow_internet or self.config.get("network") == "none"
+        return SandboxSpec(
+            instance_id=verifier_id,
+            environment=self.name,
+            task_id=tb.id,
+            image=await self._verifier_image(episode.task, sep),
+            network="none" if no_network else None,
+            egress_allow=list(self.config.get("egress_allow") or []),
+            limits=Limits(cpus=sep.cpus, memory_mb=sep.memory_mb),
+            env=dict(sep.env),
+            labels={**episode.spec.labels, "envhub.instance": verifier_id, "envhub.verifier": "1"},
+        )
 
     async def _uv_binaries(self) -> tuple[bytes, bytes]:
         """uv's binaries, read (or downloaded) once: the creates that reach a fresh node
@@ -437,7 +544,7 @@ class TerminalBench(Environment):
                 return StepResult({"content": f"error: {e.message}", "ok": False})
             return StepResult({"content": f"wrote {len(content.encode())} bytes to {path}", "ok": True})
         if action.tool == "finish_step" and tb.steps:
-            return await steps.finish(episode, tb, self._mode(episode))
+            return await steps.finish(episode, tb, self._mode(episode), self.verifier_spec)
         if action.tool == "read_file":
             path = action.require_str("path")
             try:
@@ -475,8 +582,8 @@ class TerminalBench(Environment):
             return Evaluation(episode.state["reward"], episode.state["evaluation"])
         tb = self.tb(episode.task)
         if tb.steps:
-            return await steps.evaluate(episode, tb, self._mode(episode))
-        return await verifier.run(episode, tb, self._mode(episode))
+            return await steps.evaluate(episode, tb, self._mode(episode), self.verifier_spec)
+        return await verifier.run(episode, tb, self._mode(episode), self.verifier_spec)
 
     def _mode(self, episode: Episode) -> Literal["all_pass", "pass_ratio"]:
         mode = episode.params.get("reward_mode", self.reward_mode)
@@ -522,6 +629,12 @@ def _public(tb: TbTask) -> dict[str, Any]:
         "compose_services": tb.extra.get("compose_services") or [],
         "gpus": tb.extra.get("gpus") or 0,
     }
+
+
+def _separate_verifiers(tb: TbTask) -> dict[str, SeparateVerifier]:
+    """The separate verifiers of ``tb`` by step name (``""``: a single-step task's)."""
+    found = {"": tb.separate_verifier, **{s.name: s.separate_verifier for s in tb.steps}}
+    return {name: sep for name, sep in found.items() if sep is not None}
 
 
 def _verifier_scripts(tb: TbTask) -> list[Path]:

@@ -87,17 +87,28 @@ def context_hash(task: TbTask, image_map: dict[str, str]) -> str:
     counts: checkouts and read-only copies differ in the other bits, and the hash must be
     the same on every machine. ``.dockerignore`` is not applied.
     """
-    h = hashlib.sha256(_HASH_FORMAT)
-    if task.build_context.is_dir():
-        for rel, full in _walk(task.build_context):
-            _hash_entry(h, rel, full)
     if task.dockerfile is not None:
-        effective = substitute_base(read_text(task.dockerfile), image_map)
-        _hash_field(h, b"dockerfile", effective.encode())
-    else:
-        image = task.docker_image or ""
-        _hash_field(h, b"image", (_lookup_image(image, image_map) or image).encode())
+        return tree_hash(task.build_context, substitute_base(read_text(task.dockerfile), image_map))
+    h = _tree(task.build_context)
+    image = task.docker_image or ""
+    _hash_field(h, b"image", (_lookup_image(image, image_map) or image).encode())
     return h.hexdigest()
+
+
+def tree_hash(context: Path, dockerfile: str) -> str:
+    """sha256 of a build: every entry of ``context`` (as :func:`context_hash` hashes
+    them) and the effective ``dockerfile`` text."""
+    h = _tree(context)
+    _hash_field(h, b"dockerfile", dockerfile.encode())
+    return h.hexdigest()
+
+
+def _tree(context: Path) -> hashlib._Hash:
+    h = hashlib.sha256(_HASH_FORMAT)
+    if context.is_dir():
+        for rel, full in _walk(context):
+            _hash_entry(h, rel, full)
+    return h
 
 
 def grading_files_in_context(task: TbTask) -> tuple[str, ...]:

@@ -32,6 +32,13 @@ Invariants of a loaded ``TbTask``:
 * Verifying any task means: copy ``test_script`` and the contents of ``tests_dir`` into
   ``/tests`` and run ``bash /tests/<test_script.name>`` (tb1 also sets ``TEST_DIR=/tests``,
   which ``env`` already holds).
+* A tb2 verifier in harbor's separate mode (``[verifier] environment_mode = "separate"``,
+  or a ``[verifier.environment]`` table) has a ``SeparateVerifier``: the task's
+  ``separate_verifier`` for a single-step task, each step's own for a multi-step one
+  (resolved as harbor resolves them). Its image is exactly one of: ``docker_image``,
+  ``dockerfile`` (``<tests dir>/Dockerfile``, built from that dir), or neither (a fresh
+  container of the task's own image). The first two bundle the tests (nothing is copied
+  in); ``test_script`` is then ``/tests/<its path relative to that tests dir>``.
 
 Anything malformed raises ``TaskFormatError`` naming the file and the field.
 """
@@ -77,6 +84,36 @@ class Healthcheck:
     retries: int = 3
 
 
+@dataclass(frozen=True)
+class CollectHook:
+    """Harbor's ``[[verifier.collect]]``: a command run in the agent's container after its
+    work ends, before the artifacts are collected (to snapshot state into files)."""
+
+    command: str
+    timeout_sec: float = 60.0
+
+
+@dataclass(frozen=True)
+class SeparateVerifier:
+    """Harbor's separate verifier environment: a fresh container the tests run in, which
+    sees only the artifacts collected from the agent's container (see the module
+    docstring for which image). Resources are the resolved ``[verifier.environment]``'s,
+    else the task's ``[environment]``'s."""
+
+    docker_image: str | None = None
+    dockerfile: Path | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    allow_internet: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    problem: str | None = None  # why envhub cannot run it (a create of its task is refused)
+
+    @property
+    def bundled_tests(self) -> bool:
+        """The image holds the tests (none are copied in)."""
+        return self.docker_image is not None or self.dockerfile is not None
+
+
 @dataclass
 class TbStep:
     """One step of a multi-step tb2 task (``[[steps]]`` plus ``steps/<name>/``)."""
@@ -93,6 +130,8 @@ class TbStep:
     verifier_env: dict[str, str] = field(default_factory=dict)
     healthcheck: Healthcheck | None = None
     artifacts: list[str] = field(default_factory=list)
+    separate_verifier: SeparateVerifier | None = None  # None: the verifier runs in the agent's container
+    collect: list[CollectHook] = field(default_factory=list)  # its own, after the task's
 
 
 @dataclass
@@ -130,6 +169,8 @@ class TbTask:
     artifacts: list[str] = field(default_factory=list)  # collected after every step (and a single-step grade)
     reward_strategy: Literal["mean", "final"] = "mean"
     skills_dir: str | None = None  # Agent Skills the image carries, one folder each (skills.py)
+    separate_verifier: SeparateVerifier | None = None  # a single-step task's (steps have their own)
+    collect: list[CollectHook] = field(default_factory=list)  # [[verifier.collect]], before artifacts
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -131,12 +131,15 @@ async def run_solution(episode: Episode, tb: TbTask, step: TbStep) -> dict[str, 
     return {"exit_code": ran.exit_code, "timed_out": ran.timed_out, "stdout_tail": ran.stdout[-2000:]}
 
 
-async def finish(episode: Episode, tb: TbTask, mode: Mode) -> StepResult:
-    """``finish_step``: grade the current step, then move on or end (module docstring)."""
+async def finish(
+    episode: Episode, tb: TbTask, mode: Mode, separate: verifier.VerifierSpecs | None = None
+) -> StepResult:
+    """``finish_step``: grade the current step, then move on or end (module docstring);
+    ``separate``: the specs of separate verifiers (verifier.grade)."""
     state = episode.state
     index = state["step"]
     step, count = tb.steps[index], len(tb.steps)
-    graded = await verifier.grade(episode, tb, mode, step)
+    graded = await verifier.grade(episode, tb, mode, step, separate=separate)
     where = f"Step {index + 1} of {count} ({step.name!r})"
     if not graded.verdict:
         state["over"] = "no_verdict"
@@ -184,6 +187,7 @@ def _record(state: dict[str, Any], step: TbStep, graded: Evaluation) -> None:
             "rewards": details.get("rewards") or {"reward": graded.reward},
             "passed": details.get("passed", 0),
             "total": details.get("total", 0),
+            "verifier_environment": details.get("verifier_environment"),  # shared or separate
         }
     )
     state["last_details"] = details  # the trial's details show the last graded step's own
@@ -200,7 +204,9 @@ def _stop_reason(step: TbStep, graded: Evaluation, index: int, count: int) -> st
     return None
 
 
-async def evaluate(episode: Episode, tb: TbTask, mode: Mode) -> Evaluation:
+async def evaluate(
+    episode: Episode, tb: TbTask, mode: Mode, separate: verifier.VerifierSpecs | None = None
+) -> Evaluation:
     """End the trial and grade it (module docstring). A verifier that gave no verdict
     leaves the trial without one, and is run again by the next evaluate."""
     state = episode.state
@@ -210,11 +216,11 @@ async def evaluate(episode: Episode, tb: TbTask, mode: Mode) -> Evaluation:
         index = state["step"]
         step = tb.steps[index]
         if oracle and state.get("over") is None and index + 1 < len(tb.steps):
-            finished = await finish(episode, tb, mode)  # harbor's oracle runs every step
+            finished = await finish(episode, tb, mode, separate)  # harbor's oracle runs every step
             if state.get("over") == "no_verdict":
                 return _no_verdict(state, tb, step, finished.observation["content"])
             continue
-        graded = await verifier.grade(episode, tb, mode, step)
+        graded = await verifier.grade(episode, tb, mode, step, separate=separate)
         if not graded.verdict:
             state["over"] = "no_verdict"
             return _no_verdict(state, tb, step, graded.details.get("error") or "no verdict")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -23,8 +23,10 @@ from envhub.plugins.terminal_bench.model import (
     TB2_MEMORY_MB,
     TB2_STORAGE_MB,
     TB2_VERIFIER_TIMEOUT_SEC,
+    CollectHook,
     Healthcheck,
     LoadErrors,
+    SeparateVerifier,
     Table,
     TaskFormatError,
     TbStep,
@@ -204,18 +206,11 @@ def _load_tb2(path: Path) -> TbTask:
     dockerfile = first_existing(context / "Dockerfile")
     if dockerfile is None and docker_image is None:
         raise TaskFormatError(context / "Dockerfile", "missing Dockerfile and no [environment].docker_image")
-    memory_mb = envc.integer("memory_mb", TB2_MEMORY_MB)
-    if envc.data.get("memory") is not None:  # deprecated spelling; harbor lets it win
-        memory_mb = size_to_mb(envc.string("memory"), file, "environment.memory")
+    cpus, memory_mb, allow_internet = _resources(envc)
     storage_mb = envc.integer("storage_mb", TB2_STORAGE_MB)
     if envc.data.get("storage") is not None:
         storage_mb = size_to_mb(envc.string("storage"), file, "environment.storage")
     network_mode = envc.string("network_mode")
-    if network_mode not in (None, "public", "no-network", "allowlist"):
-        raise envc.error("network_mode", f"expected public, no-network or allowlist, got {network_mode!r}")
-    # network_mode wins over the deprecated allow_internet; an allowlist is reported as "no
-    # internet" so a runner that cannot enforce allowlists errs on the closed side.
-    allow_internet = (network_mode == "public") if network_mode else envc.boolean("allow_internet", True)
     workdir = envc.string("workdir") or (dockerfile_workdir(read_text(dockerfile)) if dockerfile else None)
     compose_file = first_existing(context / "docker-compose.yaml", context / "docker-compose.yml")
     extra = {
@@ -249,7 +244,7 @@ def _load_tb2(path: Path) -> TbTask:
         tests_dir=path / "tests",
         test_script=test_script,
         solution=solution,
-        cpus=envc.number("cpus", TB2_CPUS, positive=True),
+        cpus=cpus,
         memory_mb=memory_mb,
         storage_mb=storage_mb,
         allow_internet=allow_internet,
@@ -265,6 +260,8 @@ def _load_tb2(path: Path) -> TbTask:
         artifacts=_artifacts(cfg, "artifacts"),
         reward_strategy=_reward_strategy(cfg),
         skills_dir=envc.string("skills_dir"),
+        separate_verifier=None if steps else _separate_verifier(cfg, [(verifier, path / "tests")]),
+        collect=_collect_hooks(verifier),
         extra=extra,
     )
 
@@ -308,9 +305,83 @@ def _tb2_steps(path: Path, cfg: Table, agent_timeout: float | None, test_timeout
                 verifier_env=verifier.env("env"),
                 healthcheck=_healthcheck(s, "healthcheck"),
                 artifacts=_artifacts(s, "artifacts"),
+                separate_verifier=_separate_verifier(cfg, [(verifier, tests), (cfg.table("verifier"), path / "tests")]),
+                collect=_collect_hooks(verifier),
             )
         )
     return steps
+
+
+def _resources(envc: Table) -> tuple[float | None, int | None, bool]:
+    """``cpus``, ``memory_mb`` and whether the internet is allowed, of an ``[environment]``
+    table (the task's, or a ``[verifier.environment]``), with harbor's defaults."""
+    memory_mb = envc.integer("memory_mb", TB2_MEMORY_MB)
+    if envc.data.get("memory") is not None:  # deprecated spelling; harbor lets it win
+        memory_mb = size_to_mb(envc.string("memory"), envc.file, f"{envc.prefix}.memory")
+    network_mode = envc.string("network_mode")
+    if network_mode not in (None, "public", "no-network", "allowlist"):
+        raise envc.error("network_mode", f"expected public, no-network or allowlist, got {network_mode!r}")
+    # network_mode wins over the deprecated allow_internet; an allowlist is reported as "no
+    # internet" so a runner that cannot enforce allowlists errs on the closed side.
+    allow_internet = (network_mode == "public") if network_mode else envc.boolean("allow_internet", True)
+    return envc.number("cpus", TB2_CPUS, positive=True), memory_mb, allow_internet
+
+
+def _verifier_mode(verifier: Table) -> Literal["shared", "separate"] | None:
+    """harbor's mode of one ``[verifier]`` table: its ``environment_mode``, else
+    ``separate`` when it has an ``environment``, else None (said nothing)."""
+    mode = verifier.string("environment_mode")
+    if mode not in (None, "shared", "separate"):
+        raise verifier.error("environment_mode", f"expected shared or separate, got {mode!r}")
+    has_environment = verifier.data.get("environment") is not None
+    if mode == "shared" and has_environment:
+        raise verifier.error("environment", "a verifier environment conflicts with environment_mode = 'shared'")
+    return "separate" if mode == "separate" or (mode is None and has_environment) else mode
+
+
+def _separate_verifier(cfg: Table, candidates: list[tuple[Table, Path]]) -> SeparateVerifier | None:
+    """The separate verifier of a task or step, as harbor's ``verifier_mode.py`` resolves
+    it; ``candidates``: ``(its [verifier] table, its tests dir)``, most specific first (a
+    step's, then the task's). None in shared mode (the first mode said, else shared).
+
+    Its resources are the first candidate's ``environment`` table, else the task's
+    ``[environment]``; its image the first candidate's ``docker_image``, else the
+    Dockerfile of the first tests dir that has one, else the task's own image."""
+    mode = next((m for m in (_verifier_mode(v) for v, _ in candidates) if m is not None), "shared")
+    if mode == "shared":
+        return None
+    config = next((v.table("environment") for v, _ in candidates if v.data.get("environment") is not None), None)
+    cpus, memory_mb, allow_internet = _resources(config or cfg.table("environment"))
+    env = config.env("env") if config is not None else cfg.table("environment").env("env")
+    base = SeparateVerifier(cpus=cpus, memory_mb=memory_mb, allow_internet=allow_internet, env=env)
+    for verifier, tests in candidates:
+        image = verifier.table("environment").string("docker_image") if verifier.data.get("environment") else None
+        if image:
+            return replace(base, docker_image=image)
+        if (tests / "Dockerfile").is_file():
+            return replace(base, dockerfile=tests / "Dockerfile")
+        compose = first_existing(tests / "docker-compose.yaml", tests / "docker-compose.yml")
+        if compose is not None:  # refused at create, as a task's own compose services are
+            return replace(base, problem=f"its verifier environment is a docker-compose file ({compose})")
+    return base
+
+
+def _collect_hooks(verifier: Table) -> list[CollectHook]:
+    """``[[verifier.collect]]``: the hooks of the task's own container (service ``main``);
+    a sidecar's belongs to a compose service envhub does not run (such a task is refused
+    unless ``ignore_compose_services``), so it is left out."""
+    raw = verifier.data.get("collect") or []
+    if not isinstance(raw, list):
+        raise verifier.error("collect", f"expected an array of [[verifier.collect]] tables, got {raw!r:.80}")
+    hooks = []
+    for i, item in enumerate(raw):
+        t = Table(item, verifier.file, f"{verifier.prefix}.collect[{i}]")
+        command = t.string("command")
+        if not command or not command.strip():
+            raise t.error("command", "a collect hook needs a command")
+        if (t.string("service") or "main") == "main":
+            hooks.append(CollectHook(command=command, timeout_sec=_number(t, "timeout_sec", 60.0, positive=True)))
+    return hooks
 
 
 def _healthcheck(table: Table, key: str) -> Healthcheck | None:
