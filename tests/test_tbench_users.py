@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BASE_IMAGE, needs_docker
+from test_tbench_separate import said
 from test_tbench_steps import sh
 from test_terminal_bench import act, create, tb_process, write_config
 
@@ -73,13 +74,6 @@ def node(tmp_path_factory):
 def c(node):
     with node.client(timeout=600) as client:
         yield client
-
-
-def said(evaluation: dict, what: str) -> str:
-    for line in evaluation["details"]["output_tail"].splitlines():
-        if line.startswith(f"{what}:"):
-            return line.split(":", 1)[1].strip()
-    raise AssertionError(evaluation["details"]["output_tail"])
 
 
 def test_every_tool_acts_as_the_tasks_agent_user(c):
