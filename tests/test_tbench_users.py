@@ -9,14 +9,20 @@ and a root-only file.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import BASE_IMAGE, needs_docker
+import yaml
+from conftest import BASE_IMAGE, REPO, needs_docker
+from test_rootfs_sandbox import rootfs_node
 from test_tbench_separate import said
 from test_tbench_steps import sh
 from test_terminal_bench import act, create, tb_process, write_config
+
+from envhub.plugins.rootfs_sandbox import files as rootfs_files
 
 pytestmark = [needs_docker]
 
@@ -119,3 +125,38 @@ def test_the_oracle_solution_runs_as_the_agent_and_the_tests_as_the_verifier_use
     assert graded["reward"] == 1.0, graded
     assert said(graded, "owner") == "agent" and said(graded, "verifier") == "agent", graded
     c.post(f"/instances/{iid}/release")
+
+
+@pytest.mark.skipif(not rootfs_files.available(), reason="the rootfs sandbox needs openat2 (Linux 5.6+)")
+def test_the_agent_user_holds_on_a_node_without_docker(node, tmp_path):
+    """The same task on a rootfs node (its image exported from Docker): the agent acts as
+    its user there too."""
+    tasks = str(node.data_dir.parent / "tasks")
+    config = tmp_path / "export.yaml"
+    config.write_text(yaml.safe_dump({"image_map": {"debian:bookworm": BASE_IMAGE}}))
+    built = subprocess.run(
+        [sys.executable, "-m", "envhub", "build", "unprivileged", "--export", str(tmp_path / "archives")]
+        + ["--config", str(config), "--data-dir", str(tmp_path / "export-data")]
+        + ["--set", f"environments.terminal-bench.datasets={tasks}"]
+        + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    rootfs = rootfs_node(
+        tmp_path / "data", tmp_path / "archives", "--set", f"environments.terminal-bench.datasets={tasks}"
+    )
+    rootfs.start(timeout=120)
+    try:
+        with rootfs.client(timeout=600) as c:
+            iid = create(c, "unprivileged")["instance_id"]
+            assert sh(c, iid, "id -un")["stdout"] == "agent\n"
+            assert "Permission denied" in sh(c, iid, "cat /opt/secret")["stderr"]
+            assert act(c, iid, "write_file", path="answer.txt", content="42\n")["ok"]
+            graded = c.post(f"/instances/{iid}/evaluate").json()
+            assert graded["reward"] == 1.0 and said(graded, "owner") == "agent", graded
+            c.post(f"/instances/{iid}/release")
+    finally:
+        assert rootfs.stop() == 0, rootfs.log()
