@@ -245,7 +245,13 @@ async def _collect(episode: Episode, tb: TbTask, step: TbStep | None) -> dict[st
             if path != "/logs/artifacts":
                 log.info("artifact %s of %s not collected: %s", path, episode.instance_id, e.message)
             continue
-        out.update({posixpath.join(absolute, rel) if rel else absolute: data for rel, data in found.items()})
+        base = posixpath.normpath(absolute)
+        for rel, data in found.items():
+            where = posixpath.normpath(posixpath.join(base, rel))
+            # A name from the container stays under the path it was collected from: a
+            # separate verifier gets each file there, and nowhere else.
+            if where == base or where.startswith(base.rstrip("/") + "/"):
+                out[where] = data
     return out
 
 
