@@ -504,6 +504,22 @@ def test_env_templates_are_filled_in_every_env_table_of_a_task_and_its_steps(tmp
     assert sep is not None and sep.env == {"C": "v"}
 
 
+def test_tb2_agent_and_verifier_users_are_read_for_the_task_and_each_step(tmp_path):
+    toml = (
+        '[agent]\nuser = "agent"\n[verifier]\nuser = 1000\n'
+        '[[steps]]\nname = "one"\n'
+        '[[steps]]\nname = "two"\n[steps.agent]\nuser = "intern"\n[steps.verifier]\nuser = "judge"\n'
+    )
+    d = make_tb2(tmp_path, task_toml=toml, instruction=None)
+    for name in ("one", "two"):
+        write(d / "steps" / name / "instruction.md", f"do {name}\n")
+        write(d / "steps" / name / "tests" / "test.sh", "#!/bin/bash\n")
+    t = load_task(d)
+    assert (t.agent_user, t.verifier_user) == ("agent", "1000")
+    assert [(s.agent_user, s.verifier_user) for s in t.steps] == [(None, None), ("intern", "judge")]
+    assert_format_error(make_tb2(tmp_path / "bad", task_toml='[agent]\nuser = ""\n'), "agent.user")
+
+
 def test_rejects_duplicate_step_names(tmp_path):
     d = make_tb2(tmp_path, task_toml='[[steps]]\nname = "one"\n[[steps]]\nname = "one"\n', instruction=None)
     write(d / "steps" / "one" / "instruction.md", "do one\n")

@@ -34,6 +34,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from envhub.util.as_user import LOOKUP, SWITCH
+
 RUNS_DIR = "/tmp/.envhub-exec"
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -63,34 +65,7 @@ report() {
 
 # The command's own shell: user lookup and switch, cwd, env; its stdout and stderr are the
 # run's files. A failure here is the command's result (126), as docker exec reports one.
-_JOB = r"""
-u=__USER__
-if [ -n "$u" ]; then
-  uid= gid= home= name=
-  while IFS=: read -r pn _ pu pg _ ph _; do
-    if [ "$pn" = "$u" ] || [ "$pu" = "$u" ]; then name=$pn uid=$pu gid=$pg home=$ph; break; fi
-  done < /etc/passwd
-  if [ -z "$uid" ]; then
-    case "$u" in *[!0-9]*) echo "envhub: no user $u in the sandbox" >&2; exit 126;; esac
-    uid=$u gid=0
-  fi
-  if [ "$uid" = "$EUID" ]; then u=
-  elif [ -n "$home" ]; then export HOME="$home"
-  fi
-fi
-__CD__
-__EXPORTS__
-export ENVHUB_EXEC=__RUN__
-c=__COMMAND__
-if [ -z "$u" ]; then exec bash -c "$c"; fi
-if command -v setpriv > /dev/null 2>&1; then
-  if [ -n "$name" ]; then g=--init-groups; else g=--clear-groups; fi
-  exec setpriv --reuid="$uid" --regid="$gid" $g bash -c "$c"
-fi
-if [ -n "$name" ] && command -v su > /dev/null 2>&1; then exec su -m -s /bin/bash "$name" -c "$c"; fi
-echo "envhub: cannot run as user $u here (no setpriv, no su)" >&2
-exit 126
-"""
+_JOB = "u=__USER__\n" + LOOKUP + "__CD__\n__EXPORTS__\nexport ENVHUB_EXEC=__RUN__\nc=__COMMAND__\n" + SWITCH
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,13 @@ import yaml
 
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.terminal_bench import offline, skills, steps, templates, verifier
+from envhub.plugins.terminal_bench import offline, skills, steps, templates, users, verifier
 from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base, tree_hash
 from envhub.plugins.terminal_bench.model import SeparateVerifier, TaskFormatError, TbStep, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
 from envhub.plugins.terminal_bench.verifier import cd_workdir
 from envhub.sandbox import BuildRequest, ImageBuilder, Limits, SandboxSpec
+from envhub.util.as_user import command_as
 
 if TYPE_CHECKING:
     from envhub.openenv import OpenEnvAdapter
@@ -457,6 +458,8 @@ class TerminalBench(Environment):
                 raise SandboxError(f"task {tb.id}: its {problem}")
         oracle = bool(episode.params.get("oracle"))
         system_prompt, tools = SYSTEM_PROMPT, TOOLS
+        if not tb.steps:  # a step opens them as it starts
+            await users.open_logs(episode, tb.agent_user)
         if tb.steps:
             problem = await steps.start(episode, tb, 0, oracle=oracle)
             if problem:
@@ -496,9 +499,8 @@ class TerminalBench(Environment):
         else:
             await sandbox.write_file(episode.handle, "/oracle/solve.sh", tb.solution.read_bytes())
         timeout = tb.agent_timeout_sec or self.max_command_timeout
-        result = await episode.exec(
-            f"{cd_workdir(tb)}bash /oracle/{tb.solution.name if tb.format == 'tb2' else 'solve.sh'}", timeout=timeout
-        )
+        solve = f"{cd_workdir(tb)}bash /oracle/{tb.solution.name if tb.format == 'tb2' else 'solve.sh'}"
+        result = await episode.exec(command_as(users.agent_user(tb, None), solve), timeout=timeout)
         await episode.exec("rm -rf /oracle", timeout=30)
         return {
             "exit_code": result.exit_code,
@@ -522,8 +524,9 @@ class TerminalBench(Environment):
                 raise InvalidRequest("'timeout' must be a positive number of seconds", field="action.arguments.timeout")
             # min() before float(): a JSON int past a float's range is held to the bound,
             # where float() would raise.
+            user = users.agent_user(tb, users.current_step(tb, episode.state))
             result = await episode.exec(
-                f"{cd_workdir(tb)}{command}", timeout=float(min(timeout, self.max_command_timeout))
+                command_as(user, f"{cd_workdir(tb)}{command}"), timeout=float(min(timeout, self.max_command_timeout))
             )
             episode.state["commands"] = episode.state.get("commands", 0) + 1
             return StepResult(
@@ -538,8 +541,12 @@ class TerminalBench(Environment):
             )
         if action.tool == "write_file":
             path, content = action.require_str("path"), action.require_str("content")
+            user = users.agent_user(tb, users.current_step(tb, episode.state))
             try:
-                await sandbox.write_file(episode.handle, _abs(tb, path), content.encode())
+                if user is None:
+                    await sandbox.write_file(episode.handle, _abs(tb, path), content.encode())
+                elif (why := await users.write_as(episode, user, _abs(tb, path), content.encode())) is not None:
+                    return StepResult({"content": f"error: {why}", "ok": False})
             except InvalidRequest as e:
                 return StepResult({"content": f"error: {e.message}", "ok": False})
             return StepResult({"content": f"wrote {len(content.encode())} bytes to {path}", "ok": True})
@@ -547,13 +554,21 @@ class TerminalBench(Environment):
             return await steps.finish(episode, tb, self._mode(episode), self.verifier_spec)
         if action.tool == "read_file":
             path = action.require_str("path")
+            user = users.agent_user(tb, users.current_step(tb, episode.state))
+            more = False
             try:
-                data = await sandbox.read_file(episode.handle, _abs(tb, path))
+                if user is None:
+                    data = await sandbox.read_file(episode.handle, _abs(tb, path))
+                else:
+                    read = await users.read_as(episode, user, _abs(tb, path))
+                    if isinstance(read, str):
+                        return StepResult({"content": f"error: {read}", "ok": False})
+                    data, more = read
             except (NotFound, InvalidRequest) as e:
                 return StepResult({"content": f"error: {e.message}", "ok": False})
             text = data.decode("utf-8", errors="replace")
             return StepResult(
-                {"content": text[: self.output_limit], "ok": True, "truncated": len(text) > self.output_limit}
+                {"content": text[: self.output_limit], "ok": True, "truncated": more or len(text) > self.output_limit}
             )
         raise InvalidRequest(
             f"terminal-bench has no tool {action.tool!r} (tools: run_command, write_file, read_file"

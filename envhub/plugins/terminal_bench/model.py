@@ -132,6 +132,8 @@ class TbStep:
     artifacts: list[str] = field(default_factory=list)
     separate_verifier: SeparateVerifier | None = None  # None: the verifier runs in the agent's container
     collect: list[CollectHook] = field(default_factory=list)  # its own, after the task's
+    agent_user: str | None = None  # [steps.agent].user: the task's when None
+    verifier_user: str | None = None  # [steps.verifier].user: the task's when None
 
 
 @dataclass
@@ -171,6 +173,8 @@ class TbTask:
     skills_dir: str | None = None  # Agent Skills the image carries, one folder each (skills.py)
     separate_verifier: SeparateVerifier | None = None  # a single-step task's (steps have their own)
     collect: list[CollectHook] = field(default_factory=list)  # [[verifier.collect]], before artifacts
+    agent_user: str | None = None  # [agent].user: who the agent's commands run as (None: the image's user)
+    verifier_user: str | None = None  # [verifier].user: who the tests run as (None: the image's user)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

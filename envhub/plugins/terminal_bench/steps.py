@@ -46,9 +46,10 @@ from typing import Any, Literal
 
 from envhub.environment import Episode, Evaluation, StepResult
 from envhub.errors import InvalidRequest
-from envhub.plugins.terminal_bench import verifier
+from envhub.plugins.terminal_bench import users, verifier
 from envhub.plugins.terminal_bench.model import Healthcheck, TbStep, TbTask
 from envhub.plugins.terminal_bench.verifier import cd_workdir
+from envhub.util.as_user import command_as
 
 FINISH_STEP = {
     "type": "function",
@@ -77,6 +78,7 @@ async def start(episode: Episode, tb: TbTask, index: int, *, oracle: bool = Fals
     if index > 0:  # the last step's grading harness and outputs go before anything of this step runs
         await episode.exec("rm -rf /tests /logs/verifier /logs/artifacts && mkdir -p /logs/verifier", timeout=60)
     episode.state.update(step=index, tests_copied=False)
+    await users.open_logs(episode, users.agent_user(tb, step))
     workdir = tb.workdir or "/"
     if step.workdir_upload is not None:
         await episode.sandbox.copy_dir(episode.handle, step.workdir_upload, workdir)
@@ -126,7 +128,8 @@ async def run_solution(episode: Episode, tb: TbTask, step: TbStep) -> dict[str, 
             f"step {step.name!r} of task {tb.id} has no reference solution for oracle mode", field="params.oracle"
         )
     await episode.sandbox.copy_dir(episode.handle, step.solution.parent, "/oracle")
-    ran = await episode.exec(f"{cd_workdir(tb)}bash /oracle/{step.solution.name}", timeout=step_timeout(step))
+    solve = f"{cd_workdir(tb)}bash /oracle/{step.solution.name}"
+    ran = await episode.exec(command_as(users.agent_user(tb, step), solve), timeout=step_timeout(step))
     await episode.exec("rm -rf /oracle", timeout=30)
     return {"exit_code": ran.exit_code, "timed_out": ran.timed_out, "stdout_tail": ran.stdout[-2000:]}
 

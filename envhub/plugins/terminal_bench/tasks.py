@@ -224,8 +224,6 @@ def _load_tb2(path: Path) -> TbTask:
         "allowed_hosts": envc.strings("allowed_hosts"),
         "mcp_servers": envc.data.get("mcp_servers") or [],
         "solution_env": cfg.table("solution").env("env"),
-        "agent_user": agent.data.get("user"),
-        "verifier_user": verifier.data.get("user"),
         "compose_file": compose_file,
         "compose_services": _tb2_compose_services(compose_file) if compose_file else [],
     }
@@ -262,6 +260,8 @@ def _load_tb2(path: Path) -> TbTask:
         skills_dir=envc.string("skills_dir"),
         separate_verifier=None if steps else _separate_verifier(cfg, [(verifier, path / "tests")]),
         collect=_collect_hooks(verifier),
+        agent_user=_user(agent),
+        verifier_user=_user(verifier),
         extra=extra,
     )
 
@@ -307,9 +307,21 @@ def _tb2_steps(path: Path, cfg: Table, agent_timeout: float | None, test_timeout
                 artifacts=_artifacts(s, "artifacts"),
                 separate_verifier=_separate_verifier(cfg, [(verifier, tests), (cfg.table("verifier"), path / "tests")]),
                 collect=_collect_hooks(verifier),
+                agent_user=_user(s.table("agent")),
+                verifier_user=_user(verifier),
             )
         )
     return steps
+
+
+def _user(table: Table) -> str | None:
+    """A ``user`` (harbor's: a user name or uid in the image) as a string, or None."""
+    value = table.data.get("user")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or (isinstance(value, str) and not value.strip()):
+        raise table.error("user", f"expected a user name or uid, got {value!r:.80}")
+    return str(value)
 
 
 def _resources(envc: Table) -> tuple[float | None, int | None, bool]:

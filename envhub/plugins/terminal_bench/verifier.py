@@ -35,9 +35,10 @@ from typing import Any, Literal
 
 from envhub.environment import Episode, Evaluation
 from envhub.errors import EnvhubError, InvalidRequest
-from envhub.plugins.terminal_bench import grading
+from envhub.plugins.terminal_bench import grading, users
 from envhub.plugins.terminal_bench.model import TbStep, TbTask
 from envhub.sandbox import ExecResult, SandboxSpec
+from envhub.util.as_user import command_as
 from envhub.util.files import private_dirs, write_private
 
 log = logging.getLogger("envhub.terminal_bench")
@@ -178,9 +179,12 @@ async def _run_tests(
         script = f"/tests/{test_script.name}"
     env = {**tb.verifier_env, **(step.verifier_env if step else {})}
     verifier_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    user = users.verifier_user(tb, step)
+    if user is not None:  # its reward files are written as that user
+        await target.exec("chmod 0777 /logs/verifier", timeout=30)
+    test = f"{cd_workdir(tb)}{verifier_env + ' ' if verifier_env else ''}bash {script}"
     result = await target.exec(
-        f"{cd_workdir(tb)}{verifier_env + ' ' if verifier_env else ''}bash {script} "
-        "> /logs/verifier/test-stdout.txt 2>&1",
+        f"{command_as(user, test)} > /logs/verifier/test-stdout.txt 2>&1",
         timeout=step.test_timeout_sec if step else tb.test_timeout_sec,
     )
     return result, await target.sandbox.fetch_dir(target.handle, "/logs/verifier")
@@ -241,7 +245,13 @@ async def _collect(episode: Episode, tb: TbTask, step: TbStep | None) -> dict[st
             if path != "/logs/artifacts":
                 log.info("artifact %s of %s not collected: %s", path, episode.instance_id, e.message)
             continue
-        out.update({posixpath.join(absolute, rel) if rel else absolute: data for rel, data in found.items()})
+        base = posixpath.normpath(absolute)
+        for rel, data in found.items():
+            where = posixpath.normpath(posixpath.join(base, rel))
+            # A name from the container stays under the path it was collected from: a
+            # separate verifier gets each file there, and nowhere else.
+            if where == base or where.startswith(base.rstrip("/") + "/"):
+                out[where] = data
     return out
 
 
