@@ -390,17 +390,14 @@ def test_a_verifier_container_of_a_killed_node_is_removed_when_it_starts_again(t
     assert our_containers(first.node_id) == []
 
 
-@pytest.mark.skipif(not rootfs_files.available(), reason="the rootfs sandbox needs openat2 (Linux 5.6+)")
-def test_separate_verifiers_run_on_a_node_without_docker(tmp_path, tasks):
-    """``envhub build --export`` writes the verifier's image beside the task's (the one its
-    tests dir's Dockerfile builds), and a rootfs node without a Docker engine grades in
-    separate sandboxes of its own as the docker node does."""
-    config = tmp_path / "export.yaml"
+def export(tmp: Path, tasks: Path, *task_ids: str) -> Path:
+    """The images of ``task_ids`` (of the dataset ``tasks``), built with Docker and
+    exported by ``envhub build --export`` into ``tmp/archives``: what a rootfs node imports."""
+    config = tmp / "export.yaml"
     config.write_text(yaml.safe_dump({"image_map": {"debian:bookworm": BASE_IMAGE}}))
-    exported = tmp_path / "archives"
     built = subprocess.run(
-        [sys.executable, "-m", "envhub", "build", "separate", "bundled", "--export", str(exported)]
-        + ["--config", str(config), "--data-dir", str(tmp_path / "export-data")]
+        [sys.executable, "-m", "envhub", "build", *task_ids, "--export", str(tmp / "archives")]
+        + ["--config", str(config), "--data-dir", str(tmp / "export-data")]
         + ["--set", f"environments.terminal-bench.datasets={tasks}"]
         + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
         capture_output=True,
@@ -409,6 +406,15 @@ def test_separate_verifiers_run_on_a_node_without_docker(tmp_path, tasks):
         cwd=REPO,
     )
     assert built.returncode == 0, built.stdout + built.stderr
+    return tmp / "archives"
+
+
+@pytest.mark.skipif(not rootfs_files.available(), reason="the rootfs sandbox needs openat2 (Linux 5.6+)")
+def test_separate_verifiers_run_on_a_node_without_docker(tmp_path, tasks):
+    """``envhub build --export`` writes the verifier's image beside the task's (the one its
+    tests dir's Dockerfile builds), and a rootfs node without a Docker engine grades in
+    separate sandboxes of its own as the docker node does."""
+    exported = export(tmp_path, tasks, "separate", "bundled")
     images = json.loads((exported / "index.json").read_text())["images"]
     assert sum("-verifier:" in image for image in images) == 1 and len(images) == 3, images
     node = rootfs_node(tmp_path / "data", exported, "--set", f"environments.terminal-bench.datasets={tasks}")

@@ -9,16 +9,13 @@ and a root-only file.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import BASE_IMAGE, REPO, needs_docker
+from conftest import BASE_IMAGE, needs_docker
 from test_rootfs_sandbox import rootfs_node
-from test_tbench_separate import said
+from test_tbench_separate import export, said
 from test_tbench_steps import sh
 from test_terminal_bench import act, create, tb_process, write_config
 
@@ -131,23 +128,9 @@ def test_the_oracle_solution_runs_as_the_agent_and_the_tests_as_the_verifier_use
 def test_the_agent_user_holds_on_a_node_without_docker(node, tmp_path):
     """The same task on a rootfs node (its image exported from Docker): the agent acts as
     its user there too."""
-    tasks = str(node.data_dir.parent / "tasks")
-    config = tmp_path / "export.yaml"
-    config.write_text(yaml.safe_dump({"image_map": {"debian:bookworm": BASE_IMAGE}}))
-    built = subprocess.run(
-        [sys.executable, "-m", "envhub", "build", "unprivileged", "--export", str(tmp_path / "archives")]
-        + ["--config", str(config), "--data-dir", str(tmp_path / "export-data")]
-        + ["--set", f"environments.terminal-bench.datasets={tasks}"]
-        + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    rootfs = rootfs_node(
-        tmp_path / "data", tmp_path / "archives", "--set", f"environments.terminal-bench.datasets={tasks}"
-    )
+    tasks = node.data_dir.parent / "tasks"
+    archives = export(tmp_path, tasks, "unprivileged")
+    rootfs = rootfs_node(tmp_path / "data", archives, "--set", f"environments.terminal-bench.datasets={tasks}")
     rootfs.start(timeout=120)
     try:
         with rootfs.client(timeout=600) as c:
