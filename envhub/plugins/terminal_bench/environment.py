@@ -142,6 +142,13 @@ class TerminalBench(Environment):
     code_tool = ("run_command", "command")
     seta_default = True  # SETA's StepRequests name terminal-bench tasks
 
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        # What the node made or learned at run time, whatever load() reads (a subclass's too).
+        self._unusable: dict[str, str] = {}  # task id -> why its creates are refused (an env template)
+        self._verifier_images: dict[Path, str] = {}  # a tests dir's Dockerfile -> its image, once made
+        self._ca: bytes | None = None  # the node's ca_bundle, once read
+
     def tool_schemas(self) -> list[dict[str, Any]]:
         return TOOLS
 
@@ -160,10 +167,10 @@ class TerminalBench(Environment):
         self.output_limit = int(self.config_number("output_limit", 16000))
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
         self._datasets: dict[str, set[str]] = {}  # task id -> the names its dataset goes by
-        self._unusable: dict[str, str] = {}  # task id -> why its creates are refused (an env template)
         from_node = self.config.get("env_from_node") or []
         if not isinstance(from_node, list) or not all(isinstance(n, str) for n in from_node):
             raise StartupError(f"terminal-bench: env_from_node must be a list of names, not {from_node!r:.80}")
+        allowed = set(from_node)
         for root in roots:
             try:
                 loaded = load_dataset(root)
@@ -172,7 +179,7 @@ class TerminalBench(Environment):
             for tb in loaded:
                 if tb.format == "tb2":
                     try:
-                        tb = templates.resolve_task(tb, set(from_node), os.environ)
+                        tb = templates.resolve_task(tb, allowed, os.environ)
                     except templates.TemplateError as e:
                         self._unusable[tb.id] = str(e)
                 if tb.id in self._tasks:
@@ -245,11 +252,7 @@ class TerminalBench(Environment):
             dockerfile = dockerfile.rstrip("\n") + "\n" + "\n".join(offline.tools_layer(pins, install_uv=True)) + "\n"
             extra["envhub-uv"], extra["envhub-uvx"] = tools
             digest = _sha256(digest.encode() + dockerfile.encode() + _sha256(tools[0]).encode())
-        ca_bundle = getattr(self.context.settings, "ca_bundle", None) if self.context else None
-        if ca_bundle:
-            extra["envhub-ca.crt"] = Path(ca_bundle).read_bytes()
-            dockerfile = _trust_ca(dockerfile)
-            digest = _sha256(digest.encode() + extra["envhub-ca.crt"])
+        dockerfile, digest = self._trusting_ca(dockerfile, digest, extra)
         return BuildRequest(
             environment=self.name,
             task_id=tb.id,
@@ -261,6 +264,17 @@ class TerminalBench(Environment):
             extra_files=extra,
             exclude=grading_files_in_context(tb),
         )
+
+    def _trusting_ca(self, dockerfile: str, digest: str, extra: dict[str, bytes]) -> tuple[str, str]:
+        """With the node's ``ca_bundle``: ``dockerfile`` trusting it (the bundle goes into
+        ``extra``), and ``digest`` with the bundle's bytes mixed in; else both unchanged."""
+        ca_bundle = getattr(self.context.settings, "ca_bundle", None) if self.context else None
+        if not ca_bundle:
+            return dockerfile, digest
+        if self._ca is None:  # read once: every create asks for its build request
+            self._ca = Path(ca_bundle).read_bytes()
+        extra["envhub-ca.crt"] = self._ca
+        return _trust_ca(dockerfile), _sha256(digest.encode() + self._ca)
 
     async def prepare(self, task: Task, params: Mapping[str, Any]) -> None:
         tb = self.tb(task)
@@ -337,13 +351,7 @@ class TerminalBench(Environment):
         tb = self.tb(task)
         dockerfile = substitute_base(sep.dockerfile.read_text(), self._image_map())
         extra: dict[str, bytes] = {}
-        ca_bundle = getattr(self.context.settings, "ca_bundle", None) if self.context else None
-        if ca_bundle:
-            extra["envhub-ca.crt"] = Path(ca_bundle).read_bytes()
-            dockerfile = _trust_ca(dockerfile)
-        digest = tree_hash(sep.dockerfile.parent, dockerfile)
-        if ca_bundle:
-            digest = _sha256(digest.encode() + extra["envhub-ca.crt"])
+        dockerfile, digest = self._trusting_ca(dockerfile, tree_hash(sep.dockerfile.parent, dockerfile), extra)
         name = image_tag(self.name, tb, digest).split(":")[0]
         return BuildRequest(
             environment=self.name,
@@ -361,9 +369,13 @@ class TerminalBench(Environment):
         gate answers at once for one already made)."""
         if sep.docker_image is not None:
             return await self._prebuilt(sep.docker_image, f"the verifier of task {task.id}")
-        req = self.verifier_build_request(task, sep)
-        if req is not None:
-            return await self._build(req)
+        if sep.dockerfile is not None:
+            made = self._verifier_images.get(sep.dockerfile)
+            if made is None:  # hashing its tests dir once, not at every create and evaluate
+                req = self.verifier_build_request(task, sep)
+                assert req is not None, "a verifier with a Dockerfile has a build request"
+                made = self._verifier_images[sep.dockerfile] = await self._build(req)
+            return made
         image = self._images.get(task.id)  # a fresh container of the task's own image
         if image is None:  # a restarted node grading an episode it adopted
             image = self._images[task.id] = await self._task_image(task)

@@ -85,7 +85,6 @@ class HarborTrials(TerminalBench):
         self._tools_lock = asyncio.Lock()
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
         self._datasets: dict[str, set[str]] = {}
-        self._unusable: dict[str, str] = {}  # Harbor resolves its tasks' env templates itself
         self._order: list[Task] = []
         self._images: dict[str, str] = {}
         self._stand_ins: dict[str, str] = {}

@@ -103,15 +103,13 @@ async def grade(
             else None
         )
     else:
+        # A shared verifier runs first (what it leaves in /logs/artifacts is collected);
+        # a separate one after the hooks and artifacts, which are all it gets (harbor's order).
         if spec is None:
             result, files = await _run_tests(episode, tb, step, bundled=False)
-            hooks = await _run_hooks(episode, tb, step)
-            collected = await _collect(episode, tb, step)
-        else:
-            # Harbor's order: the hooks and the artifacts first, then the verifier, in a
-            # sandbox of its own that sees nothing else of the episode's.
-            hooks = await _run_hooks(episode, tb, step)
-            collected = await _collect(episode, tb, step)
+        hooks = await _run_hooks(episode, tb, step)
+        collected = await _collect(episode, tb, step)
+        if spec is not None:
             sep = step.separate_verifier if step else tb.separate_verifier
             assert sep is not None, "a verifier spec is given for separate verifiers only"
             result, files = await _in_separate(episode, spec, collected, tb, step, bundled=sep.bundled_tests)
