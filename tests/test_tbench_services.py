@@ -99,24 +99,10 @@ def _server(**over) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def secret() -> str:
-    return secrets.token_hex(8)
-
-
-@pytest.fixture(scope="module")
-def tasks(tmp_path_factory, secret) -> Path:
-    root = tmp_path_factory.mktemp("services")
-    _tb1_task(root, "fetch-secret", _server(), secret=secret)
-    # The server dies at start: its create fails, naming it and its log.
-    _tb1_task(root, "dead-server", _server(command=["sh", "-c", "echo no database here >&2; exit 3"]), secret=secret)
-    # A server whose healthcheck never passes.
-    sick = _server(healthcheck={"test": "exit 1", "interval": "200ms", "retries": 2})
-    _tb1_task(root, "sick-server", sick, secret=secret)
-    # A server that mounts a host path: what envhub does not give a sidecar.
-    _tb1_task(root, "host-volume", _server(volumes=["/etc:/host-etc:ro"]), secret=secret)
-    # harbor's layout: a sidecar beside `main`, built from ${CONTEXT_DIR}/server, no internet.
-    tb2 = root / "harbor-fetch"
+def harbor_task(root: Path, name: str, secret: str) -> Path:
+    """harbor's layout: a sidecar beside ``main``, built from ``${CONTEXT_DIR}/server``, no
+    internet; the tests compare /app/answer.txt with what the server serves."""
+    tb2 = root / name
     shutil.copytree(BUNDLED / "hello-envhub", tb2)
     (tb2 / "environment" / "server").mkdir()
     (tb2 / "environment" / "server" / "Dockerfile").write_text(SERVER_DOCKERFILE)
@@ -140,6 +126,26 @@ def tasks(tmp_path_factory, secret) -> Path:
         'if [ -n "$served" ] && [ "$(cat /app/answer.txt)" = "$served" ]; then echo 1; else echo 0; fi'
         " > /logs/verifier/reward.txt\n"
     )
+    return tb2
+
+
+@pytest.fixture(scope="module")
+def secret() -> str:
+    return secrets.token_hex(8)
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory, secret) -> Path:
+    root = tmp_path_factory.mktemp("services")
+    _tb1_task(root, "fetch-secret", _server(), secret=secret)
+    # The server dies at start: its create fails, naming it and its log.
+    _tb1_task(root, "dead-server", _server(command=["sh", "-c", "echo no database here >&2; exit 3"]), secret=secret)
+    # A server whose healthcheck never passes.
+    sick = _server(healthcheck={"test": "exit 1", "interval": "200ms", "retries": 2})
+    _tb1_task(root, "sick-server", sick, secret=secret)
+    # A server that mounts a host path: what envhub does not give a sidecar.
+    _tb1_task(root, "host-volume", _server(volumes=["/etc:/host-etc:ro"]), secret=secret)
+    tb2 = harbor_task(root, "harbor-fetch", secret)
     separate = shutil.copytree(tb2, root / "harbor-separate")
     toml = (separate / "task.toml").read_text().replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
     (separate / "task.toml").write_text(toml)
