@@ -886,3 +886,21 @@ def test_compose_services_in_a_cycle_or_past_the_limit_are_problems(tmp_path):
     many = {"client": {}, **{f"s{i}": {"image": "x"} for i in range(9)}}
     t = load_task(make_tb1(tmp_path, name="many", compose=yaml.safe_dump({"services": many})))
     assert len(t.services) == 9 and all("more than envhub runs (8)" in (s.problem or "") for s in t.services)
+
+
+def test_a_tb2_compose_file_takes_the_task_s_env_as_variables_and_their_templates_as_the_task_s(tmp_path):
+    """As harbor interpolates a task's compose file with its [environment].env: a service
+    gets those values (the harness's own variables win), and a value that is a template
+    is filled by env_from_node's rule like every env table of the task."""
+    d = make_tb2(
+        tmp_path,
+        task_toml='version = "1.0"\n[environment.env]\nJUDGE = "${OPENAI_API_KEY}"\nDB = "app"\nCONTEXT_DIR = "/x"\n',
+    )
+    svc = {"image": "judge", "environment": {"API_KEY": "${JUDGE}", "DSN": "db=${DB}", "CTX": "${CONTEXT_DIR}"}}
+    write(d / "environment" / "docker-compose.yaml", yaml.safe_dump({"services": {"main": {}, "judge": svc}}))
+    (judge,) = load_task(d).services
+    assert judge.env == {"API_KEY": "${OPENAI_API_KEY}", "DSN": "db=app", "CTX": str(d / "environment")}
+    (judge,) = resolve_task(load_task(d), {"OPENAI_API_KEY"}, {"OPENAI_API_KEY": "sk-1"}).services
+    assert judge.env["API_KEY"] == "sk-1"
+    with pytest.raises(TemplateError, match=r"needs \$\{OPENAI_API_KEY\}, which is not in env_from_node"):
+        resolve_task(load_task(d), set(), {"OPENAI_API_KEY": "sk-1"})

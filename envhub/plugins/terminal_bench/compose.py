@@ -16,8 +16,9 @@ Invariants:
   what runs (published ports, networks, restart policies, names) is ignored.
 - Variables (``${NAME}``, ``${NAME:-default}``, ``${NAME-default}``, ``$$``) take the
   harness's container-side values (tb1's ``T_BENCH_*``, harbor's ``ENV_*`` and
-  ``CONTEXT_DIR``), else their default, else "" as compose gives an unset one; never the
-  node's environment. A volume of the harness's host log paths is the harness's own,
+  ``CONTEXT_DIR``, over a tb2 task's ``[environment].env``, as harbor gives them), else
+  their default, else "" as compose gives an unset one; never the node's environment (a
+  task env value that is itself a template is filled as templates.py fills it). A volume of the harness's host log paths is the harness's own,
   left out.
 - Every sidecar shares the episode container's network namespace: its name, which must
   be a hostname, resolves to 127.0.0.1 there.

@@ -136,7 +136,9 @@ def _load_tb2(path: Path) -> TbTask:
     network_mode = envc.string("network_mode")
     workdir = envc.string("workdir") or (dockerfile_workdir(read_text(dockerfile)) if dockerfile else None)
     compose_file = first_existing(context / "docker-compose.yaml", context / "docker-compose.yml")
-    sidecars = services(compose_file, "main", {"CONTEXT_DIR": str(context)}) if compose_file else []
+    # As harbor interpolates a task's compose file: its [environment].env, then its own variables over it.
+    variables = {**envc.env("env"), "CONTEXT_DIR": str(context)}
+    sidecars = services(compose_file, "main", variables) if compose_file else []
     extra = {
         "schema_version": cfg.string("schema_version") or cfg.string("version"),
         "metadata": dict(meta.data),
