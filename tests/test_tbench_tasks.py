@@ -891,14 +891,19 @@ def test_compose_services_in_a_cycle_or_past_the_limit_are_problems(tmp_path):
 def test_a_tb2_compose_file_takes_the_task_s_env_as_variables_and_their_templates_as_the_task_s(tmp_path):
     """As harbor interpolates a task's compose file with its [environment].env: a service
     gets those values (the harness's own variables win), and a value that is a template
-    is filled by env_from_node's rule like every env table of the task."""
+    is filled by env_from_node's rule like every env table of the task. The compose
+    file's own environment of ``main`` goes to the task's container, under
+    [environment].env."""
     d = make_tb2(
         tmp_path,
         task_toml='version = "1.0"\n[environment.env]\nJUDGE = "${OPENAI_API_KEY}"\nDB = "app"\nCONTEXT_DIR = "/x"\n',
     )
     svc = {"image": "judge", "environment": {"API_KEY": "${JUDGE}", "DSN": "db=${DB}", "CTX": "${CONTEXT_DIR}"}}
-    write(d / "environment" / "docker-compose.yaml", yaml.safe_dump({"services": {"main": {}, "judge": svc}}))
-    (judge,) = load_task(d).services
+    main = {"environment": ["SEEN=${DB}", "DB=from-compose"]}  # [environment].env wins, as harbor's overlay does
+    write(d / "environment" / "docker-compose.yaml", yaml.safe_dump({"services": {"main": main, "judge": svc}}))
+    t = load_task(d)
+    assert t.env == {"SEEN": "app", "DB": "app", "JUDGE": "${OPENAI_API_KEY}", "CONTEXT_DIR": "/x"}
+    (judge,) = t.services
     assert judge.env == {"API_KEY": "${OPENAI_API_KEY}", "DSN": "db=app", "CTX": str(d / "environment")}
     (judge,) = resolve_task(load_task(d), {"OPENAI_API_KEY"}, {"OPENAI_API_KEY": "sk-1"}).services
     assert judge.env["API_KEY"] == "sk-1"

@@ -18,8 +18,8 @@ Invariants:
   harness's container-side values (tb1's ``T_BENCH_*``, harbor's ``ENV_*`` and
   ``CONTEXT_DIR``, over a tb2 task's ``[environment].env``, as harbor gives them), else
   their default, else "" as compose gives an unset one; never the node's environment (a
-  task env value that is itself a template is filled as templates.py fills it). A volume of the harness's host log paths is the harness's own,
-  left out.
+  task env value that is itself a template is filled as templates.py fills it). A volume
+  of the harness's host log paths is the harness's own, left out.
 - Every sidecar shares the episode container's network namespace: its name, which must
   be a hostname, resolves to 127.0.0.1 there.
 """
@@ -112,6 +112,13 @@ def tb1_main(path: Path, file: Path | None) -> Tb1Main:
     # As before sidecars: only the harness's own variables are filled in the task's container.
     out.env.update({k: _KNOWN.sub(lambda m: HARNESS_VARS.get(m.group(1), m.group(0)), v) for k, v in listed.items()})
     return out
+
+
+def main_environment(file: Path, main: str, variables: dict[str, str]) -> dict[str, str]:
+    """The ``environment`` (and ``env_file``) the compose file gives the service ``main``,
+    interpolated as a sidecar's is."""
+    table = read_services(file)
+    return _environment(table.table(main), file.parent, variables) if main in table.data else {}
 
 
 def services(file: Path, main: str, variables: dict[str, str]) -> list[ComposeService]:

@@ -13,7 +13,7 @@ from typing import Any, Literal, overload
 
 import yaml
 
-from envhub.plugins.terminal_bench.compose import services, tb1_main
+from envhub.plugins.terminal_bench.compose import main_environment, services, tb1_main
 from envhub.plugins.terminal_bench.model import (
     TB1_AGENT_TIMEOUT_SEC,
     TB1_TEST_TIMEOUT_SEC,
@@ -139,6 +139,8 @@ def _load_tb2(path: Path) -> TbTask:
     # As harbor interpolates a task's compose file: its [environment].env, then its own variables over it.
     variables = {**envc.env("env"), "CONTEXT_DIR": str(context)}
     sidecars = services(compose_file, "main", variables) if compose_file else []
+    # The compose file's `environment` of main, under [environment].env (harbor's overlay comes after it).
+    env = {**(main_environment(compose_file, "main", variables) if compose_file else {}), **envc.env("env")}
     extra = {
         "schema_version": cfg.string("schema_version") or cfg.string("version"),
         "metadata": dict(meta.data),
@@ -173,7 +175,7 @@ def _load_tb2(path: Path) -> TbTask:
         storage_mb=storage_mb,
         allow_internet=allow_internet,
         workdir=workdir,
-        env=envc.env("env"),
+        env=env,
         difficulty=meta.string("difficulty", "unknown"),
         category=meta.string("category"),
         tags=meta.strings("tags"),
