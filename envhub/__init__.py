@@ -20,7 +20,7 @@ from envhub.errors import (
 )
 from envhub.hookspecs import hookimpl
 from envhub.network import NetworkMode
-from envhub.sandbox import BuildRequest, ExecResult, ImageBuilder, Limits, Sandbox, SandboxSpec
+from envhub.sandbox import BuildRequest, ExecResult, ImageBuilder, Limits, Sandbox, SandboxSpec, Sidecar
 
 __version__ = "0.1.0"
 
@@ -50,6 +50,7 @@ __all__ = [
     "Sandbox",
     "SandboxError",
     "SandboxSpec",
+    "Sidecar",
     "StartupError",
     "StepResult",
     "Task",

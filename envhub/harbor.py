@@ -13,7 +13,8 @@ Each method of Harbor's ``BaseEnvironment`` is one call (docs/harbor.md):
 - ``start``: a create of the environment whose sandboxes a client may drive (the node
   lists it with ``open_sandbox``; ``--ek environment=NAME`` picks one). Its task is the
   content digest of the trial's ``environment/`` dir (plus the verifier's scripts, for
-  the packages they pin), uploaded when the node answers that it lacks it; or
+  the packages they pin; the services its docker-compose file defines beside ``main``
+  run beside the trial's container), uploaded when the node answers that it lacks it; or
   ``image:<docker_image>`` for a prebuilt image. The create's params carry the task's
   cpus, memory and network; the node builds the image once (the build gate), keeps
   started containers warm, and a scheduler places the create by task affinity.
@@ -96,15 +97,25 @@ class EnvhubEnvironment(BaseEnvironment):
         return False
 
     def _validate_definition(self) -> None:
+        """The node builds ``main`` from ``environment/Dockerfile`` and runs the services of
+        ``environment/docker-compose.yaml`` beside it (it gets the file with the upload); a
+        prebuilt ``docker_image`` is not uploaded, so its compose services would not run."""
         env_dir = Path(self.environment_dir)
+        compose = (env_dir / "docker-compose.yaml").is_file() or (env_dir / "docker-compose.yml").is_file()
         if self.task_env_config.docker_image:
+            if compose:
+                raise ValueError(
+                    f"{env_dir} defines a docker-compose environment beside the prebuilt docker_image "
+                    f"{self.task_env_config.docker_image!r}; envhub runs a compose file's services only beside "
+                    "a main container it builds from environment/Dockerfile"
+                )
             return
         if (env_dir / "Dockerfile").is_file():
             return
-        if (env_dir / "docker-compose.yaml").is_file() or (env_dir / "docker-compose.yml").is_file():
+        if compose:
             raise ValueError(
-                f"envhub runs one container per trial: {env_dir} defines a docker-compose environment, "
-                "which it cannot run"
+                f"{env_dir} defines a docker-compose environment without environment/Dockerfile; envhub builds "
+                "the main service from that Dockerfile and runs the compose file's other services beside it"
             )
         raise FileNotFoundError(f"{env_dir / 'Dockerfile'} not found, and the task names no docker_image")
 

@@ -38,6 +38,34 @@ class Limits:
     cpu_seconds: int | None = None
 
 
+@dataclass(frozen=True)
+class Sidecar:
+    """A service that runs beside an episode's sandbox for its whole life: a database or
+    a server the task's tests talk to (a compose file's service beside the task's own).
+
+    It shares the sandbox's network namespace, so it has the sandbox's network (none, or
+    the egress policy's) and nothing more, listens on the sandbox's loopback, and is
+    reached from the sandbox by ``name`` (mapped to 127.0.0.1 there). ``command`` and
+    ``entrypoint`` (``None``: the image's) are argv lists. ``healthcheck`` is Docker's:
+    ``test`` (an argv list led by ``CMD`` or ``CMD-SHELL``), ``interval_sec``,
+    ``timeout_sec``, ``retries``, ``start_period_sec``. ``wait`` says when the sandbox
+    counts it as up: ``started`` (running), ``healthy`` (its healthcheck passed: the
+    image's, where it gives none), ``completed`` (it exited 0). The sandbox's create
+    returns only once every sidecar is up, in order, and fails (leaving none behind) when
+    one is not."""
+
+    name: str
+    image: str
+    command: tuple[str, ...] | None = None
+    entrypoint: tuple[str, ...] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    healthcheck: Mapping[str, Any] | None = None
+    wait: str = "started"
+    limits: Limits = field(default_factory=Limits)
+
+
 @dataclass
 class SandboxSpec:
     """What the node asks a sandbox plugin to start for one episode.
@@ -51,6 +79,9 @@ class SandboxSpec:
     ``functions`` (Python sandboxes): names of built-in functions episode code may call
     with one string, to hand it to the environment (MBPP's ``submit_solution(code)``);
     each call is reported in :attr:`ExecResult.calls`. Other sandboxes ignore them.
+
+    ``sidecars``: services that run beside the sandbox (see :class:`Sidecar`), only for a
+    sandbox whose ``runs_sidecars`` is true; the node refuses a create that asks another.
     """
 
     instance_id: str
@@ -63,6 +94,7 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     functions: tuple[str, ...] = ()
+    sidecars: list[Sidecar] = field(default_factory=list)
 
 
 @dataclass
@@ -205,6 +237,8 @@ class Sandbox:
     - ``description``: one line for ``envhub plugins``.
     - ``language``: what :meth:`exec` runs: ``"python"`` (source code executed in a
       persistent interpreter) or ``"shell"`` (a command line run by ``bash -c``).
+    - ``runs_sidecars``: whether :meth:`create` runs a spec's ``sidecars`` (false: the
+      node never hands it a spec that has any).
 
     The instance is built once per node with its config section
     (``sandboxes: {<name>: {...}}`` in the node config) and the node's ``settings``.
@@ -220,7 +254,7 @@ class Sandbox:
       :class:`envhub.Gone` when the sandbox died with state no fresh one can have (an
       AppWorld world): the node then ends the instance as ``lost`` and frees its slot.
     - :meth:`destroy` is idempotent, accepts handles it no longer knows, and leaves no
-      process, container, file or uid behind.
+      process, container, file or uid behind (a sidecar of the sandbox neither).
 
     Example::
 
@@ -239,6 +273,7 @@ class Sandbox:
     name: ClassVar[str]
     description: ClassVar[str] = ""
     language: ClassVar[str] = "shell"
+    runs_sidecars: ClassVar[bool] = False
 
     def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
         self.config = dict(config or {})

@@ -185,6 +185,24 @@ async def test_bad_input_gets_one_json_error_envelope_and_holds_no_slot(node, me
     assert (await health(node))["active"] == 0
 
 
+async def test_a_create_that_asks_a_sandbox_for_sidecars_it_cannot_run_is_a_400(tmp_path):
+    """Only a sandbox whose class says ``runs_sidecars`` gets a spec with sidecars: the node
+    refuses the create of an environment that asks the process sandbox for one, before
+    a slot is taken."""
+    from plugins import pod
+
+    pm = get_plugin_manager(load_entrypoints=False)
+    pm.register(pod, name="pod")
+    async with InProcessApp(node_settings(tmp_path / "data", capacity=2), pm=pm) as app:
+        r = await app.http.post("/instances", json={"environment": "pod", "task_id": "with-db"})
+        body = assert_envelope(r, 400, "invalid_request")
+        assert body["field"] == "task_id", body
+        assert body["error"] == (
+            "task 'with-db' needs services beside its sandbox (db), which the process sandbox cannot run"
+        ), body
+        assert (await health(app))["active"] == 0
+
+
 async def test_a_bad_step_is_a_400_and_the_episode_goes_on(node):
     iid = (await node.http.post("/instances", json={"environment": "mbpp", "task_id": "11"})).json()["instance_id"]
     for action in ({"tool": "no_such_tool", "arguments": {}}, {"tool": "run_python"}, "run_python", None):

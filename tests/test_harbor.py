@@ -219,6 +219,32 @@ def test_harbors_separate_verifier_runs_in_an_envhub_instance_of_its_own(harbor,
         assert len(instances) == 2 * len(trials) and {i["state"] for i in instances} == {"released"}, instances
 
 
+def test_a_task_s_compose_services_run_beside_its_trial(harbor, fleet):
+    """A task whose environment/docker-compose.yaml defines a server beside ``main``
+    (tests/test_tbench_services.py's, which serves a secret only it holds): the upload
+    carries the compose file, the node runs the server beside the trial's container, and
+    Harbor's oracle, which fetches the secret, scores 1 while its nop agent scores 0.
+    Every container goes with the trial."""
+    from test_tbench_services import harbor_task
+
+    node, scheduler, tmp = fleet
+    tasks = tmp / "compose-tasks"
+    harbor_task(tasks, "fetch-secret", uuid.uuid4().hex)
+    for agent, expected in (("oracle", 1), ("nop", 0)):
+        trials = run_harbor(harbor, scheduler.url, tasks, tmp / "jobs", f"compose-{agent}", "-a", agent)
+        [result] = trials.values()
+        assert rewards(result) == {"reward": expected}, result["exception_info"]
+        instances = trial_instances(node, f"compose-{agent}")
+        assert [i["state"] for i in instances] == ["released"], instances
+    rows = containers(**{"envhub.node": node.node_id})  # the warm pool's are left, each with its server
+    orphans = [
+        c["Name"]
+        for c in rows
+        if c["Config"]["Labels"].get("envhub.sidecar_of", "") not in {"", *(r["Id"] for r in rows)}
+    ]
+    assert not orphans, orphans
+
+
 def test_the_nop_agent_scores_zero(harbor, fleet):
     node, scheduler, tmp = fleet
     tasks = dataset(tmp, "nop-tasks", [BUNDLED / "hello-envhub"])

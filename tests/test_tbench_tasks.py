@@ -789,3 +789,123 @@ def test_datasets_name_the_bundled_tasks_as_bundled_beside_dataset_folders(tmp_p
     for bad in ([3], [""], 3, {"bundled": True}):
         with pytest.raises(StartupError, match="each of datasets must be a folder or 'bundled'"):
             TerminalBench({"datasets": bad}).load()
+
+
+def test_compose_services_beside_the_task_s_own_are_read_as_sidecars(tmp_path):
+    """What envhub runs beside a task's container: each service's image or build, command,
+    environment (the harness's variables filled, defaults taken, never the node's own),
+    healthcheck, limits, the wait the others' depends_on ask of it, in start order."""
+    d = make_tb2(tmp_path)
+    write(d / "environment" / "db" / "Dockerfile", "FROM postgres:16\n")
+    write(d / "environment" / "db.env", "# comment\nPGUSER=app\nexport PGPORT='5433'\n")
+    compose = {
+        "services": {
+            "main": {"depends_on": {"api": {"condition": "service_healthy"}}},
+            "api": {
+                "image": "envhub/api:1",
+                "command": "serve --port 8000 --dsn 'host=db user=$${USER}'",
+                "entrypoint": ["/bin/api"],
+                "environment": ["LOGS=${ENV_VERIFIER_LOGS_PATH}", "MODE=${MODE:-test}", "HOME_OF_NODE=${HOME}"],
+                "working_dir": "/srv",
+                "user": 1000,
+                "healthcheck": {
+                    "test": "curl -f localhost:8000",
+                    "interval": "1m30s",
+                    "timeout": "500ms",
+                    "retries": 5,
+                },
+                "depends_on": {"db": {"condition": "service_completed_successfully"}},
+                "ports": ["8000:8000"],
+                "networks": ["default"],
+                "restart": "always",
+                "volumes": ["${HOST_VERIFIER_LOGS_PATH}:/logs/verifier"],
+            },
+            "db": {
+                "build": {"context": "${CONTEXT_DIR}/db"},
+                "env_file": "db.env",
+                "environment": {"PGPORT": 5432},
+                "deploy": {"resources": {"limits": {"cpus": "0.5", "memory": "256M"}}},
+                "healthcheck": {"test": ["CMD", "pg_isready"], "start_period": "10s"},
+            },
+            "debug": {"image": "busybox", "profiles": ["debug"]},  # not started by default
+        }
+    }
+    write(d / "environment" / "docker-compose.yaml", yaml.safe_dump(compose, sort_keys=False))
+    t = load_task(d)
+    assert [s.name for s in t.services] == ["db", "api"] and t.extra["compose_services"] == ["db", "api"]
+    db, api = t.services
+    assert db.problem is None and api.problem is None, (db.problem, api.problem)
+    assert (db.image, db.context, db.dockerfile) == (
+        None,
+        d / "environment" / "db",
+        d / "environment" / "db" / "Dockerfile",
+    )
+    assert db.env == {"PGUSER": "app", "PGPORT": "5432"} and (db.cpus, db.memory_mb) == (0.5, 256)
+    assert db.healthcheck == {"test": ["CMD", "pg_isready"], "start_period_sec": 10.0}
+    assert db.wait == "completed" and api.wait == "healthy"
+    assert api.image == "envhub/api:1" and api.entrypoint == ("/bin/api",)
+    assert api.command == ("serve", "--port", "8000", "--dsn", "host=db user=${USER}")
+    assert api.env == {"LOGS": "/logs/verifier", "MODE": "test", "HOME_OF_NODE": ""}
+    assert (api.workdir, api.user) == ("/srv", "1000")
+    assert api.healthcheck == {
+        "test": ["CMD-SHELL", "curl -f localhost:8000"],
+        "interval_sec": 90.0,
+        "timeout_sec": 0.5,
+        "retries": 5,
+    }
+
+
+@pytest.mark.parametrize(
+    "service, problem",
+    [
+        (
+            {"image": "x", "volumes": ["./data:/data"]},
+            "'svc' mounts './data:/data', and envhub gives a sidecar no volume",
+        ),
+        ({"image": "x", "volumes": ["cache:/cache"]}, "'svc' mounts 'cache:/cache'"),
+        ({"image": "x", "privileged": True}, "'svc' sets privileged"),
+        ({"image": "x", "network_mode": "host", "cap_add": ["ALL"]}, "'svc' sets cap_add, network_mode"),
+        ({"build": {"context": ".", "args": {"A": "1"}}}, "'svc' builds with args"),
+        ({"build": "nowhere"}, "'svc' builds from"),
+        ({"command": "x"}, "'svc' has neither an image nor a build"),
+        ({"image": "x", "depends_on": "main"}, "depends_on: expected a list or a mapping"),
+        ({"image": "x", "healthcheck": {"test": ["SHELL", "x"]}}, "healthcheck.test: expected a command string"),
+        ({"image": "x", "healthcheck": {"test": "x", "interval": "soon"}}, "expected a duration"),
+    ],
+)
+def test_a_compose_service_envhub_cannot_run_as_written_is_a_problem_not_a_load_error(tmp_path, service, problem):
+    d = make_tb1(tmp_path, compose=yaml.safe_dump({"services": {"client": {"build": "."}, "svc": service}}))
+    (svc,) = load_task(d).services
+    assert svc.name == "svc" and svc.problem is not None and problem in svc.problem, svc.problem
+
+
+def test_compose_services_in_a_cycle_or_past_the_limit_are_problems(tmp_path):
+    cycle = {"client": {}, "a": {"image": "x", "depends_on": ["b"]}, "b": {"image": "x", "depends_on": ["a"]}}
+    t = load_task(make_tb1(tmp_path, compose=yaml.safe_dump({"services": cycle})))
+    assert [s.problem for s in t.services] == ["depends on itself through depends_on"] * 2
+    many = {"client": {}, **{f"s{i}": {"image": "x"} for i in range(9)}}
+    t = load_task(make_tb1(tmp_path, name="many", compose=yaml.safe_dump({"services": many})))
+    assert len(t.services) == 9 and all("more than envhub runs (8)" in (s.problem or "") for s in t.services)
+
+
+def test_a_tb2_compose_file_takes_the_task_s_env_as_variables_and_their_templates_as_the_task_s(tmp_path):
+    """As harbor interpolates a task's compose file with its [environment].env: a service
+    gets those values (the harness's own variables win), and a value that is a template
+    is filled by env_from_node's rule like every env table of the task. The compose
+    file's own environment of ``main`` goes to the task's container, under
+    [environment].env."""
+    d = make_tb2(
+        tmp_path,
+        task_toml='version = "1.0"\n[environment.env]\nJUDGE = "${OPENAI_API_KEY}"\nDB = "app"\nCONTEXT_DIR = "/x"\n',
+    )
+    svc = {"image": "judge", "environment": {"API_KEY": "${JUDGE}", "DSN": "db=${DB}", "CTX": "${CONTEXT_DIR}"}}
+    main = {"environment": ["SEEN=${DB}", "DB=from-compose"]}  # [environment].env wins, as harbor's overlay does
+    write(d / "environment" / "docker-compose.yaml", yaml.safe_dump({"services": {"main": main, "judge": svc}}))
+    t = load_task(d)
+    assert t.env == {"SEEN": "app", "DB": "app", "JUDGE": "${OPENAI_API_KEY}", "CONTEXT_DIR": "/x"}
+    (judge,) = t.services
+    assert judge.env == {"API_KEY": "${OPENAI_API_KEY}", "DSN": "db=app", "CTX": str(d / "environment")}
+    (judge,) = resolve_task(load_task(d), {"OPENAI_API_KEY"}, {"OPENAI_API_KEY": "sk-1"}).services
+    assert judge.env["API_KEY"] == "sk-1"
+    with pytest.raises(TemplateError, match=r"needs \$\{OPENAI_API_KEY\}, which is not in env_from_node"):
+        resolve_task(load_task(d), set(), {"OPENAI_API_KEY": "sk-1"})

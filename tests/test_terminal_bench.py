@@ -429,16 +429,16 @@ def test_a_verifier_longer_than_a_minute_is_graded_through_a_scheduler(tmp_path,
         assert scheduler.stop() == 0
 
 
-def test_a_task_whose_compose_file_adds_services_is_refused_unless_the_node_runs_it_without_them(
+def test_a_task_whose_compose_services_cannot_start_here_fails_clearly_unless_the_node_runs_it_without_them(
     tmp_path, start_tb_node
 ):
-    """envhub runs one container per episode, without GPUs. A task whose docker-compose file defines
-    services beside its own container (a tb1 ``db`` beside ``client``, a tb2 ``redis``
-    beside Harbor's ``main``) was run without them, and its tests, which may need them,
-    gave a reward that was wrong through no fault of the model. Now its create is a 400
-    naming the services and the option, and the task's listing names them; a node with
-    ``ignore_compose_services: true`` runs it (the sidecar is not what word-count's tests
-    need, so its oracle earns 1.0). A task that asks for a GPU is refused likewise."""
+    """envhub runs a task's compose services beside its container (test_tbench_services.py),
+    from images on the node's engine, never pulled. A task whose service names an image
+    the engine lacks (a tb1 ``db`` beside ``client``, a tb2 ``redis`` beside Harbor's
+    ``main``) fails its create with an error naming the image and image_map, and the
+    task's listing names its services; a node with ``ignore_compose_services: true`` runs
+    it without them (the sidecar is not what word-count's tests need, so its oracle earns
+    1.0). A task that asks for a GPU is refused."""
     data = tmp_path / "ds"
     tb1 = shutil.copytree(BUNDLED / "word-count", data / "word-count-db")
     compose = yaml.safe_load((tb1 / "docker-compose.yaml").read_text())
@@ -452,18 +452,20 @@ def test_a_task_whose_compose_file_adds_services_is_refused_unless_the_node_runs
     (gpu / "task.toml").write_text((gpu / "task.toml").read_text() + "gpus = 1\n")  # in [environment]
     strict = start_tb_node(write_config(tmp_path / "strict.yaml", data))
     with strict.client(timeout=60) as c:
-        for task_id, services in (("word-count-db", "db"), ("hello-redis", "redis")):
+        for task_id, service, image in (("word-count-db", "db", "postgres:16"), ("hello-redis", "redis", "redis:7")):
             r = c.post("/instances", json={"environment": "terminal-bench", "task_id": task_id})
-            assert r.status_code == 400 and r.json()["code"] == "invalid_request", r.text
-            error = r.json()["error"]
-            assert error.startswith(f"task {task_id!r} needs the service(s) {services} of its docker-compose"), error
-            assert "ignore_compose_services: true" in error and r.json()["field"] == "task_id", error
+            assert r.status_code == 500 and r.json()["code"] == "sandbox_error", r.text
+            assert r.json()["error"] == (
+                f"service {service!r} of task {task_id} names image {image!r}, which is not on this node's engine "
+                "(map it to a local image with image_map)"
+            ), r.text
             task = c.get(f"/environments/terminal-bench/tasks/{task_id}").json()["task"]
-            assert task["compose_services"] == [services], task
+            assert task["compose_services"] == [service], task
         r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "hello-gpu"})
         assert r.status_code == 400, r.text
         assert r.json()["error"] == "task 'hello-gpu' needs 1 GPU(s), and envhub's sandboxes have none", r.text
-        assert c.get("/health").json()["active"] == 0, "a refused create holds no slot"
+        assert c.get("/health").json()["active"] == 0, "a failed create holds no slot"
+    assert our_containers(node_id_of(tmp_path / "strict.yaml")) == []
     loose_config = tmp_path / "loose.yaml"
     write_config(loose_config, data)
     config = yaml.safe_load(loose_config.read_text())

@@ -179,6 +179,12 @@ class Creator:
         try:
             await env.prepare(task, params)  # image builds happen before a slot is taken
             spec = spec_for(str(self.settings.node_id), env, task, params, instance_id)
+            if spec.sidecars and not sandbox.runs_sidecars:
+                raise InvalidRequest(
+                    f"task {task.id!r} needs services beside its sandbox "
+                    f"({', '.join(car.name for car in spec.sidecars)}), which the {sandbox.name} sandbox cannot run",
+                    field="task_id",
+                )
             pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name), held)
         finally:
             episodes.preparing.discard(instance_id)

@@ -36,7 +36,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from envhub.node.capacity import Slots
@@ -56,6 +56,7 @@ def spec_key(spec: SandboxSpec, sandbox: str) -> str:
         "env": spec.env,
         "environment": spec.environment,
         "task_id": spec.task_id,
+        **({"sidecars": [asdict(car) for car in spec.sidecars]} if spec.sidecars else {}),  # older keys unchanged
     }
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -259,14 +260,12 @@ def _pooled_spec(spec: SandboxSpec, node_id: str, key: str) -> SandboxSpec:
         "envhub.pool": "1",
         "envhub.pool_key": key,
     }
-    return SandboxSpec(
+    # Every field of the episode's spec (its sidecars too) but its identity and labels.
+    return replace(
+        spec,
         instance_id=pool_id,
-        environment=spec.environment,
-        task_id=spec.task_id,
-        image=spec.image,
-        network=spec.network,
         egress_allow=list(spec.egress_allow),
-        limits=spec.limits,
         env=dict(spec.env),
         labels=labels,
+        sidecars=list(spec.sidecars),
     )

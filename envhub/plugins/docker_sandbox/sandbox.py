@@ -24,8 +24,11 @@ Policy and invariants:
 - Every container carries ``envhub.managed=1`` and ``envhub.sandbox=docker`` besides the
   spec's labels, so :meth:`~DockerSandbox.list_managed` / ``remove_managed`` can find
   what a crashed node left behind.
-- Containers are never privileged and never share the host's (or another container's)
-  network namespace: ``network`` ``host`` or ``container:*`` is refused. Every container
+- Containers are never privileged and never share the host's (or another episode's)
+  network namespace: ``network`` ``host`` or ``container:*`` is refused. A spec's
+  sidecars (``sidecars.py``) share their own episode container's, and are started,
+  adopted, detached and removed with it: a create returns once each is up, and fails,
+  leaving none, when one is not. Every container
   has all capabilities dropped except ``cap_add``, ``no-new-privileges``, an init
   process that reaps zombies, no published ports, and CPU, memory (swap included) and
   pid limits. The image's ENTRYPOINT/CMD are replaced by ``sleep infinity``.
@@ -50,6 +53,7 @@ import asyncio
 import concurrent.futures
 import logging
 import secrets
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,7 +80,8 @@ from envhub.plugins.docker_sandbox.engine import (
 from envhub.plugins.docker_sandbox.exec import DockerExec
 from envhub.plugins.docker_sandbox.files import DockerFiles
 from envhub.plugins.docker_sandbox.images import DockerImages
-from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
+from envhub.plugins.docker_sandbox.sidecars import OF_LABEL, await_up, healthcheck_for, labels_for
+from envhub.sandbox import ExecResult, Sandbox, SandboxSpec, Sidecar
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +123,8 @@ class DockerSandbox(Sandbox):
       container's own KILL comes 1 s after the timeout.
     - ``output_limit`` (65536): bytes kept per stream; past it the head and tail are
       kept around a ``[... N bytes truncated ...]`` line and ``truncated`` is set.
+    - ``sidecar_timeout`` (300 s): how long a create waits for its sidecars to be up,
+      all together.
 
     Beyond the :class:`~envhub.Sandbox` contract: :meth:`image_exists` and
     :meth:`build_image` (an :class:`~envhub.sandbox.ImageBuilder` for the build gate),
@@ -129,6 +136,7 @@ class DockerSandbox(Sandbox):
     name = "docker"
     description = "A Docker container per episode (no privileges, capped CPU/memory/pids); runs shell commands"
     language = "shell"
+    runs_sidecars = True
 
     def __init__(self, config: Mapping[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(config, settings)
@@ -147,6 +155,7 @@ class DockerSandbox(Sandbox):
             self.shell = [str(part) for part in c.get("shell", ("bash", "-c"))]
             self.kill_grace = float(c.get("kill_grace", 2.0))
             self.output_limit = int(c.get("output_limit", 65536))
+            self.sidecar_timeout = float(c.get("sidecar_timeout", 300))
         except (TypeError, ValueError) as e:
             raise StartupError(f"docker sandbox config: {e}") from e
         if self.egress not in ("deny-private", "open"):
@@ -168,6 +177,7 @@ class DockerSandbox(Sandbox):
         self._doomed: set[str] = set()  # of _created: destroyed while the engine did not answer
         self._egress: EgressPolicy | None = None
         self._allowed: dict[str, tuple[str, list[str]]] = {}  # container id -> (its ip, allowed cidrs)
+        self._sidecars: dict[str, list[str]] = {}  # an episode's container id -> its sidecars' (in _created too)
         self.engine = Engine(docker_host=self.docker_host, api_timeout=self.api_timeout, threads=self.threads)
         self.images = DockerImages(self.engine)
         self.execs = DockerExec(
@@ -399,11 +409,14 @@ class DockerSandbox(Sandbox):
                 network_mode=network,
                 init=True,  # PID 1 reaps the orphans that exec'd commands leave behind
                 ulimits=ulimits,
+                # Its sidecars listen on its loopback (they share its network namespace).
+                extra_hosts={car.name: "127.0.0.1" for car in spec.sidecars} or None,
             )
+            name = f"envhub-{sanitize(spec.instance_id)}-{secrets.token_hex(3)}"
             created = api.create_container(
                 spec.image,
                 entrypoint=["sleep", "infinity"],  # an image ENTRYPOINT would otherwise wrap it
-                name=f"envhub-{sanitize(spec.instance_id)}-{secrets.token_hex(3)}",
+                name=name,
                 labels=labels,
                 environment={str(k): str(v) for k, v in spec.env.items()},
                 working_dir=self.workdir,
@@ -425,6 +438,8 @@ class DockerSandbox(Sandbox):
             api.start(cid)
             if spec.egress_allow and self._egress is not None and network == self.network:
                 self._allow_sync(cid, network, validate_cidrs(spec.egress_allow))
+            if spec.sidecars:
+                self._start_sidecars(cid, name, spec, labels)
         except EgressError as e:
             self._destroy_quietly(cid)
             raise SandboxError(f"cannot open the egress allow list {spec.egress_allow}: {e}") from e
@@ -437,6 +452,63 @@ class DockerSandbox(Sandbox):
             self._destroy_quietly(cid)
             raise
         return cid
+
+    def _start_sidecars(self, cid: str, name: str, spec: SandboxSpec, labels: dict[str, str]) -> None:
+        """Start ``spec.sidecars`` in the network namespace of ``cid`` (named ``name``),
+        each once the one before it is up, within ``sidecar_timeout`` in all. Each is
+        recorded as ``cid``'s as soon as it exists, so removing ``cid`` removes it."""
+        started = self._sidecars.setdefault(cid, [])
+        deadline = time.monotonic() + self.sidecar_timeout
+        for car in spec.sidecars:
+            sid = self._create_sidecar(cid, f"{name}-{sanitize(car.name)}", car, labels)
+            started.append(sid)
+            try:
+                self.engine.api.start(sid)
+            except ENGINE_ERRORS as e:
+                raise SandboxError(f"sidecar {car.name!r} from {car.image!r} did not start: {explain(e)}") from e
+            await_up(self.engine.api, sid, car, deadline, self.sidecar_timeout)
+
+    def _create_sidecar(self, cid: str, name: str, car: Sidecar, labels: dict[str, str]) -> str:
+        limits = car.limits
+        cpus = limits.cpus if limits.cpus is not None else self.cpus
+        if self.engine.host_cpus:
+            cpus = min(cpus, self.engine.host_cpus)
+        memory_mb = limits.memory_mb if limits.memory_mb is not None else self.memory_mb
+        api = self.engine.api
+        try:
+            host_config = api.create_host_config(
+                nano_cpus=max(1, int(cpus * 1e9)),
+                mem_limit=f"{int(memory_mb)}m",
+                memswap_limit=f"{int(memory_mb)}m",
+                pids_limit=int(limits.max_processes if limits.max_processes is not None else self.pids_limit),
+                privileged=False,
+                cap_drop=["ALL"],
+                cap_add=list(self.cap_add),
+                security_opt=["no-new-privileges"],
+                network_mode=f"container:{cid}",  # its episode's, and nothing more
+                init=True,
+            )
+            created = api.create_container(
+                car.image,
+                command=list(car.command) if car.command is not None else None,
+                entrypoint=list(car.entrypoint) if car.entrypoint is not None else None,
+                name=name,
+                labels=labels_for(cid, car, labels),
+                environment={str(k): str(v) for k, v in car.env.items()},
+                working_dir=car.workdir,
+                user=car.user or "",
+                healthcheck=healthcheck_for(car),
+                host_config=host_config,
+                detach=True,
+            )
+        except docker.errors.ImageNotFound as e:
+            raise SandboxError(f"sidecar {car.name!r}: image {car.image!r} is not on this node's engine") from e
+        except ENGINE_ERRORS as e:
+            if engine_unreachable(e):
+                raise engine_down(f"create of sidecar {car.name!r}") from e
+            raise SandboxError(f"cannot create sidecar {car.name!r} from {car.image!r}: {explain(e)}") from e
+        self._created.add(created["Id"])
+        return str(created["Id"])
 
     async def destroy(self, handle: str) -> None:
         if not handle or (not self.engine.running and handle not in self._created):
@@ -453,6 +525,8 @@ class DockerSandbox(Sandbox):
         self._allowed[cid] = (ip, cidrs)
 
     def _destroy_sync(self, cid: str) -> None:
+        for sid in self._sidecars.pop(cid, []):  # first: they live in its network namespace
+            self._destroy_sync(sid)
         allowed = self._allowed.pop(cid, None)
         if allowed is not None and self._egress is not None:
             self._egress.revoke(*allowed)  # before the address can go to another container
@@ -539,6 +613,12 @@ class DockerSandbox(Sandbox):
         )
         if not mine or labels.get("envhub.managed") != "1":
             return False  # not the container this instance had: never touch it
+        try:
+            cars = self.engine.api.containers(all=True, filters={"label": [f"{OF_LABEL}={cid}"]})
+        except ENGINE_ERRORS as e:
+            raise SandboxError(f"cannot list the sidecars of container {cid[:12]}: {explain(e)}") from e
+        self._sidecars[cid] = [row["Id"] for row in cars]
+        self._created.update(self._sidecars[cid])
         if not (info.get("State") or {}).get("Running"):
             self._destroy_quietly(cid)
             return False
@@ -546,17 +626,27 @@ class DockerSandbox(Sandbox):
         return True
 
     async def detach(self, handle: str) -> None:
+        for sid in self._sidecars.pop(handle, []):
+            self._created.discard(sid)
         self._created.discard(handle)  # stop() removes only what is in _created
         self.execs.forget(handle)
         self.files.forget(handle)
 
     async def list_pooled(self, node_id: str) -> list[tuple[str, dict[str, str]]]:
         rows = await self.list_managed(node_id)
-        return [
+        pooled = [
             (r["id"], r["labels"]) for r in rows if r["labels"].get("envhub.pool") == "1" and r["status"] == "running"
         ]
+        ids = {cid for cid, _ in pooled}
+        for row in rows:  # the pooled containers' sidecars go with them, as an adopted one's do
+            if row["labels"].get(OF_LABEL) in ids:
+                self._sidecars.setdefault(row["labels"][OF_LABEL], []).append(row["id"])
+        return pooled
 
     async def remove_unknown(self, node_id: str, keep: set[str]) -> int:
-        rows = [r for r in await self.list_managed(node_id) if r["id"] not in keep]
+        """Remove the node's containers but those in ``keep`` and their sidecars."""
+        rows = [
+            r for r in await self.list_managed(node_id) if r["id"] not in keep and r["labels"].get(OF_LABEL) not in keep
+        ]
         await asyncio.gather(*(self.destroy(row["id"]) for row in rows))
         return len(rows)

@@ -18,6 +18,11 @@ terminal-bench's grade: tb1 1.0 iff every test passed, tb2 the verifier's reward
 ``pass_ratio`` (SETA: passed / total). The verifier's files are written to
 ``verifier/`` in the episode's trial directory, as harbor lays it out.
 
+The services a task's docker-compose file defines beside its own container (a server or
+database its tests talk to) run beside each episode's container as its sidecars
+(compose.py reads them; the docker sandbox runs them in that container's network
+namespace, reached by their names); their images are made in ``prepare`` as the task's is.
+
 Oracle mode (create param ``oracle: true``) runs the task's reference solution before the
 episode starts, for checking a dataset.
 
@@ -44,10 +49,10 @@ from envhub.environment import Action, EnvContext, Environment, Episode, Evaluat
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.terminal_bench import offline, skills, steps, templates, users, verifier
 from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base, tree_hash
-from envhub.plugins.terminal_bench.model import SeparateVerifier, TaskFormatError, TbStep, TbTask
+from envhub.plugins.terminal_bench.model import ComposeService, SeparateVerifier, TaskFormatError, TbStep, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
 from envhub.plugins.terminal_bench.verifier import cd_workdir
-from envhub.sandbox import BuildRequest, ImageBuilder, Limits, SandboxSpec
+from envhub.sandbox import BuildRequest, ImageBuilder, Limits, SandboxSpec, Sidecar
 from envhub.util.as_user import command_as
 
 if TYPE_CHECKING:
@@ -123,10 +128,10 @@ class TerminalBench(Environment):
     per task once it is in use, see envhub/node/pool.py), ``verifier_tools`` (false; true puts uv,
     uvx and a uv cache warmed with what the task's test scripts pin into each task
     image, for verifiers without internet: see offline.py), ``debian_mirror`` (for
-    ``envhub build --base-images``), ``ignore_compose_services`` (false: a create of a
-    task whose docker-compose file defines services beside its own container, sidecars
-    its tests may need, is refused, since envhub runs one container per episode and its
-    reward would be wrong; true runs such tasks without them), ``env_from_node`` (names
+    ``envhub build --base-images``), ``ignore_compose_services`` (false: the services a
+    task's docker-compose file defines beside its own container run as sidecars of each
+    episode's, see compose.py, and a sandbox that cannot run them refuses the task; true
+    runs such tasks without them), ``env_from_node`` (names
     of the node's environment variables whose values a tb2 task's ``${NAME}`` env
     templates may take, an LLM judge's API key say; none by default: see templates.py).
 
@@ -148,6 +153,9 @@ class TerminalBench(Environment):
         self._unusable: dict[str, str] = {}  # task id -> why its creates are refused (an env template)
         self._verifier_images: dict[Path, str] = {}  # a tests dir's Dockerfile -> its image, once made
         self._ca: bytes | None = None  # the node's ca_bundle, once read
+        self._service_images: dict[tuple[str, str], str] = {}  # (task id, compose service) -> its image, once made
+        # Read here, not in load(): every subclass's episodes go through prepare(), which reads it.
+        self.ignore_compose_services = bool(self.config.get("ignore_compose_services", False))
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return TOOLS
@@ -195,7 +203,6 @@ class TerminalBench(Environment):
         self._order = [t for _, t in sorted(self._tasks.values(), key=lambda p: p[1].id)]
         self._images: dict[str, str] = {}
         self.verifier_tools = bool(self.config.get("verifier_tools", False))
-        self.ignore_compose_services = bool(self.config.get("ignore_compose_services", False))
         self._tools: tuple[bytes, bytes] | None = None  # uv's binaries, once read
         self._tools_lock = asyncio.Lock()
         self._stand_ins: dict[str, str] = {}  # the default image_map entries whose image exists
@@ -282,14 +289,7 @@ class TerminalBench(Environment):
             raise InvalidRequest(
                 f"task {tb.id!r} needs {tb.extra['gpus']} GPU(s), and envhub's sandboxes have none", field="task_id"
             )
-        services = tb.extra.get("compose_services") or []
-        if services and not self.ignore_compose_services:
-            raise InvalidRequest(
-                f"task {tb.id!r} needs the service(s) {', '.join(services)} of its docker-compose file beside "
-                "its own container, and envhub runs one container per episode, so its tests would fail for want "
-                "of them; set environments.terminal-bench.ignore_compose_services: true to run it without them",
-                field="task_id",
-            )
+        self._check_services(tb)
         dataset = params.get("dataset")  # SETA's dataset_name: the task must be from that dataset
         if dataset is not None:
             if not isinstance(dataset, str):
@@ -308,6 +308,68 @@ class TerminalBench(Environment):
         self._images[task.id] = await self._task_image(task)
         for sep in separate.values():  # the verifier's own images are made before the episode starts too
             await self._verifier_image(task, sep)
+        for svc in self._services(tb):
+            self._service_images[(tb.id, svc.name)] = await self._service_image(task, svc)
+
+    def _services(self, tb: TbTask) -> list[ComposeService]:
+        """The compose services ``tb``'s episodes run beside its container (none with
+        ``ignore_compose_services``)."""
+        return [] if self.ignore_compose_services else tb.services
+
+    def _check_services(self, tb: TbTask) -> None:
+        """Refuse (400) a task whose compose services this node cannot run as written."""
+        wanted = self._services(tb)
+        if not wanted:
+            return
+        names = ", ".join(svc.name for svc in wanted)
+        hint = "; environments.terminal-bench.ignore_compose_services: true runs such tasks without them"
+        sandbox = self.context.sandboxes.get(self.sandbox) if self.context else None
+        if sandbox is None or not sandbox.runs_sidecars:
+            raise InvalidRequest(
+                f"task {tb.id!r} needs the service(s) {names} of its docker-compose file beside its own container, "
+                f"and the {self.sandbox} sandbox runs one container per episode (a node with a Docker engine runs "
+                f"them){hint}",
+                field="task_id",
+            )
+        problem = next((svc.problem for svc in wanted if svc.problem), None)
+        if problem:
+            raise InvalidRequest(f"task {tb.id!r}: its docker-compose service {problem}{hint}", field="task_id")
+        if _separate_verifiers(tb):
+            raise InvalidRequest(
+                f"task {tb.id!r} has compose services ({names}) and a separate verifier, which would run "
+                f"without them{hint}",
+                field="task_id",
+            )
+
+    async def _service_image(self, task: Task, svc: ComposeService) -> str:
+        """The image of compose service ``svc`` of ``task``, built (or found) if need be."""
+        req = self.service_build_request(task, svc)
+        if req is None:
+            assert svc.image is not None, "a service without a build names its image (compose.py)"
+            return await self._prebuilt(svc.image, f"service {svc.name!r} of task {task.id}")
+        return await self._build(req)
+
+    def service_build_request(self, task: Task, svc: ComposeService) -> BuildRequest | None:
+        """What the build gate needs for the image of compose service ``svc`` (its own
+        build context, ``image_map`` applied to its bases); ``None`` for a prebuilt one."""
+        if svc.dockerfile is None or svc.context is None:
+            return None
+        tb = self.tb(task)
+        dockerfile = substitute_base(svc.dockerfile.read_text(), self._image_map())
+        extra: dict[str, bytes] = {}
+        dockerfile, digest = self._trusting_ca(dockerfile, tree_hash(svc.context, dockerfile), extra)
+        name = image_tag(self.name, tb, digest).split(":")[0]
+        return BuildRequest(
+            environment=self.name,
+            task_id=tb.id,
+            context_hash=digest,
+            image=f"{name}-{_TAG_SAFE.sub('-', svc.name.lower())[:40]}:{digest[:16]}",
+            context_dir=svc.context,
+            dockerfile=dockerfile,
+            timeout=tb.build_timeout_sec,
+            extra_files=extra,
+            exclude=grading_files_in_context(tb),
+        )
 
     async def _task_image(self, task: Task) -> str:
         """The image ``task``'s episodes run in, built (or imported, or fetched) if need be."""
@@ -390,6 +452,11 @@ class TerminalBench(Environment):
                 out.append(self._image_map().get(sep.docker_image, sep.docker_image))
             elif (req := self.verifier_build_request(task, sep)) is not None:
                 out.append(req.image)
+        for svc in self._services(self.tb(task)):
+            if (req := self.service_build_request(task, svc)) is not None:
+                out.append(req.image)
+            elif svc.image is not None:
+                out.append(self._image_map().get(svc.image, svc.image))
         return list(dict.fromkeys(out))
 
     async def verifier_spec(self, episode: Episode, step: TbStep | None) -> SandboxSpec | None:
@@ -457,6 +524,23 @@ class TerminalBench(Environment):
         spec.egress_allow = list(self.config.get("egress_allow") or [])
         spec.limits = Limits(cpus=tb.cpus, memory_mb=tb.memory_mb)
         spec.env = dict(tb.env)
+        spec.sidecars = [
+            Sidecar(
+                name=svc.name,
+                image=image,
+                command=svc.command,
+                entrypoint=svc.entrypoint,
+                env=dict(svc.env),
+                workdir=svc.workdir,
+                user=svc.user,
+                healthcheck=svc.healthcheck,
+                wait=svc.wait,
+                limits=Limits(cpus=svc.cpus, memory_mb=svc.memory_mb),
+            )
+            for svc in self._services(tb)
+            # Unknown only when a restarted node adopts a container (and its sidecars).
+            if (image := self._service_images.get((tb.id, svc.name))) is not None
+        ]
         return spec
 
     # -- the episode -------------------------------------------------------------------

@@ -14,7 +14,9 @@ is ``image:<reference>`` and needs no upload; the image must be on the node's en
 
 Everything else is terminal-bench's: each task's image is built once through the node's
 build gate with the same ``image_map``, stand-in base images, verifier tools and CA
-bundle, the warm pool keeps started containers per task, and the egress policy applies.
+bundle, the warm pool keeps started containers per task, the egress policy applies, and
+the services ``environment/docker-compose.yaml`` defines beside ``main`` run beside the
+trial's container (compose.py).
 A create's ``params`` carry what Harbor's ``[environment]`` says of the container:
 ``cpus``, ``memory_mb``, ``network`` (``"none"``: no network) and ``build_timeout_sec``.
 
@@ -43,8 +45,16 @@ from typing import Any
 from envhub.environment import Action, EnvContext, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError
 from envhub.plugins.terminal_bench import grading
+from envhub.plugins.terminal_bench.compose import services
 from envhub.plugins.terminal_bench.environment import TerminalBench
-from envhub.plugins.terminal_bench.model import TB2_BUILD_TIMEOUT_SEC, TB2_VERIFIER_TIMEOUT_SEC, TbStep, TbTask
+from envhub.plugins.terminal_bench.model import (
+    TB2_BUILD_TIMEOUT_SEC,
+    TB2_VERIFIER_TIMEOUT_SEC,
+    TaskFormatError,
+    TbStep,
+    TbTask,
+    first_existing,
+)
 from envhub.sandbox import Limits, SandboxSpec
 from envhub.util import archives
 from envhub.util.files import private_dir
@@ -160,6 +170,14 @@ class HarborTrials(TerminalBench):
             tb = _tb_task(task_id, image, empty, dockerfile=None, docker_image=image)
         else:
             tb = _tb_task(task_id, task_id[:12], path, dockerfile=path / "environment" / "Dockerfile")
+            context = path / "environment"
+            compose = first_existing(context / "docker-compose.yaml", context / "docker-compose.yml")
+            if compose is not None:  # its services run beside the trial's container, as terminal-bench's do
+                try:
+                    tb.services = services(compose, "main", {"CONTEXT_DIR": str(context)})
+                except TaskFormatError as e:
+                    self._unusable[task_id] = f"its docker-compose file cannot be read: {e}"  # creates are a 400
+                tb.extra["compose_services"] = [svc.name for svc in tb.services]
             steps = path / "steps"
             if steps.is_dir():
                 tb.steps = [_tb_step(s) for s in sorted(steps.iterdir()) if s.is_dir()]

@@ -40,6 +40,10 @@ Invariants of a loaded ``TbTask``:
   container of the task's own image). The first two bundle the tests (nothing is copied
   in); ``test_script`` is then ``/tests/<its path relative to that tests dir>``.
 
+* ``services`` are the compose file's services beside the task's own (compose.py), each
+  after those it depends on; one envhub cannot run as written has a ``problem`` (its
+  task still loads; its creates are refused). ``extra["compose_services"]`` names them.
+
 Anything malformed raises ``TaskFormatError`` naming the file and the field.
 """
 
@@ -114,6 +118,33 @@ class SeparateVerifier:
         return self.docker_image is not None or self.dockerfile is not None
 
 
+@dataclass(frozen=True)
+class ComposeService:
+    """A service a task's docker-compose file defines beside the task's own container (a
+    database, a server its tests talk to), as compose.py reads it: built from
+    ``dockerfile`` in ``context``, or the prebuilt ``image`` (before ``image_map``).
+    ``command`` and ``entrypoint`` are argv lists (``None``: the image's); ``healthcheck``
+    is in ``envhub.sandbox.Sidecar``'s form; ``wait`` is the strongest condition any
+    service's ``depends_on`` puts on it (``started``, ``healthy``, ``completed``).
+    ``problem`` says why envhub cannot run it as written (a create of its task is
+    refused)."""
+
+    name: str
+    image: str | None = None
+    context: Path | None = None
+    dockerfile: Path | None = None
+    command: tuple[str, ...] | None = None
+    entrypoint: tuple[str, ...] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    healthcheck: dict[str, Any] | None = None
+    wait: str = "started"
+    cpus: float | None = None
+    memory_mb: int | None = None
+    problem: str | None = None
+
+
 @dataclass
 class TbStep:
     """One step of a multi-step tb2 task (``[[steps]]`` plus ``steps/<name>/``)."""
@@ -175,6 +206,7 @@ class TbTask:
     collect: list[CollectHook] = field(default_factory=list)  # [[verifier.collect]], before artifacts
     agent_user: str | None = None  # [agent].user: who the agent's commands run as (None: the image's user)
     verifier_user: str | None = None  # [verifier].user: who the tests run as (None: the image's user)
+    services: list[ComposeService] = field(default_factory=list)  # its compose file's others, in start order
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -6,15 +6,14 @@ Anything malformed raises ``TaskFormatError`` naming the file and the field.
 
 from __future__ import annotations
 
-import os
-import re
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, overload
 
 import yaml
 
+from envhub.plugins.terminal_bench.compose import main_environment, services, tb1_main
 from envhub.plugins.terminal_bench.model import (
     TB1_AGENT_TIMEOUT_SEC,
     TB1_TEST_TIMEOUT_SEC,
@@ -37,14 +36,6 @@ from envhub.plugins.terminal_bench.model import (
     require_file,
     size_to_mb,
 )
-
-# Container-side values the tb harness gives the T_BENCH_* variables its compose files use.
-_TB1_COMPOSE_VARS = {
-    "T_BENCH_TEST_DIR": "/tests",
-    "T_BENCH_CONTAINER_LOGS_PATH": "/logs",
-    "T_BENCH_CONTAINER_AGENT_LOGS_PATH": "/agent-logs",
-}
-
 
 # ---------------------------------------------------------------------------
 # Loading
@@ -70,7 +61,9 @@ def _load_tb1(path: Path) -> TbTask:
     instruction = cfg.string("instruction")
     if not instruction or not instruction.strip():
         raise cfg.error("instruction", "missing or empty instruction")
-    compose = _tb1_compose(path)
+    compose_file = first_existing(path / "docker-compose.yaml", path / "docker-compose.yml")
+    compose = tb1_main(path, compose_file)
+    sidecars = services(compose_file, compose.name, {}) if compose_file else []
     dockerfile = require_file(compose.dockerfile, "Dockerfile")
     solution = first_existing(path / "solution.sh", path / "solution.yaml")
     extra: dict[str, Any] = {
@@ -80,7 +73,7 @@ def _load_tb1(path: Path) -> TbTask:
         "estimated_duration_sec": cfg.number("estimated_duration_sec"),
         "expert_time_estimate_min": cfg.number("expert_time_estimate_min"),
         "junior_time_estimate_min": cfg.number("junior_time_estimate_min"),
-        "compose_services": compose.other_services,
+        "compose_services": [svc.name for svc in sidecars],
     }
     return TbTask(
         id=path.name,
@@ -106,79 +99,9 @@ def _load_tb1(path: Path) -> TbTask:
         tags=cfg.strings("tags"),
         parser=cfg.string("parser_name", "pytest"),
         run_tests_in_same_shell=cfg.boolean("run_tests_in_same_shell", False),
+        services=sidecars,
         extra=extra,
     )
-
-
-@dataclass
-class _Compose:
-    """What a tb1 docker-compose.yaml says about the main (``client``) service."""
-
-    context: Path
-    dockerfile: Path
-    cpus: float | None = None
-    memory_mb: int | None = None
-    # TEST_DIR is what every run-tests.sh reads; harbor's tb1 import always sets it too.
-    env: dict[str, str] = field(default_factory=lambda: {"TEST_DIR": "/tests"})
-    other_services: list[str] = field(default_factory=list)
-
-
-def _tb1_compose(path: Path) -> _Compose:
-    """Build location, limits and environment from docker-compose.yaml (optional; upstream defaults)."""
-    out = _Compose(context=path, dockerfile=path / "Dockerfile")
-    file = first_existing(path / "docker-compose.yaml", path / "docker-compose.yml")
-    if file is None:
-        return out
-    services = _compose_services(file)
-    if not services.data:
-        raise TaskFormatError(file, "no services defined", field="services")
-    main = "client" if "client" in services.data else next(iter(services.data))
-    out.other_services = sorted(str(s) for s in services.data if s != main)
-    svc = services.table(main)
-    build = svc.data.get("build")
-    context, dockerfile = ".", "Dockerfile"
-    if isinstance(build, str):  # `build: ./dir` is short for `build: {context: ./dir}`
-        context = build
-    elif isinstance(build, dict):
-        b = svc.table("build")
-        context, dockerfile = b.string("context") or ".", b.string("dockerfile") or "Dockerfile"
-    out.context = Path(os.path.normpath(path / context))
-    out.dockerfile = out.context / dockerfile
-    limits = svc.table("deploy").table("resources").table("limits")
-    cpus = limits.data.get("cpus", svc.data.get("cpus"))
-    if cpus is not None:
-        out.cpus = Table({"cpus": cpus}, file, limits.prefix).number("cpus", positive=True)
-    memory = limits.data.get("memory", svc.data.get("mem_limit"))
-    if memory is not None:
-        out.memory_mb = size_to_mb(memory, file, f"{limits.prefix}.memory")
-    out.env.update(_compose_env(svc, file))
-    return out
-
-
-def _compose_services(file: Path) -> Table:
-    """The ``services`` table of a docker-compose file."""
-    try:
-        raw = yaml.safe_load(read_text(file))
-    except yaml.YAMLError as e:
-        raise TaskFormatError(file, f"invalid YAML: {e}") from None
-    return Table(raw, file).table("services")
-
-
-def _tb2_compose_services(file: Path) -> list[str]:
-    """The services a tb2 task's docker-compose file adds beside Harbor's ``main`` (the
-    task's own container): sidecars its tests may need."""
-    return sorted(str(s) for s in _compose_services(file).data if s != "main")
-
-
-def _compose_env(svc: Table, file: Path) -> dict[str, str]:
-    value = svc.data.get("environment") or {}
-    if isinstance(value, list):
-        pairs = [str(item).split("=", 1) for item in value]
-        # A bare NAME passes the host's value through; the sandbox host's environment is not the task's.
-        value = {p[0]: p[1] for p in pairs if len(p) == 2}
-    env = Table({"environment": value}, file, svc.prefix).env("environment", scalars=True)
-    subst = re.compile(r"\$\{(\w+)\}")
-    return {k: subst.sub(lambda m: _TB1_COMPOSE_VARS.get(m.group(1), m.group(0)), v) for k, v in env.items()}
 
 
 def _load_tb2(path: Path) -> TbTask:
@@ -213,6 +136,11 @@ def _load_tb2(path: Path) -> TbTask:
     network_mode = envc.string("network_mode")
     workdir = envc.string("workdir") or (dockerfile_workdir(read_text(dockerfile)) if dockerfile else None)
     compose_file = first_existing(context / "docker-compose.yaml", context / "docker-compose.yml")
+    # As harbor interpolates a task's compose file: its [environment].env, then its own variables over it.
+    variables = {**envc.env("env"), "CONTEXT_DIR": str(context)}
+    sidecars = services(compose_file, "main", variables) if compose_file else []
+    # The compose file's `environment` of main, under [environment].env (harbor's overlay comes after it).
+    env = {**(main_environment(compose_file, "main", variables) if compose_file else {}), **envc.env("env")}
     extra = {
         "schema_version": cfg.string("schema_version") or cfg.string("version"),
         "metadata": dict(meta.data),
@@ -225,7 +153,7 @@ def _load_tb2(path: Path) -> TbTask:
         "mcp_servers": envc.data.get("mcp_servers") or [],
         "solution_env": cfg.table("solution").env("env"),
         "compose_file": compose_file,
-        "compose_services": _tb2_compose_services(compose_file) if compose_file else [],
+        "compose_services": [svc.name for svc in sidecars],
     }
     return TbTask(
         id=path.name,
@@ -247,7 +175,7 @@ def _load_tb2(path: Path) -> TbTask:
         storage_mb=storage_mb,
         allow_internet=allow_internet,
         workdir=workdir,
-        env=envc.env("env"),
+        env=env,
         difficulty=meta.string("difficulty", "unknown"),
         category=meta.string("category"),
         tags=meta.strings("tags"),
@@ -262,6 +190,7 @@ def _load_tb2(path: Path) -> TbTask:
         collect=_collect_hooks(verifier),
         agent_user=_user(agent),
         verifier_user=_user(verifier),
+        services=sidecars,
         extra=extra,
     )
 

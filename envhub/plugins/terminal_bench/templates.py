@@ -49,7 +49,9 @@ def resolve(env: Mapping[str, str], allowed: Collection[str], source: Mapping[st
 
 def resolve_task(tb: TbTask, allowed: Collection[str], source: Mapping[str, str]) -> TbTask:
     """A copy of the tb2 task ``tb`` with the templates of every env table filled (its
-    ``[environment.env]``, ``[verifier.env]``, its verifier environment's and its steps')."""
+    ``[environment.env]``, ``[verifier.env]``, its verifier environment's, its steps' and
+    its compose services', which may take ``[environment.env]``'s through the compose
+    file's variables)."""
 
     def separate(sep: SeparateVerifier | None) -> SeparateVerifier | None:
         return None if sep is None else replace(sep, env=resolve(sep.env, allowed, source))
@@ -65,6 +67,7 @@ def resolve_task(tb: TbTask, allowed: Collection[str], source: Mapping[str, str]
     return replace(
         tb,
         env=resolve(tb.env, allowed, source),
+        services=[replace(svc, env=resolve(svc.env, allowed, source)) for svc in tb.services],
         verifier_env=resolve(tb.verifier_env, allowed, source),
         separate_verifier=separate(tb.separate_verifier),
         steps=steps,
