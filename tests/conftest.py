@@ -297,6 +297,13 @@ class EnvhubProcess:
             raise RuntimeError(f"envhub did not answer within {timeout} s:\n{self.log()}") from None
         return self
 
+    def kill(self) -> None:
+        """SIGKILL, as an OOM kill or a lost machine ends it: nothing of its own clean-up runs."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
     def stop(self, timeout: float = 30) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:

@@ -11,12 +11,9 @@ mapped to it).
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
-import signal
 import textwrap
-import time
 from pathlib import Path
 
 import docker
@@ -146,6 +143,10 @@ def tasks(tmp_path_factory, secret) -> Path:
     # A server that mounts a host path: what envhub does not give a sidecar.
     _tb1_task(root, "host-volume", _server(volumes=["/etc:/host-etc:ro"]), secret=secret)
     tb2 = harbor_task(root, "harbor-fetch", secret)
+    # A server that takes a few seconds to be healthy: a killed node's warm pool was
+    # starting it.
+    slow = _server(command=["sh", "-c", "sleep 6; exec python3 -m http.server 8000 --directory /srv"])
+    _tb1_task(root, "slow-server", slow, secret=secret)
     separate = shutil.copytree(tb2, root / "harbor-separate")
     toml = (separate / "task.toml").read_text().replace("[verifier]\n", '[verifier]\nenvironment_mode = "separate"\n')
     (separate / "task.toml").write_text(toml)
@@ -303,10 +304,7 @@ def test_an_episode_and_its_service_survive_a_killed_node(tmp_path, tasks, secre
     except BaseException:
         first.stop()
         raise
-    os.kill(first.proc.pid, signal.SIGKILL)
-    first.proc.wait()
-    first._log.close()
-    time.sleep(0.1)
+    first.kill()
     second = tb_process(tmp_path / "data", cfg).start(timeout=60)
     try:
         assert len(sidecars_of(first.node_id, iid)) == 1, "the restarted node kept the episode's server"
@@ -338,3 +336,39 @@ def test_a_node_without_docker_refuses_a_task_with_services(tmp_path, tasks):
             ), r.text
     finally:
         assert node.stop() == 0, node.log()
+
+
+def test_a_pooled_container_whose_service_a_killed_node_left_starting_is_never_handed_out(tmp_path, tasks, secret):
+    """A node killed -9 while its warm pool waits for a pooled container's server to be
+    healthy leaves that container running without a ready server. The restarted node
+    takes back only pooled containers whose services are all up: this one is removed
+    with its server, and a create gets a container whose server answers."""
+    cfg = _config(tmp_path, tasks, warm_pool=1)
+    first = tb_process(tmp_path / "data", cfg).start(timeout=60)
+    try:
+        with first.client(timeout=300) as c:
+            iid = create(c, "slow-server")["instance_id"]  # its warm pool starts another
+            assert c.post(f"/instances/{iid}/release").status_code == 200
+
+            def pooled() -> list:
+                return [r for r in our_containers(first.node_id) if r["Labels"].get("envhub.pool") == "1"]
+
+            eventually(pooled, timeout=60)
+    except BaseException:
+        first.stop()
+        raise
+    first.kill()
+    (left,) = pooled()
+    cars = [r for r in our_containers(first.node_id) if r["Labels"].get("envhub.sidecar_of") == left["Id"]]
+    assert len(cars) <= 1 and "(healthy)" not in (cars[0]["Status"] if cars else ""), cars
+    second = tb_process(tmp_path / "data", cfg).start(timeout=60)
+    try:
+        ids = {r["Id"] for r in our_containers(first.node_id)}
+        assert left["Id"] not in ids and not {r["Id"] for r in cars} & ids, "the half-started pool container is gone"
+        with second.client(timeout=300) as c:
+            iid = create(c, "slow-server")["instance_id"]
+            assert sh(c, iid, f'python3 -c "{FETCH}" > /app/answer.txt')["exit_code"] == 0
+            assert evaluate(c, iid)["reward"] == 1.0
+    finally:
+        assert second.stop() == 0, second.log()
+    assert our_containers(first.node_id) == []

@@ -871,6 +871,7 @@ def test_compose_services_beside_the_task_s_own_are_read_as_sidecars(tmp_path):
         ({"image": "x", "depends_on": "main"}, "depends_on: expected a list or a mapping"),
         ({"image": "x", "healthcheck": {"test": ["SHELL", "x"]}}, "healthcheck.test: expected a command string"),
         ({"image": "x", "healthcheck": {"test": "x", "interval": "soon"}}, "expected a duration"),
+        ("redis:7", "'svc' is no mapping of settings"),
     ],
 )
 def test_a_compose_service_envhub_cannot_run_as_written_is_a_problem_not_a_load_error(tmp_path, service, problem):

@@ -28,7 +28,8 @@ Policy and invariants:
   network namespace: ``network`` ``host`` or ``container:*`` is refused. A spec's
   sidecars (``sidecars.py``) share their own episode container's, and are started,
   adopted, detached and removed with it: a create returns once each is up, and fails,
-  leaving none, when one is not. Every container
+  leaving none, when one is not; a container whose sidecars are not all up (a create a
+  killed node cut short) is never adopted, nor taken back into a warm pool. Every container
   has all capabilities dropped except ``cap_add``, ``no-new-privileges``, an init
   process that reaps zombies, no published ports, and CPU, memory (swap included) and
   pid limits. The image's ENTRYPOINT/CMD are replaced by ``sleep infinity``.
@@ -80,7 +81,7 @@ from envhub.plugins.docker_sandbox.engine import (
 from envhub.plugins.docker_sandbox.exec import DockerExec
 from envhub.plugins.docker_sandbox.files import DockerFiles
 from envhub.plugins.docker_sandbox.images import DockerImages
-from envhub.plugins.docker_sandbox.sidecars import OF_LABEL, await_up, healthcheck_for, labels_for
+from envhub.plugins.docker_sandbox.sidecars import OF_LABEL, WANTS_LABEL, await_up, healthcheck_for, intact, labels_for
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec, Sidecar
 
 log = logging.getLogger(__name__)
@@ -396,6 +397,8 @@ class DockerSandbox(Sandbox):
         labels.setdefault("envhub.environment", spec.environment)
         labels.setdefault("envhub.task", spec.task_id)
         labels.update(MANAGED_LABELS)
+        if spec.sidecars:  # what a restarted node checks before it hands the container out again
+            labels[WANTS_LABEL] = ",".join(car.name for car in spec.sidecars)
         try:
             host_config = api.create_host_config(
                 nano_cpus=max(1, int(cpus * 1e9)),
@@ -614,14 +617,14 @@ class DockerSandbox(Sandbox):
         if not mine or labels.get("envhub.managed") != "1":
             return False  # not the container this instance had: never touch it
         try:
-            cars = self.engine.api.containers(all=True, filters={"label": [f"{OF_LABEL}={cid}"]})
+            cars = intact(self.engine.api, cid, labels)
         except ENGINE_ERRORS as e:
-            raise SandboxError(f"cannot list the sidecars of container {cid[:12]}: {explain(e)}") from e
-        self._sidecars[cid] = [row["Id"] for row in cars]
-        self._created.update(self._sidecars[cid])
-        if not (info.get("State") or {}).get("Running"):
-            self._destroy_quietly(cid)
+            raise SandboxError(f"cannot inspect the sidecars of container {cid[:12]}: {explain(e)}") from e
+        if not (info.get("State") or {}).get("Running") or cars is None:
+            self._destroy_quietly(cid)  # its sidecars, found by their label, go with the node's unknown ones
             return False
+        self._sidecars[cid] = cars
+        self._created.update(cars)
         self._created.add(cid)
         return True
 
@@ -633,14 +636,23 @@ class DockerSandbox(Sandbox):
         self.files.forget(handle)
 
     async def list_pooled(self, node_id: str) -> list[tuple[str, dict[str, str]]]:
+        """The node's running pooled containers whose sidecars are all up (one whose start a
+        killed node cut short is left out, so its node's start removes it)."""
         rows = await self.list_managed(node_id)
-        pooled = [
-            (r["id"], r["labels"]) for r in rows if r["labels"].get("envhub.pool") == "1" and r["status"] == "running"
-        ]
-        ids = {cid for cid, _ in pooled}
-        for row in rows:  # the pooled containers' sidecars go with them, as an adopted one's do
-            if row["labels"].get(OF_LABEL) in ids:
-                self._sidecars.setdefault(row["labels"][OF_LABEL], []).append(row["id"])
+        pooled = []
+        for row in rows:
+            if row["labels"].get("envhub.pool") != "1" or row["status"] != "running":
+                continue
+            if not row["labels"].get(WANTS_LABEL):
+                pooled.append((row["id"], row["labels"]))
+                continue
+            try:
+                cars = await self.engine.call(intact, self.engine.api, row["id"], row["labels"])
+            except ENGINE_ERRORS as e:
+                raise SandboxError(f"cannot inspect the sidecars of container {row['id'][:12]}: {explain(e)}") from e
+            if cars is not None:
+                self._sidecars[row["id"]] = cars  # they go with it, as an adopted container's do
+                pooled.append((row["id"], row["labels"]))
         return pooled
 
     async def remove_unknown(self, node_id: str, keep: set[str]) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import docker.errors
 from docker import APIClient
 
 from envhub.errors import SandboxError
@@ -25,6 +26,7 @@ from envhub.sandbox import Sidecar
 
 OF_LABEL = "envhub.sidecar_of"
 NAME_LABEL = "envhub.sidecar"
+WANTS_LABEL = "envhub.sidecars"  # on the episode's container: its sidecars' names, comma-separated
 _POOL_LABELS = ("envhub.pool", "envhub.pool_key")  # a warm pool hands out its episode container only
 _POLL_SEC = 0.1
 _LOG_TAIL_LINES = 20
@@ -35,6 +37,28 @@ def labels_for(of: str, car: Sidecar, labels: dict[str, str]) -> dict[str, str]:
     out = {k: v for k, v in labels.items() if k not in _POOL_LABELS}
     out.update({OF_LABEL: of, NAME_LABEL: car.name})
     return out
+
+
+def intact(api: APIClient, cid: str, labels: dict[str, str]) -> list[str] | None:
+    """The ids of the sidecars of container ``cid`` (whose labels are ``labels``), or
+    None when one its label names is missing, stopped (but for one that exited 0), or
+    not healthy where it has a healthcheck: a container whose create a killed node cut
+    short, which no episode may be handed."""
+    rows = api.containers(all=True, filters={"label": [f"{OF_LABEL}={cid}"]})
+    found = {(row.get("Labels") or {}).get(NAME_LABEL): row["Id"] for row in rows}
+    for name in filter(None, labels.get(WANTS_LABEL, "").split(",")):
+        sid = found.get(name)
+        if sid is None:
+            return None
+        try:
+            state = api.inspect_container(sid).get("State") or {}
+        except docker.errors.NotFound:
+            return None
+        done = not state.get("Running") and state.get("Status") == "exited" and state.get("ExitCode") == 0
+        health = (state.get("Health") or {}).get("Status")
+        if not (done or (state.get("Running") and health in (None, "healthy"))):
+            return None
+    return [row["Id"] for row in rows]
 
 
 def healthcheck_for(car: Sidecar) -> dict[str, Any] | None:

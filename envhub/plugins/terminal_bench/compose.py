@@ -126,13 +126,20 @@ def services(file: Path, main: str, variables: dict[str, str]) -> list[ComposeSe
     ``variables``: the harness's values beside :data:`HARNESS_VARS` (harbor's
     ``CONTEXT_DIR``)."""
     table = read_services(file)
-    names = [str(n) for n in table.data if str(n) != main and not table.table(str(n)).data.get("profiles")]
-    deps = {str(name): _depends_on_or_none(table.table(str(name))) for name in table.data}
+    # A service that is no mapping is an empty one here, and its own problem below.
+    tables = {str(n): Table(v if isinstance(v, dict) else {}, file, f"services.{n}") for n, v in table.data.items()}
+    names = [n for n, t in tables.items() if n != main and not t.data.get("profiles")]
+    deps = {name: _depends_on_or_none(t) for name, t in tables.items()}
     waits: dict[str, str] = {}
     for edges in deps.values():
         for dep, wait in edges.items():
             waits[dep] = max(waits.get(dep, "started"), wait, key=_STRENGTH.index)
-    found = [_service(file, table.table(name), name, waits.get(name, "started"), variables) for name in names]
+    found = [
+        _service(file, tables[name], name, waits.get(name, "started"), variables)
+        if isinstance(table.data[name], dict) or table.data[name] is None
+        else ComposeService(name=name, problem=f"{name!r} is no mapping of settings")
+        for name in names
+    ]
     ordered = _in_start_order(found, {name: set(deps[name]) for name in names})
     if len(ordered) > MAX_SERVICES:
         why = f"defines {len(ordered)} services beside its own, more than envhub runs ({MAX_SERVICES})"

@@ -309,7 +309,8 @@ class TerminalBench(Environment):
         for sep in separate.values():  # the verifier's own images are made before the episode starts too
             await self._verifier_image(task, sep)
         for svc in self._services(tb):
-            self._service_images[(tb.id, svc.name)] = await self._service_image(task, svc)
+            if (tb.id, svc.name) not in self._service_images:  # its context hashed once per node, not per create
+                self._service_images[(tb.id, svc.name)] = await self._service_image(task, svc)
 
     def _services(self, tb: TbTask) -> list[ComposeService]:
         """The compose services ``tb``'s episodes run beside its container (none with
@@ -354,21 +355,30 @@ class TerminalBench(Environment):
         build context, ``image_map`` applied to its bases); ``None`` for a prebuilt one."""
         if svc.dockerfile is None or svc.context is None:
             return None
+        suffix = _TAG_SAFE.sub("-", svc.name.lower())[:40]
+        return self._side_build_request(task, svc.dockerfile, svc.context, suffix, exclude_grading=True)
+
+    def _side_build_request(
+        self, task: Task, dockerfile_path: Path, context: Path, suffix: str, *, exclude_grading: bool = False
+    ) -> BuildRequest:
+        """A build request for an image of ``task`` beside its own (a separate verifier's, a
+        compose service's): ``dockerfile_path`` built in ``context`` with ``image_map`` and
+        the node's CA bundle, tagged as the task's image with ``-<suffix>``."""
         tb = self.tb(task)
-        dockerfile = substitute_base(svc.dockerfile.read_text(), self._image_map())
+        dockerfile = substitute_base(dockerfile_path.read_text(), self._image_map())
         extra: dict[str, bytes] = {}
-        dockerfile, digest = self._trusting_ca(dockerfile, tree_hash(svc.context, dockerfile), extra)
+        dockerfile, digest = self._trusting_ca(dockerfile, tree_hash(context, dockerfile), extra)
         name = image_tag(self.name, tb, digest).split(":")[0]
         return BuildRequest(
             environment=self.name,
             task_id=tb.id,
             context_hash=digest,
-            image=f"{name}-{_TAG_SAFE.sub('-', svc.name.lower())[:40]}:{digest[:16]}",
-            context_dir=svc.context,
+            image=f"{name}-{suffix}:{digest[:16]}",
+            context_dir=context,
             dockerfile=dockerfile,
             timeout=tb.build_timeout_sec,
             extra_files=extra,
-            exclude=grading_files_in_context(tb),
+            exclude=grading_files_in_context(tb) if exclude_grading else (),
         )
 
     async def _task_image(self, task: Task) -> str:
@@ -410,21 +420,7 @@ class TerminalBench(Environment):
         verifier containers run); ``None`` for any other verifier."""
         if sep.dockerfile is None:
             return None
-        tb = self.tb(task)
-        dockerfile = substitute_base(sep.dockerfile.read_text(), self._image_map())
-        extra: dict[str, bytes] = {}
-        dockerfile, digest = self._trusting_ca(dockerfile, tree_hash(sep.dockerfile.parent, dockerfile), extra)
-        name = image_tag(self.name, tb, digest).split(":")[0]
-        return BuildRequest(
-            environment=self.name,
-            task_id=tb.id,
-            context_hash=digest,
-            image=f"{name}-verifier:{digest[:16]}",
-            context_dir=sep.dockerfile.parent,
-            dockerfile=dockerfile,
-            timeout=tb.build_timeout_sec,
-            extra_files=extra,
-        )
+        return self._side_build_request(task, sep.dockerfile, sep.dockerfile.parent, "verifier")
 
     async def _verifier_image(self, task: Task, sep: SeparateVerifier) -> str:
         """The image a separate verifier of ``task`` runs in, made if need be (the build
