@@ -5,7 +5,9 @@ and at the end.
 The load: client threads play whole episodes through the scheduler, each with its
 reference solution, so each that completes must earn 1.0: MBPP (the bundled sample, or
 ``--mbpp FILE``), terminal-bench (the two bundled tasks, their solution script run as a
-``run_command`` step) and AppWorld (the tests' synthetic data, where its venv exists).
+``run_command`` step, and a tb1 task whose tests talk to a server that runs beside the
+episode's container, a compose sidecar, whose secret the step fetches) and AppWorld (the
+tests' synthetic data, where its venv exists).
 A client retries what a client should (a transport error, 429, 502-504, 507, with the
 same instance id and request id) for up to ``--call-deadline`` seconds.
 
@@ -31,7 +33,8 @@ Invariants (each breach is listed under ``violations``):
 - after everything is released: no live instance on either node, no slot held at the
   scheduler beyond warm-pool containers, no sandbox process under the nodes' uids (but
   AppWorld's warm workers), no
-  cgroup of theirs holding a process, no sandbox dir, no container but pooled ones; after
+  cgroup of theirs holding a process, no sandbox dir, no container but pooled ones (and
+  their sidecars), no sidecar whose episode container is gone; after
   the final stop no container, mount, cgroup dir, sandbox dir or root of theirs at all;
 - the fleet's config (a ``POST /config`` to the scheduler at the start, ``idle_ttl``
   one second more than the nodes' own; ``--no-fleet-config`` leaves it out) is on every
@@ -56,6 +59,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -262,7 +266,8 @@ class Rig:
         if self.args.mbpp:
             envs["mbpp"] = {"path": str(self.args.mbpp)}
         if self.engine is not None:
-            envs["terminal-bench"] = {"warm_pool": self.args.warm_pool}
+            datasets = ["bundled", str(sidecar_task(self.root / "tasks").parent)]
+            envs["terminal-bench"] = {"warm_pool": self.args.warm_pool, "datasets": datasets}
         else:
             envs["terminal-bench"] = {"enabled": False}
         if self.appworld is not None:
@@ -435,11 +440,35 @@ class Rig:
                 out += [str(p) for p in outputs.iterdir()]
         return out
 
-    def containers(self, node: Node | None = None) -> list[str]:
+    def containers(self, node: Node | None = None, *, sidecars: bool = True) -> list[str]:
+        """The ids of the nodes' containers (of ``node``), their sidecars too unless not ``sidecars``."""
         if self.engine is None or not self.engine.alive():
             return []
         label = ["--filter", f"label=envhub.node={node.node_id}"] if node else []
-        return self.engine_docker("ps", "-aq", *label, text=True).stdout.split()
+        every = self.engine_docker("ps", "-aq", "--no-trunc", *label, text=True).stdout.split()
+        if sidecars:
+            return every
+        cars = set(
+            self.engine_docker("ps", "-aq", "--no-trunc", "--filter", "label=envhub.sidecar", text=True).stdout.split()
+        )
+        return [c for c in every if c not in cars]
+
+    def orphan_sidecars(self) -> list[str]:
+        """Sidecars whose episode container is gone."""
+        if self.engine is None or not self.engine.alive():
+            return []
+        every = set(self.engine_docker("ps", "-aq", "--no-trunc", text=True).stdout.split())
+        rows = self.engine_docker(
+            "ps",
+            "-a",
+            "--no-trunc",
+            "--filter",
+            "label=envhub.sidecar",
+            "--format",
+            '{{.ID}} {{.Label "envhub.sidecar_of"}}',
+            text=True,
+        ).stdout.split("\n")
+        return [row.split()[0] for row in rows if row.strip() and row.split()[-1] not in every]
 
     # -- teardown: only what this rig made --
     def teardown(self) -> None:
@@ -503,7 +532,49 @@ def tbench_episodes() -> list[Episode]:
     for task, script in [("hello-envhub", "solution/solve.sh"), ("word-count", "solution.sh")]:
         command = (TB_DATA / task / script).read_text()
         out.append(Episode("terminal-bench", task, [{"tool": "run_command", "arguments": {"command": command}}]))
+    fetch = {"command": f"python3 -c {shlex.quote(_FETCH)} > /app/answer.txt"}
+    out.append(Episode("terminal-bench", SIDECAR_TASK, [{"tool": "run_command", "arguments": fetch}]))
     return out
+
+
+SIDECAR_TASK = "chaos-sidecar"
+_FETCH = "import urllib.request as u; print(u.urlopen('http://server:8000/secret.txt').read().decode().strip())"
+
+
+def sidecar_task(root: Path) -> Path:
+    """A tb1 task (made once under ``root``) whose ``server`` service serves a secret only
+    it holds; its tests fetch it again and compare it with /app/answer.txt."""
+    task = root / SIDECAR_TASK
+    if task.is_dir():
+        return task
+    (task / "tests").mkdir(parents=True)
+    (task / "server").mkdir()
+    (task / "server" / "Dockerfile").write_text("FROM debian:bookworm\nCOPY secret.txt /srv/secret.txt\n")
+    (task / "server" / "secret.txt").write_text(uuid.uuid4().hex + "\n")
+    (task / "Dockerfile").write_text("FROM debian:bookworm\nWORKDIR /app\n")
+    (task / "task.yaml").write_text(
+        "instruction: Write the server's secret to /app/answer.txt.\nmax_test_timeout_sec: 60\n"
+    )
+    (task / "solution.sh").write_text(f"#!/bin/bash\npython3 -c {shlex.quote(_FETCH)} > /app/answer.txt\n")
+    (task / "run-tests.sh").write_text('#!/bin/bash\ncd /app\npython3 -m pytest "$TEST_DIR/test_outputs.py" -rA\n')
+    (task / "tests" / "test_outputs.py").write_text(
+        "import subprocess, sys\n\n\ndef test_the_answer_is_the_servers_secret():\n"
+        f"    served = subprocess.run([sys.executable, '-c', {_FETCH!r}], capture_output=True, text=True).stdout\n"
+        "    assert served.strip() and open('/app/answer.txt').read().strip() == served.strip()\n"
+    )
+    server = {
+        "build": {"context": "server"},
+        "command": ["python3", "-m", "http.server", "8000", "--directory", "/srv"],
+        "healthcheck": {"test": ["CMD", "python3", "-c", _FETCH], "interval": "500ms", "retries": 60},
+    }
+    compose = {
+        "services": {
+            "client": {"build": ".", "depends_on": {"server": {"condition": "service_healthy"}}},
+            "server": server,
+        }
+    }
+    (task / "docker-compose.yaml").write_text(yaml.safe_dump(compose))
+    return task
 
 
 def appworld_episodes() -> list[Episode]:
@@ -535,6 +606,7 @@ def appworld_episodes() -> list[Episode]:
 class Stats:
     outcomes: collections.Counter = field(default_factory=collections.Counter)  # (env, outcome)
     retries: collections.Counter = field(default_factory=collections.Counter)  # "503 upstream_unavailable", ...
+    tasks: collections.Counter = field(default_factory=collections.Counter)  # terminal-bench's completed, by task
     violations: list[dict] = field(default_factory=list)
     faults: collections.Counter = field(default_factory=collections.Counter)
     fault_log: list[dict] = field(default_factory=list)
@@ -617,6 +689,8 @@ def play(c: httpx.Client, stats: Stats, ep: Episode, iid: str, deadline_s: float
     reward = graded.get("reward")
     with stats.lock:
         stats.outcomes[(ep.env, "completed" if reward == ep.expected else "wrong_reward")] += 1
+        if ep.env == "terminal-bench" and reward == ep.expected:
+            stats.tasks[ep.task] += 1
     if reward != ep.expected:
         stats.violation("wrong_reward", env=ep.env, task=ep.task, instance=iid, reward=reward, reply=graded)
 
@@ -813,7 +887,8 @@ def final_checks(rig: Rig, stats: Stats) -> dict:
         "sandbox_processes": rig.sandbox_processes(spare_warm=True),
         "busy_cgroups": rig.busy_cgroups(),
         "sandbox_dirs": rig.sandbox_dirs(),
-        "containers": len(rig.containers()),
+        "containers": len(rig.containers(sidecars=False)),
+        "orphan_sidecars": rig.orphan_sidecars(),
         "trial_log_errors": {n.node_id: h.get("trial_log_errors", 0) for n, h in zip(rig.nodes, health, strict=True)},
     }
     a = out["after_release"]
@@ -821,7 +896,7 @@ def final_checks(rig: Rig, stats: Stats) -> dict:
         stats.violation("live_after_release", counts=a["live_instances"])
     if a["scheduler_active_slots"] > pooled:
         stats.violation("scheduler_slots_held", active_slots=a["scheduler_active_slots"], pooled=pooled)
-    for what in ("sandbox_processes", "busy_cgroups", "sandbox_dirs"):
+    for what in ("sandbox_processes", "busy_cgroups", "sandbox_dirs", "orphan_sidecars"):
         if a[what]:
             stats.violation(f"{what}_after_release", left=a[what])
     if a["containers"] > pooled:
@@ -1002,6 +1077,7 @@ def soak(args: argparse.Namespace) -> dict:
             "clients": args.clients,
             "episodes": sum(stats.outcomes.values()),
             "episodes_by_env": by_env,
+            "terminal_bench_completed_by_task": dict(sorted(stats.tasks.items())),
             "retries_by_reply": dict(stats.retries),
             "faults_by_kind": dict(stats.faults),
             "faults": stats.fault_log,
@@ -1022,6 +1098,9 @@ def summary(result: dict) -> str:
     lines = [f"chaos soak: {result['minutes']} min, {result['episodes']} episodes, {result['clients']} clients"]
     for env, outcomes in result["episodes_by_env"].items():
         lines.append(f"  {env:15} " + ", ".join(f"{k}: {v}" for k, v in outcomes.items()))
+    if result["terminal_bench_completed_by_task"]:
+        by_task = result["terminal_bench_completed_by_task"].items()
+        lines.append("  terminal-bench completed by task: " + ", ".join(f"{k} {v}" for k, v in by_task))
     lines.append("  faults: " + ", ".join(f"{k} {v}" for k, v in result["faults_by_kind"].items()))
     lines.append("  retried replies: " + ", ".join(f"{k} x{v}" for k, v in result["retries_by_reply"].items()))
     lines.append(f"  violations: {len(result['violations'])}")
