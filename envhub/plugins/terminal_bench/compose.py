@@ -95,15 +95,14 @@ def read_services(file: Path) -> Table:
     return Table(raw, file).table("services")
 
 
-def tb1_main(path: Path, file: Path | None) -> Tb1Main:
-    """Build location, limits and environment of a tb1 task's main service (upstream
-    defaults without a compose ``file``)."""
+def tb1_main(path: Path, table: Table | None) -> Tb1Main:
+    """Build location, limits and environment of a tb1 task's main service, from its
+    compose file's ``services`` (:func:`read_services`; upstream defaults without one)."""
     out = Tb1Main(context=path, dockerfile=path / "Dockerfile")
-    if file is None:
+    if table is None:
         return out
-    table = read_services(file)
     if not table.data:
-        raise TaskFormatError(file, "no services defined", field="services")
+        raise TaskFormatError(table.file, "no services defined", field="services")
     out.name = "client" if "client" in table.data else str(next(iter(table.data)))
     svc = table.table(out.name)
     out.context, out.dockerfile = _build_location(svc, path)
@@ -114,18 +113,17 @@ def tb1_main(path: Path, file: Path | None) -> Tb1Main:
     return out
 
 
-def main_environment(file: Path, main: str, variables: dict[str, str]) -> dict[str, str]:
-    """The ``environment`` (and ``env_file``) the compose file gives the service ``main``,
-    interpolated as a sidecar's is."""
-    table = read_services(file)
-    return _environment(table.table(main), file.parent, variables) if main in table.data else {}
+def main_environment(table: Table, main: str, variables: dict[str, str]) -> dict[str, str]:
+    """The ``environment`` (and ``env_file``) a compose file's ``services`` give the
+    service ``main``, interpolated as a sidecar's is."""
+    return _environment(table.table(main), table.file.parent, variables) if main in table.data else {}
 
 
-def services(file: Path, main: str, variables: dict[str, str]) -> list[ComposeService]:
-    """The services of ``file`` beside ``main``, each after those it depends on.
-    ``variables``: the harness's values beside :data:`HARNESS_VARS` (harbor's
-    ``CONTEXT_DIR``)."""
-    table = read_services(file)
+def services(table: Table, main: str, variables: dict[str, str]) -> list[ComposeService]:
+    """The services of a compose file's ``services`` beside ``main``, each after those it
+    depends on. ``variables``: the harness's values beside :data:`HARNESS_VARS`
+    (harbor's ``CONTEXT_DIR``)."""
+    file = table.file
     # A service that is no mapping is an empty one here, and its own problem below.
     tables = {str(n): Table(v if isinstance(v, dict) else {}, file, f"services.{n}") for n, v in table.data.items()}
     names = [n for n, t in tables.items() if n != main and not t.data.get("profiles")]

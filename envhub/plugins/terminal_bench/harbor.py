@@ -45,7 +45,7 @@ from typing import Any
 from envhub.environment import Action, EnvContext, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError
 from envhub.plugins.terminal_bench import grading
-from envhub.plugins.terminal_bench.compose import services
+from envhub.plugins.terminal_bench.compose import read_services, services
 from envhub.plugins.terminal_bench.environment import TerminalBench
 from envhub.plugins.terminal_bench.model import (
     TB2_BUILD_TIMEOUT_SEC,
@@ -174,7 +174,7 @@ class HarborTrials(TerminalBench):
             compose = first_existing(context / "docker-compose.yaml", context / "docker-compose.yml")
             if compose is not None:  # its services run beside the trial's container, as terminal-bench's do
                 try:
-                    tb.services = services(compose, "main", {"CONTEXT_DIR": str(context)})
+                    tb.services = services(read_services(compose), "main", {"CONTEXT_DIR": str(context)})
                 except TaskFormatError as e:
                     self._unusable[task_id] = f"its docker-compose file cannot be read: {e}"  # creates are a 400
                 tb.extra["compose_services"] = [svc.name for svc in tb.services]

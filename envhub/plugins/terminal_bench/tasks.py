@@ -13,7 +13,7 @@ from typing import Any, Literal, overload
 
 import yaml
 
-from envhub.plugins.terminal_bench.compose import main_environment, services, tb1_main
+from envhub.plugins.terminal_bench.compose import main_environment, read_services, services, tb1_main
 from envhub.plugins.terminal_bench.model import (
     TB1_AGENT_TIMEOUT_SEC,
     TB1_TEST_TIMEOUT_SEC,
@@ -62,8 +62,9 @@ def _load_tb1(path: Path) -> TbTask:
     if not instruction or not instruction.strip():
         raise cfg.error("instruction", "missing or empty instruction")
     compose_file = first_existing(path / "docker-compose.yaml", path / "docker-compose.yml")
-    compose = tb1_main(path, compose_file)
-    sidecars = services(compose_file, compose.name, {}) if compose_file else []
+    table = read_services(compose_file) if compose_file else None  # the file is read once
+    compose = tb1_main(path, table)
+    sidecars = services(table, compose.name, {}) if table is not None else []
     dockerfile = require_file(compose.dockerfile, "Dockerfile")
     solution = first_existing(path / "solution.sh", path / "solution.yaml")
     extra: dict[str, Any] = {
@@ -138,9 +139,10 @@ def _load_tb2(path: Path) -> TbTask:
     compose_file = first_existing(context / "docker-compose.yaml", context / "docker-compose.yml")
     # As harbor interpolates a task's compose file: its [environment].env, then its own variables over it.
     variables = {**envc.env("env"), "CONTEXT_DIR": str(context)}
-    sidecars = services(compose_file, "main", variables) if compose_file else []
+    table = read_services(compose_file) if compose_file else None  # the file is read once
+    sidecars = services(table, "main", variables) if table is not None else []
     # The compose file's `environment` of main, under [environment].env (harbor's overlay comes after it).
-    env = {**(main_environment(compose_file, "main", variables) if compose_file else {}), **envc.env("env")}
+    env = {**(main_environment(table, "main", variables) if table is not None else {}), **envc.env("env")}
     extra = {
         "schema_version": cfg.string("schema_version") or cfg.string("version"),
         "metadata": dict(meta.data),
