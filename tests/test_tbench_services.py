@@ -316,28 +316,6 @@ def test_an_episode_and_its_service_survive_a_killed_node(tmp_path, tasks, secre
     assert our_containers(first.node_id) == []
 
 
-def test_a_node_without_docker_refuses_a_task_with_services(tmp_path, tasks):
-    """The rootfs sandbox runs one container per episode: a task with services is refused
-    there with a 400 that says where it runs, before any image is looked for."""
-    from test_rootfs_sandbox import rootfs_node
-
-    archives = tmp_path / "archives"
-    archives.mkdir()
-    node = rootfs_node(tmp_path / "data", archives, "--set", f"environments.terminal-bench.datasets={tasks}")
-    node.start(timeout=120)
-    try:
-        with node.client(timeout=60) as c:
-            r = c.post("/instances", json={"environment": "terminal-bench", "task_id": "fetch-secret"})
-            assert r.status_code == 400 and r.json()["field"] == "task_id", r.text
-            assert r.json()["error"].startswith(
-                "task 'fetch-secret' needs the service(s) server of its docker-compose file beside its own "
-                "container, and the rootfs sandbox runs one container per episode (a node with a Docker engine "
-                "runs them)"
-            ), r.text
-    finally:
-        assert node.stop() == 0, node.log()
-
-
 def test_a_pooled_container_whose_service_a_killed_node_left_starting_is_never_handed_out(tmp_path, tasks, secret):
     """A node killed -9 while its warm pool waits for a pooled container's server to be
     healthy leaves that container running without a ready server. The restarted node

@@ -54,9 +54,12 @@ class ProtocolError(Exception):
     """A reply the agent would not send: the stream is out of step and the agent unusable."""
 
 
-def script(output_limit: int) -> str:
-    """The agent's script, keeping at most ``output_limit`` bytes of each output."""
-    return SCRIPT.replace("LIMIT", str(output_limit)).replace("HALF", str(max(1, output_limit // 2)))
+def script(output_limit: int, *, shell: str = "bash") -> str:
+    """The agent's script, keeping at most ``output_limit`` bytes of each output and
+    running each command with ``shell -c`` (``sh`` where the image may have no bash: a
+    compose service's healthchecks, which Docker runs with ``/bin/sh`` too)."""
+    out = SCRIPT.replace("LIMIT", str(output_limit)).replace("HALF", str(max(1, output_limit // 2)))
+    return out.replace(' bash -c "$(', f' {shell} -c "$(')
 
 
 def request(call_id: int, command: str, timeout: float) -> bytes:

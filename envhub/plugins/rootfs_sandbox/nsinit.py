@@ -48,6 +48,17 @@ sets (the image store keeps lower layers without group or other write bits; ``/t
   more specific routes win over) and writes ``/etc/resolv.conf`` naming the nameserver;
   the agent's processes lose ``CAP_NET_RAW`` as well, so that no packet socket sends
   past those routes. Without ``CAP_NET_ADMIN`` they cannot remove them.
+  ``hosts``: names G maps to 127.0.0.1 in the episode's ``/etc/hosts`` (its sidecars').
+- A sidecar (a compose service beside the episode) is a create with ``"join": pid`` (the
+  G of its episode, one this zygote made) and ``"service": {"argv", "env", "workdir",
+  "user"}``: its C joins that episode's user and network namespaces instead of making
+  its own (no uid maps are written: the episode's hold) and unshares only mount, pid, ipc
+  and uts, so it has the episode's network and ids but a root, processes and hostname of
+  its own, out of the episode's sight and the episode out of its. Its G forks the
+  service as ``user`` (Docker's forms: a name or uid, ``:group`` optional, looked up in
+  its own root), its output to ``SERVICE_DIR/log`` (a tmpfs of ``SERVICE_LOG_MB``), and
+  writes its exit code to ``SERVICE_DIR/exit`` when it ends; the agent beside it runs
+  the sidecar's healthchecks. The sidecar ends when its G is killed, as an episode does.
 - ``{"op": "kill", "id", "pid"}`` -> ``{"id"}``: SIGKILL to G, which ends the episode.
 
 The hello, sent first: ``{"ready": true, "pid", "uid"}`` or ``{"ready": false, "error"}``
@@ -108,6 +119,8 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 STEP_TIMEOUT = 10.0  # seconds a child may take between two steps of a create
 MAX_MESSAGE = 128 << 10
 AGENT_DIR = "/run/envhub-agent"
+SERVICE_DIR = "/run/envhub-service"
+SERVICE_LOG_MB = 16
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -244,6 +257,15 @@ def _build_root(req: dict, scratch: str) -> str:
     # episode that fills its writable layer still gets its commands' output back.
     os.makedirs(f"{root}{AGENT_DIR}", exist_ok=True)
     _mount("tmpfs", f"{root}{AGENT_DIR}", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64m,mode=0700")
+    if req.get("service"):  # a sidecar's output and exit code, on a filesystem of their own too
+        os.makedirs(f"{root}{SERVICE_DIR}", exist_ok=True)
+        _mount(
+            "tmpfs",
+            f"{root}{SERVICE_DIR}",
+            "tmpfs",
+            MS_NOSUID | MS_NODEV | MS_NOEXEC,
+            f"size={SERVICE_LOG_MB}m,mode=0755",
+        )
     return root
 
 
@@ -335,6 +357,8 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
         if network:
             _blackhole_routes([str(c) for c in network.get("blackhole") or ()])
             _resolv_conf(str(network["nameserver"]))
+        if req.get("hosts"):
+            _hosts([str(name) for name in req["hosts"]])
         env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
         env["ENVHUB_AGENT_DIR"] = AGENT_DIR
         workdir = str(req.get("workdir") or "/")
@@ -358,6 +382,7 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             devnull = os.open("/dev/null", os.O_WRONLY)
             os.dup2(devnull, 2)
             os.execve(shell, ["sh", "-c", req["script"]], env)
+        service = _start_service(req["service"], network=bool(network)) if req.get("service") else None
     except BaseException as e:  # told to the zygote, which answers the create with it
         os.write(report, f"E{e}".encode()[:4000])
         os._exit(1)
@@ -374,6 +399,138 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             continue
         if pid == agent:
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        if pid == service:
+            _exited(os.waitstatus_to_exitcode(status))
+
+
+def _hosts(names: list[str]) -> None:
+    """``names`` mapped to 127.0.0.1 in this root's ``/etc/hosts`` (a sidecar listens on
+    the loopback its episode shares), after what the image has there."""
+    path = "/etc/hosts"
+    if os.path.islink(path):
+        os.unlink(path)
+    try:
+        with open(path) as f:
+            kept = f.read()
+    except OSError:
+        kept = "127.0.0.1\tlocalhost\n"
+    if kept and not kept.endswith("\n"):
+        kept += "\n"
+    os.makedirs("/etc", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(kept + "".join(f"127.0.0.1\t{name}\n" for name in names))
+    os.chmod(path, 0o644)
+
+
+def _start_service(service: dict, *, network: bool) -> int:
+    """G of a sidecar: fork its service (see the module's docstring); returns its pid."""
+    argv = [str(a) for a in service.get("argv") or ()]
+    if not argv:
+        raise Failed("the sidecar has no command (its image names none and the service gives none)")
+    env = {str(k): str(v) for k, v in (service.get("env") or {}).items()}
+    program = _which(argv[0], env.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"))
+    if program is None:
+        raise Failed(f"the sidecar's command {argv[0]!r} is not in its image")
+    uid, gid, groups = _user_ids(str(service.get("user") or ""))
+    workdir = str(service.get("workdir") or "/")
+    os.makedirs(workdir, exist_ok=True)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            out = os.open(f"{SERVICE_DIR}/log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
+            os.setsid()
+            _drop_capabilities(KEPT_CAPS - {CAP_NET_RAW} if network else KEPT_CAPS)
+            os.chdir(workdir)
+            if groups is not None:
+                os.setgroups(groups)
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            os.execve(program, argv, env)
+        except BaseException as e:
+            os.write(2, f"envhub: the sidecar's command did not start: {e}\n".encode())
+        finally:
+            os._exit(127)
+    return pid
+
+
+def _exited(code: int) -> None:
+    """Record the sidecar's service's exit code where the node reads it (atomically)."""
+    try:
+        with open(f"{SERVICE_DIR}/exit.tmp", "w") as f:
+            f.write(str(code))
+        os.rename(f"{SERVICE_DIR}/exit.tmp", f"{SERVICE_DIR}/exit")
+    except OSError:
+        pass  # its filesystem is full: the service wrote past its log's size; the node sees no exit
+
+
+def _which(name: str, path: str) -> str | None:
+    if "/" in name:
+        return name if os.access(name, os.X_OK) else None
+    for folder in path.split(":"):
+        candidate = os.path.join(folder or ".", name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _user_ids(user: str) -> tuple[int, int, list[int] | None]:
+    """uid, gid and supplementary groups of Docker's ``user`` (``name``, ``uid``,
+    ``name:group``, ``uid:gid``; empty: root), looked up in this root's /etc/passwd and
+    /etc/group. The groups are None where this user namespace may not set them (one that
+    maps a single id: the node without root)."""
+    name, _, group = user.partition(":")
+    passwd = _table("/etc/passwd")
+    uid = gid = 0
+    if name:
+        row = next((r for r in passwd if r[0] == name), None)
+        if row is None and name.isdigit():
+            row = next((r for r in passwd if r[2] == name), None) or [name, "", name, name]
+        if row is None or len(row) < 4:
+            raise Failed(f"the sidecar's user {name!r} is not in its image's /etc/passwd")
+        uid, gid = int(row[2]), int(row[3])
+    if group:
+        if group.isdigit():
+            gid = int(group)
+        else:
+            grow = next((r for r in _table("/etc/group") if r[0] == group), None)
+            if grow is None:
+                raise Failed(f"the sidecar's group {group!r} is not in its image's /etc/group")
+            gid = int(grow[2])
+    for kind, value in (("uid", uid), ("gid", gid)):
+        if not _mapped(f"/proc/self/{kind}_map", value):
+            raise Failed(
+                f"the sidecar's user {user!r} ({kind} {value}) has no id here: a node without root "
+                "maps its own uid only, as the episode's root (run the node as root)"
+            )
+    with open("/proc/self/setgroups") as f:
+        may_set_groups = f.read().strip() == "allow"
+    groups = None
+    if may_set_groups:
+        member = {r[0] for r in passwd if len(r) > 2 and r[2] == str(uid)}
+        groups = sorted(
+            {gid} | {int(r[2]) for r in _table("/etc/group") if len(r) > 3 and member & set(r[3].split(","))}
+        )
+    return uid, gid, groups
+
+
+def _mapped(path: str, value: int) -> bool:
+    with open(path) as f:
+        for line in f:
+            inside, _, count = (int(x) for x in line.split())
+            if inside <= value < inside + count:
+                return True
+    return False
+
+
+def _table(path: str) -> list[list[str]]:
+    try:
+        with open(path) as f:
+            return [line.rstrip("\n").split(":") for line in f if line.strip() and not line.startswith("#")]
+    except OSError:
+        return []
 
 
 def _drop_capabilities(kept: frozenset[int]) -> None:
@@ -404,6 +561,18 @@ def _only_fds(keep: set[int]) -> None:
                 pass
 
 
+def _join(pid: int) -> None:
+    """Into the user, then the network namespace of episode init ``pid``: its owner (the
+    node's uid, or root) has every capability in that user namespace, which entering its
+    network namespace then needs."""
+    for kind, flag in (("user", CLONE_NEWUSER), ("net", CLONE_NEWNET)):
+        fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _check(_libc.setns(fd, flag), f"entering the episode's {kind} namespace")
+        finally:
+            os.close(fd)
+
+
 def _episode(req: dict, agent_fd: int, to_zygote: int, from_zygote: int, report: int) -> None:
     """C: into the episode's cgroup and namespaces, then G."""
     try:
@@ -412,6 +581,9 @@ def _episode(req: dict, agent_fd: int, to_zygote: int, from_zygote: int, report:
         for group in req.get("cgroups") or ():  # before anything is forked: all of it is charged
             _write(os.path.join(group, "cgroup.procs"), "0")
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+        if req.get("join"):  # a sidecar: its episode's ids and network, the rest its own
+            _join(int(req["join"]))
+            flags &= ~(CLONE_NEWUSER | CLONE_NEWNET)
         _check(_libc.unshare(flags), "unshare")
         os.write(to_zygote, b"u")
         if os.read(from_zygote, 1) != b"m":
@@ -485,7 +657,8 @@ def create(req: dict) -> tuple[int, socket.socket, int]:
     try:
         if _read_within(up_r, 1, STEP_TIMEOUT) != b"u":
             raise Failed(_reported(rep_r) or "the episode's first process failed before unsharing")
-        _maps(req, child)
+        if not req.get("join"):  # a sidecar's user namespace is its episode's, mapped already
+            _maps(req, child)
         os.write(down_w, b"m")
         got = _read_within(up_r, 16, STEP_TIMEOUT)
         if not got:
@@ -540,6 +713,8 @@ class Zygote:
         rid = req.get("id")
         try:
             if req.get("op") == "create":
+                if req.get("join") is not None and int(req["join"]) not in self.children.values():
+                    raise Failed(f"no episode {req['join']} to join")  # only ours: a pid may be reused
                 init, sock, child = create(req)
                 self.children[child] = init
                 try:

@@ -19,6 +19,7 @@ Config (``sandboxes.rootfs``):
   network.py; else loopback only, and the start log says why), ``slirp4netns`` (a start
   without it fails), ``none`` (loopback only);
 - ``output_limit`` (1 MiB per output of a command), ``start_timeout`` (10 s),
+  ``sidecar_timeout`` (300 s: for an episode's sidecars to be up, all together),
   ``python`` (the zygote's interpreter; default the node's);
 - ``host`` (false): episodes run over the host's own system instead of images, for a node
   whose own container already is the tasks' image (a pool job's enroot/pyxis container):
@@ -38,6 +39,11 @@ Invariants:
   (sandboxes of this kind do not survive their node).
 - An episode has loopback, and, when its spec asks for a network and the node has
   slirp4netns, a ``tap0`` behind the egress policy of network.py; nothing else.
+- An episode's sidecars (``spec.sidecars``, see sidecars.py) live in its user and network
+  namespaces and in its cgroup, with roots and pid namespaces of their own; they are
+  part of the episode: created before :meth:`create` returns (all up, or none left),
+  ended by :meth:`destroy` before it, and its cgroup slot is given back only once none
+  of their processes is left either.
 - The lower layer is never written: the store's rootfs is shared by every episode of the
   image.
 - As root, the episode's root is uid 0 of its own user namespace, with the host's uids
@@ -59,7 +65,8 @@ import os
 import secrets
 import socket
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +74,12 @@ from envhub.confine.cgroups import Cgroups
 from envhub.confine.records import node_records
 from envhub.errors import BuildFailed, EnvhubError, InvalidRequest, NotFound, SandboxError, StartupError
 from envhub.plugins.rootfs_sandbox import files as episode_files
+from envhub.plugins.rootfs_sandbox import sidecars
 from envhub.plugins.rootfs_sandbox.agent import Agent
 from envhub.plugins.rootfs_sandbox.images import Image, RootfsStore, normalize_name
 from envhub.plugins.rootfs_sandbox.launcher import RootfsZygote
 from envhub.plugins.rootfs_sandbox.network import NAMESERVER, Slirp, blackholes, find_slirp
+from envhub.plugins.rootfs_sandbox.nsinit import SERVICE_DIR
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 from envhub.util import shell_agent
 from envhub.util.singleflight import SingleFlight
@@ -105,12 +114,14 @@ class _Episode:
     slot: int | None  # its cgroup slot, if any
     image: str
     slirp: Slirp | None = None  # its network, if it has one
+    sidecars: list[_Episode] = field(default_factory=list)  # each in this one's user and network namespaces
 
 
 class RootfsSandbox(Sandbox):
     name = "rootfs"
     description = "One copy-on-write root filesystem and set of namespaces per episode, from OCI images; no engine"
     language = "shell"
+    runs_sidecars = True
 
     def __init__(self, config: dict[str, Any] | None = None, settings: Any = None) -> None:
         super().__init__(config, settings)
@@ -127,6 +138,7 @@ class RootfsSandbox(Sandbox):
         self.max_processes = self._number("max_processes", 1024, minimum=16)
         self.output_limit = self._number("output_limit", 1 << 20, minimum=1024)
         self.start_timeout = float(self._number("start_timeout", 10, minimum=1))
+        self.sidecar_timeout = float(self._number("sidecar_timeout", 300, minimum=1))
         self.python = str(self.config.get("python") or sys.executable)
         self.host = self.config.get("host", False)
         if not isinstance(self.host, bool):
@@ -356,6 +368,11 @@ class RootfsSandbox(Sandbox):
         try:
             groups = await asyncio.to_thread(self._cgroups_of, slot, spec)
             env = _environment(image, spec)
+            if spec.sidecars and self.host:
+                raise InvalidRequest(
+                    "the rootfs sandbox runs episodes over this host's own system (sandboxes.rootfs.host): "
+                    "it has no images to run a task's compose services from"
+                )
             reply, fds = await self.zygote.call(
                 {
                     "op": "create",
@@ -370,6 +387,7 @@ class RootfsSandbox(Sandbox):
                     "env": env,
                     "workdir": workdir,
                     "script": shell_agent.script(self.output_limit),
+                    "hosts": [car.name for car in spec.sidecars],
                     **({"network": network} if network else {}),
                 }
             )
@@ -387,10 +405,80 @@ class RootfsSandbox(Sandbox):
                 assert self.slirp is not None
                 ep.slirp = await Slirp.start(self.slirp, pid, join_userns=not self._root)
             await agent.open(self.start_timeout)
+            await self._start_sidecars(ep, spec, groups=groups, networked=network is not None)
         except BaseException:
             await self.destroy(handle)
             raise
         return handle
+
+    async def _start_sidecars(self, ep: _Episode, spec: SandboxSpec, *, groups: list[str], networked: bool) -> None:
+        """Start ``spec.sidecars`` in the user and network namespaces of ``ep``, each once
+        the one before it is up, within ``sidecar_timeout`` in all. Each is ``ep``'s as
+        soon as it exists, so destroying ``ep`` ends it."""
+        deadline = time.monotonic() + self.sidecar_timeout
+        names = [car.name for car in spec.sidecars]
+        for car in spec.sidecars:
+            image = self._image(car.image)
+            if image is None:
+                raise SandboxError(f"sidecar {car.name!r}: image {car.image!r} is not in the rootfs store")
+            service = sidecars.service_of(car, image.config)
+            reply, fds = await self._zygote().call(
+                {
+                    "op": "create",
+                    "join": ep.pid,
+                    "lower": [str(image.rootfs)],
+                    "modes": dict(image.original_modes),
+                    "scratch": str(self.scratch),
+                    "size_mb": self.upper_mb,
+                    "hostname": car.name,
+                    "uid_map": "0 0 65536\n" if self._root else None,
+                    "gid_map": "0 0 65536\n" if self._root else None,
+                    "cgroups": groups,
+                    "nproc": None if groups else (spec.limits.max_processes or self.max_processes),
+                    "env": service["env"],
+                    "workdir": service["workdir"],
+                    "script": shell_agent.script(self.output_limit, shell="sh"),
+                    "hosts": names,
+                    "service": service,
+                    **({"network": {"blackhole": [], "nameserver": NAMESERVER}} if networked else {}),
+                }
+            )
+            pid = int(reply["pid"])
+            agent = Agent(socket.socket(fileno=fds[0]), grace=5.0)
+            for fd in fds[1:]:
+                os.close(fd)
+            car_ep = _Episode(pid, agent, episode_files.EpisodeFiles(pid, "/"), None, image.digest)
+            ep.sidecars.append(car_ep)
+            await agent.open(self.start_timeout)
+            files = car_ep.files
+
+            async def exited(files: episode_files.EpisodeFiles = files) -> int | None:
+                try:
+                    text = await asyncio.to_thread(files.read, f"{SERVICE_DIR}/exit")
+                except (NotFound, InvalidRequest, SandboxError):
+                    return None
+                return int(text) if text.strip().lstrip(b"-").isdigit() else None
+
+            async def tail(files: episode_files.EpisodeFiles = files) -> str:
+                try:
+                    return sidecars.tail_of(await asyncio.to_thread(files.read, f"{SERVICE_DIR}/log"))
+                except (NotFound, InvalidRequest, SandboxError):
+                    return ""
+
+            await sidecars.await_up(
+                car,
+                car.healthcheck or image.config.healthcheck,
+                exited=exited,
+                run=agent.run,
+                tail=tail,
+                deadline=deadline,
+                timeout=self.sidecar_timeout,
+            )
+
+    def _zygote(self) -> RootfsZygote:
+        if self.zygote is None:
+            raise SandboxError("the rootfs sandbox is not running")
+        return self.zygote
 
     def _episode(self, handle: str) -> _Episode:
         ep = self._episodes.get(handle)
@@ -411,24 +499,27 @@ class RootfsSandbox(Sandbox):
         ep = self._episodes.pop(handle, None)
         if ep is None:
             return
-        ep.agent.close()
-        ep.files.close()
-        if ep.slirp is not None:
-            await ep.slirp.close()
         try:
-            if self.zygote is not None and self.zygote.alive:
-                await self.zygote.call({"op": "kill", "pid": ep.pid})
+            for member in [*ep.sidecars, ep]:  # the sidecars first: they live in the episode's namespaces
+                member.agent.close()
+                member.files.close()
+                if member.slirp is not None:
+                    await member.slirp.close()
+                if self.zygote is not None and self.zygote.alive:
+                    await self.zygote.call({"op": "kill", "pid": member.pid})
         except SandboxError as e:
             log.warning("rootfs sandbox: ending %s: %s", handle, e.message)
         finally:
             await self._settle(ep)
 
     async def _settle(self, ep: _Episode) -> None:
-        """Give the episode's cgroup slot back once nothing of it runs there any more."""
+        """Give the episode's cgroup slot back once nothing of it (its sidecars included)
+        runs there any more."""
         if ep.slot is None:
             return
+        pids = [ep.pid, *(car.pid for car in ep.sidecars)]
         for _ in range(200):  # the kill is asynchronous; the kernel empties the cgroup soon after
-            if not await asyncio.to_thread(_still_alive, ep.pid):
+            if not any([await asyncio.to_thread(_still_alive, pid) for pid in pids]):
                 break
             await asyncio.sleep(0.01)
         else:
@@ -453,8 +544,11 @@ class RootfsSandbox(Sandbox):
     def _cgroups_of(self, slot: int | None, spec: SandboxSpec) -> list[str]:
         if slot is None:
             return []
+        # An episode and its sidecars share one cgroup (a pod's): its limits are the sum of theirs.
         memory_mb = (spec.limits.memory_mb or self.memory_mb) + self.upper_mb
+        memory_mb += sum((car.limits.memory_mb or self.memory_mb) + self.upper_mb for car in spec.sidecars)
         pids = spec.limits.max_processes or self.max_processes
+        pids += sum(car.limits.max_processes or self.max_processes for car in spec.sidecars)
         name = self.cgroups.for_uid(slot, memory_mb << 20, pids)
         return [str(parent / name) for _, parent in self.cgroups.parents] if name else []
 

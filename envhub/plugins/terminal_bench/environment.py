@@ -328,8 +328,8 @@ class TerminalBench(Environment):
         if sandbox is None or not sandbox.runs_sidecars:
             raise InvalidRequest(
                 f"task {tb.id!r} needs the service(s) {names} of its docker-compose file beside its own container, "
-                f"and the {self.sandbox} sandbox runs one container per episode (a node with a Docker engine runs "
-                f"them){hint}",
+                f"and the {self.sandbox} sandbox runs one container per episode (the docker and rootfs sandboxes "
+                f"run them){hint}",
                 field="task_id",
             )
         problem = next((svc.problem for svc in wanted if svc.problem), None)
