@@ -58,18 +58,20 @@ SOLVE = (
 )
 
 
-@pytest.fixture(scope="module")
-def archives(tmp_path_factory) -> Path:
-    """The bundled tasks' images, built with Docker and exported: what an operator copies
-    to a pool node without Docker. Readable by every user (the unprivileged node's too)."""
-    folder = Path(tempfile.mkdtemp(prefix="envhub-rootfs-archives-"))
-    folder.chmod(0o755)
-    # The bundled tasks name debian:bookworm, which no registry here serves: the local base.
-    config = folder / "export.yaml"
+def export_archives(out: Path, *targets: str, datasets: Path | None = None) -> Path:
+    """Build ``targets`` (``--all``, or task ids) of the bundled tasks, or of ``datasets``
+    in their stead, with Docker and export them to ``out``: what an operator copies to a
+    pool node without Docker, readable by every user (an unprivileged node's too: ``out``'s
+    parents are the caller's to open). Their ``debian:bookworm``, which no registry here
+    serves, is the local base image. Returns ``out``."""
+    work = out.with_name(out.name + "-work")
+    work.mkdir()
+    config = work / "export.yaml"
     config.write_text(yaml.safe_dump({"image_map": {"debian:bookworm": BASE_IMAGE}}))
+    dataset = ["--set", f"environments.terminal-bench.datasets={datasets}"] if datasets else []
     built = subprocess.run(
-        [sys.executable, "-m", "envhub", "build", "--all", "--export", str(folder / "exp")]
-        + ["--config", str(config), "--data-dir", str(tmp_path_factory.mktemp("export-data"))]
+        [sys.executable, "-m", "envhub", "build", *targets, "--export", str(out)]
+        + ["--config", str(config), "--data-dir", str(work / "data"), *dataset]
         + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
         capture_output=True,
         text=True,
@@ -77,12 +79,21 @@ def archives(tmp_path_factory) -> Path:
         cwd=REPO,
     )
     assert built.returncode == 0, built.stdout + built.stderr
-    index = json.loads((folder / "exp" / "index.json").read_text())
-    assert len(index["images"]) == 2 and len(index["contexts"]) == 2, index
-    for path in (folder / "exp").iterdir():
+    for path in out.iterdir():
         path.chmod(0o644)
-    (folder / "exp").chmod(0o755)
-    yield folder / "exp"
+    out.chmod(0o755)
+    return out
+
+
+@pytest.fixture(scope="module")
+def archives() -> Path:
+    """The bundled tasks' images, exported (see :func:`export_archives`)."""
+    folder = Path(tempfile.mkdtemp(prefix="envhub-rootfs-archives-"))
+    folder.chmod(0o755)
+    exported = export_archives(folder / "exp", "--all")
+    index = json.loads((exported / "index.json").read_text())
+    assert len(index["images"]) == 2 and len(index["contexts"]) == 2, index
+    yield exported
     subprocess.run(["rm", "-rf", str(folder)], check=False)
 
 

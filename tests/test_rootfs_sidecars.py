@@ -20,15 +20,23 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from conftest import BASE_IMAGE, REPO, eventually, needs_docker
-from test_rootfs_sandbox import _cmdlines, alive, as_user, data_dir_for, episode_processes, host_mounts_of, rootfs_node
+from conftest import eventually, needs_docker
+from test_rootfs_sandbox import (
+    _cmdlines,
+    alive,
+    as_user,
+    data_dir_for,
+    episode_processes,
+    export_archives,
+    host_mounts_of,
+    rootfs_node,
+)
 from test_tbench_services import FETCH, _server, _tb1_task, harbor_task
 
 from envhub.plugins.rootfs_sandbox import files as rootfs_files
@@ -83,31 +91,10 @@ def archives(tasks) -> Path:
     """Every image of the tasks, their services' too, built with Docker and exported."""
     folder = Path(tempfile.mkdtemp(prefix="envhub-rootfs-services-archives-"))
     folder.chmod(0o755)
-    config = folder / "export.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "image_map": {"debian:bookworm": BASE_IMAGE},
-                "environments": {"terminal-bench": {"datasets": [str(tasks)]}},
-            }
-        )
-    )
-    built = subprocess.run(
-        [sys.executable, "-m", "envhub", "build", "--all", "--export", str(folder / "exp"), "--config", str(config)]
-        + ["--data-dir", str(folder / "data")]
-        + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd=REPO,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    index = json.loads((folder / "exp" / "index.json").read_text())
+    exported = export_archives(folder / "exp", "--all", datasets=tasks)
+    index = json.loads((exported / "index.json").read_text())
     assert any("server" in name for name in index["images"]), index  # the services' images went too
-    for path in (folder / "exp").iterdir():
-        path.chmod(0o644)
-    (folder / "exp").chmod(0o755)
-    yield folder / "exp"
+    yield exported
     subprocess.run(["rm", "-rf", str(folder)], check=False)
 
 

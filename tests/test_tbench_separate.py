@@ -22,9 +22,8 @@ from pathlib import Path
 import docker
 import httpx
 import pytest
-import yaml
-from conftest import BASE_IMAGE, REPO, TB_DATA, EnvhubProcess, eventually, needs_docker, needs_shared
-from test_rootfs_sandbox import rootfs_node
+from conftest import BASE_IMAGE, TB_DATA, EnvhubProcess, eventually, needs_docker, needs_shared
+from test_rootfs_sandbox import export_archives, rootfs_node
 from test_tbench_offline import HERE, readme_offline
 from test_tbench_steps import sh
 from test_terminal_bench import create, node_id_of, our_containers, tb_process, write_config
@@ -393,20 +392,7 @@ def test_a_verifier_container_of_a_killed_node_is_removed_when_it_starts_again(t
 def export(tmp: Path, tasks: Path, *task_ids: str) -> Path:
     """The images of ``task_ids`` (of the dataset ``tasks``), built with Docker and
     exported by ``envhub build --export`` into ``tmp/archives``: what a rootfs node imports."""
-    config = tmp / "export.yaml"
-    config.write_text(yaml.safe_dump({"image_map": {"debian:bookworm": BASE_IMAGE}}))
-    built = subprocess.run(
-        [sys.executable, "-m", "envhub", "build", *task_ids, "--export", str(tmp / "archives")]
-        + ["--config", str(config), "--data-dir", str(tmp / "export-data")]
-        + ["--set", f"environments.terminal-bench.datasets={tasks}"]
-        + ["--set", "environments.appworld.enabled=false", "--set", "environments.mbpp.enabled=false"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-    )
-    assert built.returncode == 0, built.stdout + built.stderr
-    return tmp / "archives"
+    return export_archives(tmp / "archives", *task_ids, datasets=tasks)
 
 
 @pytest.mark.skipif(not rootfs_files.available(), reason="the rootfs sandbox needs openat2 (Linux 5.6+)")
