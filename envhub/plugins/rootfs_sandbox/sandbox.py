@@ -432,13 +432,18 @@ class RootfsSandbox(Sandbox):
     async def _proxy(self, pid: int, spec: SandboxSpec, handle: str) -> EpisodeProxy:
         """The node's HTTP proxy for episode init ``pid``, on the socket the zygote makes
         in its network namespace (see proxy.py)."""
+        policy = Policy(list(spec.egress_allow or []))  # the host's addresses as they are now
         _, fds = await self._zygote().call({"op": "listen", "pid": pid, "port": self.proxy_port})
         for fd in fds[1:]:
             os.close(fd)
         if not fds:
             raise SandboxError("rootfs sandbox: the zygote sent no socket for the episode's proxy")
-        proxy = EpisodeProxy(socket.socket(fileno=fds[0]), Policy(list(spec.egress_allow or [])), handle)
-        await proxy.start()
+        proxy = EpisodeProxy(socket.socket(fileno=fds[0]), policy, handle)
+        try:
+            await proxy.start()
+        except BaseException:
+            await proxy.close()
+            raise
         return proxy
 
     async def _start_sidecars(
@@ -541,10 +546,11 @@ class RootfsSandbox(Sandbox):
                     await member.slirp.close()
                 if member.proxy is not None:
                     await member.proxy.close()
-                if self.zygote is not None and self.zygote.alive:
-                    await self.zygote.call({"op": "kill", "pid": member.pid})
-        except SandboxError as e:
-            log.warning("rootfs sandbox: ending %s: %s", handle, e.message)
+                try:
+                    if self.zygote is not None and self.zygote.alive:
+                        await self.zygote.call({"op": "kill", "pid": member.pid})
+                except SandboxError as e:
+                    log.warning("rootfs sandbox: ending %s (init %d): %s", handle, member.pid, e.message)
         finally:
             await self._settle(ep)
 
