@@ -52,5 +52,6 @@ def test_a_node_gives_no_network_without_slirp4netns_or_a_tun_device_it_may_open
     assert find_slirp("auto") == (None, "no slirp4netns on PATH")
     with pytest.raises(StartupError, match="no slirp4netns on PATH"):
         find_slirp("slirp4netns")
-    with pytest.raises(StartupError, match="auto, slirp4netns or none"):
+    assert find_slirp("proxy") == (None, "network: proxy")  # the node's proxy, whatever the host has
+    with pytest.raises(StartupError, match="auto, slirp4netns, proxy or none"):
         find_slirp("bridge")

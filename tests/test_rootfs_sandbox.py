@@ -51,6 +51,12 @@ def networked(node: EnvhubProcess) -> bool:
     return "episodes that ask for a network get one through" in node.log()
 
 
+def proxied(node: EnvhubProcess) -> bool:
+    """Whether ``node``'s episodes that ask for a network reach it through the node's
+    proxy (where slirp4netns cannot give them one)."""
+    return "episodes that ask for a network reach it through the node's HTTP proxy" in node.log()
+
+
 NO_DOCKER = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
 SOLVE = (
     "printf '#!/bin/bash\\necho \"Hello, $1!\"\\n' > /app/greet.sh && chmod +x /app/greet.sh && "
@@ -246,7 +252,7 @@ def test_without_docker_terminal_bench_runs_in_the_rootfs_sandbox_and_the_bundle
         assert moved.status_code == 400 and moved.json()["field"] == "environments.terminal-bench.sandbox", moved.text
     log = node.log()
     assert "terminal-bench runs in the rootfs sandbox: sandbox 'docker' cannot start" in log, log[-2000:]
-    assert "rootfs sandbox: " in log and (networked(node) or "episodes have loopback only (" in log), log[-2000:]
+    assert "rootfs sandbox: " in log and (networked(node) or proxied(node)), log[-2000:]
     if node.user == "root":  # nobody's depends on /dev/net/tun's mode
         assert networked(node) == SLIRP, "root's node has a network for its episodes where slirp4netns is installed"
 
@@ -463,6 +469,56 @@ def test_an_episode_reaches_the_network_but_not_the_host_metadata_or_private_ran
         finally:
             c.post(f"/instances/{iid}/release")
     eventually(lambda: not any(alive(p) for p in slirps), timeout=10, message="the episode's slirp4netns to end")
+
+
+@USERS
+def test_without_slirp4netns_an_episode_reaches_the_network_through_the_nodes_proxy_only(archives, test_net, user):
+    """Where slirp4netns cannot give episodes a network (no /dev/net/tun the node's user
+    may open: nobody's here, a Kubernetes pod's), ``network: auto`` gives them the node's
+    HTTP proxy instead, served in each episode's own namespace (``network: proxy`` here,
+    so root's node has it too). Through it an episode reaches the test's namespace (the
+    internet stands in) with plain HTTP and CONNECT, and none of what the egress policy
+    denies: the same server on a private address, cloud metadata, the host's own
+    addresses, the node's own port. A connection that does not go through the proxy
+    reaches nothing (loopback only). Its environment names the proxy."""
+    how = as_user(user)
+    top = Path(tempfile.mkdtemp(prefix=f"envhub-rootfs-proxy-{user}-"))
+    try:
+        node = rootfs_node(data_dir_for(user, top), archives, "--set", "sandboxes.rootfs.network=proxy", **how)
+        node.start(timeout=120)
+        try:
+            assert proxied(node), node.log()[-2000:]
+            with node.client(timeout=120) as c:
+                iid = create(c)
+
+                def through(request: str) -> str:
+                    probe = (
+                        "exec 3<>/dev/tcp/127.0.0.1/13128 && printf " + shlex.quote(request) + " >&3 && "
+                        "timeout 5 cat <&3 | head -c 300"
+                    )
+                    return run(c, iid, f"timeout 10 bash -c {shlex.quote(probe)} 2>&1; echo exit=$?")["stdout"]
+
+                got = through("GET http://198.51.100.2:8080/ HTTP/1.0\r\n\r\n")
+                assert got.startswith("HTTP/1.0 200"), got
+                got = through("CONNECT 198.51.100.2:8080 HTTP/1.1\r\n\r\nGET / HTTP/1.0\r\n\r\n")
+                assert got.startswith("HTTP/1.1 200 Connection established\r\n\r\nHTTP/1.0 200"), got
+                for target in (
+                    "172.31.254.2:8080",  # the same server, on a private address
+                    "169.254.169.254:80",  # cloud metadata
+                    f"198.51.100.1:{test_net['host_port']}",  # the host's own address
+                    f"127.0.0.1:{node.port}",  # the node, on the host's loopback
+                ):
+                    for request in (f"CONNECT {target} HTTP/1.1\r\n\r\n", f"GET http://{target}/ HTTP/1.0\r\n\r\n"):
+                        got = through(request)
+                        assert got.startswith("HTTP/1.1 403 Forbidden") and "egress policy refuses" in got, got
+                direct = run(c, iid, "timeout 5 bash -c 'exec 3<>/dev/tcp/198.51.100.2/8080' 2>&1; echo exit=$?")
+                assert "exit=0" not in direct["stdout"], direct
+                assert run(c, iid, "echo $http_proxy $https_proxy")["stdout"].split() == ["http://127.0.0.1:13128"] * 2
+                assert c.post(f"/instances/{iid}/release").status_code == 200
+        finally:
+            assert node.stop() == 0, node.log()
+    finally:
+        subprocess.run(["rm", "-rf", str(top)], check=False)
 
 
 def test_32_concurrent_episodes_writing_the_same_path_each_get_their_own_verdict(node):

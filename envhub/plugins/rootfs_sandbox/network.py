@@ -52,12 +52,14 @@ def find_slirp(mode: str, tun: str = "/dev/net/tun") -> tuple[str | None, str]:
     """slirp4netns's path for ``sandboxes.rootfs.network`` ``mode`` (``auto``,
     ``slirp4netns`` or ``none``), or None (episodes have loopback only) and why. It opens
     ``tun`` as the node's user: where that user may not (a node without root, on a host
-    whose /dev/net/tun is root's only, or a Kubernetes pod given no such device), there
-    is no network to give; ``auto`` then says so, ``slirp4netns`` fails the start."""
-    if mode not in ("auto", "slirp4netns", "none"):
-        raise StartupError(f"sandboxes.rootfs.network must be auto, slirp4netns or none, not {mode!r}")
-    if mode == "none":
-        return None, "network: none"
+    whose /dev/net/tun is root's only, or a Kubernetes pod given no such device), it
+    cannot give a network; ``auto`` then says why (the sandbox gives the node's proxy
+    instead, proxy.py), ``slirp4netns`` fails the start. ``proxy`` and ``none`` want
+    none."""
+    if mode not in ("auto", "slirp4netns", "proxy", "none"):
+        raise StartupError(f"sandboxes.rootfs.network must be auto, slirp4netns, proxy or none, not {mode!r}")
+    if mode in ("none", "proxy"):
+        return None, f"network: {mode}"
     path = shutil.which("slirp4netns")
     why = ""
     if path is None:

@@ -60,6 +60,10 @@ sets (the image store keeps lower layers without group or other write bits; ``/t
   writes its exit code to ``SERVICE_DIR/exit`` when it ends; the agent beside it runs
   the sidecar's healthchecks. The sidecar ends when its G is killed, as an episode does.
 - ``{"op": "kill", "id", "pid"}`` -> ``{"id"}``: SIGKILL to G, which ends the episode.
+- ``{"op": "listen", "id", "pid", "port"}`` -> ``{"id"}`` and a TCP socket listening on
+  ``127.0.0.1:port`` in the network namespace of G ``pid`` (one this zygote made), as an
+  fd: made by a child that joins the episode's user and network namespaces, so only what
+  runs there reaches it, while the node that holds it serves it (proxy.py).
 
 The hello, sent first: ``{"ready": true, "pid", "uid"}`` or ``{"ready": false, "error"}``
 when this kernel or user cannot make such namespaces (checked by making one).
@@ -678,6 +682,43 @@ def create(req: dict) -> tuple[int, socket.socket, int]:
     return init, ours, child
 
 
+def listen_in(pid: int, port: int) -> socket.socket:
+    """A socket listening on 127.0.0.1:``port`` in the network namespace of episode init
+    ``pid``, made by a child of ours that enters it (the zygote itself stays where it is)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    child = os.fork()
+    if child == 0:
+        try:
+            ours.close()
+            _only_fds({theirs.fileno()})
+            _join(pid)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen(128)
+            socket.send_fds(theirs, [b"ok"], [sock.fileno()])
+        except BaseException as e:
+            theirs.send(f"E{e}".encode()[:4000])
+        finally:
+            os._exit(0)
+    theirs.close()
+    try:
+        ready, _, _ = select.select([ours], [], [], STEP_TIMEOUT)
+        msg, fds, _, _ = socket.recv_fds(ours, 4096, 1) if ready else (b"", [], 0, None)
+    finally:
+        ours.close()
+        try:
+            os.kill(child, signal.SIGKILL)  # done or stuck: either way it has nothing more to do
+            os.waitpid(child, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    if msg != b"ok" or not fds:
+        for fd in fds:
+            os.close(fd)
+        raise Failed(msg[1:].decode(errors="replace") if msg else "the listener's process did not answer")
+    return socket.socket(fileno=fds[0])
+
+
 def _reported(fd: int) -> str:
     try:
         ready, _, _ = select.select([fd], [], [], 1.0)
@@ -719,6 +760,15 @@ class Zygote:
                 self.children[child] = init
                 try:
                     self.send({"id": rid, "pid": init}, (sock.fileno(),))
+                finally:
+                    sock.close()
+            elif req.get("op") == "listen":
+                pid = int(req["pid"])
+                if pid not in self.children.values():
+                    raise Failed(f"no episode {pid} to listen in")
+                sock = listen_in(pid, int(req["port"]))
+                try:
+                    self.send({"id": rid}, (sock.fileno(),))
                 finally:
                     sock.close()
             elif req.get("op") == "kill":

@@ -16,8 +16,10 @@ Config (``sandboxes.rootfs``):
   RLIMIT_NPROC, counted within its own user namespace (see nsinit.py);
 - ``network``: ``auto`` (default: episodes that ask for a network get one through
   slirp4netns where it is on PATH and the node's user may open /dev/net/tun, see
-  network.py; else loopback only, and the start log says why), ``slirp4netns`` (a start
-  without it fails), ``none`` (loopback only);
+  network.py; else through the node's HTTP proxy, see proxy.py, and the start log says
+  why), ``slirp4netns`` (a start without it fails), ``proxy`` (the proxy always),
+  ``none`` (loopback only); ``proxy_port`` (13128): where the proxy listens on an
+  episode's loopback;
 - ``output_limit`` (1 MiB per output of a command), ``start_timeout`` (10 s),
   ``sidecar_timeout`` (300 s: for an episode's sidecars to be up, all together),
   ``python`` (the zygote's interpreter; default the node's);
@@ -37,8 +39,9 @@ Invariants:
   nothing of it exists on the host's filesystem. A node killed with its zygote takes every
   episode with it (``PR_SET_PDEATHSIG``); a restarted node ends their rows as ``lost``
   (sandboxes of this kind do not survive their node).
-- An episode has loopback, and, when its spec asks for a network and the node has
-  slirp4netns, a ``tap0`` behind the egress policy of network.py; nothing else.
+- An episode has loopback, and, when its spec asks for a network, a ``tap0`` behind the
+  egress policy of network.py where the node has slirp4netns, else its proxy's socket
+  on that loopback (proxy.py, the same policy); nothing else. Either ends with it.
 - An episode's sidecars (``spec.sidecars``, see sidecars.py) live in its user and network
   namespaces and in its cgroup, with roots and pid namespaces of their own; they are
   part of the episode: created before :meth:`create` returns (all up, or none left),
@@ -80,6 +83,7 @@ from envhub.plugins.rootfs_sandbox.images import Image, RootfsStore, normalize_n
 from envhub.plugins.rootfs_sandbox.launcher import RootfsZygote
 from envhub.plugins.rootfs_sandbox.network import NAMESERVER, Slirp, blackholes, find_slirp
 from envhub.plugins.rootfs_sandbox.nsinit import SERVICE_DIR
+from envhub.plugins.rootfs_sandbox.proxy import EpisodeProxy, Policy, proxy_env
 from envhub.sandbox import ExecResult, Sandbox, SandboxSpec
 from envhub.util import shell_agent
 from envhub.util.singleflight import SingleFlight
@@ -114,6 +118,7 @@ class _Episode:
     slot: int | None  # its cgroup slot, if any
     image: str
     slirp: Slirp | None = None  # its network, if it has one
+    proxy: EpisodeProxy | None = None  # or its proxy, where slirp4netns cannot give one
     sidecars: list[_Episode] = field(default_factory=list)  # each in this one's user and network namespaces
 
 
@@ -150,6 +155,10 @@ class RootfsSandbox(Sandbox):
         self.workdir = str(self.config.get("workdir") or "/app")
         self.network_mode = str(self.config.get("network", "auto"))
         self.slirp: str | None = None  # slirp4netns's path, once started, where episodes get a network
+        self.proxied = False  # once started: episodes that ask for a network get the node's proxy instead
+        self.proxy_port = self._number("proxy_port", 13128, minimum=1)
+        if self.proxy_port > 65535:
+            raise StartupError(f"sandboxes.rootfs.proxy_port must be a TCP port, not {self.proxy_port}")
         hide = self.config.get("hide") or []
         if not isinstance(hide, list) or not all(isinstance(p, str) for p in hide):
             raise StartupError("sandboxes.rootfs.hide must be a list of paths")
@@ -181,6 +190,7 @@ class RootfsSandbox(Sandbox):
         self.store = await asyncio.to_thread(RootfsStore, self.store_dir)
         await asyncio.to_thread(self.scratch.mkdir, 0o700, True, True)
         self.slirp, no_network = find_slirp(self.network_mode)
+        self.proxied = self.slirp is None and self.network_mode in ("auto", "proxy")
         cgroups = await asyncio.to_thread(self.cgroups.start)
         self.zygote = RootfsZygote(python=self.python, scratch=self.scratch, start_timeout=self.start_timeout)
         self.zygote.running = True
@@ -207,6 +217,9 @@ class RootfsSandbox(Sandbox):
             f" (archives in {', '.join(map(str, self.archives))})" if self.archives else " (no archives dir set)",
             f"episodes that ask for a network get one through {self.slirp}"
             if self.slirp
+            else f"episodes that ask for a network reach it through the node's HTTP proxy, port {self.proxy_port} "
+            f"of their loopback ({no_network})"
+            if self.proxied
             else f"episodes have loopback only ({no_network})",
         )
         if self.host:
@@ -368,6 +381,9 @@ class RootfsSandbox(Sandbox):
         try:
             groups = await asyncio.to_thread(self._cgroups_of, slot, spec)
             env = _environment(image, spec)
+            proxied = spec.network != "none" and self.proxied
+            if proxied:
+                env.update(proxy_env(self.proxy_port, [car.name for car in spec.sidecars]))
             if spec.sidecars and self.host:
                 raise InvalidRequest(
                     "the rootfs sandbox runs episodes over this host's own system (sandboxes.rootfs.host): "
@@ -404,14 +420,35 @@ class RootfsSandbox(Sandbox):
             if network is not None:
                 assert self.slirp is not None
                 ep.slirp = await Slirp.start(self.slirp, pid, join_userns=not self._root)
+            elif proxied:
+                ep.proxy = await self._proxy(pid, spec, handle)
             await agent.open(self.start_timeout)
-            await self._start_sidecars(ep, spec, groups=groups, networked=network is not None)
+            await self._start_sidecars(ep, spec, groups=groups, networked=network is not None, proxied=proxied)
         except BaseException:
             await self.destroy(handle)
             raise
         return handle
 
-    async def _start_sidecars(self, ep: _Episode, spec: SandboxSpec, *, groups: list[str], networked: bool) -> None:
+    async def _proxy(self, pid: int, spec: SandboxSpec, handle: str) -> EpisodeProxy:
+        """The node's HTTP proxy for episode init ``pid``, on the socket the zygote makes
+        in its network namespace (see proxy.py)."""
+        policy = Policy(list(spec.egress_allow or []))  # the host's addresses as they are now
+        _, fds = await self._zygote().call({"op": "listen", "pid": pid, "port": self.proxy_port})
+        for fd in fds[1:]:
+            os.close(fd)
+        if not fds:
+            raise SandboxError("rootfs sandbox: the zygote sent no socket for the episode's proxy")
+        proxy = EpisodeProxy(socket.socket(fileno=fds[0]), policy, handle)
+        try:
+            await proxy.start()
+        except BaseException:
+            await proxy.close()
+            raise
+        return proxy
+
+    async def _start_sidecars(
+        self, ep: _Episode, spec: SandboxSpec, *, groups: list[str], networked: bool, proxied: bool
+    ) -> None:
         """Start ``spec.sidecars`` in the user and network namespaces of ``ep``, each once
         the one before it is up, within ``sidecar_timeout`` in all. Each is ``ep``'s as
         soon as it exists, so destroying ``ep`` ends it."""
@@ -422,6 +459,8 @@ class RootfsSandbox(Sandbox):
             if image is None:
                 raise SandboxError(f"sidecar {car.name!r}: image {car.image!r} is not in the rootfs store")
             service = sidecars.service_of(car, image.config)
+            if proxied:
+                service["env"].update(proxy_env(self.proxy_port, [c.name for c in spec.sidecars]))
             reply, fds = await self._zygote().call(
                 {
                     "op": "create",
@@ -505,10 +544,13 @@ class RootfsSandbox(Sandbox):
                 member.files.close()
                 if member.slirp is not None:
                     await member.slirp.close()
-                if self.zygote is not None and self.zygote.alive:
-                    await self.zygote.call({"op": "kill", "pid": member.pid})
-        except SandboxError as e:
-            log.warning("rootfs sandbox: ending %s: %s", handle, e.message)
+                if member.proxy is not None:
+                    await member.proxy.close()
+                try:
+                    if self.zygote is not None and self.zygote.alive:
+                        await self.zygote.call({"op": "kill", "pid": member.pid})
+                except SandboxError as e:
+                    log.warning("rootfs sandbox: ending %s (init %d): %s", handle, member.pid, e.message)
         finally:
             await self._settle(ep)
 
