@@ -90,19 +90,27 @@ def test_plain_http_goes_on_in_origin_form_without_the_proxys_headers(upstream):
 
 
 def test_connect_opens_a_tunnel_that_closing_the_proxy_ends(upstream):
-    def client(port: int, proxy: EpisodeProxy, loop: asyncio.AbstractEventLoop) -> tuple[bytes, bytes, bytes]:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(f"CONNECT 127.0.0.1:{upstream} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            established = s.recv(4096)
-            s.sendall(b"GET /through HTTP/1.1\r\nHost: x\r\n\r\n")
-            answer = s.recv(4096)
-            # An open tunnel (the upstream keeps HTTP/1.1 connections) ends with the proxy.
-            asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
-            return established, answer, s.recv(4096)
+    def tunnel(port: int) -> tuple[socket.socket, bytes]:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(f"CONNECT 127.0.0.1:{upstream} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        return s, s.recv(4096)
 
-    established, answer, after = _with_proxy(LOOPBACK_ALLOWED, client)
-    assert established == b"HTTP/1.1 200 Connection established\r\n\r\n"
-    assert answer.startswith(b"HTTP/1.0 200") and _Upstream.seen[-1][0] == "/through", answer
+    def client(port: int, proxy: EpisodeProxy, loop: asyncio.AbstractEventLoop) -> tuple[bytes, bytes, bytes, bytes]:
+        used, established = tunnel(port)
+        with used:
+            used.sendall(b"GET /through HTTP/1.0\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := used.recv(65536):  # the upstream closes after its answer (HTTP/1.0)
+                answer += chunk
+        idle, idle_established = tunnel(port)
+        with idle:  # an open tunnel, the upstream waiting for a request: it ends with the proxy
+            asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
+            return established, answer, idle_established, idle.recv(4096)
+
+    established, answer, idle_established, after = _with_proxy(LOOPBACK_ALLOWED, client)
+    assert established == idle_established == b"HTTP/1.1 200 Connection established\r\n\r\n"
+    assert answer.startswith(b"HTTP/1.0 200") and answer.endswith(b"hello from upstream"), answer
+    assert _Upstream.seen[-1][0] == "/through"
     assert after == b"", "the tunnel ended with the proxy"
 
 

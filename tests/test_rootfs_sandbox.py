@@ -267,6 +267,10 @@ def test_the_tools_work_in_an_episode_of_its_own(node, tmp_path):
         assert lines[0] == "0" and lines[1] == "hello-envhub" and lines[2] == "/app", ran
         assert "No such file" in lines[3], "the tests enter only at evaluate"
         assert "Debian" in lines[4]
+        # A pipeline's writer dies of SIGPIPE once its reader is gone, as on Docker (the
+        # zygote's Python ignores SIGPIPE, and an ignored signal stays so across exec).
+        piped = run(c, iid, "yes | head -c 1 > /dev/null; echo ${PIPESTATUS[0]}")
+        assert piped["stdout"].strip() == "141" and piped["stderr"] == "", piped
         wrote = c.post(
             f"/instances/{iid}/step",
             json={"action": {"tool": "write_file", "arguments": {"path": "notes/a.txt", "content": "hi\n"}}},

@@ -16,9 +16,7 @@ as an unprivileged user.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -216,9 +214,7 @@ def test_a_node_killed_with_episodes_and_their_services_leaves_nothing(archives,
     except BaseException:
         first.stop()
         raise
-    os.kill(first.proc.pid, signal.SIGKILL)
-    first.proc.wait()
-    first._log.close()
+    first.kill()
     eventually(lambda: not any(alive(p) for p in ours), timeout=30, message="sidecar processes outlived their node")
     assert not host_mounts_of(tmp_path / "data" / "rootfs-scratch")
 

@@ -77,6 +77,15 @@ def blackholes(egress_allow: list[str], host: list[str] | None = None) -> list[s
     """The IPv4 networks an episode's routes send nowhere: the denied ranges less
     slirp4netns's own network, and the host's own addresses (one in that network too),
     each less the ``egress_allow`` networks."""
+    allowed = allowed_networks(egress_allow)
+    ranges = _less([ipaddress.IPv4Network(c) for c in DENIED], [ipaddress.IPv4Network(SLIRP_NETWORK), *allowed])
+    hosts = _less([ipaddress.IPv4Network(f"{a}/32") for a in (host_addresses() if host is None else host)], allowed)
+    return [str(n) for n in ipaddress.collapse_addresses(ranges + hosts)]
+
+
+def allowed_networks(egress_allow: list[str]) -> list[ipaddress.IPv4Network]:
+    """The IPv4 networks of ``egress_allow`` (IPv6 ones mean nothing here: episodes have no
+    IPv6); ``SandboxError`` for an entry that is not an address or network."""
     allowed: list[ipaddress.IPv4Network] = []
     for cidr in egress_allow:
         try:
@@ -85,9 +94,7 @@ def blackholes(egress_allow: list[str], host: list[str] | None = None) -> list[s
             raise SandboxError(f"egress_allow: not an address or network: {cidr!r} ({e})") from None
         if isinstance(network, ipaddress.IPv4Network):
             allowed.append(network)
-    ranges = _less([ipaddress.IPv4Network(c) for c in DENIED], [ipaddress.IPv4Network(SLIRP_NETWORK), *allowed])
-    hosts = _less([ipaddress.IPv4Network(f"{a}/32") for a in (host_addresses() if host is None else host)], allowed)
-    return [str(n) for n in ipaddress.collapse_addresses(ranges + hosts)]
+    return allowed
 
 
 def _less(networks: list[ipaddress.IPv4Network], holes: list[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:

@@ -385,6 +385,7 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             os.dup2(agent_fd, 1)
             devnull = os.open("/dev/null", os.O_WRONLY)
             os.dup2(devnull, 2)
+            _default_signals()
             os.execve(shell, ["sh", "-c", req["script"]], env)
         service = _start_service(req["service"], network=bool(network)) if req.get("service") else None
     except BaseException as e:  # told to the zygote, which answers the create with it
@@ -452,6 +453,7 @@ def _start_service(service: dict, *, network: bool) -> int:
                 os.setgroups(groups)
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
+            _default_signals()
             os.execve(program, argv, env)
         except BaseException as e:
             os.write(2, f"envhub: the sidecar's command did not start: {e}\n".encode())
@@ -535,6 +537,15 @@ def _table(path: str) -> list[list[str]]:
             return [line.rstrip("\n").split(":") for line in f if line.strip() and not line.startswith("#")]
     except OSError:
         return []
+
+
+def _default_signals() -> None:
+    """Before an exec: what Python ignores from its start (SIGPIPE, SIGXFSZ) back to the
+    default. An ignored signal stays ignored across exec, and the writer of a pipeline
+    whose reader has gone must end by SIGPIPE, as on Docker (``yes | head -1``), not
+    live on to fail with EPIPE."""
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _drop_capabilities(kept: frozenset[int]) -> None:

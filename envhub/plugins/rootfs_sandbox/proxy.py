@@ -37,8 +37,7 @@ from http import HTTPStatus
 from urllib.parse import urlsplit
 
 from envhub.confine.addresses import DENIED, host_addresses
-from envhub.errors import SandboxError
-from envhub.plugins.rootfs_sandbox.network import _less
+from envhub.plugins.rootfs_sandbox.network import _less, allowed_networks
 
 log = logging.getLogger("envhub.plugins.rootfs_sandbox")
 
@@ -77,14 +76,7 @@ class Policy:
     (``host``: as they are when it is made), less ``egress_allow``."""
 
     def __init__(self, egress_allow: list[str], host: list[str] | None = None) -> None:
-        allowed = []
-        for cidr in egress_allow:
-            try:
-                network = ipaddress.ip_network(str(cidr), strict=False)
-            except ValueError as e:
-                raise SandboxError(f"egress_allow: not an address or network: {cidr!r} ({e})") from None
-            if isinstance(network, ipaddress.IPv4Network):
-                allowed.append(network)
+        allowed = allowed_networks(egress_allow)
         never = [ipaddress.IPv4Network(c) for c in NEVER]
         never += [ipaddress.IPv4Network(f"{a}/32") for a in (host_addresses() if host is None else host)]
         self.denied = _less(never, allowed)
