@@ -433,7 +433,7 @@ def _start_service(service: dict, *, network: bool) -> int:
     if not argv:
         raise Failed("the sidecar has no command (its image names none and the service gives none)")
     env = {str(k): str(v) for k, v in (service.get("env") or {}).items()}
-    program = _which(argv[0], env.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"))
+    program = _which(argv[0], env.get("PATH", ""))  # the node always sets one (sidecars.service_of)
     if program is None:
         raise Failed(f"the sidecar's command {argv[0]!r} is not in its image")
     uid, gid, groups = _user_ids(str(service.get("user") or ""))
