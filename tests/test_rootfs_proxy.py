@@ -60,6 +60,7 @@ def _with_proxy(policy: Policy, client) -> object:
             return await asyncio.to_thread(client, sock.getsockname()[1], proxy, asyncio.get_running_loop())
         finally:
             await proxy.close()
+            assert sock.fileno() == -1, "the listener closes with the proxy (it holds the episode's namespace)"
 
     return asyncio.run(main())
 

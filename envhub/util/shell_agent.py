@@ -5,17 +5,18 @@ keep such a shell (docker's, rootfs's) share the script and both ends of the pro
 each carries the lines over its own stream.
 
 A request is ``<id> <timeout> x<base64 command>``; the agent runs the command with
-``bash -c`` under coreutils ``timeout`` (TERM at the timeout, KILL a second later), stdin
-from /dev/null and its output in files, then answers one line ``<id> <exit code> x<base64
-stdout> <cut> x<base64 stderr> <cut>`` (an output over the limit keeps its head and tail,
-``<cut>`` is 1). The agent keeps the outputs in two files of its own under
-``$ENVHUB_AGENT_DIR`` (default ``/tmp``; a sandbox gives it a small filesystem of its own
-there, so that an episode that fills its disk still gets its commands' output). A call
-costs as few processes as the protocol allows (``bench/rootfs_sandbox.py`` measures each
-step): the command is decoded straight into ``bash -c``'s argument, an empty output is
-answered without a process, and ``base64 -w0`` is used where base64 has it. The agent needs only POSIX sh, bash,
-base64, head, tail, wc, tr, mktemp and timeout (coreutils or busybox) in the sandbox; it
-greets with :data:`READY` first.
+``bash -c`` (or another shell's, see :func:`script`) under coreutils ``timeout`` (TERM at
+the timeout, KILL a second later), stdin from /dev/null and its output in files, then
+answers one line ``<id> <exit code> x<base64 stdout> <cut> x<base64 stderr> <cut>`` (an
+output over the limit keeps its head and tail, ``<cut>`` is 1). The agent keeps the
+outputs in two files of its own under ``$ENVHUB_AGENT_DIR`` (default ``/tmp``; a sandbox
+gives it a small filesystem of its own there, so that an episode that fills its disk
+still gets its commands' output). A call costs as few processes as the protocol allows
+(``bench/rootfs_sandbox.py`` measures each step): the command is decoded straight into
+``bash -c``'s argument, an empty output is answered without a process, and ``base64
+-w0`` is used where base64 has it. The agent needs only POSIX sh, bash (where it runs
+commands with it), base64, head, tail, wc, tr, mktemp and timeout (coreutils or busybox)
+in the sandbox; it greets with :data:`READY` first.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ enc() {
 printf 'envhub-agent-ready\n'
 while IFS= read -r line; do
   set -f; set -- $line; set +f
-  timeout -k 1 -s TERM "$2" bash -c "$(printf '%s' "${3#x}" | base64 -d 2>/dev/null)" < /dev/null > "$o" 2> "$e"
+  timeout -k 1 -s TERM "$2" RUNNER -c "$(printf '%s' "${3#x}" | base64 -d 2>/dev/null)" < /dev/null > "$o" 2> "$e"
   rc=$?
   printf '%s %s x' "$1" "$rc"; enc "$o"; printf ' x'; enc "$e"; printf '\n'
 done
@@ -58,8 +59,8 @@ def script(output_limit: int, *, shell: str = "bash") -> str:
     """The agent's script, keeping at most ``output_limit`` bytes of each output and
     running each command with ``shell -c`` (``sh`` where the image may have no bash: a
     compose service's healthchecks, which Docker runs with ``/bin/sh`` too)."""
-    out = SCRIPT.replace("LIMIT", str(output_limit)).replace("HALF", str(max(1, output_limit // 2)))
-    return out.replace(' bash -c "$(', f' {shell} -c "$(')
+    half = str(max(1, output_limit // 2))
+    return SCRIPT.replace("LIMIT", str(output_limit)).replace("HALF", half).replace("RUNNER", shell)
 
 
 def request(call_id: int, command: str, timeout: float) -> bytes:

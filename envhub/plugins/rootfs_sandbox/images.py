@@ -57,6 +57,8 @@ from envhub.util.singleflight import SingleFlight
 
 log = logging.getLogger("envhub.rootfs")
 
+#: The PATH of a process whose image sets none (Docker's default).
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _HEX = re.compile(r"[0-9a-f]{64}")
 _LEFTOVER = re.compile(r".+\.(?:tmp|rm)-[0-9a-f]+(?:\.tar)?")
 
@@ -64,8 +66,8 @@ _LEFTOVER = re.compile(r".+\.(?:tmp|rm)-[0-9a-f]+(?:\.tar)?")
 @dataclass(frozen=True)
 class ImageConfig:
     """What a sandbox takes from the image config (its ``config`` object). ``healthcheck``
-    is in :class:`envhub.sandbox.Sidecar`'s form (durations in seconds), from Docker's
-    ``Healthcheck`` (in nanoseconds); None where the image has none."""
+    is Docker's ``Healthcheck`` as the image has it (durations in nanoseconds), None where
+    it has none (sidecars.py reads it)."""
 
     env: tuple[str, ...] = ()
     workdir: str = ""
@@ -90,7 +92,7 @@ class ImageConfig:
             user=string(c.get("User")),
             entrypoint=strings(c.get("Entrypoint")),
             cmd=strings(c.get("Cmd")),
-            healthcheck=_healthcheck(c.get("Healthcheck")),
+            healthcheck=c.get("Healthcheck") if isinstance(c.get("Healthcheck"), dict) else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -100,34 +102,8 @@ class ImageConfig:
             "User": self.user,
             "Entrypoint": list(self.entrypoint),
             "Cmd": list(self.cmd),
-            **({"Healthcheck": _docker_healthcheck(self.healthcheck)} if self.healthcheck else {}),
+            **({"Healthcheck": dict(self.healthcheck)} if self.healthcheck else {}),
         }
-
-
-_HEALTH_DURATIONS = (("Interval", "interval_sec"), ("Timeout", "timeout_sec"), ("StartPeriod", "start_period_sec"))
-
-
-def _healthcheck(h: Any) -> Mapping[str, Any] | None:
-    """Docker's ``Healthcheck`` in the sidecar's form; None for none (or ``NONE``)."""
-    if not isinstance(h, dict) or not isinstance(h.get("Test"), list) or not h["Test"] or h["Test"][0] == "NONE":
-        return None
-    out: dict[str, Any] = {"test": [str(x) for x in h["Test"]]}
-    for docker_key, key in _HEALTH_DURATIONS:
-        if isinstance(h.get(docker_key), int) and h[docker_key] > 0:
-            out[key] = h[docker_key] / 1e9
-    if isinstance(h.get("Retries"), int) and h["Retries"] > 0:
-        out["retries"] = h["Retries"]
-    return out
-
-
-def _docker_healthcheck(h: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"Test": list(h["test"])}
-    for docker_key, key in _HEALTH_DURATIONS:
-        if h.get(key) is not None:
-            out[docker_key] = int(float(h[key]) * 1e9)
-    if h.get("retries") is not None:
-        out["Retries"] = int(h["retries"])
-    return out
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 
 from envhub.confine.addresses import DENIED, host_addresses
 from envhub.errors import SandboxError, StartupError
@@ -77,13 +78,23 @@ def blackholes(egress_allow: list[str], host: list[str] | None = None) -> list[s
     """The IPv4 networks an episode's routes send nowhere: the denied ranges less
     slirp4netns's own network, and the host's own addresses (one in that network too),
     each less the ``egress_allow`` networks."""
-    allowed = allowed_networks(egress_allow)
-    ranges = _less([ipaddress.IPv4Network(c) for c in DENIED], [ipaddress.IPv4Network(SLIRP_NETWORK), *allowed])
+    denied = denied_networks(DENIED, egress_allow, host=host, holes=[SLIRP_NETWORK])
+    return [str(n) for n in ipaddress.collapse_addresses(denied)]
+
+
+def denied_networks(
+    ranges: Iterable[str], egress_allow: list[str], *, host: list[str] | None = None, holes: Iterable[str] = ()
+) -> list[ipaddress.IPv4Network]:
+    """``ranges`` less ``holes``, and the host's own addresses (``host``: as they are
+    now), each less the ``egress_allow`` networks: what an episode never reaches, whether
+    its routes (:func:`blackholes`) or the node's proxy (proxy.py) keep it out."""
+    allowed = _allowed_networks(egress_allow)
+    kept = _less([ipaddress.IPv4Network(c) for c in ranges], [*(ipaddress.IPv4Network(h) for h in holes), *allowed])
     hosts = _less([ipaddress.IPv4Network(f"{a}/32") for a in (host_addresses() if host is None else host)], allowed)
-    return [str(n) for n in ipaddress.collapse_addresses(ranges + hosts)]
+    return kept + hosts
 
 
-def allowed_networks(egress_allow: list[str]) -> list[ipaddress.IPv4Network]:
+def _allowed_networks(egress_allow: list[str]) -> list[ipaddress.IPv4Network]:
     """The IPv4 networks of ``egress_allow`` (IPv6 ones mean nothing here: episodes have no
     IPv6); ``SandboxError`` for an entry that is not an address or network."""
     allowed: list[ipaddress.IPv4Network] = []

@@ -433,7 +433,7 @@ def _start_service(service: dict, *, network: bool) -> int:
     if not argv:
         raise Failed("the sidecar has no command (its image names none and the service gives none)")
     env = {str(k): str(v) for k, v in (service.get("env") or {}).items()}
-    program = _which(argv[0], env.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"))
+    program = _which(argv[0], env.get("PATH", ""))  # the node always sets one (sidecars.service_of)
     if program is None:
         raise Failed(f"the sidecar's command {argv[0]!r} is not in its image")
     uid, gid, groups = _user_ids(str(service.get("user") or ""))
@@ -482,18 +482,19 @@ def _which(name: str, path: str) -> str | None:
     return None
 
 
-def _user_ids(user: str) -> tuple[int, int, list[int] | None]:
+def _user_ids(user: str, etc: str = "/etc") -> tuple[int, int, list[int] | None]:
     """uid, gid and supplementary groups of Docker's ``user`` (``name``, ``uid``,
-    ``name:group``, ``uid:gid``; empty: root), looked up in this root's /etc/passwd and
-    /etc/group. The groups are None where this user namespace may not set them (one that
-    maps a single id: the node without root)."""
+    ``name:group``, ``uid:gid``; empty: root), looked up in this root's ``etc``/passwd and
+    ``etc``/group; a uid they do not name has gid 0, as on Docker. The groups are None
+    where this user namespace may not set them (one that maps a single id: the node
+    without root)."""
     name, _, group = user.partition(":")
-    passwd = _table("/etc/passwd")
+    passwd = _table(f"{etc}/passwd")
     uid = gid = 0
     if name:
         row = next((r for r in passwd if r[0] == name), None)
         if row is None and name.isdigit():
-            row = next((r for r in passwd if r[2] == name), None) or [name, "", name, name]
+            row = next((r for r in passwd if len(r) > 2 and r[2] == name), None) or [name, "", name, "0"]
         if row is None or len(row) < 4:
             raise Failed(f"the sidecar's user {name!r} is not in its image's /etc/passwd")
         uid, gid = int(row[2]), int(row[3])
@@ -501,7 +502,7 @@ def _user_ids(user: str) -> tuple[int, int, list[int] | None]:
         if group.isdigit():
             gid = int(group)
         else:
-            grow = next((r for r in _table("/etc/group") if r[0] == group), None)
+            grow = next((r for r in _table(f"{etc}/group") if r[0] == group), None)
             if grow is None:
                 raise Failed(f"the sidecar's group {group!r} is not in its image's /etc/group")
             gid = int(grow[2])
@@ -517,7 +518,7 @@ def _user_ids(user: str) -> tuple[int, int, list[int] | None]:
     if may_set_groups:
         member = {r[0] for r in passwd if len(r) > 2 and r[2] == str(uid)}
         groups = sorted(
-            {gid} | {int(r[2]) for r in _table("/etc/group") if len(r) > 3 and member & set(r[3].split(","))}
+            {gid} | {int(r[2]) for r in _table(f"{etc}/group") if len(r) > 3 and member & set(r[3].split(","))}
         )
     return uid, gid, groups
 

@@ -36,8 +36,8 @@ import socket
 from http import HTTPStatus
 from urllib.parse import urlsplit
 
-from envhub.confine.addresses import DENIED, host_addresses
-from envhub.plugins.rootfs_sandbox.network import _less, allowed_networks
+from envhub.confine.addresses import DENIED
+from envhub.plugins.rootfs_sandbox.network import denied_networks
 
 log = logging.getLogger("envhub.plugins.rootfs_sandbox")
 
@@ -76,10 +76,7 @@ class Policy:
     (``host``: as they are when it is made), less ``egress_allow``."""
 
     def __init__(self, egress_allow: list[str], host: list[str] | None = None) -> None:
-        allowed = allowed_networks(egress_allow)
-        never = [ipaddress.IPv4Network(c) for c in NEVER]
-        never += [ipaddress.IPv4Network(f"{a}/32") for a in (host_addresses() if host is None else host)]
-        self.denied = _less(never, allowed)
+        self.denied = denied_networks(NEVER, egress_allow, host=host)
 
     def allows(self, address: str) -> bool:
         ip = ipaddress.IPv4Address(address)
@@ -88,13 +85,13 @@ class Policy:
     async def resolve(self, host: str, port: int) -> str:
         """An address of ``host`` the episode may reach; ``Refused`` when it has none."""
         if not host or len(host) > 253:
-            raise Refused(400, "no host to connect to")
+            raise Refused(400, "envhub: no host to connect to")
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
                 host, port, family=socket.AF_INET, type=socket.SOCK_STREAM
             )
         except (socket.gaierror, UnicodeError) as e:
-            raise Refused(502, f"cannot resolve {host!r}: {e}") from None
+            raise Refused(502, f"envhub: cannot resolve {host!r}: {e}") from None
         addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
         for address in addresses:
             if self.allows(address):

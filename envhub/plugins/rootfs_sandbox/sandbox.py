@@ -79,7 +79,7 @@ from envhub.errors import BuildFailed, EnvhubError, InvalidRequest, NotFound, Sa
 from envhub.plugins.rootfs_sandbox import files as episode_files
 from envhub.plugins.rootfs_sandbox import sidecars
 from envhub.plugins.rootfs_sandbox.agent import Agent
-from envhub.plugins.rootfs_sandbox.images import Image, RootfsStore, normalize_name
+from envhub.plugins.rootfs_sandbox.images import DEFAULT_PATH, Image, RootfsStore, normalize_name
 from envhub.plugins.rootfs_sandbox.launcher import RootfsZygote
 from envhub.plugins.rootfs_sandbox.network import NAMESERVER, Slirp, blackholes, find_slirp
 from envhub.plugins.rootfs_sandbox.nsinit import SERVICE_DIR
@@ -91,7 +91,6 @@ from envhub.util.trees import tree_digest
 
 log = logging.getLogger("envhub.plugins.rootfs_sandbox")
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "opt", "var")
 #: What an episode over the host's system never sees of it, besides the node's own files
 #: and the datasets: its passwords, SSH keys, sudo rules, engines' state and logs.
@@ -382,8 +381,8 @@ class RootfsSandbox(Sandbox):
             groups = await asyncio.to_thread(self._cgroups_of, slot, spec)
             env = _environment(image, spec)
             proxied = spec.network != "none" and self.proxied
-            if proxied:
-                env.update(proxy_env(self.proxy_port, [car.name for car in spec.sidecars]))
+            proxy_vars = proxy_env(self.proxy_port, [car.name for car in spec.sidecars]) if proxied else {}
+            env.update(proxy_vars)
             if spec.sidecars and self.host:
                 raise InvalidRequest(
                     "the rootfs sandbox runs episodes over this host's own system (sandboxes.rootfs.host): "
@@ -423,7 +422,7 @@ class RootfsSandbox(Sandbox):
             elif proxied:
                 ep.proxy = await self._proxy(pid, spec, handle)
             await agent.open(self.start_timeout)
-            await self._start_sidecars(ep, spec, groups=groups, networked=network is not None, proxied=proxied)
+            await self._start_sidecars(ep, spec, groups=groups, networked=network is not None, env=proxy_vars)
         except BaseException:
             await self.destroy(handle)
             raise
@@ -447,11 +446,12 @@ class RootfsSandbox(Sandbox):
         return proxy
 
     async def _start_sidecars(
-        self, ep: _Episode, spec: SandboxSpec, *, groups: list[str], networked: bool, proxied: bool
+        self, ep: _Episode, spec: SandboxSpec, *, groups: list[str], networked: bool, env: dict[str, str]
     ) -> None:
         """Start ``spec.sidecars`` in the user and network namespaces of ``ep``, each once
-        the one before it is up, within ``sidecar_timeout`` in all. Each is ``ep``'s as
-        soon as it exists, so destroying ``ep`` ends it."""
+        the one before it is up, within ``sidecar_timeout`` in all, with ``env`` over each
+        one's own (its episode's proxy). Each is ``ep``'s as soon as it exists, so
+        destroying ``ep`` ends it."""
         deadline = time.monotonic() + self.sidecar_timeout
         names = [car.name for car in spec.sidecars]
         for car in spec.sidecars:
@@ -459,8 +459,7 @@ class RootfsSandbox(Sandbox):
             if image is None:
                 raise SandboxError(f"sidecar {car.name!r}: image {car.image!r} is not in the rootfs store")
             service = sidecars.service_of(car, image.config)
-            if proxied:
-                service["env"].update(proxy_env(self.proxy_port, [c.name for c in spec.sidecars]))
+            service["env"].update(env)
             reply, fds = await self._zygote().call(
                 {
                     "op": "create",
@@ -506,7 +505,7 @@ class RootfsSandbox(Sandbox):
 
             await sidecars.await_up(
                 car,
-                car.healthcheck or image.config.healthcheck,
+                sidecars.healthcheck_of(car, image.config),
                 exited=exited,
                 run=agent.run,
                 tail=tail,

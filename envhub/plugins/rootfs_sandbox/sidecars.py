@@ -24,12 +24,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from envhub.errors import SandboxError
-from envhub.plugins.rootfs_sandbox.images import ImageConfig
+from envhub.plugins.rootfs_sandbox.images import DEFAULT_PATH, ImageConfig
 from envhub.sandbox import ExecResult, Sidecar
 
 _POLL_SEC = 0.1
 _LOG_TAIL_LINES = 20
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_HEALTH_DURATIONS = (("Interval", "interval_sec"), ("Timeout", "timeout_sec"), ("StartPeriod", "start_period_sec"))
 
 
 def service_of(car: Sidecar, config: ImageConfig) -> dict[str, Any]:
@@ -50,6 +50,24 @@ def service_of(car: Sidecar, config: ImageConfig) -> dict[str, Any]:
         "workdir": car.workdir or config.workdir or "/",
         "user": car.user if car.user is not None else config.user,
     }
+
+
+def healthcheck_of(car: Sidecar, config: ImageConfig) -> Mapping[str, Any] | None:
+    """``car``'s healthcheck (``Sidecar``'s form), else its image's (Docker's
+    ``Healthcheck``, durations in nanoseconds, converted); None for none."""
+    if car.healthcheck:
+        return car.healthcheck
+    h = config.healthcheck or {}
+    test = h.get("Test")
+    if not isinstance(test, list) or not test or test[0] == "NONE":
+        return None
+    out: dict[str, Any] = {"test": [str(x) for x in test]}
+    for docker_key, key in _HEALTH_DURATIONS:
+        if isinstance(h.get(docker_key), int) and h[docker_key] > 0:
+            out[key] = h[docker_key] / 1e9
+    if isinstance(h.get("Retries"), int) and h["Retries"] > 0:
+        out["retries"] = h["Retries"]
+    return out
 
 
 def health_command(check: Mapping[str, Any] | None) -> str | None:
