@@ -145,6 +145,11 @@ def test_a_join_is_admitted_only_where_the_scheduler_reaches_the_node_with_its_k
 
             assert "base URL" in refused({"url": f"{listed.url}/v1"})
             assert "base URL" in refused({"url": "ftp://10.0.0.1:21"})
+            assert "base URL" in refused({"url": 8000})
+            assert "base URL" in refused({})
+            assert "'name' must be" in refused({"url": listed.url, "name": "two words"})
+            r = c.post("/nodes/join", content=b"url=http://x")
+            assert r.status_code == 400 and "bad JSON body" in r.json()["error"], r.text
             assert "unknown field 'slots'" in refused({"url": listed.url, "slots": 99})
             assert "cannot reach the node" in refused({"url": nowhere})
             assert "advertise_url" in refused({"url": nowhere})

@@ -137,7 +137,7 @@ class Membership:
         if listed is not None:
             self.last_sign[request.url] = now
             return {"status": "ok", "url": request.url, "joined": False, "listed": True, "slots": listed.slots}
-        name = request.name or request.url
+        name = request.name or request.node_id or request.url
         first = request.url not in self.joined
         await joined_nodes.put(self.db, url=request.url, name=name, node_id=request.node_id, slots=capacity)
         self.joined[request.url] = joined_nodes.JoinedNode(
