@@ -21,10 +21,11 @@ from sanic.config import Config
 from envhub.compat.backends import NodeBackend, SchedulerBackend
 from envhub.compat.openenv import OpenEnvService
 from envhub.errors import Unavailable
-from envhub.logs import start_line
+from envhub.logs import listening_url, start_line
 from envhub.metrics.node import NodeMetrics, NoNodeMetrics
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics
 from envhub.network import NetworkMode
+from envhub.node.joining import Joiner, advertised_url
 from envhub.node.runtime import NodeRuntime
 from envhub.node.service import NodeService
 from envhub.plugins import Registry, collect, get_plugin_manager
@@ -212,8 +213,8 @@ def setup_scheduler(app: Any) -> None:
     @app.before_server_start(priority=500)
     async def start_scheduler(app: Any) -> None:
         settings: Settings = app.ctx.settings
-        source = FleetFile(settings)  # stat before reading, so a change made meanwhile is seen next round
-        fleet = load_fleet(settings)
+        file = FleetFile(settings)  # stat before reading, so a change made meanwhile is seen next round
+        fleet = load_fleet(settings, allow_empty=settings.accept_joins)  # nodes may join (joining.py)
         mode = settings.network_mode
         config = dict(settings.network.get(mode) or {})
         if fleet.url_rewrite:
@@ -223,7 +224,7 @@ def setup_scheduler(app: Any) -> None:
         app.ctx.network = app.ctx.registries["network_mode"].get(mode)(config)
         await app.ctx.network.start()
         app.ctx.scheduler = SchedulerService(
-            settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network, source, metrics=app.ctx.metrics
+            settings, app.ctx.db, app.ctx.http, fleet, app.ctx.network, file, metrics=app.ctx.metrics
         )
         await app.ctx.scheduler.start()
         app.ctx.backend = SchedulerBackend(app.ctx.scheduler)
@@ -309,6 +310,10 @@ def setup_node(app: Any) -> None:
     @app.after_server_start
     async def start_loops(app: Any) -> None:
         app.add_task(app.ctx.node.reap_forever(), name="node.reaper")
+        settings: Settings = app.ctx.settings
+        if settings.join:  # once it serves: the scheduler checks it at the URL it gives
+            joiner = Joiner(settings, app.ctx.http, advertised_url(settings, listening_url(app)))
+            app.add_task(joiner.forever(), name="node.join")
 
     @app.before_server_stop
     async def stop_taking_creates(app: Any) -> None:

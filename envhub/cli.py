@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import json
 import logging
 import sys
@@ -19,6 +18,7 @@ import click
 
 from envhub.errors import EnvhubError
 from envhub.settings import Settings, _deep_merge, parse_assignment
+from envhub.util.urls import is_loopback
 
 log = logging.getLogger("envhub")
 
@@ -38,15 +38,6 @@ def _settings(config: str | None, sets: tuple[str, ...], **flags: Any) -> Settin
     return Settings.load(config, overrides=overrides)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @cli.command()
 @click.option("--role", type=click.Choice(["node", "scheduler"]), envvar="ENVHUB_ROLE", help="What this process is.")
 @click.option("--config", "config", type=click.Path(dir_okay=False), envvar="ENVHUB_CONFIG", help="YAML config file.")
@@ -61,6 +52,18 @@ def _is_loopback(host: str) -> bool:
 @click.option("--capacity", type=int, envvar="ENVHUB_CAPACITY", help="Concurrent episodes (slots) on this node.")
 @click.option(
     "--api-key", "api_keys", multiple=True, envvar="ENVHUB_API_KEY", help="Accepted API key; repeat for several."
+)
+@click.option(
+    "--join",
+    envvar="ENVHUB_JOIN",
+    metavar="URL",
+    help="A node: join the scheduler at URL by itself (no nodes file needed there).",
+)
+@click.option(
+    "--advertise-url",
+    envvar="ENVHUB_ADVERTISE_URL",
+    metavar="URL",
+    help="A joining node: the URL the scheduler calls it at (default: this host's address towards the scheduler).",
 )
 @click.option(
     "--set",
@@ -81,7 +84,7 @@ def serve(config: str | None, sets: tuple[str, ...], **flags: Any) -> None:
     app = None
     try:
         settings = _settings(config, sets, **flags)
-        if not settings.api_keys and not _is_loopback(settings.host):
+        if not settings.api_keys and not is_loopback(settings.host):
             log.warning(
                 "envhub is bound to %s with no API key: anyone who reaches this port can run code", settings.host
             )

@@ -100,7 +100,8 @@ def start_line(app: Any) -> str:
     else:
         nodes = len(app.ctx.scheduler.nodes) if app.ctx.scheduler is not None else 0
         source = f"nodes file {Path(settings.nodes_file).resolve()}" if settings.nodes_file else "nodes from the config"
-        parts.append(f"{source}, {nodes} node{'' if nodes == 1 else 's'}")
+        joins = " (more may join at POST /nodes/join)" if settings.accept_joins else ""
+        parts.append(f"{source}, {nodes} node{'' if nodes == 1 else 's'}{joins}")
     parts.append(f"data dir {Path(settings.data_dir).resolve()}")
     parts.append("API key required" if settings.api_keys else "no API key required")
     return " | ".join(parts)

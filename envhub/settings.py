@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from envhub.errors import InvalidRequest, StartupError
+from envhub.util.urls import base_url
 
 _PREFIX = "ENVHUB_"
 
@@ -45,6 +46,14 @@ class Settings:
     # None: the node's own id, made at its first start and kept in its database
     # (store/identity.py), so that nodes sharing a host never share one.
     node_id: str | None = None
+    # A node that joins a scheduler by itself (envhub/node/joining.py): the scheduler's URL,
+    # the URL the scheduler should call this node at (None: made from the address this
+    # host reaches the scheduler from and the port it listens on), the key it joins with
+    # (None: its own first API key) and how often it announces itself again.
+    join: str | None = None
+    advertise_url: str | None = None
+    join_key: str | None = None
+    join_interval: float = 30.0
     capacity: int = 32
     queue_size: int = 64
     queue_timeout: float = 30.0
@@ -70,6 +79,10 @@ class Settings:
     config_dir: Path | None = None
     nodes: list[Any] = field(default_factory=list)
     node_api_key: str | None = None
+    # Nodes that join by themselves (POST /nodes/join; envhub/scheduler/joining.py): whether
+    # they are taken, and how long one may give no sign of life before it leaves the fleet.
+    accept_joins: bool = True
+    join_ttl: float = 600.0
     affinity_window: float = 120.0
     health_interval: float = 2.0
     health_timeout: float = 2.0
@@ -121,6 +134,14 @@ class Settings:
                 raise StartupError(str(e)) from None
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise StartupError("metrics_port must be a port number (0-65535)")
+        if self.role == "scheduler" and self.join:
+            raise StartupError("join is a node's setting: a scheduler takes nodes that join, it joins none")
+        for name in ("join", "advertise_url"):
+            if getattr(self, name) is not None:
+                try:
+                    setattr(self, name, base_url(getattr(self, name)))
+                except ValueError as e:
+                    raise StartupError(f"{name}: {e}") from None
         if self.response_timeout is None:
             self.response_timeout = 6 * 3600.0 if self.role == "node" else self.forward_timeout + 60
         for name in ("environments", "sandboxes", "agents", "network", "run_code"):
@@ -190,6 +211,8 @@ _BOUNDS: dict[str, tuple[float, bool]] = {
     "response_timeout": (0, False),
     "retry_attempts": (1, True),
     "retry_max_wait": (0, True),
+    "join_ttl": (0, False),
+    "join_interval": (0, False),
 }
 
 

@@ -155,6 +155,64 @@ def test_the_image_runs_terminal_bench_episodes_through_the_hosts_engine_socket(
         client.close()
 
 
+@pytest.fixture
+def docker_network():
+    """A bridge network of the test's own, removed after the containers on it (this
+    fixture is set up before ``run_container``, so it is torn down after it)."""
+    client = docker.from_env()
+    network = client.networks.create(f"envhub-test-{uuid.uuid4().hex[:12]}", driver="bridge")
+    yield network.name
+    try:
+        network.remove()
+    finally:
+        client.close()
+
+
+def test_image_nodes_join_a_scheduler_of_the_image_by_its_name_as_pods_do(image, docker_network, run_container):
+    """As deploy/kubernetes/envhub.yaml runs them: a scheduler container with no nodes
+    file, and node containers that join it by its name on their network, each
+    announcing its own address on that network (found from its route to the scheduler:
+    no advertise_url). An episode through the scheduler runs on one of them."""
+    key = "image-fleet-key"
+    name = f"envhub-sched-{uuid.uuid4().hex[:8]}"
+    serve = ("serve", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/var/lib/envhub/data")
+    sched, sched_url = run_container(
+        image,
+        *serve,
+        "--role",
+        "scheduler",
+        "--set",
+        "health_interval=0.5",
+        name=name,
+        network=docker_network,
+        environment={"ENVHUB_API_KEY": key, "ENVHUB_NODE_API_KEY": key},
+    )
+    nodes = [
+        run_container(
+            image,
+            *serve,
+            network=docker_network,
+            environment={"ENVHUB_API_KEY": key, "ENVHUB_JOIN": f"http://{name}:8000", "ENVHUB_JOIN_INTERVAL": "1"},
+        )[0]
+        for _ in range(2)
+    ]
+    addresses = {f"http://{n.attrs['NetworkSettings']['Networks'][docker_network]['IPAddress']}:8000" for n in nodes}
+    h = {"X-API-Key": key}
+
+    def joined() -> set[str]:
+        rows = httpx.get(sched_url + "/status", headers=h, timeout=10).json()["nodes"]
+        return {n["url"] for n in rows if n["joined"] and n["healthy"]}
+
+    eventually(lambda: joined() == addresses, timeout=60, message=lambda: f"{joined()} != {addresses}")
+    r = httpx.post(sched_url + "/instances", json={"environment": "mbpp", "task_id": "13"}, headers=h, timeout=60)
+    assert r.status_code == 201, r.text + sched.logs().decode()[-3000:]
+    iid = r.json()["instance_id"]
+    submit = {"action": {"tool": "submit_solution", "arguments": {"code": MBPP_13}}}
+    assert httpx.post(f"{sched_url}/instances/{iid}/step", json=submit, headers=h, timeout=60).status_code == 200
+    ev = httpx.post(f"{sched_url}/instances/{iid}/evaluate", json={"release": True}, headers=h, timeout=60)
+    assert ev.status_code == 200 and ev.json()["reward"] == 1.0, ev.text
+
+
 def _write(path, text):
     path.write_text(text)
     path.chmod(0o644)  # read by the container's own user

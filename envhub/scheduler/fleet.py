@@ -48,6 +48,7 @@ class Node:
     calls: set[InFlight] = field(default_factory=set)  # our calls to it not answered yet
     sessions_moved: int = 0  # our OpenEnv sessions opened or closed there so far (see report)
     described: list[dict[str, Any]] = field(default_factory=list)  # its last GET /environments entries
+    joined: bool = False  # it joined by itself (joining.py), rather than being listed in the nodes file
 
     @property
     def used(self) -> int:
@@ -256,7 +257,10 @@ def load_fleet(settings: Settings, *, allow_empty: bool = False) -> Fleet:
             raise StartupError(f"node {url} is listed twice")
         nodes.append(Node(url=url, slots=slots, api_key=key, name=str(entry.get("name") or url), capacity=slots))
     if not nodes and not allow_empty:
-        raise StartupError("a scheduler needs nodes: set nodes_file (nodes.yaml) or nodes")
+        raise StartupError(
+            "a scheduler needs nodes: set nodes_file (nodes.yaml) or nodes, "
+            "or accept_joins for nodes that join by themselves"
+        )
     rewrite = data.get("url_rewrite") or {}
     if not isinstance(rewrite, dict):
         raise StartupError("url_rewrite in the nodes file must be a mapping")

@@ -8,7 +8,9 @@ Invariants (the scheduler's, stated whole in envhub/scheduler/service.py):
   end too. It is up again at its next good check.
 - Each node's check stands alone: one that fails unexpectedly marks that node down and
   the round goes on.
-- The fleet's changes are taken from its ``NodeSource`` once per round, before the checks.
+- The fleet's changes are taken from its ``Membership`` (the nodes file and the nodes
+  that joined) once per round, before the checks; after them, joined nodes silent for
+  ``join_ttl`` seconds leave.
 - Retention deletes ended routes in batches, a bounded number per round.
 """
 
@@ -22,7 +24,8 @@ import aiohttp
 
 from envhub.errors import UpstreamUnavailable
 from envhub.scheduler import peers
-from envhub.scheduler.fleet import Node, NodeSource
+from envhub.scheduler.fleet import Node
+from envhub.scheduler.joining import Membership
 from envhub.scheduler.view import FleetView
 from envhub.settings import Settings
 from envhub.store import routes
@@ -36,7 +39,7 @@ _PRUNE_PER_ROUND = 5_000  # and per health round
 
 class FleetHealth:
     """Health rounds over a :class:`FleetView`: each node's ``/health`` checked, the fleet's
-    changes taken from ``source``, and old routes and affinities dropped."""
+    changes taken from ``members``, and old routes and affinities dropped."""
 
     def __init__(
         self,
@@ -44,29 +47,40 @@ class FleetHealth:
         db: Database,
         http: aiohttp.ClientSession,
         view: FleetView,
-        source: NodeSource | None = None,
+        members: Membership | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
         self.http = http
         self.view = view
-        self.source = source
+        self.members = members
 
     async def check_health(self) -> None:
-        """One health round: first take the fleet's changes from the source, if any. Each
-        node's check stands alone: one that fails in a way :meth:`_check` does not expect
-        marks that node down, and the round goes on."""
-        if self.source is not None:
-            fleet = self.source.poll()
+        """One health round: first take the fleet's changes, if any. Each node's check
+        stands alone (:meth:`check`), and the round goes on. Then the joined nodes silent
+        too long leave."""
+        if self.members is not None:
+            fleet = self.members.poll()
             if fleet is not None:
                 self.view.set_fleet(fleet)
         nodes = list(self.view.nodes)
-        results = await asyncio.gather(*(self._check(node) for node in nodes), return_exceptions=True)
-        for node, result in zip(nodes, results, strict=True):
-            if isinstance(result, Exception):
-                log.error("health check of %s", node.url, exc_info=result)
-                self._check_failed(node, f"{type(result).__name__}: {result}")
+        await asyncio.gather(*(self.check(node) for node in nodes))
         self.view.prune_routes()
+        if self.members is not None:
+            self.members.saw(nodes)
+            if await self.members.expire():
+                fleet = self.members.poll()
+                if fleet is not None:
+                    self.view.set_fleet(fleet)
+
+    async def check(self, node: Node) -> None:
+        """One node's health check: one that fails in a way :meth:`_check` does not
+        expect marks that node down."""
+        try:
+            await self._check(node)
+        except Exception as e:
+            log.error("health check of %s", node.url, exc_info=e)
+            self._check_failed(node, f"{type(e).__name__}: {e}")
 
     def _check_failed(self, node: Node, why: str) -> None:
         """A failed health check: the node is down (no creates, calls answered 503 at once),

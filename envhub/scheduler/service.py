@@ -68,8 +68,9 @@ from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_
 from envhub.network import NetworkMode
 from envhub.scheduler import peers
 from envhub.scheduler.config_push import ConfigPush
-from envhub.scheduler.fleet import Fleet, Node, NodeSource
+from envhub.scheduler.fleet import Fleet, FleetFile, Node
 from envhub.scheduler.health import FleetHealth
+from envhub.scheduler.joining import JoinRequest, Membership
 from envhub.scheduler.run_code import RunCodeRouter
 from envhub.scheduler.view import FleetView
 from envhub.settings import Settings
@@ -138,7 +139,7 @@ class SchedulerService:
         http: aiohttp.ClientSession,
         fleet: Fleet,
         network: NetworkMode,
-        source: NodeSource | None = None,
+        file: FleetFile | None = None,
         metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.settings = settings
@@ -147,7 +148,9 @@ class SchedulerService:
         self.http = http
         self.view = FleetView(fleet.nodes)
         self.metrics.watch_nodes(self.view.nodes)  # changed in place by set_fleet: metrics read it at scrape
-        self.health_checks = FleetHealth(settings, db, http, self.view, source)
+        # The nodes file's nodes and those that joined by themselves (joining.py).
+        self.members = Membership(settings, db, fleet, file)
+        self.health_checks = FleetHealth(settings, db, http, self.view, self.members)
         self.network = network
         self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
         self._lock = asyncio.Lock()
@@ -176,9 +179,11 @@ class SchedulerService:
     # -- start-up and health (health.py) --------------------------------------------------
 
     async def start(self) -> None:
-        """Routes, affinity and the fleet's config from SQLite, a first health round, then
-        the creates a killed scheduler left half-done settled."""
+        """Routes, affinity, the nodes that joined and the fleet's config from SQLite, a
+        first health round, then the creates a killed scheduler left half-done settled."""
         await self.configs.state.load()
+        await self.members.load()
+        self.set_fleet(self.members.fleet())
         window = self.settings.affinity_window
         wall, mono = time.time(), time.monotonic()  # SQLite's wall-clock times, as monotonic ones
         for key, (url, at) in (await routes.affinities(self.db, newer_than=wall - window)).items():
@@ -211,6 +216,29 @@ class SchedulerService:
 
     async def check_health(self) -> None:
         await self.health_checks.check_health()
+
+    async def join(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /nodes/join``: admit the node (joining.py) and check its health at once,
+        so it takes creates from this answer on."""
+        request = JoinRequest.parse(body)
+        reply = await self.members.join(request, self.http)
+        fleet = self.members.poll()
+        if fleet is not None:
+            self.set_fleet(fleet)
+        node = self.by_url.get(request.url)
+        if node is not None:
+            await self.health_checks.check(node)
+            reply["healthy"] = node.healthy
+        return reply
+
+    async def leave(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /nodes/leave``: take a joined node out of the fleet now."""
+        url = body.get("url")
+        await self.members.leave(JoinRequest.parse({"url": url}).url)
+        fleet = self.members.poll()
+        if fleet is not None:
+            self.set_fleet(fleet)
+        return {"status": "ok", "url": url, "left": True}
 
     async def health_forever(self) -> None:
         await self.health_checks.forever()
@@ -805,6 +833,7 @@ class SchedulerService:
                 {
                     "url": node.url,
                     "name": node.name,
+                    "joined": node.joined,
                     "healthy": node.healthy,
                     "error": node.error,
                     "total_slots": node.capacity,

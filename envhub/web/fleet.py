@@ -4,8 +4,9 @@ GET /health, GET /status, GET /dashboard (what its dashboard page shows), GET an
 /url_rewrite (SETA's shapes), POST /config (the fleet's config: kept, and sent to every
 node, now and whenever one comes up without it; envhub/scheduler/config_push.py) and
 GET /config (that config and its version), POST /cleanup (sent to every node; per-node
-results). POST /config reads a ``config_path`` only inside the ``config_dir`` setting
-(envhub/scheduler/config_files.py).
+results), POST /nodes/join and POST /nodes/leave (nodes that join by themselves:
+envhub/scheduler/joining.py). POST /config reads a ``config_path`` only inside the
+``config_dir`` setting (envhub/scheduler/config_files.py).
 """
 
 from __future__ import annotations
@@ -76,3 +77,13 @@ async def fleet_config(request: Request):
 @bp.post("/cleanup")
 async def fan_out_cleanup(request: Request):
     return json({"status": "ok", "results": await request.app.ctx.scheduler.fan_out("POST", "/cleanup", {})})
+
+
+@bp.post("/nodes/join")
+async def join_node(request: Request):
+    return json(await request.app.ctx.scheduler.join(json_body(request)))
+
+
+@bp.post("/nodes/leave")
+async def leave_node(request: Request):
+    return json(await request.app.ctx.scheduler.leave(json_body(request)))
