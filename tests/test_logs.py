@@ -76,7 +76,7 @@ def test_a_scheduler_says_once_where_it_listens_and_how_many_nodes_it_has(tmp_pa
     [line] = start_lines(sched.log())
     assert line.split(": ", 1)[1].split(" | ") == [
         f"scheduler listening on {sched.url}",
-        f"nodes file {nodes_yaml.resolve()}, 1 node",
+        f"nodes file {nodes_yaml.resolve()}, 1 node (more may join at POST /nodes/join)",
         f"data dir {sched.data_dir.resolve()}",
         "no API key required",
     ], line
