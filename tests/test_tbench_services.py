@@ -83,8 +83,9 @@ def _tb1_task(root: Path, name: str, server: dict, *, secret: str) -> Path:
 
 
 # A service that writes 40 MB of output on one line, more than a rootfs sidecar's log
-# filesystem holds (16 MiB), then its last words and an exit code of its own.
-CHATTY = "head -c 40000000 /dev/zero | tr '\\0' x; echo; echo said it all >&2; exit 4"
+# filesystem holds (16 MiB), then its last words and an exit code of its own. All on
+# stdout: Docker copies stdout and stderr apart, so their order in its log is not kept.
+CHATTY = "head -c 40000000 /dev/zero | tr '\\0' x; echo; echo said it all; exit 4"
 
 
 def _server(**over) -> dict:
