@@ -1,6 +1,7 @@
 """Chaos soak: a mixed load through a scheduler in front of two nodes on this machine
 while a fault injector breaks something every 30-90 s; invariants are checked all along
-and at the end.
+and at the end. ``--join`` runs the fleet without a nodes file: the nodes join the
+scheduler by themselves, and must all be in its fleet at the end.
 
 The load: client threads play whole episodes through the scheduler, each with its
 reference solution, so each that completes must earn 1.0: MBPP (the bundled sample, or
@@ -91,6 +92,10 @@ RETRYABLE = {429, 502, 503, 504, 507}
 ALL_FAULTS = ["kill9_node", "sigterm_node", "kill9_scheduler", "restart_dockerd", "fill_disk", "cut_link", "stall_node"]
 UID_BASES = [(3_400_000, 3_410_000), (3_420_000, 3_430_000)]  # (process sandbox, AppWorld) per node
 UID_SPAN = 10_000
+# Every process of the fleet takes this key (and the scheduler calls its nodes with it):
+# the soak calls what a real fleet serves, keyed routes and all.
+FLEET_KEY = "chaos-fleet-key"
+AUTH = {"X-API-Key": FLEET_KEY}
 
 
 def log(msg: str) -> None:
@@ -196,6 +201,9 @@ class Rig:
         self.appworld: tuple[Path, Path] | None = None  # (python, data root)
         self.baseline_mounts: set[str] = set()
         self.lock = threading.Lock()
+        self.sched_port = free_port()
+        self.host_ips: dict[str, str] = {}  # host_if -> the host's address on that link
+        self.join_urls: dict[int, str] = {}  # node index -> the scheduler URL it joins (--join)
 
     # -- the engine --
     def engine_docker(self, *args: str, **kw: Any) -> subprocess.CompletedProcess:
@@ -247,6 +255,7 @@ class Rig:
         run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         run("ip", "link", "set", ns_if, "netns", ns)
         run("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
+        self.host_ips[host_if] = host_ip
         run("ip", "link", "set", host_if, "up")
         run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev", ns_if)
         run("ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up")
@@ -283,6 +292,7 @@ class Rig:
             envs["appworld"] = {"enabled": False}
         config: dict[str, Any] = {
             "node_id": node.node_id,
+            "api_keys": [FLEET_KEY],
             "capacity": self.args.capacity,
             "idle_ttl": self.args.idle_ttl,
             "reap_interval": 1,
@@ -309,6 +319,9 @@ class Rig:
         disk = self.make_disk(i) if self.root_mode else None
         data = (disk or self.root / f"node{i}") / "data"
         port = free_port() if ns is None else 8000 + i  # alone in its namespace: any port will do
+        if self.args.join:  # the node tells the scheduler where it is; its netns reaches the host at host_if's address
+            gateway = "127.0.0.1" if host_if is None else self.host_ips[host_if]
+            self.join_urls[i] = f"http://{gateway}:{self.sched_port}"
         node = Node(
             i,
             f"chaos-{self.tag}-{i}",
@@ -325,6 +338,8 @@ class Rig:
         argv = ([] if ns is None else ["ip", "netns", "exec", ns]) + [sys.executable, "-m", "envhub", "serve"]
         argv += ["--role", "node", "--host", host, "--port", str(port)]
         argv += ["--data-dir", str(data), "--config", str(config)]
+        if i in self.join_urls:
+            argv += ["--join", self.join_urls[i]]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
         node.proc = Proc(f"node{i}", argv, self.root / f"node{i}.log", env)
         self.nodes.append(node)
@@ -333,24 +348,32 @@ class Rig:
     def start_fleet(self) -> None:
         for i in range(2):
             self.add_node(i).proc.start()
-        nodes_yaml = self.root / "nodes.yaml"
-        nodes_yaml.write_text(
-            yaml.safe_dump({"nodes": [{"url": n.url, "slots": self.args.capacity} for n in self.nodes]})
-        )
-        port = free_port()
+        port = self.sched_port
         self.sched_url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "envhub", "serve", "--role", "scheduler", "--port", str(port)]
-        argv += ["--data-dir", str(self.root / "sched"), "--set", f"nodes_file={nodes_yaml}"]
+        argv += ["--data-dir", str(self.root / "sched")]
+        if self.args.join:
+            # No nodes file: the nodes join. Bound where their namespaces reach it (keyed).
+            argv += ["--host", "0.0.0.0"]
+        else:
+            nodes_yaml = self.root / "nodes.yaml"
+            nodes_yaml.write_text(
+                yaml.safe_dump({"nodes": [{"url": n.url, "slots": self.args.capacity} for n in self.nodes]})
+            )
+            argv += ["--set", f"nodes_file={nodes_yaml}"]
         argv += ["--set", "health_interval=0.5", "--set", "health_timeout=2"]
         # Task affinity would keep the few tasks of the mix on one node for good: a short
         # window spreads the load over both, so that faults on either one meet episodes.
         argv += ["--set", f"affinity_window={self.args.affinity_window}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ENVHUB_")}
+        env.update(ENVHUB_API_KEY=FLEET_KEY, ENVHUB_NODE_API_KEY=FLEET_KEY)
         self.sched = Proc("scheduler", argv, self.root / "scheduler.log", env)
         self.sched.start()
         for p in self.procs():
             if p is not self.engine and not self.healthy(p, timeout=120):
                 raise SystemExit(f"{p.name} did not start; see {p.log_path}")
+        if self.args.join and not wait_for(lambda: len(joined_nodes(self)) == len(self.nodes), 60):
+            raise SystemExit(f"the nodes did not join the scheduler; see {self.root}")
 
     def procs(self) -> list[Proc]:
         return [p for p in [self.engine, *(n.proc for n in self.nodes), self.sched] if p is not None]
@@ -700,7 +723,7 @@ def client_loop(rig: Rig, stats: Stats, mix: dict[str, list[Episode]], seed: int
     envs = [env for env in mix if mix[env]]
     weights = [rig.args.weights[list(mix).index(env)] for env in envs]
     n = 0
-    with httpx.Client(base_url=rig.sched_url, timeout=rig.args.call_timeout) as c:
+    with httpx.Client(base_url=rig.sched_url, headers=AUTH, timeout=rig.args.call_timeout) as c:
         while not stop.is_set():
             ep = rng.choice(mix[rng.choices(envs, weights)[0]])
             n += 1
@@ -734,7 +757,9 @@ def supervise(rig: Rig, stats: Stats, stop: threading.Event) -> None:
 
 def live_ids(node: Node) -> set[str] | None:
     try:
-        r = httpx.get(node.url + "/instances", params={"state": "creating,active,done", "limit": 1000}, timeout=3)
+        r = httpx.get(
+            node.url + "/instances", params={"state": "creating,active,done", "limit": 1000}, headers=AUTH, timeout=3
+        )
         return {i["instance_id"] for i in r.json()["instances"]}
     except (httpx.HTTPError, ValueError, KeyError):
         return None
@@ -826,6 +851,15 @@ def inject_loop(rig: Rig, stats: Stats, kinds: list[str], stop: threading.Event,
 # -- the end: release everything, then count what is left ---------------------------------------
 
 
+def joined_nodes(rig: Rig) -> list[str]:
+    """The URLs of the nodes in the scheduler's fleet that joined it by themselves."""
+    try:
+        rows = httpx.get(rig.sched_url + "/status", headers=AUTH, timeout=5).json()["nodes"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+    return [n["url"] for n in rows if n.get("joined")]
+
+
 def wait_for(check, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -838,7 +872,7 @@ def wait_for(check, timeout: float) -> Any:
 def final_checks(rig: Rig, stats: Stats) -> dict:
     """After the load stopped: release what the clients left, then count what is left."""
     out: dict[str, Any] = {}
-    with httpx.Client(base_url=rig.sched_url, timeout=60) as c:
+    with httpx.Client(base_url=rig.sched_url, headers=AUTH, timeout=60) as c:
         for iid in list(stats.created):
             for _ in range(3):
                 try:
@@ -866,7 +900,7 @@ def final_checks(rig: Rig, stats: Stats) -> dict:
 
     def sched_status() -> dict:
         try:
-            return httpx.get(rig.sched_url + "/status", timeout=5).json()
+            return httpx.get(rig.sched_url + "/status", headers=AUTH, timeout=5).json()
         except (httpx.HTTPError, ValueError):
             return {"nodes": []}
 
@@ -901,6 +935,10 @@ def final_checks(rig: Rig, stats: Stats) -> dict:
             stats.violation(f"{what}_after_release", left=a[what])
     if a["containers"] > pooled:
         stats.violation("containers_after_release", containers=a["containers"], pooled=pooled)
+    if rig.args.join:  # however often nodes and scheduler died, every node is in the fleet, as joined
+        out["joined"] = joined_nodes(rig)
+        if sorted(out["joined"]) != sorted(n.url for n in rig.nodes):
+            stats.violation("not_joined_at_end", joined=out["joined"], nodes=[n.url for n in rig.nodes])
 
     # the final stop: graceful, and then nothing of the nodes' may be left
     codes = {}
@@ -940,8 +978,10 @@ def check_fleet_config(rig: Rig, stats: Stats, args: argparse.Namespace) -> dict
 
     def seen() -> dict[str, Any] | None:
         try:
-            status = httpx.get(rig.sched_url + "/status", timeout=5).json()
-            configs = {n.node_id: httpx.get(n.url + "/config", timeout=5).json()["config"] for n in rig.nodes}
+            status = httpx.get(rig.sched_url + "/status", headers=AUTH, timeout=5).json()
+            configs = {
+                n.node_id: httpx.get(n.url + "/config", headers=AUTH, timeout=5).json()["config"] for n in rig.nodes
+            }
         except (httpx.HTTPError, ValueError, KeyError):
             return None
         versions = {n["url"]: (n["config_version"], n["config_error"]) for n in status["nodes"]}
@@ -1023,7 +1063,7 @@ def soak(args: argparse.Namespace) -> dict:
         rig.baseline_mounts = rig.mount_lines()
         log(f"fleet up in {time.monotonic() - started:.1f} s: {rig.sched_url}, nodes {[n.url for n in rig.nodes]}")
         if args.fleet_config:
-            given = httpx.post(rig.sched_url + "/config", json={"config": fleet_config(args)}, timeout=60)
+            given = httpx.post(rig.sched_url + "/config", json={"config": fleet_config(args)}, headers=AUTH, timeout=60)
             given.raise_for_status()
             result["fleet_config"] = given.json()
         mix = {
@@ -1138,6 +1178,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--call-timeout", type=float, default=120, help="seconds per HTTP call")
     ap.add_argument("--call-deadline", type=float, default=90, help="seconds a client retries one call")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--join",
+        action="store_true",
+        help="no nodes file: the nodes join the scheduler by themselves, and must all be in its fleet at the end",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "chaos.json")
     return ap.parse_args(argv)
 

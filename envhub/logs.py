@@ -99,7 +99,10 @@ def start_line(app: Any) -> str:
             parts.append("left out: " + "; ".join(f"{n} ({why})" for n, why in sorted(left_out.items())))
     else:
         nodes = len(app.ctx.scheduler.nodes) if app.ctx.scheduler is not None else 0
-        source = f"nodes file {Path(settings.nodes_file).resolve()}" if settings.nodes_file else "nodes from the config"
+        if settings.nodes_file:
+            source = f"nodes file {Path(settings.nodes_file).resolve()}"
+        else:
+            source = "nodes from the config" if settings.nodes else "no nodes file"
         joins = " (more may join at POST /nodes/join)" if settings.accept_joins else ""
         parts.append(f"{source}, {nodes} node{'' if nodes == 1 else 's'}{joins}")
     parts.append(f"data dir {Path(settings.data_dir).resolve()}")

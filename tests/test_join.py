@@ -62,7 +62,7 @@ def test_nodes_join_an_empty_scheduler_take_episodes_and_outlive_its_restart(tmp
     sched = scheduler(tmp_path)
     a = b = None
     try:
-        assert "0 nodes (more may join at POST /nodes/join)" in sched.log()
+        assert "no nodes file, 0 nodes (more may join at POST /nodes/join)" in sched.log()
         a = joining_node(tmp_path, sched, "a", "--set", "join_interval=3600")
         b = joining_node(tmp_path, sched, "b", "--set", "join_interval=3600")
         with sched.client() as c:

@@ -35,7 +35,7 @@ from test_rootfs_sandbox import (
     host_mounts_of,
     rootfs_node,
 )
-from test_tbench_services import FETCH, _server, _tb1_task, harbor_task
+from test_tbench_services import CHATTY, FETCH, _server, _tb1_task, harbor_task
 
 from envhub.plugins.rootfs_sandbox import files as rootfs_files
 
@@ -58,6 +58,7 @@ def tasks() -> Path:
     _tb1_task(root, "fetch-secret", _server(), secret=SECRET)
     harbor_task(root, "harbor-fetch", SECRET)
     _tb1_task(root, "dead-server", _server(command=["sh", "-c", "echo no database here >&2; exit 3"]), secret=SECRET)
+    _tb1_task(root, "chatty-server", _server(command=["sh", "-c", CHATTY]), secret=SECRET)
     sick = _server(healthcheck={"test": "exit 1", "interval": "200ms", "retries": 2})
     _tb1_task(root, "sick-server", sick, secret=SECRET)
     # The server waits for a one-shot service that must exit 0 first, and runs as a user
@@ -124,10 +125,16 @@ def c(node):
         yield client
 
 
-def _ours(node) -> list[str]:
-    """Command lines of the servers that sidecars of ``node`` run (under its zygote)."""
+def _server_pids(node) -> set[int]:
+    """The servers that sidecars of ``node`` run (under its zygote)."""
     cmdlines = _cmdlines()
-    return [cmdlines[pid] for pid in episode_processes(node) if "http.server 8000" in cmdlines.get(pid, "")]
+    return {pid for pid in episode_processes(node) if "http.server 8000" in cmdlines.get(pid, "")}
+
+
+def _ours(node) -> list[str]:
+    """Command lines of the servers that sidecars of ``node`` run."""
+    cmdlines = _cmdlines()
+    return [cmdlines.get(pid, "") for pid in _server_pids(node)]
 
 
 def create(c: httpx.Client, task: str, **params) -> dict:
@@ -169,18 +176,45 @@ def test_the_tests_talk_to_the_service_beside_the_episode_without_docker(c, node
     eventually(lambda: _ours(node) == [])
 
 
+def test_a_warm_pool_starts_its_sandboxes_with_their_services(c, node):
+    """A warm pool (4 per task by default; these nodes keep none until asked) starts each
+    pooled sandbox with its services, and the create that takes one gets them running:
+    the oracle scores 1.0 through the server the pool started. A pool set back to 0 ends
+    its idle sandboxes' servers, and the release the episode's."""
+    pool = {"environment": "terminal-bench", "task_id": "fetch-secret"}
+    r = c.post("/builds", json={**pool, "pool": 2})
+    assert r.status_code == 200, r.text
+
+    def idle() -> int:
+        return sum(p["idle"] for p in c.get("/health").json()["pools"])
+
+    eventually(lambda: idle() == 2 and len(_server_pids(node)) == 2, timeout=120, message=lambda: str(_ours(node)))
+    warm = _server_pids(node)
+    iid = create(c, "fetch-secret", oracle=True)["instance_id"]
+    assert c.post("/builds", json={**pool, "pool": 0}).status_code == 200
+    eventually(lambda: len(_server_pids(node)) == 1, timeout=60, message=lambda: str(_ours(node)))
+    assert _server_pids(node) <= warm, "the episode's server is the one its pooled sandbox started"
+    assert evaluate(c, iid) == 1.0
+    eventually(lambda: _ours(node) == [])
+
+
 @pytest.mark.parametrize(
     "task_id, said",
     [
-        ("dead-server", "sidecar 'server' stopped (exit code 3) before it was up; its log ends:\nno database here"),
-        ("sick-server", "sidecar 'server' failed its healthcheck"),
-        ("setup-fails", "sidecar 'setup' exited with code 1; its log ends:\nsetting up"),
+        ("dead-server", ("sidecar 'server' stopped (exit code 3) before it was up; its log ends:\nno database here",)),
+        ("sick-server", ("sidecar 'server' failed its healthcheck",)),
+        (
+            "chatty-server",
+            ("sidecar 'server' stopped (exit code 4) before it was up; its log ends:\n", "x\nsaid it all"),
+        ),
+        ("setup-fails", ("sidecar 'setup' exited with code 1; its log ends:\nsetting up",)),
     ],
 )
 def test_a_service_that_does_not_come_up_fails_the_create_and_leaves_nothing(c, node, task_id, said):
     before = c.get("/health").json()["active"]
     r = c.post("/instances", json={"environment": "terminal-bench", "task_id": task_id})
-    assert r.status_code >= 500 and said in r.json()["error"], r.text
+    assert r.status_code >= 500 and all(part in r.json()["error"] for part in said), r.text
+    assert len(r.json()["error"]) < 5000, "a log's tail, not the log"
     assert c.get("/health").json()["active"] == before
     eventually(lambda: _ours(node) == [])
 

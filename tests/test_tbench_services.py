@@ -82,6 +82,12 @@ def _tb1_task(root: Path, name: str, server: dict, *, secret: str) -> Path:
     return task
 
 
+# A service that writes 40 MB of output on one line, more than a rootfs sidecar's log
+# filesystem holds (16 MiB), then its last words and an exit code of its own. All on
+# stdout: Docker copies stdout and stderr apart, so their order in its log is not kept.
+CHATTY = "head -c 40000000 /dev/zero | tr '\\0' x; echo; echo said it all; exit 4"
+
+
 def _server(**over) -> dict:
     return {
         "build": {"context": "server"},
@@ -137,6 +143,7 @@ def tasks(tmp_path_factory, secret) -> Path:
     _tb1_task(root, "fetch-secret", _server(), secret=secret)
     # The server dies at start: its create fails, naming it and its log.
     _tb1_task(root, "dead-server", _server(command=["sh", "-c", "echo no database here >&2; exit 3"]), secret=secret)
+    _tb1_task(root, "chatty-server", _server(command=["sh", "-c", CHATTY]), secret=secret)
     # A server whose healthcheck never passes.
     sick = _server(healthcheck={"test": "exit 1", "interval": "200ms", "retries": 2})
     _tb1_task(root, "sick-server", sick, secret=secret)
@@ -241,14 +248,19 @@ def test_a_service_s_command_environment_and_limits_are_its_own(c, node):
 @pytest.mark.parametrize(
     "task_id, said",
     [
-        ("dead-server", "sidecar 'server' stopped (exit code 3) before it was up; its log ends:\nno database here"),
-        ("sick-server", "sidecar 'server' failed its healthcheck"),
+        ("dead-server", ("sidecar 'server' stopped (exit code 3) before it was up; its log ends:\nno database here",)),
+        ("sick-server", ("sidecar 'server' failed its healthcheck",)),
+        (
+            "chatty-server",
+            ("sidecar 'server' stopped (exit code 4) before it was up; its log ends:\n", "x\nsaid it all"),
+        ),
     ],
 )
 def test_a_service_that_does_not_come_up_fails_the_create_and_leaves_nothing(c, node, task_id, said):
     before = c.get("/health").json()["active"]
     r = c.post("/instances", json={"environment": "terminal-bench", "task_id": task_id})
-    assert r.status_code >= 500 and said in r.json()["error"], r.text
+    assert r.status_code >= 500 and all(part in r.json()["error"] for part in said), r.text
+    assert len(r.json()["error"]) < 5000, "a log's tail, not the log"
     assert c.get("/health").json()["active"] == before
     eventually(lambda: [row for row in our_containers(node.node_id) if task_id in row["Labels"]["envhub.task"]] == [])
 

@@ -1,11 +1,11 @@
 """The nodes a scheduler knows: their addresses and keys (nodes.yaml), and each one's health
 and slot accounting as the scheduler sees it (see ``service.py`` for the invariants).
 
-Where the nodes come from is a :class:`NodeSource`: the scheduler asks it once per health
-round whether the fleet changed. The built-in one is :class:`FleetFile`, nodes.yaml re-read
-whenever the file changes, so a node added to the file joins and one taken out leaves
-without a restart. Ray's fleet controller (envhub/ray/) keeps such a file for the nodes it
-places, so the scheduler itself never imports Ray.
+The scheduler asks once per health round whether the fleet changed. :class:`FleetFile` is
+nodes.yaml re-read whenever the file changes, so a node added to the file joins and one
+taken out leaves without a restart. Ray's fleet controller (envhub/ray/) keeps such a file
+for the nodes it places, so the scheduler itself never imports Ray. Nodes may also join
+by themselves: joining.py's ``Membership`` is the fleet from both.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import yaml
 
@@ -267,14 +267,6 @@ def load_fleet(settings: Settings, *, allow_empty: bool = False) -> Fleet:
     return Fleet(nodes=nodes, url_rewrite={str(k): str(v) for k, v in rewrite.items()}, api_key=api_key)
 
 
-class NodeSource(Protocol):
-    """Where a scheduler's nodes come from after its start."""
-
-    def poll(self) -> Fleet | None:
-        """The fleet now if it changed since the last poll, else None. Never raises: a
-        source that cannot be read keeps the fleet as it was (and logs why)."""
-
-
 class FleetFile:
     """nodes.yaml (plus the inline ``nodes``), re-read when the file changes.
 
@@ -296,6 +288,8 @@ class FleetFile:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def poll(self) -> Fleet | None:
+        """The fleet now if the file changed since the last poll, else None. Never
+        raises: a file that cannot be used keeps the fleet as it was (and is logged)."""
         stamp = self._stat()
         if stamp is None or stamp == self._stamp:
             return None

@@ -74,8 +74,8 @@ def _word(body: dict[str, Any], key: str) -> str | None:
 
 
 class Membership:
-    """The nodes file and the joined nodes, as one ``NodeSource`` (fleet.py): :meth:`poll`
-    gives the fleet whenever either changed. The scheduler applies what it returns."""
+    """The nodes file (fleet.py's ``FleetFile``) and the joined nodes: :meth:`poll` gives
+    the fleet whenever either changed. The scheduler applies what it returns."""
 
     def __init__(self, settings: Settings, db: Database, fleet: Fleet, file: FleetFile | None) -> None:
         self.settings = settings
@@ -132,7 +132,7 @@ class Membership:
                 "this scheduler takes no joining nodes (accept_joins is false): list the node in its nodes file"
             )
         listed = next((n for n in self.listed.nodes if n.url == request.url), None)
-        capacity = await self._reach(request, http)
+        capacity = await self._reach(request, http, listed.api_key if listed is not None else self.listed.api_key)
         now = time.monotonic()
         if listed is not None:
             self.last_sign[request.url] = now
@@ -154,9 +154,9 @@ class Membership:
             log.info("node %s joined by itself (node id %s, %d slots)", request.url, request.node_id, capacity)
         return {"status": "ok", "url": request.url, "joined": True, "listed": False, "slots": capacity, "new": first}
 
-    async def _reach(self, request: JoinRequest, http: Any) -> int:
+    async def _reach(self, request: JoinRequest, http: Any, key: str | None) -> int:
         """The joining node's capacity, read from its ``/health`` at the URL it gave, once
-        it also accepted the fleet's key on ``GET /environments``."""
+        it also accepted ``key`` (the one it will be called with) on ``GET /environments``."""
         url = request.url
         hint = "set the node's advertise_url to an address this scheduler reaches"
         timeout = self.settings.health_timeout
@@ -179,7 +179,7 @@ class Membership:
                 f"the node at {url} is {report.get('node_id')!r}, not {request.node_id!r}: {hint}", field="url"
             )
         try:
-            keyed = await peers.call(http, url, "GET", "/environments", api_key=self.listed.api_key, timeout=timeout)
+            keyed = await peers.call(http, url, "GET", "/environments", api_key=key, timeout=timeout)
         except UpstreamUnavailable as e:
             raise InvalidRequest(f"cannot reach the node at {url}: {e.message}", field="url") from None
         if keyed.status in (401, 403):

@@ -41,10 +41,11 @@ Invariants:
   naming it too (fleet.InFlight), whatever their own timeout.
 - Every call to a node is counted in ``metrics`` with its latency, every placement with
   its use of affinity, and every 503 with its cause (envhub/metrics/scheduler.py).
-- The fleet may change while the scheduler runs (its ``NodeSource``, polled once per
-  health round): a node that joins takes creates from its first good check; a node that
-  leaves takes no more calls, and calls for its instances get 410 ``gone`` (their
-  sandboxes went with it). A node that comes back under the same URL has its routes again.
+- The fleet may change while the scheduler runs (nodes.yaml edited, polled once per
+  health round; nodes joining by themselves, joining.py): a node that joins takes creates
+  from its first good check; a node that leaves takes no more calls, and calls for its
+  instances get 410 ``gone`` (their sandboxes went with it). A node that comes back under
+  the same URL has its routes again.
 - The fleet's config (``POST /config``) is kept, and given to every node that comes up
   without it (config_push.py: ``ConfigPush``, :attr:`SchedulerService.configs`).
 """
@@ -233,8 +234,8 @@ class SchedulerService:
 
     async def leave(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /nodes/leave``: take a joined node out of the fleet now."""
-        url = body.get("url")
-        await self.members.leave(JoinRequest.parse({"url": url}).url)
+        url = JoinRequest.parse({"url": body.get("url")}).url
+        await self.members.leave(url)
         fleet = self.members.poll()
         if fleet is not None:
             self.set_fleet(fleet)

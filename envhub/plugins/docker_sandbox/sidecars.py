@@ -30,6 +30,7 @@ WANTS_LABEL = "envhub.sidecars"  # on the episode's container: its sidecars' nam
 _POOL_LABELS = ("envhub.pool", "envhub.pool_key")  # a warm pool hands out its episode container only
 _POLL_SEC = 0.1
 _LOG_TAIL_LINES = 20
+_LOG_TAIL_BYTES = 4000  # an error message's share of a log whose lines may be long
 
 
 def labels_for(of: str, car: Sidecar, labels: dict[str, str]) -> dict[str, str]:
@@ -110,7 +111,8 @@ def await_up(api: APIClient, sid: str, car: Sidecar, deadline: float, timeout: f
 
 def _tail(api: APIClient, sid: str) -> str:
     try:
-        text = api.logs(sid, stdout=True, stderr=True, tail=_LOG_TAIL_LINES).decode("utf-8", "replace").strip()
+        text = api.logs(sid, stdout=True, stderr=True, tail=_LOG_TAIL_LINES)[-_LOG_TAIL_BYTES:]
+        text = text.decode("utf-8", "replace").strip()
     except Exception:
         return ""
     return f"; its log ends:\n{text}" if text else ""

@@ -56,8 +56,11 @@ sets (the image store keeps lower layers without group or other write bits; ``/t
   and uts, so it has the episode's network and ids but a root, processes and hostname of
   its own, out of the episode's sight and the episode out of its. Its G forks the
   service as ``user`` (Docker's forms: a name or uid, ``:group`` optional, looked up in
-  its own root), its output to ``SERVICE_DIR/log`` (a tmpfs of ``SERVICE_LOG_MB``), and
-  writes its exit code to ``SERVICE_DIR/exit`` when it ends; the agent beside it runs
+  its own root), its output through a pipe that G copies to ``SERVICE_DIR/log`` (a
+  tmpfs of ``SERVICE_LOG_MB``; G keeps the log's end, cut to ``SERVICE_LOG_KEEP`` bytes
+  whenever it passes ``SERVICE_LOG_MAX``, with a line saying so, so a service that
+  writes without end neither fills it nor blocks), and writes its exit code to
+  ``SERVICE_DIR/exit`` when it ends, after the output it wrote before; the agent beside it runs
   the sidecar's healthchecks. The sidecar ends when its G is killed, as an episode does.
 - ``{"op": "kill", "id", "pid"}`` -> ``{"id"}``: SIGKILL to G, which ends the episode.
 - ``{"op": "listen", "id", "pid", "port"}`` -> ``{"id"}`` and a TCP socket listening on
@@ -85,6 +88,7 @@ import struct
 import sys
 import tempfile
 import time
+from typing import NoReturn
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -125,6 +129,10 @@ MAX_MESSAGE = 128 << 10
 AGENT_DIR = "/run/envhub-agent"
 SERVICE_DIR = "/run/envhub-service"
 SERVICE_LOG_MB = 16
+# G cuts a sidecar's log to its last SERVICE_LOG_KEEP bytes whenever it grows past
+# SERVICE_LOG_MAX, so a chatty service never fills the tmpfs its exit code goes to too.
+SERVICE_LOG_MAX = (SERVICE_LOG_MB // 2) << 20
+SERVICE_LOG_KEEP = 2 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -387,7 +395,7 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
             os.dup2(devnull, 2)
             _default_signals()
             os.execve(shell, ["sh", "-c", req["script"]], env)
-        service = _start_service(req["service"], network=bool(network)) if req.get("service") else None
+        service, output = _start_service(req["service"], network=bool(network)) if req.get("service") else (None, None)
     except BaseException as e:  # told to the zygote, which answers the create with it
         os.write(report, f"E{e}".encode()[:4000])
         os._exit(1)
@@ -395,17 +403,78 @@ def _init(req: dict, scratch: str, agent_fd: int, report: int) -> None:
     os.write(report, b"ok")
     os.close(report)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    while True:  # pid 1 of the namespace: reap everything; the agent's end is the episode's
+    _init_loop(agent, service, output)
+
+
+def _init_loop(agent: int, service: int | None, output: int | None) -> NoReturn:
+    """G's life as pid 1 of the namespace: reap everything; the agent's end is the
+    episode's. A sidecar's G also copies its service's output to the log until nothing
+    holds the pipe open, and records the service's exit after copying what it wrote."""
+    log = _ServiceLog() if output is not None else None
+    while True:
+        flags = 0
+        if output is not None and log is not None:
+            try:
+                ready, _, _ = select.select([output], [], [], 0.5)
+            except InterruptedError:
+                ready = []
+            if ready and not log.copy(output):
+                os.close(output)
+                output = None
+            flags = os.WNOHANG
+        while True:
+            try:
+                pid, status = os.waitpid(-1, flags)
+            except ChildProcessError:
+                os._exit(0)
+            except InterruptedError:
+                continue
+            if pid == 0:
+                break
+            if pid == agent:
+                os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+            if pid == service:
+                if output is not None and log is not None:
+                    log.copy(output)  # what it wrote before it ended, ahead of its exit code
+                _exited(os.waitstatus_to_exitcode(status))
+            if flags == 0:
+                break
+
+
+class _ServiceLog:
+    """``SERVICE_DIR/log`` as G writes it: the service's output, its end kept."""
+
+    def __init__(self) -> None:
+        self.fd = os.open(f"{SERVICE_DIR}/log", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = 0
+        self.dropped = 0
+
+    def copy(self, pipe: int) -> bool:
+        """Copy what ``pipe`` (non-blocking) holds now; False once it is closed."""
+        while True:
+            try:
+                data = os.read(pipe, 1 << 16)
+            except BlockingIOError:
+                return True
+            except InterruptedError:
+                continue
+            if not data:
+                return False
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
         try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            os._exit(0)
-        except InterruptedError:
-            continue
-        if pid == agent:
-            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-        if pid == service:
-            _exited(os.waitstatus_to_exitcode(status))
+            os.write(self.fd, data)
+            self.size += len(data)
+            if self.size > SERVICE_LOG_MAX:
+                keep = os.pread(self.fd, SERVICE_LOG_KEEP, self.size - SERVICE_LOG_KEEP)
+                self.dropped += self.size - len(keep)
+                note = f"[envhub: the first {self.dropped} bytes of this log were dropped]\n".encode()
+                os.ftruncate(self.fd, 0)
+                os.write(self.fd, note + keep)
+                self.size = len(note) + len(keep)
+        except OSError:
+            pass  # a log that cannot be written must not end the sidecar
 
 
 def _hosts(names: list[str]) -> None:
@@ -427,8 +496,9 @@ def _hosts(names: list[str]) -> None:
     os.chmod(path, 0o644)
 
 
-def _start_service(service: dict, *, network: bool) -> int:
-    """G of a sidecar: fork its service (see the module's docstring); returns its pid."""
+def _start_service(service: dict, *, network: bool) -> tuple[int, int]:
+    """G of a sidecar: fork its service (see the module's docstring); returns its pid and
+    the read end of the pipe its output goes to (non-blocking)."""
     argv = [str(a) for a in service.get("argv") or ()]
     if not argv:
         raise Failed("the sidecar has no command (its image names none and the service gives none)")
@@ -439,12 +509,15 @@ def _start_service(service: dict, *, network: bool) -> int:
     uid, gid, groups = _user_ids(str(service.get("user") or ""))
     workdir = str(service.get("workdir") or "/")
     os.makedirs(workdir, exist_ok=True)
+    output, out = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            out = os.open(f"{SERVICE_DIR}/log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.close(output)
             os.dup2(out, 1)
             os.dup2(out, 2)
+            if out > 2:
+                os.close(out)
             os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
             os.setsid()
             _drop_capabilities(KEPT_CAPS - {CAP_NET_RAW} if network else KEPT_CAPS)
@@ -459,7 +532,9 @@ def _start_service(service: dict, *, network: bool) -> int:
             os.write(2, f"envhub: the sidecar's command did not start: {e}\n".encode())
         finally:
             os._exit(127)
-    return pid
+    os.close(out)
+    os.set_blocking(output, False)
+    return pid, output
 
 
 def _exited(code: int) -> None:
@@ -469,7 +544,7 @@ def _exited(code: int) -> None:
             f.write(str(code))
         os.rename(f"{SERVICE_DIR}/exit.tmp", f"{SERVICE_DIR}/exit")
     except OSError:
-        pass  # its filesystem is full: the service wrote past its log's size; the node sees no exit
+        pass  # nothing to do about it here: the node then sees the service as running
 
 
 def _which(name: str, path: str) -> str | None:

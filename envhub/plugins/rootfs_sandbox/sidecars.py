@@ -29,6 +29,7 @@ from envhub.sandbox import ExecResult, Sidecar
 
 _POLL_SEC = 0.1
 _LOG_TAIL_LINES = 20
+_LOG_TAIL_CHARS = 4000  # an error message's share of a log whose lines may be long
 _HEALTH_DURATIONS = (("Interval", "interval_sec"), ("Timeout", "timeout_sec"), ("StartPeriod", "start_period_sec"))
 
 
@@ -138,6 +139,6 @@ async def await_up(
 
 
 def tail_of(log: bytes) -> str:
-    """The last lines of a sidecar's log, as text."""
-    lines = log.decode("utf-8", "replace").strip().splitlines()
-    return "\n".join(lines[-_LOG_TAIL_LINES:])
+    """The last lines of a sidecar's log, as text, at most ``_LOG_TAIL_CHARS`` of them."""
+    lines = log[-4 * _LOG_TAIL_CHARS :].decode("utf-8", "replace").strip().splitlines()
+    return "\n".join(lines[-_LOG_TAIL_LINES:])[-_LOG_TAIL_CHARS:]

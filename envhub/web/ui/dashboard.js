@@ -150,7 +150,14 @@ export async function drawFleet(view) {
           el(
             "tr",
             { "data-node": n.name, class: n.healthy ? "" : "down" },
-            el("td", {}, el("div", {}, n.name), n.name !== n.url ? el("div", { class: "muted" }, n.url) : null, n.node_id ? el("div", { class: "muted" }, n.node_id) : null),
+            el(
+              "td",
+              {},
+              el("div", {}, n.name),
+              n.name !== n.url ? el("div", { class: "muted" }, n.url) : null,
+              n.node_id && n.node_id !== n.name ? el("div", { class: "muted" }, n.node_id) : null,
+              n.joined ? el("div", { class: "muted", "data-testid": "node-joined" }, "joined by itself") : null
+            ),
             el("td", {}, el("span", { class: `badge ${n.healthy ? "passed" : "error"}`, "data-testid": "node-health" }, n.healthy ? "up" : "down"), n.error ? el("div", { class: "error" }, n.error) : null),
             el("td", {}, slotBar(n.active_slots, n.total_slots)),
             el("td", { class: "num", "data-testid": "node-load" }, `${n.active_slots} / ${n.total_slots}`),
