@@ -3,7 +3,8 @@
 A route is written (``creating``) before a create is forwarded, so a scheduler killed
 mid-create still knows where the instance may exist; it becomes ``live`` when the node
 answers and ``ended`` on release (rows are kept, so a late call gets a clear answer,
-until the opt-in retention deletes them: :func:`delete_ended`).
+until the opt-in retention deletes them: :func:`delete_ended`), or ``replaced`` when
+another node took its node's URL (:func:`mark_replaced`).
 Affinity maps ``<environment>/<task_id>`` to the node that last got it.
 """
 
@@ -43,6 +44,20 @@ async def set_state(db: Database, instance_id: str, state: str) -> None:
     await db.write(
         "UPDATE routes SET state = ?, updated_at = ? WHERE instance_id = ?", (state, time.time(), instance_id)
     )
+
+
+async def mark_replaced(db: Database, node_url: str, keep: set[str]) -> list[str]:
+    """Mark ``replaced`` the unfinished routes to ``node_url`` but those of ``keep`` (the
+    instances the node now answering there holds or is being sent); their ids."""
+    rows = await db.rows(
+        "SELECT instance_id FROM routes WHERE state IN ('creating', 'live') AND node_url = ?", (node_url,)
+    )
+    ids = [r["instance_id"] for r in rows if r["instance_id"] not in keep]
+    now = time.time()
+    await db.write_many(
+        [("UPDATE routes SET state = 'replaced', updated_at = ? WHERE instance_id = ?", (now, i)) for i in ids]
+    )
+    return ids
 
 
 async def delete(db: Database, instance_id: str) -> None:
