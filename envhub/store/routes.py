@@ -65,7 +65,8 @@ async def delete(db: Database, instance_id: str) -> None:
 
 
 async def delete_ended(db: Database, ended_before: float, limit: int) -> int:
-    """Delete up to ``limit`` routes that ended before ``ended_before``; returns how many.
+    """Delete up to ``limit`` routes that ended (or were replaced) before ``ended_before``;
+    returns how many.
     One statement, so the rows it picks are the rows it deletes."""
     return await db.write(DELETE_ENDED_SQL, (ended_before, limit))
 
@@ -85,7 +86,7 @@ async def find(db: Database, instance_id: str) -> Route | None:
 # Served by routes_state_updated (migration 007).
 DELETE_ENDED_SQL = (
     "DELETE FROM routes WHERE instance_id IN (SELECT instance_id FROM routes "
-    "WHERE state = 'ended' AND updated_at < ? LIMIT ?)"
+    "WHERE state IN ('ended', 'replaced') AND updated_at < ? LIMIT ?)"
 )
 # Both read only routes not yet ended, seeking them by state (migration 007).
 LIVE_COUNTS_SQL = "SELECT node_url, COUNT(*) FROM routes WHERE state IN ('creating', 'live') GROUP BY node_url"
