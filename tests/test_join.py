@@ -4,6 +4,7 @@ scheduler and node processes on loopback, their SQLite files, restarts and kills
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import httpx
@@ -213,3 +214,45 @@ def test_the_advertised_url_and_join_settings():
         Settings(advertise_url="10.0.0.1:8000")
     with pytest.raises(StartupError, match="join_ttl must be positive"):
         Settings(role="scheduler", join_ttl=0)
+
+
+def test_a_new_node_at_an_earlier_nodes_url_does_not_inherit_its_instances(tmp_path):
+    """A new Slurm job on the same hosts, or a pod given an address an earlier pod had:
+    another node (a fresh data dir, a new node id) answers at a URL the scheduler routed
+    instances to. Their calls answer 410 ``gone`` naming the node, not the new node's 404,
+    while the new node's own episodes run; the scheduler's SQLite says ``replaced``."""
+    sched = scheduler(tmp_path)
+    old = new = None
+    try:
+        old = joining_node(tmp_path, sched, "old")
+        with sched.client() as c:
+            healthy_member(c, old.url)
+            before = [episode(c, f"before-{i}") for i in range(2)]
+            assert step(c, before[0]).status_code == 200
+            old.kill()
+            eventually(lambda: not members(c)[old.url]["healthy"], timeout=15, message="the killed node is still up")
+            new = EnvhubProcess(
+                tmp_path / "new", *NODE_ARGS, "--join", sched.url, "--set", "join_interval=0.5", api_key=KEY
+            )
+            new.args[new.args.index("--port") + 1] = str(old.port)  # the same host and port
+            new.port, new.url = old.port, old.url
+            new.start()
+            assert new.node_id != old.node_id
+            healthy_member(c, new.url)
+            for instance_id in before:
+                r = step(c, instance_id)
+                assert r.status_code == 410, r.text
+                error = r.json()
+                assert error["code"] == "gone" and error["node"] == old.url and "another node" in error["error"], error
+            assert c.post(f"/instances/{before[1]}/release").status_code == 410
+            fresh = episode(c, "after-0")
+            assert step(c, fresh).status_code == 200
+            assert c.post(f"/instances/{fresh}/release").status_code == 200
+            assert "went with " + old.node_id in sched.log()
+        with sqlite3.connect(sched.data_dir / "envhub.db") as db:
+            states = dict(db.execute("SELECT instance_id, state FROM routes").fetchall())
+        assert states == {"before-0": "replaced", "before-1": "replaced", "after-0": "ended"}, states
+    finally:
+        for p in (new, old, sched):
+            if p is not None:
+                p.stop()

@@ -12,6 +12,10 @@ Invariants (the scheduler's, stated whole in envhub/scheduler/service.py):
   that joined) once per round, before the checks; after them, joined nodes silent for
   ``join_ttl`` seconds leave.
 - Retention deletes ended routes in batches, a bounded number per round.
+- A good check whose node id is not the last one seen at that URL means another node
+  took the URL: the earlier node's unfinished routes are marked ``replaced`` (410), but
+  for the instances the new node holds or is being sent. The last id seen is in memory:
+  a replacement during a scheduler's restart is not seen (its calls answer 404).
 """
 
 from __future__ import annotations
@@ -108,12 +112,28 @@ class FleetHealth:
             return
         if not node.healthy:
             log.info("node %s is up", node.url)
-        was_up, process = node.healthy, node.process
+        was_up, process, before = node.healthy, node.process, node.info.get("node_id")
+        if before and report.get("node_id") and report["node_id"] != before:
+            await self._replaced(node, before, report["node_id"])  # before it takes calls again
         node.healthy, node.error, node.last_seen, node.info = True, None, time.monotonic(), report
         if not was_up or node.process != process:
             self.view.came_up.set()
         node.failed_checks = 0
         self.view.freed.set()
+
+    async def _replaced(self, node: Node, before: str, now: str) -> None:
+        """Another node answers at ``node``'s URL (a new Slurm job on the same host and
+        port, a pod given an earlier pod's address): the instances of the node ``before``
+        went with it, so their routes are marked ``replaced`` (calls for them answer 410),
+        all but those the new node holds or is being sent."""
+        keep = node.holders | node.creating | set(node.created)
+        ids = await routes.mark_replaced(self.db, node.url, keep)
+        for instance_id in ids:
+            self.view.routes.pop(instance_id, None)
+        log.warning(
+            "node %s is now node id %s, not %s: its %d instance(s) went with %s",
+            node.url, now, before, len(ids), before,
+        )  # fmt: skip
 
     async def forever(self) -> None:
         """A health round every ``health_interval``, with the expiry of old affinities and

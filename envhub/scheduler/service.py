@@ -45,7 +45,8 @@ Invariants:
   health round; nodes joining by themselves, joining.py): a node that joins takes creates
   from its first good check; a node that leaves takes no more calls, and calls for its
   instances get 410 ``gone`` (their sandboxes went with it). A node that comes back under
-  the same URL has its routes again.
+  the same URL has its routes again; another node (a new node id) at that URL does not:
+  the earlier node's instances answer 410 (health.py).
 - The fleet's config (``POST /config``) is kept, and given to every node that comes up
   without it (config_push.py: ``ConfigPush``, :attr:`SchedulerService.configs`).
 """
@@ -608,6 +609,12 @@ class SchedulerService:
         if node_url is None:
             route = await routes.get(self.db, instance_id)
             node_url = route.node_url
+            if route.state == "replaced":
+                raise Gone(
+                    f"instance {instance_id!r} was on node {node_url}, where another node (a new node id) "
+                    "has answered since: the instance went with the node that held it",
+                    extra={"node": node_url, "instance_id": instance_id},
+                )
             if route.state == "live":
                 self.view.routes[instance_id] = node_url
         node = self.by_url.get(node_url)

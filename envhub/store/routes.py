@@ -3,7 +3,8 @@
 A route is written (``creating``) before a create is forwarded, so a scheduler killed
 mid-create still knows where the instance may exist; it becomes ``live`` when the node
 answers and ``ended`` on release (rows are kept, so a late call gets a clear answer,
-until the opt-in retention deletes them: :func:`delete_ended`).
+until the opt-in retention deletes them: :func:`delete_ended`), or ``replaced`` when
+another node took its node's URL (:func:`mark_replaced`).
 Affinity maps ``<environment>/<task_id>`` to the node that last got it.
 """
 
@@ -45,12 +46,27 @@ async def set_state(db: Database, instance_id: str, state: str) -> None:
     )
 
 
+async def mark_replaced(db: Database, node_url: str, keep: set[str]) -> list[str]:
+    """Mark ``replaced`` the unfinished routes to ``node_url`` but those of ``keep`` (the
+    instances the node now answering there holds or is being sent); their ids."""
+    rows = await db.rows(
+        "SELECT instance_id FROM routes WHERE state IN ('creating', 'live') AND node_url = ?", (node_url,)
+    )
+    ids = [r["instance_id"] for r in rows if r["instance_id"] not in keep]
+    now = time.time()
+    await db.write_many(
+        [("UPDATE routes SET state = 'replaced', updated_at = ? WHERE instance_id = ?", (now, i)) for i in ids]
+    )
+    return ids
+
+
 async def delete(db: Database, instance_id: str) -> None:
     await db.write("DELETE FROM routes WHERE instance_id = ?", (instance_id,))
 
 
 async def delete_ended(db: Database, ended_before: float, limit: int) -> int:
-    """Delete up to ``limit`` routes that ended before ``ended_before``; returns how many.
+    """Delete up to ``limit`` routes that ended (or were replaced) before ``ended_before``;
+    returns how many.
     One statement, so the rows it picks are the rows it deletes."""
     return await db.write(DELETE_ENDED_SQL, (ended_before, limit))
 
@@ -70,7 +86,7 @@ async def find(db: Database, instance_id: str) -> Route | None:
 # Served by routes_state_updated (migration 007).
 DELETE_ENDED_SQL = (
     "DELETE FROM routes WHERE instance_id IN (SELECT instance_id FROM routes "
-    "WHERE state = 'ended' AND updated_at < ? LIMIT ?)"
+    "WHERE state IN ('ended', 'replaced') AND updated_at < ? LIMIT ?)"
 )
 # Both read only routes not yet ended, seeking them by state (migration 007).
 LIVE_COUNTS_SQL = "SELECT node_url, COUNT(*) FROM routes WHERE state IN ('creating', 'live') GROUP BY node_url"
