@@ -252,22 +252,26 @@ def test_a_source_compiled_once_is_served_from_the_cache(client, node):
 
 @needs("cpp")
 def test_a_compile_that_ran_out_of_memory_does_not_fail_a_call_with_more(client):
-    """g++ whose cc1plus the memory cgroup killed exits 1, as for a syntax error; that
-    failure is kept for its memory limit only, so the same source compiles with more.
-
-    The test first compiles the same headers itself, outside any sandbox, so that g++'s
-    and the headers' pages are in the page cache, charged to the test's cgroup. Read cold
-    inside the 16 MB sandbox, they would be charged to it, and the kernel, which can
-    always evict them again, would let cc1plus thrash on its own code until the timeout
-    (a TimeLimitExceeded, never kept; docs/api.md says so) rather than kill it."""
+    """A compile starved of memory fails; that failure never fails the same source given
+    more memory. How it fails depends on the page cache's history, which a test does
+    not control: g++'s cc1plus is killed by the memory cgroup and exits 1, as for a
+    syntax error (kept, for its memory limit only: tests/test_run_code_cache.py checks
+    the keying), or, when g++'s and the headers' pages are charged to the sandbox's
+    cgroup, the kernel keeps evicting and rereading cc1plus's own code rather than kill
+    it until the compile's timeout (seen on a fresh machine with cgroup v1): a
+    TimeLimitExceeded, never kept, so the next call compiles again (docs/api.md)."""
     code = f'// {time.time_ns()}\n#include <bits/stdc++.h>\nint main() {{ std::puts("compiled"); }}\n'
-    gxx = OFFERED["cpp"].programs["g++"]
-    subprocess.run([gxx, "-fsyntax-only", "-x", "c++", "-"], input=code.encode(), check=True, timeout=120)
-    starved = run(client, code=code, language="cpp", memory_limit_MB=16, compile_timeout=60)
+    starved = run(client, code=code, language="cpp", memory_limit_MB=16, compile_timeout=8)
     assert starved["status"] == "Failed" and starved["run_result"] is None, starved
-    assert starved["compile_result"]["return_code"] != 0
-    again = run(client, code=code, language="cpp", memory_limit_MB=16, compile_timeout=60)
-    assert again["compile_result"]["execution_time"] == 0.0, "the failure is kept for 16 MB"
+    again = run(client, code=code, language="cpp", memory_limit_MB=16, compile_timeout=8)
+    assert again["status"] == "Failed" and again["run_result"] is None, again
+    if starved["compile_result"]["status"] == "TimeLimitExceeded":
+        assert starved["compile_result"]["return_code"] is None
+        assert again["compile_result"]["execution_time"] > 0.0, "a timed-out compile is not kept"
+    else:
+        assert starved["compile_result"]["return_code"] != 0, starved
+        assert again["compile_result"]["execution_time"] == 0.0, "the failure is kept for 16 MB"
+        assert again["compile_result"]["return_code"] == starved["compile_result"]["return_code"]
     fed = run(client, code=code, language="cpp", memory_limit_MB=1024, compile_timeout=60)
     assert fed["status"] == "Success" and fed["run_result"]["stdout"] == "compiled\n", fed
     assert fed["compile_result"]["execution_time"] > 0.0, "the compile ran again"
