@@ -6,7 +6,8 @@ itself with a stand-in ``srun`` that runs its command once on this host, as one 
 a one-host job would; the Kubernetes test reads the manifest, checks that its parts name
 each other (Service, ports, keys), and runs each container's own arguments and
 environment as Kubernetes would resolve them, with the pod IP and the Service's name
-both 127.0.0.1 and free ports for the manifest's ones.
+both 127.0.0.1 and free ports for the manifest's ones; before that, kubernetes-validate
+checks every resource against the OpenAPI schemas Kubernetes itself publishes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kubernetes_validate
+import pytest
 import yaml
 from conftest import REPO, EnvhubProcess, eventually, free_port
 
@@ -111,6 +114,21 @@ def test_the_slurm_script_starts_a_node_that_joins_the_scheduler_and_stops_at_si
 def _manifests() -> dict[tuple[str, str], dict[str, Any]]:
     docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+@pytest.mark.parametrize("version", ["1.29.0", kubernetes_validate.latest_version()])
+def test_the_kubernetes_manifest_holds_to_kubernetes_own_schemas(version):
+    """Each resource of the manifest against Kubernetes's published schemas for an older
+    release still in use (1.29) and the newest the validator knows, strictly: a misspelt
+    or misplaced field is an error here, as a cluster's server-side validation makes it."""
+    docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+    assert {d["kind"] for d in docs} == {"Secret", "Service", "PersistentVolumeClaim", "Deployment"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    broken = [d for d in docs if d["kind"] == "Deployment"][0]
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["prot"] = 8000
+    with pytest.raises(kubernetes_validate.ValidationError, match="prot"):
+        kubernetes_validate.validate(broken, version, strict=True)
 
 
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
