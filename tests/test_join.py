@@ -245,6 +245,11 @@ def test_a_new_node_at_an_earlier_nodes_url_does_not_inherit_its_instances(tmp_p
                 error = r.json()
                 assert error["code"] == "gone" and error["node"] == old.url and "another node" in error["error"], error
             assert c.post(f"/instances/{before[1]}/release").status_code == 410
+            # A retried create of a replaced id is no create on the new node, which never had it.
+            r = c.post("/instances", json={"environment": "mbpp", "task_id": "13", "instance_id": before[0]})
+            assert r.status_code == 410 and r.json()["code"] == "gone", r.text
+            held = httpx.get(f"{new.url}/instances/{before[0]}", headers={"X-API-Key": KEY})
+            assert held.status_code == 404, held.text
             fresh = episode(c, "after-0")
             assert step(c, fresh).status_code == 200
             assert c.post(f"/instances/{fresh}/release").status_code == 200

@@ -496,6 +496,8 @@ class SchedulerService:
         existing = await routes.find(self.db, instance_id)
         node: Node | None = None
         if existing is not None:
+            if existing.state == "replaced":  # the node now at that URL never had it: not a retry there
+                raise self._replaced(instance_id, existing.node_url)
             node = self.by_url.get(existing.node_url)
             if node is None and existing.state != "creating":
                 raise self._left(instance_id, existing.node_url)
@@ -610,11 +612,7 @@ class SchedulerService:
             route = await routes.get(self.db, instance_id)
             node_url = route.node_url
             if route.state == "replaced":
-                raise Gone(
-                    f"instance {instance_id!r} was on node {node_url}, where another node (a new node id) "
-                    "has answered since: the instance went with the node that held it",
-                    extra={"node": node_url, "instance_id": instance_id},
-                )
+                raise self._replaced(instance_id, node_url)
             if route.state == "live":
                 self.view.routes[instance_id] = node_url
         node = self.by_url.get(node_url)
@@ -635,6 +633,14 @@ class SchedulerService:
             timeout=self.settings.forward_timeout,
         )
         return reply.status, reply.body
+
+    @staticmethod
+    def _replaced(instance_id: str, node_url: str) -> Gone:
+        return Gone(
+            f"instance {instance_id!r} was on node {node_url}, where another node (a new node id) "
+            "has answered since: the instance went with the node that held it",
+            extra={"node": node_url, "instance_id": instance_id},
+        )
 
     @staticmethod
     def _left(instance_id: str, node_url: str) -> Gone:
