@@ -121,11 +121,11 @@ def test_the_kubernetes_manifest_holds_to_kubernetes_own_schemas(version):
     """Each resource of the manifest against Kubernetes's published schemas for an older
     release still in use (1.29) and the newest the validator knows, strictly: a misspelt
     or misplaced field is an error here, as a cluster's server-side validation makes it."""
-    docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
-    assert {d["kind"] for d in docs} == {"Secret", "Service", "PersistentVolumeClaim", "Deployment"}
-    for doc in docs:
+    found = _manifests()
+    assert {kind for kind, _ in found} == {"Secret", "Service", "PersistentVolumeClaim", "Deployment"}
+    for doc in found.values():
         kubernetes_validate.validate(doc, version, strict=True)
-    broken = [d for d in docs if d["kind"] == "Deployment"][0]
+    broken = found[("Deployment", "envhub-node")]
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["prot"] = 8000
     with pytest.raises(kubernetes_validate.ValidationError, match="prot"):
         kubernetes_validate.validate(broken, version, strict=True)
