@@ -232,6 +232,7 @@ def setup_scheduler(app: Any) -> None:
     @app.after_server_start
     async def start_loops(app: Any) -> None:
         app.add_task(app.ctx.scheduler.health_forever(), name="scheduler.health")
+        app.add_task(app.ctx.scheduler.settle_forever(), name="scheduler.settle")
         app.add_task(app.ctx.scheduler.configs.forever(), name="scheduler.config")
 
     @app.before_server_stop

@@ -550,6 +550,81 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
                 p.stop()
 
 
+def test_a_create_still_preparing_on_its_node_keeps_its_route_across_a_scheduler_restart(tmp_path):
+    """A create that waits on its node (for a slot here; an image build waits alike) when
+    the scheduler dies: the node shows it ``preparing`` and refuses its calls with 409,
+    the restarted scheduler keeps its route (it used to drop it on the node's 404, and the
+    client's retry then went to a free node: a second instance, the first an orphan),
+    settles it ``live`` by itself once the node made the instance, and routes the retry
+    to that node. The half-done route is written into the stopped scheduler's real SQLite
+    file, as in the test above."""
+    import sqlite3
+
+    full = EnvhubProcess(tmp_path / "full", "--capacity", "1", "--set", "environments.terminal-bench.enabled=false")
+    free = EnvhubProcess(tmp_path / "free", *NODE_ARGS)
+    nodes = [full.start(), free.start()]
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": full.url, "slots": 1}, {"url": free.url, "slots": 4}]}))
+    sched = start_scheduler(tmp_path, nodes_yaml, "--set", "affinity_window=0")
+    body = {"environment": "mbpp", "task_id": "13"}
+    answers: list[httpx.Response] = []
+    waiting = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{full.url}/instances", json={**body, "instance_id": "queued"}, timeout=60)
+        )
+    )
+
+    def route_state() -> str | None:
+        with sqlite3.connect(sched.data_dir / "envhub.db") as db:
+            row = db.execute("SELECT state FROM routes WHERE instance_id = 'queued'").fetchone()
+        db.close()
+        return None if row is None else row[0]
+
+    try:
+        with full.client() as c:
+            assert c.post("/instances", json={**body, "instance_id": "held"}).status_code == 201
+        assert sched.stop() == 0  # the scheduler is gone before the create it forwarded is answered
+        waiting.start()
+        with full.client() as c:
+            eventually(
+                lambda: c.get("/instances/queued").status_code == 200, timeout=10, message="never shown as preparing"
+            )
+            shown = c.get("/instances/queued").json()
+            assert (shown["state"], shown["environment"], shown["task_id"]) == ("preparing", "mbpp", "13"), shown
+            step = c.post("/instances/queued/step", json={"action": {"tool": "run_python", "arguments": {"code": "1"}}})
+            assert step.status_code == 409 and step.json()["state"] == "preparing", step.text
+            assert c.get("/instances", params={"state": "creating"}).json()["total"] == 0, "no row while preparing"
+        with sqlite3.connect(sched.data_dir / "envhub.db") as db:
+            now = time.time()
+            db.execute("INSERT INTO routes VALUES ('queued', ?, 'mbpp', '13', 'creating', ?, ?)", (full.url, now, now))
+        db.close()
+        sched.start()
+        time.sleep(1.0)  # several of the scheduler's rounds (0.2 s) while the node still prepares it
+        assert route_state() == "creating", "the route of a create its node still prepares is kept"
+        assert waiting.is_alive()
+
+        with full.client() as c:
+            assert c.post("/instances/held/release").status_code == 200  # the queued create gets the slot
+        waiting.join(30)
+        assert [r.status_code for r in answers] == [201], [r.text for r in answers]
+        eventually(lambda: route_state() == "live", timeout=10, message=lambda: f"route {route_state()}")
+        with sched.client() as c:
+            retried = c.post("/instances", json={**body, "instance_id": "queued"})
+            assert retried.status_code == 200, retried.text  # the node's replay: no second instance
+            assert node_of(sched, nodes, "queued") == 0
+            ran = c.post(
+                "/instances/queued/step",
+                json={"action": {"tool": "run_python", "arguments": {"code": "print(6 * 7)"}}},
+            )
+            assert "42" in ran.text, ran.text
+            assert c.post("/instances/queued/release").status_code == 200
+    finally:
+        waiting.join(60) if waiting.is_alive() else None
+        for p in (sched, *nodes):
+            if p.proc is not None and p.proc.poll() is None:
+                assert p.stop() == 0, p.log()
+
+
 def test_nodes_yaml_edited_while_running_adds_and_removes_nodes_and_a_removed_nodes_instances_answer_410(tmp_path):
     """nodes.yaml is re-read when it changes (the file Ray's controller keeps is such a
     file): a node added takes creates, a node taken out leaves and calls for its

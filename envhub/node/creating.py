@@ -175,7 +175,16 @@ class Creator:
     ) -> Reply:
         sandbox = self.sandboxes[env.sandbox]
         episodes = self.episodes
-        episodes.preparing.add(instance_id)  # a drain waits for it from here (drain.py)
+        # A drain waits for it from here (drain.py), and GET /instances/<id> shows it.
+        episodes.preparing[instance_id] = instances.preparing_row(
+            id=instance_id,
+            environment=env.name,
+            task_id=task.id,
+            trial=trial,
+            node_id=str(self.settings.node_id),
+            sandbox=sandbox.name,
+            params=params,
+        )
         try:
             await env.prepare(task, params)  # image builds happen before a slot is taken
             spec = spec_for(str(self.settings.node_id), env, task, params, instance_id)
@@ -187,7 +196,7 @@ class Creator:
                 )
             pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name), held)
         finally:
-            episodes.preparing.discard(instance_id)
+            episodes.preparing.pop(instance_id, None)
         if not episodes.accepting:  # it began to drain or stop while this create built or waited
             try:
                 if pooled is not None:

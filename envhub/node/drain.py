@@ -56,7 +56,7 @@ class Drain:
             for live in episodes
             if not live.episode.sandbox.survives_restart or live.row.id in episodes.rollouts
         }
-        return sorted(ids | set(episodes.creating) | episodes.preparing)
+        return sorted(ids | set(episodes.creating) | set(episodes.preparing))
 
     def start(self, timeout: float) -> dict[str, Any]:
         """Stop taking creates; the waiting instances have ``timeout`` seconds from now (a

@@ -40,7 +40,7 @@ import time
 from collections.abc import Awaitable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
-from envhub.errors import Conflict, Gone, StorageFull
+from envhub.errors import Conflict, Gone, NotFound, StorageFull
 from envhub.metrics import UNKNOWN, outcome_of
 from envhub.metrics.node import NodeMetrics
 from envhub.node.capacity import SlotHolder, Slots
@@ -71,7 +71,9 @@ class Episodes:
         self.refusal = "the node is stopping"  # why, while it is not accepting
         self.ended_counts: collections.Counter[tuple[str, str]] = collections.Counter()  # (environment, state)
         self.creating: dict[str, str] = {}  # creates holding a slot: instance id -> environment
-        self.preparing: set[str] = set()  # creates taken in, before their slot (a build, the queue)
+        # Creates taken in, before their slot (a build, the queue), as GET /instances/<id>
+        # shows them (state 'preparing'): no row is written until the slot is theirs.
+        self.preparing: dict[str, instances.InstanceRow] = {}
         # Instances of whole rollouts that hold a slot (so are live too). Joined and left
         # together with the slot, so /health never counts a rollout twice or not at all.
         self.rollouts: set[str] = set()
@@ -119,7 +121,14 @@ class Episodes:
         if live is not None:
             return live
         await self.settle(instance_id)
-        row = await instances.get(self.db, instance_id)  # NotFound for unknown ids
+        row = await instances.find(self.db, instance_id)
+        if instance_id in self.preparing and (row is None or instances.never_started(row)):
+            raise Conflict(
+                f"instance {instance_id!r} is still being prepared (its image built, or a slot awaited)",
+                extra={"state": "preparing", "instance_id": instance_id},
+            )
+        if row is None:
+            raise NotFound(f"no instance {instance_id!r}", extra={"instance_id": instance_id})
         if row.state == "creating":
             raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
         if row.state == "lost":

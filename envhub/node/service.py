@@ -318,6 +318,11 @@ class NodeService:
     async def get(self, instance_id: str) -> dict[str, Any]:
         # Never 'creating' or live after a call that ended it answered (episodes.py).
         row = await self.episodes.find_row(instance_id)
+        preparing = self.episodes.preparing.get(instance_id)
+        if preparing is not None and (row is None or instances.never_started(row)):
+            # A create still building its image or waiting for a slot (a retry of one that
+            # never started included): a scheduler restarted meanwhile keeps its route.
+            return {**preparing.to_public(), "observation": None}
         if row is None:
             raise NotFound(f"no instance {instance_id!r}", extra={"instance_id": instance_id})
         out = {**row.to_public(), "observation": row.observation}

@@ -74,6 +74,7 @@ from envhub.scheduler.fleet import Fleet, FleetFile, Node
 from envhub.scheduler.health import FleetHealth
 from envhub.scheduler.joining import JoinRequest, Membership
 from envhub.scheduler.run_code import RunCodeRouter
+from envhub.scheduler.settling import UnfinishedCreates
 from envhub.scheduler.view import FleetView
 from envhub.settings import Settings
 from envhub.store import routes
@@ -160,6 +161,16 @@ class SchedulerService:
         self._creating: SingleFlight[tuple[int, bytes, tuple[str, str]]] = SingleFlight()
         self._asked: dict[str, tuple[str, str]] = {}
         self.run_code = RunCodeRouter(self)  # /run_code, by language (run_code.py)
+        # Creates a killed scheduler left half-done, settled by their nodes (settling.py).
+        self.unfinished = UnfinishedCreates(
+            db,
+            self.view,
+            lambda node, instance_id: self.call(
+                node, "GET", f"/instances/{instance_id}", idempotent=True, answers_client=False
+            ),
+            in_flight=lambda instance_id: instance_id in self._asked,
+            interval=settings.health_interval,
+        )
         self.configs = ConfigPush(self, db)  # what POST /config gave the fleet (config_push.py)
 
     @property
@@ -182,7 +193,8 @@ class SchedulerService:
 
     async def start(self) -> None:
         """Routes, affinity, the nodes that joined and the fleet's config from SQLite, a
-        first health round, then the creates a killed scheduler left half-done settled."""
+        first health round, then the creates a killed scheduler left half-done settled
+        where their nodes can say (settling.py; the rest by :meth:`settle_forever`)."""
         await self.configs.state.load()
         await self.members.load()
         self.set_fleet(self.members.fleet())
@@ -194,27 +206,8 @@ class SchedulerService:
         for node in self.nodes:
             node.active = counts.get(node.url, 0)
         await self.check_health()
-        await self._settle_unfinished_creates()
-
-    async def _settle_unfinished_creates(self) -> None:
-        """Creates a killed scheduler left half-done: keep the route if the node has the
-        instance, drop it if not (the client's retry, carrying the same id, then lands).
-        A ``failed`` row (a create the node abandoned when the scheduler died mid-call) or a
-        ``lost`` one (the node restarted) has no instance to give either: the client never
-        got its create answer, so its retry is placed afresh instead of replaying a dead id."""
-        for instance_id, node_url in await routes.unfinished(self.db):
-            node = self.by_url.get(node_url)
-            if node is None or not node.healthy:
-                continue
-            try:
-                reply = await self.call(node, "GET", f"/instances/{instance_id}", idempotent=True, answers_client=False)
-                state = reply.json().get("state") if reply.status == 200 else None
-            except (UpstreamUnavailable, ValueError, AttributeError):
-                continue
-            if reply.status == 404 or state in ("failed", "lost"):
-                await routes.delete(self.db, instance_id)
-            elif reply.status == 200:
-                await routes.set_state(self.db, instance_id, "live")
+        await self.unfinished.load()
+        await self.unfinished.settle()
 
     async def check_health(self) -> None:
         await self.health_checks.check_health()
@@ -244,6 +237,10 @@ class SchedulerService:
 
     async def health_forever(self) -> None:
         await self.health_checks.forever()
+
+    async def settle_forever(self) -> None:
+        """The half-done creates a start could not settle yet, asked about every round."""
+        await self.unfinished.forever()
 
     async def prune_routes(self) -> int:
         return await self.health_checks.prune_routes()

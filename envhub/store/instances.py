@@ -8,7 +8,9 @@ instance whose sandbox is gone. Rows are deleted only by the node's opt-in reten
 (``failed`` or ``lost`` without an observation: cut off by its client, a killed
 scheduler or a node restart) does not claim its id: a retried create of that id
 starts over in the same row (:func:`never_started`). JSON columns are decoded into
-the dataclass, never handed out as cursors.
+the dataclass, never handed out as cursors. A create still preparing (its image
+building, or waiting for a slot) has no row yet; GET shows it as ``preparing``
+(:func:`preparing_row`, kept in the node's memory).
 """
 
 from __future__ import annotations
@@ -84,6 +86,34 @@ def _decode(row: sqlite3.Row) -> InstanceRow:
 
 # A row in one of these states without an observation is a create that never finished.
 _UNFINISHED_CREATE_STATES = ("failed", "lost")
+
+
+def preparing_row(
+    *, id: str, environment: str, task_id: str, trial: str, node_id: str, sandbox: str, params: dict[str, Any]
+) -> InstanceRow:
+    """What GET /instances/<id> shows of a create still preparing (its image building, or
+    waiting in the node's queue for a slot): state ``preparing``. Never written: the
+    row is inserted (``creating``) once the create holds its slot."""
+    now = time.time()
+    return InstanceRow(
+        id=id,
+        environment=environment,
+        task_id=task_id,
+        trial=trial,
+        node_id=node_id,
+        sandbox=sandbox,
+        sandbox_handle=None,
+        state="preparing",
+        params=params,
+        observation=None,
+        env_state={},
+        step_count=0,
+        reward=None,
+        evaluation=None,
+        error=None,
+        created_at=now,
+        last_active_at=now,
+    )
 
 
 def never_started(row: InstanceRow) -> bool:
