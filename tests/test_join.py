@@ -261,3 +261,44 @@ def test_a_new_node_at_an_earlier_nodes_url_does_not_inherit_its_instances(tmp_p
         for p in (new, old, sched):
             if p is not None:
                 p.stop()
+
+
+def test_a_node_replaced_while_the_scheduler_was_down_is_seen_at_its_restart(tmp_path):
+    """The same replacement as above, but while the scheduler itself is stopped (a new
+    Slurm allocation restarts both): the node id last seen at each URL is in the
+    scheduler's SQLite, so at its restart the first good check of the new node marks the
+    earlier node's routes ``replaced``, and their calls answer 410, not the new node's 404."""
+    sched = scheduler(tmp_path)
+    old = new = None
+    try:
+        old = joining_node(tmp_path, sched, "old")
+        with sched.client() as c:
+            healthy_member(c, old.url)
+            before = episode(c, "before")
+        assert sched.stop() == 0
+        old.kill()
+        new = EnvhubProcess(
+            tmp_path / "new", *NODE_ARGS, "--join", sched.url, "--set", "join_interval=0.5", api_key=KEY
+        )
+        new.args[new.args.index("--port") + 1] = str(old.port)  # the same host and port
+        new.port, new.url = old.port, old.url
+        new.start()
+        sched.start()
+        with sched.client() as c:
+            healthy_member(c, new.url)
+            r = step(c, before)
+            assert r.status_code == 410 and r.json()["code"] == "gone", r.text
+            assert "another node" in r.json()["error"]
+            fresh = episode(c, "after")
+            assert step(c, fresh).status_code == 200
+            assert c.post(f"/instances/{fresh}/release").status_code == 200
+        with sqlite3.connect(sched.data_dir / "envhub.db") as db:
+            states = dict(db.execute("SELECT instance_id, state FROM routes").fetchall())
+            ids = dict(db.execute("SELECT url, node_id FROM node_ids").fetchall())
+        db.close()
+        assert states == {"before": "replaced", "after": "ended"}, states
+        assert ids == {new.url: new.node_id}, ids
+    finally:
+        for p in (new, old, sched):
+            if p is not None and p.proc is not None and p.proc.poll() is None:
+                assert p.stop() == 0, p.log()

@@ -14,8 +14,9 @@ Invariants (the scheduler's, stated whole in envhub/scheduler/service.py):
 - Retention deletes ended routes in batches, a bounded number per round.
 - A good check whose node id is not the last one seen at that URL means another node
   took the URL: the earlier node's unfinished routes are marked ``replaced`` (410), but
-  for the instances the new node holds or is being sent. The last id seen is in memory:
-  a replacement during a scheduler's restart is not seen (its calls answer 404).
+  for the instances the new node holds or is being sent. The last id seen at each URL is
+  kept in SQLite (``node_ids``) before the node takes calls, so a replacement while the
+  scheduler was down is seen at its first check after the restart.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from envhub.scheduler.fleet import Node
 from envhub.scheduler.joining import Membership
 from envhub.scheduler.view import FleetView
 from envhub.settings import Settings
-from envhub.store import routes
+from envhub.store import node_ids, routes
 from envhub.store.db import Database, delete_in_batches
 
 log = logging.getLogger("envhub.scheduler")
@@ -58,6 +59,11 @@ class FleetHealth:
         self.http = http
         self.view = view
         self.members = members
+        self.node_ids: dict[str, str] = {}  # URL -> the node id last seen there, as in SQLite
+
+    async def load(self) -> None:
+        """The node ids last seen at each URL, from SQLite (before the first round)."""
+        self.node_ids = await node_ids.all_ids(self.db)
 
     async def check_health(self) -> None:
         """One health round: first take the fleet's changes, if any. Each node's check
@@ -112,9 +118,13 @@ class FleetHealth:
             return
         if not node.healthy:
             log.info("node %s is up", node.url)
-        was_up, process, before = node.healthy, node.process, node.info.get("node_id")
-        if before and report.get("node_id") and report["node_id"] != before:
-            await self._replaced(node, before, report["node_id"])  # before it takes calls again
+        was_up, process = node.healthy, node.process
+        before, now = self.node_ids.get(node.url), report.get("node_id")
+        if isinstance(now, str) and now and now != before:
+            if before:
+                await self._replaced(node, before, now)  # before it takes calls again
+            await node_ids.put(self.db, node.url, now)
+            self.node_ids[node.url] = now
         node.healthy, node.error, node.last_seen, node.info = True, None, time.monotonic(), report
         if not was_up or node.process != process:
             self.view.came_up.set()

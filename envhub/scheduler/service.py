@@ -197,6 +197,7 @@ class SchedulerService:
         where their nodes can say (settling.py; the rest by :meth:`settle_forever`)."""
         await self.configs.state.load()
         await self.members.load()
+        await self.health_checks.load()
         self.set_fleet(self.members.fleet())
         window = self.settings.affinity_window
         wall, mono = time.time(), time.monotonic()  # SQLite's wall-clock times, as monotonic ones
