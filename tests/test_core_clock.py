@@ -58,11 +58,11 @@ async def test_task_affinity_holds_for_its_window_whatever_the_wall_clock_does(t
         nodes = [Node(url=f"http://n{i}", slots=4, healthy=True, capacity=4) for i in range(2)]
         settings = Settings(role="scheduler", data_dir=tmp_path, affinity_window=120)
         sched = SchedulerService(settings, db, None, Fleet(nodes, {}, None), _Direct({}), metrics=NoSchedulerMetrics())  # type: ignore[arg-type]
-        first = await sched._pick("mbpp/13")
+        first = await sched.placement.pick("mbpp/13")
         jump()
-        node, affinity = sched._choose("mbpp/13")
+        node, affinity = sched.placement.choose("mbpp/13")
         assert (node, affinity) == (first, "hit"), "the window is measured, not read off the wall clock"
         sched.view.affinity["mbpp/13"] = (first.url, time.monotonic() - 121)
-        assert sched._choose("mbpp/13")[1] == "none", "past its window the affinity is gone"
+        assert sched.placement.choose("mbpp/13")[1] == "none", "past its window the affinity is gone"
     finally:
         await db.close()

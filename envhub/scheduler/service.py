@@ -64,7 +64,7 @@ from typing import Any
 import aiohttp
 
 from envhub.calls import CreateRequest, new_instance_id
-from envhub.errors import Conflict, EnvhubError, Gone, InvalidRequest, NotFound, UpstreamUnavailable
+from envhub.errors import Conflict, Gone, InvalidRequest, NotFound, UpstreamUnavailable
 from envhub.metrics import scheduler as causes
 from envhub.metrics.scheduler import NoSchedulerMetrics, SchedulerMetrics, call_kind
 from envhub.network import NetworkMode
@@ -73,6 +73,7 @@ from envhub.scheduler.config_push import ConfigPush
 from envhub.scheduler.fleet import Fleet, FleetFile, Node
 from envhub.scheduler.health import FleetHealth
 from envhub.scheduler.joining import JoinRequest, Membership
+from envhub.scheduler.placement import Placement
 from envhub.scheduler.run_code import RunCodeRouter
 from envhub.scheduler.settling import UnfinishedCreates
 from envhub.scheduler.view import FleetView
@@ -104,31 +105,12 @@ def _step_failed(error: str) -> bytes:
     return jsonlib.dumps({"run_info": None, "reward": None, "error": error}).encode()
 
 
-def _lists_environments(node: Node) -> bool:
-    """Whether the node's last health report listed its environments: not before its
-    first report, nor from a node of a version that does not list them."""
-    return isinstance(node.info.get("environments"), list)
-
-
-def _may_serve(node: Node, environment: str) -> bool:
-    """A placement candidate for ``environment``: it lists it, or lists none (see
-    :meth:`SchedulerService.serving`)."""
-    return node.serves(environment) or not _lists_environments(node)
-
-
 def _other_task(instance_id: str, made: tuple[str, str]) -> Conflict:
     """A node's 409 for a create whose id names an instance of another task."""
     return Conflict(
         f"instance id {instance_id!r} already names an instance of {made[0]}/{made[1]}",
         extra={"instance_id": instance_id},
     )
-
-
-class AllNodesBusy(EnvhubError):
-    """Every healthy node is full, or no node is healthy, or the fleet has none."""
-
-    status = 503
-    code = "capacity_exceeded"
 
 
 class SchedulerService:
@@ -156,7 +138,6 @@ class SchedulerService:
         self.health_checks = FleetHealth(settings, db, http, self.view, self.members)
         self.network = network
         self.retry = peers.RetryPolicy(attempts=settings.retry_attempts, max_wait=settings.retry_max_wait)
-        self._lock = asyncio.Lock()
         # Creates in flight, by id: their answer, and the (environment, task) each asked for.
         self._creating: SingleFlight[tuple[int, bytes, tuple[str, str]]] = SingleFlight()
         self._asked: dict[str, tuple[str, str]] = {}
@@ -172,6 +153,10 @@ class SchedulerService:
             interval=settings.health_interval,
         )
         self.configs = ConfigPush(self, db)  # what POST /config gave the fleet (config_push.py)
+        # Which node takes a create (placement.py); a push may take a fan-out's time.
+        self.placement = Placement(
+            settings, self.view, self.metrics, self.configs.state, lambda: self.fan_out_deadline()[0] * FAN_OUT_SLACK
+        )
 
     @property
     def nodes(self) -> list[Node]:
@@ -246,152 +231,13 @@ class SchedulerService:
     async def prune_routes(self) -> int:
         return await self.health_checks.prune_routes()
 
-    # -- choosing a node -----------------------------------------------------------------
-
-    async def _pick(self, task_key: str, instance_id: str | None = None, *, served: bool = True) -> Node:
-        """Take a slot on the best node: ``instance_id`` joins its creates in flight, or
-        (no id) its ``pending`` count goes up; the caller settles either when answered.
-        ``served``: only nodes that serve the task key's environment are candidates, and
-        one that no node serves is a 404 at once (:meth:`check_served`); false for a key
-        that names no environment (SETA's /step with no ``seta_environment``)."""
-        environment = task_key.split("/", 1)[0]
-        if served:
-            self.check_served(environment)
-        started = time.monotonic()
-        deadline = started + self.settings.scheduler_wait
-        while True:
-            async with self._lock:
-                node, affinity = self._choose(task_key, served=served)
-                if node is not None:
-                    self.metrics.affinity(affinity)
-                    if instance_id is None:
-                        node.pending += 1
-                    else:
-                        node.creating.add(instance_id)
-                    self.view.affinity[task_key] = (node.url, time.monotonic())
-                    return node
-                self.view.freed.clear()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                healthy = [n for n in self.nodes if n.healthy and (not served or _may_serve(n, environment))]
-                # A node whose fleet config push is on its way (it just came up) takes
-                # creates once it answers: wait for that, as long as the push may take.
-                if any(
-                    n.free > 0 and not n.unavailable(environment) and self.configs.state.standing(n) == "pending"
-                    for n in healthy
-                ):
-                    push_timeout, _ = self.fan_out_deadline()
-                    left = started + push_timeout * FAN_OUT_SLACK - time.monotonic()
-            if left <= 0:
-                down = {n.name: n.info["unavailable"][environment] for n in healthy if n.unavailable(environment)}
-                unconfigured = {
-                    n.name or n.url: self.configs.state.status(n)["config_error"] or "not answered yet"
-                    for n in healthy
-                    if n.name not in down and self.configs.state.standing(n) != "ready"
-                }
-                if unconfigured and len(down) + len(unconfigured) == len(healthy):
-                    self.metrics.unavailable(causes.CONFIG_PENDING)
-                    raise AllNodesBusy(
-                        f"no node that can take {environment} creates has the fleet's config "
-                        f"(version {self.configs.state.version}) yet: "
-                        + "; ".join(f"{name}: {why}" for name, why in sorted(unconfigured.items())),
-                        headers={"Retry-After": "2"},
-                        extra={"retry_after": 2},
-                    )
-                if healthy and len(down) == len(healthy):
-                    self.metrics.unavailable(causes.ENVIRONMENT_UNAVAILABLE)
-                    raise AllNodesBusy(
-                        f"no node can take {environment} creates now: "
-                        + "; ".join(f"{name}: {why}" for name, why in sorted(down.items())),
-                        headers={"Retry-After": "5"},
-                        extra={"retry_after": 5},
-                    )
-                why = (
-                    "all nodes are at capacity"
-                    if healthy
-                    else f"no node that serves {environment} is healthy"
-                    if any(n.healthy for n in self.nodes)
-                    else "no node is healthy"
-                    if self.nodes
-                    else "the fleet has no node"
-                )
-                self.metrics.unavailable(causes.NO_FREE_SLOT if healthy else causes.NO_HEALTHY_NODE)
-                raise AllNodesBusy(
-                    f"{why} ({sum(n.used for n in healthy)}/{sum(n.capacity for n in healthy)} "
-                    f"slots in use on {len(healthy)} healthy node(s))",
-                    headers={"Retry-After": "2"},
-                    extra={"retry_after": 2},
-                )
-            try:
-                async with asyncio.timeout(left):  # not wait_for, which can lose a cancel in 3.11
-                    await self.view.freed.wait()
-            except TimeoutError:
-                pass
-
-    def _choose(self, task_key: str, *, served: bool = True) -> tuple[Node | None, str]:
-        """The node for a create of ``task_key``, and how affinity served it: ``hit``
-        (its last node), ``miss`` (that node is down or full) or ``none``. ``served``:
-        only a node that serves the environment (see :meth:`serving`) takes it."""
-        environment = task_key.split("/", 1)[0]
-
-        def takes(node: Node) -> bool:  # a node whose engine is down for this environment: no
-            if served and not _may_serve(node, environment):
-                return False
-            return (
-                node.healthy
-                and node.free > 0
-                and not node.unavailable(environment)
-                and self.configs.state.standing(node) == "ready"  # no episode under a replaced config
-            )
-
-        seen = self.view.affinity.get(task_key)
-        affinity = "none"
-        if seen is not None and time.monotonic() - seen[1] <= self.settings.affinity_window:
-            node = self.by_url.get(seen[0])
-            if node is not None and takes(node):
-                return node, "hit"
-            affinity = "miss"
-        best: Node | None = None
-        for node in self.nodes:
-            if takes(node) and (best is None or node.free_ratio > best.free_ratio):
-                best = node
-        return best, affinity
-
-    # -- a mixed fleet: which nodes serve an environment ----------------------------------
+    # -- which nodes serve an environment (placement.py) ----------------------------------
 
     def check_served(self, environment: str) -> None:
-        """``NotFound`` naming the fleet's environments when no node serves ``environment``,
-        judged by each node's last health report, a down node's included (it is down, not
-        gone: its environments wait for it with a 503, never a 404). Nothing is refused
-        while nothing is known: before any node has listed its environments, or while a
-        healthy node lists none (a node of another version), the call goes on as it would
-        without this check."""
-        listed = [n for n in self.nodes if _lists_environments(n)]
-        if not listed or any(n.serves(environment) for n in listed):
-            return
-        if any(n.healthy and not _lists_environments(n) for n in self.nodes):
-            return
-        served = sorted({name for n in listed for name in n.environments()})
-        raise NotFound(
-            f"no environment {environment!r} (the fleet serves: {', '.join(served)})",
-            extra={"environment": environment},
-        )
+        self.placement.check_served(environment)
 
     def serving(self, environment: str) -> list[Node]:
-        """The healthy nodes that serve ``environment``, in the fleet's order: those whose
-        last report lists it, then those whose report lists none (they may). ``NotFound``
-        when no node serves it (:meth:`check_served`); 503 when none of those that do is
-        healthy."""
-        self.check_served(environment)
-        nodes = [n for n in self.nodes if n.healthy and n.serves(environment)]
-        nodes += [n for n in self.nodes if n.healthy and not _lists_environments(n)]
-        if not nodes:
-            healthy = any(n.healthy for n in self.nodes)
-            raise UpstreamUnavailable(
-                f"no node that serves {environment} is healthy" if healthy else "no node is healthy",
-                extra={"environment": environment},
-            )
-        return nodes
+        return self.placement.serving(environment)
 
     async def environments(self) -> tuple[int, bytes]:
         """``GET /environments`` over the fleet: every healthy node asked at once, and the
@@ -455,8 +301,8 @@ class SchedulerService:
             try:
                 # A node that refuses creates (draining, stopping) holds no such instance: the
                 # create goes to another node, and that node gets none until it reports again.
-                # One try at least: with no node at all, _pick's wait (a node may join) and its
-                # 503 answer it.
+                # One try at least: with no node at all, the placement's wait (a node may
+                # join) and its 503 answer it.
                 for _ in range(max(1, len(self.nodes))):
                     status, data, refused_by = await self._create(
                         body, request.environment, request.task_id, request.params, instance_id
@@ -520,7 +366,7 @@ class SchedulerService:
         forwarded = {**body, "instance_id": instance_id, "params": params}
         task_key = f"{environment}/{task_id}"
         if node is None:
-            node = await self._pick(task_key, instance_id)
+            node = await self.placement.pick(task_key, instance_id)
         created = False
         status: int | None = None  # the node's answer, once it answered
         mark: str | None = None
@@ -573,7 +419,7 @@ class SchedulerService:
         if isinstance(body.get("model_url"), str):
             body = {**body, "model_url": self.network.rewrite(body["model_url"])}
         try:
-            node = await self._pick(f"{environment}/{task_id}", served=served)
+            node = await self.placement.pick(f"{environment}/{task_id}", served=served)
         except NotFound as e:
             if not failure_as_reply:
                 raise
@@ -685,7 +531,7 @@ class SchedulerService:
         """A slot for an OpenEnv session or episode call, placed like a create (task key
         ``<environment>/openenv``). Give it back with :meth:`session_closed`, after
         :meth:`session_opened` if the node took a session that holds its slot."""
-        return await self._pick(f"{environment}/openenv")
+        return await self.placement.pick(f"{environment}/openenv")
 
     def session_opened(self, node: Node) -> None:
         """The node holds the session's slot now: an id-less slot until its next report."""
@@ -705,7 +551,7 @@ class SchedulerService:
         health check: :meth:`call` marks it down) passes the call to the next one; a
         reply of any status is the answer."""
         if environment is not None:
-            nodes = self.serving(environment)
+            nodes = self.placement.serving(environment)
         else:
             nodes = [n for n in self.nodes if n.healthy]
         if not nodes:

@@ -30,7 +30,8 @@ from sanic import Blueprint, Request
 from envhub.compat.openenv import WireError, capacity_reached
 from envhub.errors import NotFound
 from envhub.scheduler.fleet import Node
-from envhub.scheduler.service import AllNodesBusy, SchedulerService
+from envhub.scheduler.placement import AllNodesBusy
+from envhub.scheduler.service import SchedulerService
 from envhub.web.openenv import close_with, refuse
 from envhub.web.routing import passthrough
 
