@@ -64,6 +64,7 @@ class GoStd:
         self.dir = store / identity[:24]
         self._built: asyncio.Future[bool] | None = None
         self._placed: dict[str, str] = {}  # work root -> the cache's path inside it
+        self._placing = asyncio.Lock()  # one copy at a time: two would remove each other's
 
     def _go_env(self, cache: Path, home: Path) -> dict[str, str]:
         """The environment of a call's ``go build``, with ``cache`` as its build cache."""
@@ -132,6 +133,9 @@ class GoStd:
         shutil.rmtree(self.dir, ignore_errors=True)
         os.rename(tmp / "cache", self.dir)
         shutil.rmtree(tmp, ignore_errors=True)
+        for other in self.dir.parent.iterdir():  # an earlier toolchain's: never read again
+            if other != self.dir:
+                shutil.rmtree(other, ignore_errors=True)
         log.info("run_code: Go's standard library compiled for Go calls in %.1f s", time.monotonic() - started)
         return True
 
@@ -142,10 +146,11 @@ class GoStd:
         if placed is None:
             if not await self.built():
                 return None
-            placed = self._placed.get(work_root)  # another call placed it meanwhile
-            if placed is None:
-                placed = await asyncio.to_thread(self._copy, work_root)
-                self._placed[work_root] = placed
+            async with self._placing:
+                placed = self._placed.get(work_root)  # another call placed it meanwhile
+                if placed is None:
+                    placed = await asyncio.to_thread(self._copy, work_root)
+                    self._placed[work_root] = placed
         return {"GOCACHE": placed, **ENV}
 
     def _copy(self, work_root: str) -> str:
