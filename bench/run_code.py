@@ -18,6 +18,10 @@ generator shares the node's cores. Every reply is checked (status and stdout). P
 - ``cpp verl``: what verl sends for C++: one call per test case, ten cases of each
   program at once (concurrent calls with one source share one compile), a new program
   every ten calls;
+- ``go`` (not by default): a ten-line Go program compiled and run per call, every call a
+  source of its own; ``--set 'run_code.languages.go.compile=[/usr/lib/go-1.23/bin/go,
+  build, -o, main, main.go]'`` measures another toolchain (the node then offers Go only),
+  ``--set run_code.go_std=false`` without the standard library the node compiles;
 - ``python fn_name``: a function called through verl's own ``fn_name`` harness (taken
   from verl 0.9.1's reward module in ``.venv/verl``, as scripts/test installs it; the
   phase is skipped without it), which imports a dozen modules per call.
@@ -136,6 +140,23 @@ def alternating(values: list[int]) -> int:
 def python_calls(n: int) -> list[tuple[dict, str]]:
     return [
         ({"code": PYTHON_CODE, "language": "python", "stdin": f"{i} {i + 7}\n"}, f"{2 * i + 7}\n") for i in range(n)
+    ]
+
+
+GO_SUM = (
+    'package main\n\n// {n}\nimport "fmt"\n\n'
+    "func main() {{\n\tvar a, b int\n\tfmt.Scan(&a, &b)\n\tfmt.Println(a + b)\n}}\n"
+)
+
+
+def go_calls(n: int, offset: int = 0) -> list[tuple[dict, str]]:
+    """``n`` calls, each a Go program of its own (a comment differs)."""
+    return [
+        (
+            {"code": GO_SUM.format(n=offset + i), "language": "go", "stdin": f"{i} 7\n", "compile_timeout": 120},
+            f"{i + 7}\n",
+        )
+        for i in range(n)
     ]
 
 
@@ -316,6 +337,7 @@ def main() -> None:
     ap.add_argument("--python-calls", type=int, default=4000)
     ap.add_argument("--cpp-miss-calls", type=int, default=60, help="calls per C++ flavour that compile")
     ap.add_argument("--cpp-hit-calls", type=int, default=2000)
+    ap.add_argument("--go-calls", type=int, default=40, help="calls of the go phase, each compiling")
     ap.add_argument("--runs", type=int, default=1, help="passes of every phase; the medians are printed")
     ap.add_argument("--phases", default="python,baseline,cpp-stdio,cpp-iostream,cpp-hit,cpp-verl,python-fn")
     ap.add_argument(
@@ -349,7 +371,8 @@ def main() -> None:
     print(f"{'client' if args.url else 'node and client'} on {describe(python)}, {os.cpu_count()} cores")
     passes: list[dict] = []
     try:
-        phase("warm-up", url, path, python_calls(200), args.clients, None)
+        if phases - {"go"}:
+            phase("warm-up", url, path, python_calls(200), args.clients, None)
         if "cpp-hit" in phases:  # the one compile the hits reuse
             phase("warm-up (one compile)", url, path, cpp_calls(1, CPP_STDIO, distinct=False), 1, None)
         offset = 1
@@ -375,6 +398,12 @@ def main() -> None:
                 calls = cpp_calls(10 * args.cpp_miss_calls, CPP_IOSTREAM, distinct=True, offset=offset, per_program=10)
                 offset += args.cpp_miss_calls
                 got["cpp-verl"] = phase("cpp-verl (10 cases each)", url, path, calls, args.clients, node_pid)
+            if "go" in phases:
+                # One call first: it waits for the standard library the node compiles at its first start.
+                phase("warm-up (go)", url, path, go_calls(1, offset=offset), 1, None)
+                calls = go_calls(args.go_calls, offset=offset + 1)  # every call a source not compiled yet
+                offset += args.go_calls + 1
+                got["go"] = phase("go (compile+run)", url, path, calls, args.clients, node_pid)
             if "python-fn" in phases:
                 calls = fn_calls(args.python_calls // 2)
                 if calls is None:

@@ -311,6 +311,8 @@ def setup_node(app: Any) -> None:
     @app.after_server_start
     async def start_loops(app: Any) -> None:
         app.add_task(app.ctx.node.reap_forever(), name="node.reaper")
+        if app.ctx.node.run_code is not None:  # ahead of the first calls (Go's standard library)
+            app.add_task(app.ctx.node.run_code.prepare(), name="run_code.prepare")
         settings: Settings = app.ctx.settings
         if settings.join:  # once it serves: the scheduler checks it at the URL it gives
             joiner = Joiner(settings, app.ctx.http, advertised_url(settings, listening_url(app)))

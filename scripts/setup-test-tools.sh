@@ -6,7 +6,8 @@
 # installing it (the package would start a Prometheus server), and the toolchains of the
 # languages /run_code offers (g++, nodejs, golang, default-jdk-headless, rustc), and
 # skopeo, whose archives the rootfs sandbox's tests import (tests/test_rootfs_images.py),
-# and slirp4netns, which gives the rootfs sandbox's episodes their network.
+# and slirp4netns, which gives the rootfs sandbox's episodes their network; and a newer Go
+# from bookworm-backports.
 # Assumes the only network is the Debian mirror + PyPI.
 set -euo pipefail
 export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
@@ -55,7 +56,26 @@ if (( ${#toolchains[@]} )); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${toolchains[@]}"
 fi
 
+# --- 4. a Go that ships no compiled standard library (1.20 and later; bookworm's is 1.19),
+# for the test of /run_code's compiled standard library (tests/test_run_code.py): Debian's
+# golang-1.23-go from bookworm-backports, on the same mirror, into /usr/lib/go-1.23 beside
+# the default go. The backports source is used for this one install and not kept.
+# About 20 s and 250 MB.
+if ! [[ -x /usr/lib/go-1.23/bin/go ]]; then
+  mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+  mirror=${mirror:-http://deb.debian.org/debian}
+  bpo=/etc/apt/sources.list.d/envhub-test-backports.sources
+  printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: %s\n' \
+    "$mirror" /usr/share/keyrings/debian-archive-keyring.gpg >"$bpo"
+  trap 'rm -f "$bpo"; rm -rf "${work:-}"' EXIT
+  apt-get update -q -o Dir::Etc::sourcelist="$bpo" -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0 \
+    || die "cannot read bookworm-backports from $mirror"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends -t bookworm-backports golang-1.23-go \
+    || die "cannot install golang-1.23-go from bookworm-backports"
+  rm -f "$bpo"
+fi
+
 echo "setup-test-tools: OK $(/usr/bin/chromium --version 2>/dev/null | head -n1)," \
   "$(promtool --version 2>&1 | head -n1), $(/usr/bin/g++ --version | head -n1), node $(/usr/bin/node --version)," \
-  "$(/usr/bin/go version), $(/usr/bin/javac -version 2>&1), $(/usr/bin/rustc --version)," \
+  "$(/usr/bin/go version), $(/usr/lib/go-1.23/bin/go version), $(/usr/bin/javac -version 2>&1), $(/usr/bin/rustc --version)," \
   "skopeo $(/usr/bin/skopeo --version | awk '{print $3}'), $(/usr/bin/slirp4netns --version | head -n1)"

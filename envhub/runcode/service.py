@@ -41,6 +41,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 from envhub.errors import CapacityExceeded, EnvhubError, SandboxError, StartupError
@@ -48,6 +49,7 @@ from envhub.metrics import outcome_of
 from envhub.node.capacity import Slots
 from envhub.runcode import cache as compile_cache
 from envhub.runcode import jupyter
+from envhub.runcode.gostd import GoStd
 from envhub.runcode.languages import DEFAULT_PATH, PYTHON, Language, configured, detect, versions
 from envhub.runcode.request import Bounds, RunCodeRequest, command_result, parse, reply, sandbox_error
 from envhub.sandbox import Limits, Program, ProgramFile, ProgramRunner, Sandbox, SandboxSpec, Step, StepResult
@@ -84,6 +86,7 @@ class Options:
     max_processes: int
     output_limit: int
     compile_cache_mb: int
+    go_std: bool
     path: str
     bounds: Bounds
     sandbox: Mapping[str, Any]
@@ -92,14 +95,17 @@ class Options:
     def read(cls, config: Mapping[str, Any]) -> Options:
         known = {
             "enabled", "slots", "queue_size", "queue_timeout", "queue_bytes", "memory_mb", "max_memory_mb",
-            "max_processes", "output_limit", "max_timeout", "compile_cache_mb", "path", "languages", "sandbox",
+            "max_processes", "output_limit", "max_timeout", "compile_cache_mb", "go_std", "path", "languages",
+            "sandbox",
         }  # fmt: skip
         unknown = sorted(set(config) - known)
         if unknown:
             raise StartupError(f"run_code has unknown key(s): {', '.join(unknown)}")
-        enabled = config.get("enabled", True)
+        enabled, go_std = config.get("enabled", True), config.get("go_std", True)
         if not isinstance(enabled, bool):
             raise StartupError("run_code.enabled must be true or false")
+        if not isinstance(go_std, bool):
+            raise StartupError("run_code.go_std must be true or false")
         sandbox = config.get("sandbox") or {}
         if not isinstance(sandbox, Mapping):
             raise StartupError("run_code.sandbox must be a mapping (the process sandbox's keys)")
@@ -122,6 +128,7 @@ class Options:
             # numbers (a few MB); past the limit the output is cut and the case is lost.
             output_limit=_whole(config, "output_limit", 16 << 20, 1024),
             compile_cache_mb=_whole(config, "compile_cache_mb", 1024, 0),
+            go_std=go_std,
             path=path,
             bounds=Bounds(
                 max_timeout=_seconds(config, "max_timeout", 300.0),
@@ -176,7 +183,11 @@ class RunCode:
         self._ids = itertools.count(1)
         self._versions: dict[str, str | None] | None = None
         self.waiting_bytes = 0  # request bytes of the calls waiting for a slot (queue_bytes)
-        self._new_sandbox(hidden=False)  # a bad run_code.sandbox stops the node at start, not each call
+        # A bad run_code.sandbox stops the node at start, not each call.
+        checked = self._new_sandbox(hidden=False)
+        self.go_std = _go_std(self.languages.get("go"), self.options.path, settings.data_dir / "run-code-go-std")
+        if not self.options.go_std or not getattr(checked, "root", False):
+            self.go_std = None  # sandboxes share the node's uid: none may read what others may write (gostd.py)
         if self.missing:
             log.info(
                 "run_code: not offering %s",
@@ -274,12 +285,20 @@ class RunCode:
         config["hide"] = [*list(config.get("hide") or []), *(self.hidden() if hidden else [])]
         return config
 
+    async def prepare(self) -> None:
+        """Work done ahead of the first calls, once the node serves: Go's standard library
+        compiled where the toolchain ships none (gostd.py)."""
+        if self.go_std is not None:
+            await self.go_std.built()
+
     async def stop(self) -> None:
         if self._starting is not None and not self._starting.done():
             with contextlib.suppress(Exception):  # a start under way ends first: what it starts is stopped here
                 await asyncio.shield(self._starting)
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
+            if self.go_std is not None:
+                self.go_std.remove(str(getattr(sandbox, "work_root", "")))
             await sandbox.stop()
 
     # -- a call ----------------------------------------------------------------------------
@@ -385,7 +404,8 @@ class RunCode:
                 files.append(ProgramFile(lang.source, request.code.encode("utf-8", "surrogateescape")))
                 step = self._run_step(lang, request)
             if lang.compiled:
-                done, artifact, fresh = await self._compile(sandbox, spec, lang, request, files)
+                env = await self._compile_env(sandbox, lang)
+                done, artifact, fresh = await self._compile(sandbox, spec, lang, request, files, env)
                 compiled = command_result(done)
                 if not fresh:  # this call compiled nothing
                     compiled.update(execution_time=0.0, cpu_time=0.0)
@@ -412,12 +432,19 @@ class RunCode:
             limit_address_space=lang.limit_run,
         )
 
-    def _compile_step(self, lang: Language, request: RunCodeRequest) -> Step:
+    async def _compile_env(self, sandbox: ProgramRunner, lang: Language) -> dict[str, str]:
+        """What a compile of ``lang`` gets besides its own env: for Go, the node's
+        compiled standard library where there is one (gostd.py)."""
+        if self.go_std is None or lang is not self.languages.get("go"):
+            return {}
+        return await self.go_std.place(str(getattr(sandbox, "work_root", ""))) or {}
+
+    def _compile_step(self, lang: Language, request: RunCodeRequest, env: Mapping[str, str]) -> Step:
         assert lang.compile is not None
         return Step(
             argv=lang.argv(lang.compile),
             timeout=request.compile_timeout,
-            env=dict(lang.env),
+            env={**lang.env, **env},
             limit_address_space=lang.limit_compile,
             artifact=lang.artifact,
         )
@@ -429,10 +456,11 @@ class RunCode:
         lang: Language,
         request: RunCodeRequest,
         files: list[ProgramFile],
+        env: Mapping[str, str],
     ) -> tuple[StepResult, list[ProgramFile], bool]:
         """The compile of this call's source: from the cache, from a concurrent call's
-        compile of the same, or run now in a sandbox of its own. Returns its result,
-        what it made and whether this call ran it."""
+        compile of the same, or run now in a sandbox of its own (its compiler given
+        ``env`` too). Returns its result, what it made and whether this call ran it."""
         digest = compile_cache.key(lang.identity(), files[-1].data, [(f.path, f.data) for f in files[:-1]])
         entry = await self.cache.get(digest, spec.limits.memory_mb)
         if entry is not None:
@@ -440,7 +468,7 @@ class RunCode:
             return entry.compile, entry.artifact, False
 
         async def compile_now() -> compile_cache.Entry:
-            program = Program(steps=[self._compile_step(lang, request)], files=files)
+            program = Program(steps=[self._compile_step(lang, request, env)], files=files)
             result = await sandbox.run_program(spec, program)
             made = compile_cache.Entry(result.steps[0], list(result.artifact or []))
             if made.compile.exit_code == 0 and not result.artifact:
@@ -455,6 +483,16 @@ class RunCode:
     def _count_compile(self, language: str, how: str) -> None:
         if self.metrics is not None:
             self.metrics.run_code_compile(language, how)
+
+
+def _go_std(lang: Language | None, path: str, store: Path) -> GoStd | None:
+    """The compiled standard library for ``lang`` when it is Go built with ``go build``."""
+    if lang is None or lang.compile is None:
+        return None
+    argv = lang.argv(lang.compile)
+    if os.path.basename(argv[0]) != "go" or "build" not in argv[1:2]:
+        return None
+    return GoStd(argv[0], lang.env, path, store, lang.identity())
 
 
 def _b64(data: bytes) -> str:
