@@ -16,7 +16,7 @@ import stat
 
 import httpx
 import pytest
-from conftest import EnvhubProcess
+from conftest import EnvhubProcess, eventually
 
 from envhub.plugins.process_sandbox.workdirs import default_work_root
 
@@ -120,3 +120,22 @@ def test_a_node_restarted_copies_the_cache_it_built_instead_of_compiling_again(t
             assert node.stop() == 0, node.log()
         built = node.log().count("Go's standard library compiled for Go calls")
         assert built == (1 if start == 0 else 0), node.log()
+
+
+def test_a_node_stopped_while_it_compiles_the_library_ends_the_compile(tmp_path):
+    """SIGTERM during the build at a first start: the node stops its compiler, keeps no
+    half-built cache and leaves no temp dir (the next start builds it again)."""
+    data = tmp_path / "data"
+    node = EnvhubProcess(
+        data,
+        "--set", "environments.terminal-bench.enabled=false",
+        "--set", f"run_code.languages.go.compile=[{GO}, build, -o, main, main.go]",
+        "--set", "run_code.sandbox.uid_base=3730000",
+    ).start()  # fmt: skip
+    store = data / "run-code-go-std"
+    try:
+        assert eventually(lambda: any(store.glob(".*")), timeout=10, message="the build never began")
+    finally:
+        assert node.stop() == 0, node.log()
+    assert list(store.iterdir()) == [], "no cache kept, no temp dir left"
+    assert "Go's standard library compiled" not in node.log() and "did not compile" not in node.log()

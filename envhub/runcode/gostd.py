@@ -65,6 +65,8 @@ class GoStd:
         self._built: asyncio.Future[bool] | None = None
         self._placed: dict[str, str] = {}  # work root -> the cache's path inside it
         self._placing = asyncio.Lock()  # one copy at a time: two would remove each other's
+        self._compiler: subprocess.Popen[str] | None = None  # the build's go, while it runs
+        self._stopped = False
 
     def _go_env(self, cache: Path, home: Path) -> dict[str, str]:
         """The environment of a call's ``go build``, with ``cache`` as its build cache."""
@@ -102,31 +104,51 @@ class GoStd:
             self._built = asyncio.ensure_future(asyncio.to_thread(self._build))
         return await asyncio.shield(self._built)
 
+    def stop(self) -> None:
+        """End a build under way (the node stops): Go calls compile the library themselves."""
+        self._stopped = True
+        compiler = self._compiler
+        if compiler is not None and compiler.poll() is None:
+            compiler.kill()
+
     def _build(self) -> bool:
         if (self.dir / READY).exists():
             return True
-        if not self.needed():
+        if self._stopped or not self.needed():
             return False
         private_dir(self.dir.parent)
         tmp = self.dir.parent / f".{self.dir.name}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "home").mkdir(parents=True)
-        goroot = subprocess.run(
-            [self.go, "env", "GOROOT"], capture_output=True, text=True, timeout=30, env=self._go_env(tmp, tmp / "home")
-        ).stdout.strip()
-        packages = [p for p in PACKAGES if Path(goroot, "src", p).is_dir()]
         started = time.monotonic()
-        done = subprocess.run(
-            [self.go, "build", *packages],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            cwd=tmp,
-            env=self._go_env(tmp / "cache", tmp / "home"),
-        )
-        if done.returncode != 0:
+        try:
+            goroot = subprocess.run(
+                [self.go, "env", "GOROOT"], capture_output=True, text=True, timeout=30, env=self._go_env(tmp, tmp)
+            ).stdout.strip()
+            packages = [p for p in PACKAGES if Path(goroot, "src", p).is_dir()]
+            self._compiler = subprocess.Popen(
+                [self.go, "build", *packages],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=tmp,
+                env=self._go_env(tmp / "cache", tmp / "home"),
+            )
+            if self._stopped:  # stop() came between the check above and the start
+                self._compiler.kill()
+            _, errors = self._compiler.communicate(timeout=1800)
+            failed = errors.strip() if self._compiler.returncode != 0 else None
+        except (OSError, subprocess.SubprocessError) as e:
+            if self._compiler is not None:
+                self._compiler.kill()
+                self._compiler.wait()
+            failed = str(e)
+        finally:
+            self._compiler = None
+        if failed is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            log.warning("run_code: Go's standard library did not compile (%s); Go calls compile it each", done.stderr)
+            if not self._stopped:
+                log.warning("run_code: Go's standard library did not compile (%s); each Go call compiles it", failed)
             return False
         (tmp / "cache" / READY).write_text(f"{len(packages)} packages\n")
         shutil.rmtree(tmp / "home")

@@ -292,6 +292,8 @@ class RunCode:
             await self.go_std.built()
 
     async def stop(self) -> None:
+        if self.go_std is not None:
+            self.go_std.stop()  # a build under way would hold the node's exit up
         if self._starting is not None and not self._starting.done():
             with contextlib.suppress(Exception):  # a start under way ends first: what it starts is stopped here
                 await asyncio.shield(self._starting)
