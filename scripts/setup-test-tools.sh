@@ -4,7 +4,8 @@
 # Python from the test extra; Playwright's own browser download is never used, as it
 # cannot be fetched here), `promtool`, taken out of Debian's `prometheus` package without
 # installing it (the package would start a Prometheus server), and the toolchains of the
-# languages /run_code offers (g++, nodejs, golang, default-jdk-headless, rustc), and
+# languages /run_code offers (g++, nodejs, golang, default-jdk-headless, rustc, php-cli,
+# ruby, lua5.4, r-base-core, iverilog), and
 # skopeo, whose archives the rootfs sandbox's tests import (tests/test_rootfs_images.py),
 # and slirp4netns, which gives the rootfs sandbox's episodes their network; and a newer Go
 # from bookworm-backports.
@@ -42,13 +43,14 @@ fi
 
 # --- 3. the toolchains of /run_code's languages (tests/test_run_code*.py): Debian's, in
 # /usr, where the process sandbox's view shows them (a rustup toolchain in a home dir is
-# not offered). About 25 s and 740 MB when g++ and the JDK are there already; the JDK
+# not offered). About 25 s and 740 MB when g++ and the JDK are there already (PHP, Ruby,
+# Lua, R and Icarus Verilog about 15 s and 120 MB more); the JDK
 # adds about a minute on a bare machine. skopeo too (tests/test_rootfs_images.py: what
 # `skopeo copy` writes, and a pull that fails), about 10 s; slirp4netns
 # (tests/test_rootfs_sandbox.py: an episode's network), a second.
 toolchains=()
 for pair in g++:g++ node:nodejs go:golang-go javac:default-jdk-headless rustc:rustc skopeo:skopeo \
-  slirp4netns:slirp4netns; do
+  slirp4netns:slirp4netns php:php-cli ruby:ruby lua:lua5.4 Rscript:r-base-core iverilog:iverilog; do
   [[ -x /usr/bin/${pair%%:*} ]] || toolchains+=("${pair#*:}")
 done
 if (( ${#toolchains[@]} )); then

@@ -2,9 +2,10 @@
 node has the toolchain for.
 
 Names are SandboxFusion's (``python``, ``cpp``, ``nodejs``, ``go``, ``java``, ``rust``,
-``bash``, ``perl``), and so are the commands where SandboxFusion's own are known
-(``g++ -std=c++17``, ``go build``, ``javac`` then ``java -ea Main``, ``rustc``), so that a
-program scores as it did there; where envhub differs it says why below.
+``bash``, ``perl``, ``php``, ``ruby``, ``lua``, ``R``, ``verilog``), and so are the
+commands (``g++ -std=c++17``, ``go build``, ``javac`` then ``java -ea Main``, ``rustc``,
+``php -f``, ``Rscript``, ``iverilog`` then ``vvp``), so that a program scores as it did
+there; where envhub differs it says why below.
 
 Invariants:
 
@@ -62,6 +63,15 @@ class Language:
     limit_run: bool = True
     limit_compile: bool = False
     programs: Mapping[str, str] = field(default_factory=dict)
+    opening: str | None = None  # the source starts with it (leading blanks dropped), added if missing
+
+    def source_text(self, code: str) -> str:
+        """What is written to ``source``: the code, with ``opening`` (PHP's ``<?php``)
+        put first where it is not, as SandboxFusion does."""
+        if self.opening is None:
+            return code
+        code = code.lstrip()
+        return code if code.startswith(self.opening) else f"{self.opening}\n{code}"
 
     @property
     def compiled(self) -> bool:
@@ -74,7 +84,9 @@ class Language:
 
     def identity(self) -> str:
         """A digest of the commands and the programs behind them (path, size, mtime)."""
-        h = hashlib.sha256(repr((self.name, self.source, self.compile, self.run, sorted(self.env.items()))).encode())
+        h = hashlib.sha256(
+            repr((self.name, self.source, self.compile, self.run, sorted(self.env.items()), self.opening)).encode()
+        )
         for name, path in sorted(self.programs.items()):
             try:
                 st = os.stat(path)
@@ -124,6 +136,15 @@ BUILTIN: dict[str, Language] = {
     ),
     "bash": Language("bash", "main.sh", run=("bash", "main.sh")),
     "perl": Language("perl", "main.pl", run=("perl", "main.pl")),
+    "php": Language("php", "main.php", run=("php", "-f", "main.php"), opening="<?php"),
+    "ruby": Language("ruby", "main.rb", run=("ruby", "main.rb")),
+    "lua": Language("lua", "main.lua", run=("lua", "main.lua")),
+    "R": Language("R", "main.R", run=("Rscript", "main.R")),
+    "verilog": Language(
+        "verilog", "main.sv",
+        compile=("iverilog", "-Wall", "-Winfloop", "-Wno-timescale", "-g2012", "-s", "tb", "-o", "test.vvp", "main.sv"),
+        artifact="test.vvp", run=("vvp", "-n", "test.vvp"),
+    ),
 }  # fmt: skip
 
 #: Every language SandboxFusion knows (its ``Language`` literal), to tell "not served
@@ -169,7 +190,7 @@ def configured(config: Mapping[str, Any]) -> dict[str, Language]:
                 ):
                     raise StartupError(f"{key}.{item} must be a command: a list of strings")
                 fields[item] = None if value is None else tuple(value)
-            elif item in ("source", "artifact"):
+            elif item in ("source", "artifact", "opening"):
                 fields[item] = None if value is None else str(value)
             elif item == "env":
                 if not isinstance(value, Mapping):
@@ -218,7 +239,10 @@ def detect(languages: Mapping[str, Language], path: str = DEFAULT_PATH) -> tuple
 def versions(languages: Mapping[str, Language], python: str = sys.executable) -> dict[str, str | None]:
     """Each language's toolchain version, as its compiler or runtime prints it (the first
     line); None where it printed none. Blocking: run it in a thread."""
-    probes = {"cpp": "--version", "go": "version", "java": "-version", "rust": "--version", "nodejs": "--version"}
+    probes = {
+        "cpp": "--version", "go": "version", "java": "-version", "rust": "--version", "nodejs": "--version",
+        "lua": "-v", "verilog": "-V",
+    }  # fmt: skip
     out: dict[str, str | None] = {}
     for name, lang in languages.items():
         command = lang.compile or lang.run

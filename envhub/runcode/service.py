@@ -403,7 +403,8 @@ class RunCode:
             if lang.name == PYTHON:
                 step = Step(python=request.code, filename=lang.source, stdin=request.stdin, timeout=request.run_timeout)
             else:
-                files.append(ProgramFile(lang.source, request.code.encode("utf-8", "surrogateescape")))
+                source = lang.source_text(request.code)
+                files.append(ProgramFile(lang.source, source.encode("utf-8", "surrogateescape")))
                 step = self._run_step(lang, request)
             if lang.compiled:
                 env = await self._compile_env(sandbox, lang)

@@ -93,8 +93,11 @@ def readable() -> list[str]:
     paths = [p for p in SYSTEM if os.path.lexists(p)]
     paths += [os.path.join("/etc", n) for n in ETC if os.path.lexists(os.path.join("/etc", n))]
     # Debian's sitecustomize, read by a python3 that episode code starts; a JDK's config
-    # (Debian's JDK links its lib/jvm.cfg and conf/ there: java starts with neither).
-    paths += sorted(os.path.join("/etc", n) for n in _listdir("/etc") if n.startswith(("python3", "java-")))
+    # (Debian's JDK links its lib/jvm.cfg and conf/ there: java starts with neither); R's
+    # (R_HOME/etc links there: Rscript does not start without it) and PHP's php.ini.
+    paths += sorted(
+        os.path.join("/etc", n) for n in _listdir("/etc") if n.startswith(("python3", "java-")) or n in ("R", "php")
+    )
     paths += [r for r in python_roots() if not any(r.startswith(s + "/") or r == s for s in SYSTEM)]
     return paths
 
