@@ -32,6 +32,14 @@ def joining_node(tmp_path: Path, sched: EnvhubProcess, name: str, *args: str, ke
     ).start()
 
 
+def at_its_address(tmp_path: Path, sched: EnvhubProcess, old: EnvhubProcess) -> EnvhubProcess:
+    """Another node (a data dir and node id of its own) that joins at ``old``'s host and port."""
+    new = EnvhubProcess(tmp_path / "new", *NODE_ARGS, "--join", sched.url, "--set", "join_interval=0.5", api_key=KEY)
+    new.args[new.args.index("--port") + 1] = str(old.port)
+    new.port, new.url = old.port, old.url
+    return new
+
+
 def members(c: httpx.Client) -> dict[str, dict]:
     return {n["url"]: n for n in c.get("/status").json()["nodes"]}
 
@@ -231,12 +239,7 @@ def test_a_new_node_at_an_earlier_nodes_url_does_not_inherit_its_instances(tmp_p
             assert step(c, before[0]).status_code == 200
             old.kill()
             eventually(lambda: not members(c)[old.url]["healthy"], timeout=15, message="the killed node is still up")
-            new = EnvhubProcess(
-                tmp_path / "new", *NODE_ARGS, "--join", sched.url, "--set", "join_interval=0.5", api_key=KEY
-            )
-            new.args[new.args.index("--port") + 1] = str(old.port)  # the same host and port
-            new.port, new.url = old.port, old.url
-            new.start()
+            new = at_its_address(tmp_path, sched, old).start()
             assert new.node_id != old.node_id
             healthy_member(c, new.url)
             for instance_id in before:
@@ -277,12 +280,7 @@ def test_a_node_replaced_while_the_scheduler_was_down_is_seen_at_its_restart(tmp
             before = episode(c, "before")
         assert sched.stop() == 0
         old.kill()
-        new = EnvhubProcess(
-            tmp_path / "new", *NODE_ARGS, "--join", sched.url, "--set", "join_interval=0.5", api_key=KEY
-        )
-        new.args[new.args.index("--port") + 1] = str(old.port)  # the same host and port
-        new.port, new.url = old.port, old.url
-        new.start()
+        new = at_its_address(tmp_path, sched, old).start()
         sched.start()
         with sched.client() as c:
             healthy_member(c, new.url)

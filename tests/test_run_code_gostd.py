@@ -48,6 +48,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def go_node(data, uid_base: int, *, trace: bool = False) -> EnvhubProcess:
+    """A started node whose Go is Go 1.23 (with ``trace``, its build says what it compiles)."""
+    build = f"[{GO}, build{', -x' if trace else ''}, -o, main, main.go]"
+    return EnvhubProcess(
+        data,
+        "--set", "environments.terminal-bench.enabled=false",
+        "--set", f"run_code.languages.go.compile={build}",
+        "--set", f"run_code.sandbox.uid_base={uid_base}",
+    ).start()  # fmt: skip
+
+
 def compiled_packages(reply: dict) -> set[str]:
     """The packages a compile's ``go build -x`` says it compiled (``compile ... -p <pkg>``)."""
     out = set()
@@ -61,13 +72,7 @@ def compiled_packages(reply: dict) -> set[str]:
 def test_go_calls_read_a_standard_library_the_node_compiled_once(tmp_path):
     assert os.geteuid() == 0, "the cache is used where sandboxes run as uids of their own (root)"
     data = tmp_path / "data"
-    compile_go = f"[{GO}, build, -x, -o, main, main.go]"
-    node = EnvhubProcess(
-        data,
-        "--set", "environments.terminal-bench.enabled=false",
-        "--set", f"run_code.languages.go.compile={compile_go}",
-        "--set", "run_code.sandbox.uid_base=3700000",
-    ).start()  # fmt: skip
+    node = go_node(data, 3700000, trace=True)
     try:
         with node.client(timeout=300) as c:
             first = c.post("/run_code", json={"language": "go", "code": SUM, "stdin": "2 3", "compile_timeout": 120})
@@ -101,14 +106,8 @@ def test_go_calls_read_a_standard_library_the_node_compiled_once(tmp_path):
 
 
 def test_a_node_restarted_copies_the_cache_it_built_instead_of_compiling_again(tmp_path):
-    data = tmp_path / "data"
-    args = (
-        "--set", "environments.terminal-bench.enabled=false",
-        "--set", f"run_code.languages.go.compile=[{GO}, build, -x, -o, main, main.go]",
-        "--set", "run_code.sandbox.uid_base=3710000",
-    )  # fmt: skip
     for start in range(2):
-        node = EnvhubProcess(data, *args).start()
+        node = go_node(tmp_path / "data", 3710000, trace=True)
         try:
             reply = httpx.post(
                 f"{node.url}/run_code",
@@ -126,12 +125,7 @@ def test_a_node_stopped_while_it_compiles_the_library_ends_the_compile(tmp_path)
     """SIGTERM during the build at a first start: the node stops its compiler, keeps no
     half-built cache and leaves no temp dir (the next start builds it again)."""
     data = tmp_path / "data"
-    node = EnvhubProcess(
-        data,
-        "--set", "environments.terminal-bench.enabled=false",
-        "--set", f"run_code.languages.go.compile=[{GO}, build, -o, main, main.go]",
-        "--set", "run_code.sandbox.uid_base=3730000",
-    ).start()  # fmt: skip
+    node = go_node(data, 3730000)
     store = data / "run-code-go-std"
     try:
         assert eventually(lambda: any(store.glob(".*")), timeout=10, message="the build never began")

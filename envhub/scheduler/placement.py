@@ -69,14 +69,6 @@ class Placement:
         self.push_wait = push_wait  # the longest a config push may take, in seconds
         self._lock = asyncio.Lock()
 
-    @property
-    def nodes(self) -> list[Node]:
-        return self.view.nodes
-
-    @property
-    def by_url(self) -> dict[str, Node]:
-        return self.view.by_url
-
     async def pick(self, task_key: str, instance_id: str | None = None, *, served: bool = True) -> Node:
         """Take a slot on the best node: ``instance_id`` joins its creates in flight, or
         (no id) its ``pending`` count goes up; the caller settles either when answered.
@@ -102,7 +94,7 @@ class Placement:
                 self.view.freed.clear()
             left = deadline - time.monotonic()
             if left <= 0:
-                healthy = [n for n in self.nodes if n.healthy and (not served or may_serve(n, environment))]
+                healthy = [n for n in self.view.nodes if n.healthy and (not served or may_serve(n, environment))]
                 # A node whose fleet config push is on its way (it just came up) takes
                 # creates once it answers: wait for that, as long as the push may take.
                 if any(
@@ -138,9 +130,9 @@ class Placement:
                     "all nodes are at capacity"
                     if healthy
                     else f"no node that serves {environment} is healthy"
-                    if any(n.healthy for n in self.nodes)
+                    if any(n.healthy for n in self.view.nodes)
                     else "no node is healthy"
-                    if self.nodes
+                    if self.view.nodes
                     else "the fleet has no node"
                 )
                 self.metrics.unavailable(causes.NO_FREE_SLOT if healthy else causes.NO_HEALTHY_NODE)
@@ -175,12 +167,12 @@ class Placement:
         seen = self.view.affinity.get(task_key)
         affinity = "none"
         if seen is not None and time.monotonic() - seen[1] <= self.settings.affinity_window:
-            node = self.by_url.get(seen[0])
+            node = self.view.by_url.get(seen[0])
             if node is not None and takes(node):
                 return node, "hit"
             affinity = "miss"
         best: Node | None = None
-        for node in self.nodes:
+        for node in self.view.nodes:
             if takes(node) and (best is None or node.free_ratio > best.free_ratio):
                 best = node
         return best, affinity
@@ -192,10 +184,10 @@ class Placement:
         while nothing is known: before any node has listed its environments, or while a
         healthy node lists none (a node of another version), the call goes on as it would
         without this check."""
-        listed = [n for n in self.nodes if lists_environments(n)]
+        listed = [n for n in self.view.nodes if lists_environments(n)]
         if not listed or any(n.serves(environment) for n in listed):
             return
-        if any(n.healthy and not lists_environments(n) for n in self.nodes):
+        if any(n.healthy and not lists_environments(n) for n in self.view.nodes):
             return
         served = sorted({name for n in listed for name in n.environments()})
         raise NotFound(
@@ -209,10 +201,10 @@ class Placement:
         when no node serves it (:meth:`check_served`); 503 when none of those that do is
         healthy."""
         self.check_served(environment)
-        nodes = [n for n in self.nodes if n.healthy and n.serves(environment)]
-        nodes += [n for n in self.nodes if n.healthy and not lists_environments(n)]
+        nodes = [n for n in self.view.nodes if n.healthy and n.serves(environment)]
+        nodes += [n for n in self.view.nodes if n.healthy and not lists_environments(n)]
         if not nodes:
-            healthy = any(n.healthy for n in self.nodes)
+            healthy = any(n.healthy for n in self.view.nodes)
             raise UpstreamUnavailable(
                 f"no node that serves {environment} is healthy" if healthy else "no node is healthy",
                 extra={"environment": environment},

@@ -94,7 +94,22 @@ def preparing_row(
     """What GET /instances/<id> shows of a create still preparing (its image building, or
     waiting in the node's queue for a slot): state ``preparing``. Never written: the
     row is inserted (``creating``) once the create holds its slot."""
-    now = time.time()
+    return _fresh(id, environment, task_id, trial, node_id, sandbox, params, state="preparing", now=time.time())
+
+
+def _fresh(
+    id: str,
+    environment: str,
+    task_id: str,
+    trial: str,
+    node_id: str,
+    sandbox: str,
+    params: dict[str, Any],
+    *,
+    state: str,
+    now: float,
+) -> InstanceRow:
+    """A row of an instance not started yet, in ``state``, made ``now``."""
     return InstanceRow(
         id=id,
         environment=environment,
@@ -103,7 +118,7 @@ def preparing_row(
         node_id=node_id,
         sandbox=sandbox,
         sandbox_handle=None,
-        state="preparing",
+        state=state,
         params=params,
         observation=None,
         env_state={},
@@ -156,25 +171,7 @@ async def insert(
         inserted = 0
     if not inserted:
         raise Conflict(f"instance id {id!r} is already taken", extra={"instance_id": id})
-    return InstanceRow(
-        id=id,
-        environment=environment,
-        task_id=task_id,
-        trial=trial,
-        node_id=node_id,
-        sandbox=sandbox,
-        sandbox_handle=None,
-        state="creating",
-        params=params,
-        observation=None,
-        env_state={},
-        step_count=0,
-        reward=None,
-        evaluation=None,
-        error=None,
-        created_at=now,
-        last_active_at=now,
-    )
+    return _fresh(id, environment, task_id, trial, node_id, sandbox, params, state="creating", now=now)
 
 
 async def get(db: Database, instance_id: str) -> InstanceRow:
