@@ -407,8 +407,7 @@ class RunCode:
                 files.append(ProgramFile(lang.source, source.encode("utf-8", "surrogateescape")))
                 step = self._run_step(lang, request)
             if lang.compiled:
-                env = await self._compile_env(sandbox, lang)
-                done, artifact, fresh = await self._compile(sandbox, spec, lang, request, files, env)
+                done, artifact, fresh = await self._compile(sandbox, spec, lang, request, files)
                 compiled = command_result(done)
                 if not fresh:  # this call compiled nothing
                     compiled.update(execution_time=0.0, cpu_time=0.0)
@@ -459,11 +458,10 @@ class RunCode:
         lang: Language,
         request: RunCodeRequest,
         files: list[ProgramFile],
-        env: Mapping[str, str],
     ) -> tuple[StepResult, list[ProgramFile], bool]:
         """The compile of this call's source: from the cache, from a concurrent call's
-        compile of the same, or run now in a sandbox of its own (its compiler given
-        ``env`` too). Returns its result, what it made and whether this call ran it."""
+        compile of the same, or run now in a sandbox of its own. Returns its result,
+        what it made and whether this call ran it."""
         digest = compile_cache.key(lang.identity(), files[-1].data, [(f.path, f.data) for f in files[:-1]])
         entry = await self.cache.get(digest, spec.limits.memory_mb)
         if entry is not None:
@@ -471,6 +469,7 @@ class RunCode:
             return entry.compile, entry.artifact, False
 
         async def compile_now() -> compile_cache.Entry:
+            env = await self._compile_env(sandbox, lang)  # only a compile that runs waits for Go's library
             program = Program(steps=[self._compile_step(lang, request, env)], files=files)
             result = await sandbox.run_program(spec, program)
             made = compile_cache.Entry(result.steps[0], list(result.artifact or []))
