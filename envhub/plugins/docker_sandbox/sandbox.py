@@ -468,6 +468,8 @@ class DockerSandbox(Sandbox):
             try:
                 self.engine.api.start(sid)
             except ENGINE_ERRORS as e:
+                if engine_unreachable(e):
+                    raise engine_down(f"start of sidecar {car.name!r}") from e
                 raise SandboxError(f"sidecar {car.name!r} from {car.image!r} did not start: {explain(e)}") from e
             await_up(self.engine.api, sid, car, deadline, self.sidecar_timeout)
 

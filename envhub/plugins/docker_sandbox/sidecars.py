@@ -21,7 +21,7 @@ import docker.errors
 from docker import APIClient
 
 from envhub.errors import SandboxError
-from envhub.plugins.docker_sandbox.engine import explain
+from envhub.plugins.docker_sandbox.engine import engine_down, engine_unreachable, explain
 from envhub.sandbox import Sidecar
 
 OF_LABEL = "envhub.sidecar_of"
@@ -83,11 +83,14 @@ def healthcheck_for(car: Sidecar) -> dict[str, Any] | None:
 def await_up(api: APIClient, sid: str, car: Sidecar, deadline: float, timeout: float) -> None:
     """Return once ``car``'s container ``sid`` is up as ``car.wait`` says; raise
     ``SandboxError`` (with the tail of its log) when it stopped, failed its healthcheck,
-    or was not up by ``deadline`` (``time.monotonic()``)."""
+    or was not up by ``deadline`` (``time.monotonic()``), and ``Unavailable`` (503, to be
+    retried) when the engine stops answering meanwhile (a restart)."""
     while True:
         try:
             state = api.inspect_container(sid).get("State") or {}
         except Exception as e:  # the engine or the container went away
+            if engine_unreachable(e):
+                raise engine_down(f"the wait for sidecar {car.name!r}: {explain(e)}") from e
             raise SandboxError(f"sidecar {car.name!r}: cannot inspect its container: {explain(e)}") from e
         health = (state.get("Health") or {}).get("Status")
         running = bool(state.get("Running"))
