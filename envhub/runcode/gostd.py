@@ -51,7 +51,7 @@ ENV = {"GODEBUG": "goindex=0"}  # besides GOCACHE, for every Go call that reads 
 
 
 class GoStd:
-    """The compiled standard library of one Go toolchain: built once (:meth:`build`),
+    """The compiled standard library of one Go toolchain: built once (:meth:`built`),
     copied into a sandbox's work root (:meth:`place`)."""
 
     def __init__(self, go: str, env: Mapping[str, str], path: str, store: Path, identity: str) -> None:
@@ -79,8 +79,9 @@ class GoStd:
             **self.env,
         }
 
-    def needed(self) -> bool:
-        """Whether this toolchain ships no compiled standard library (Go 1.20 and later)."""
+    def uncompiled_goroot(self) -> str | None:
+        """The toolchain's GOROOT when it ships no compiled standard library (Go 1.20 and
+        later); None when it does, or when ``go env`` fails."""
         try:
             out = subprocess.run(
                 [self.go, "env", "GOROOT", "GOOS", "GOARCH"],
@@ -90,12 +91,12 @@ class GoStd:
                 env={"PATH": self.path, "HOME": "/nonexistent", "GOENV": "off", **self.env},
             )
         except (OSError, subprocess.SubprocessError):
-            return False
+            return None
         lines = out.stdout.split()
         if out.returncode != 0 or len(lines) != 3:
-            return False
+            return None
         goroot, goos, goarch = lines
-        return not Path(goroot, "pkg", f"{goos}_{goarch}", "fmt.a").exists()
+        return None if Path(goroot, "pkg", f"{goos}_{goarch}", "fmt.a").exists() else goroot
 
     async def built(self) -> bool:
         """Build the cache once (in a thread, shared by every caller; a caller that goes
@@ -114,18 +115,16 @@ class GoStd:
     def _build(self) -> bool:
         if (self.dir / READY).exists():
             return True
-        if self._stopped or not self.needed():
+        goroot = None if self._stopped else self.uncompiled_goroot()
+        if goroot is None:
             return False
         private_dir(self.dir.parent)
         tmp = self.dir.parent / f".{self.dir.name}.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "home").mkdir(parents=True)
         started = time.monotonic()
+        packages = [p for p in PACKAGES if Path(goroot, "src", p).is_dir()]
         try:
-            goroot = subprocess.run(
-                [self.go, "env", "GOROOT"], capture_output=True, text=True, timeout=30, env=self._go_env(tmp, tmp)
-            ).stdout.strip()
-            packages = [p for p in PACKAGES if Path(goroot, "src", p).is_dir()]
             self._compiler = subprocess.Popen(
                 [self.go, "build", *packages],
                 stdout=subprocess.DEVNULL,
