@@ -1,6 +1,7 @@
 """The envhub container image (scripts/build-image, deploy/Dockerfile): built offline from
-the local base image, it runs a node that serves MBPP through the process sandbox, and
-terminal-bench through the host's Docker engine when given its socket.
+the local base image, it runs a node that serves MBPP through the process sandbox,
+terminal-bench through the host's Docker engine when given its socket, and terminal-bench
+through the rootfs sandbox in a container set up as a Kubernetes pod without Docker would be.
 
 The image is built once per run and reused across runs while the wheels are the same
 (its tag carries their hash), so after the first build this costs a few seconds. Every
@@ -49,15 +50,18 @@ def run_container():
     label = f"envhub-test-{uuid.uuid4().hex[:12]}"
     started = []
 
-    def run(image: str, *command: str, **kw):
-        container = client.containers.run(
-            image,
-            list(command) or None,
-            detach=True,
-            labels={"envhub.test": label},
-            ports={"8000/tcp": ("127.0.0.1", None)},
-            **kw,
-        )
+    def run(image: str, *command: str, unmasked: bool = False, **kw):
+        if unmasked:  # the SDK has no word for it (the CLI's systempaths=unconfined)
+            container = _create_unmasked(client, image, list(command), label, **kw)
+        else:
+            container = client.containers.run(
+                image,
+                list(command) or None,
+                detach=True,
+                labels={"envhub.test": label},
+                ports={"8000/tcp": ("127.0.0.1", None)},
+                **kw,
+            )
         started.append(container)
         container.reload()
         port = int(container.ports["8000/tcp"][0]["HostPort"])
@@ -213,7 +217,105 @@ def test_image_nodes_join_a_scheduler_of_the_image_by_its_name_as_pods_do(image,
     assert ev.status_code == 200 and ev.json()["reward"] == 1.0, ev.text
 
 
+def _create_unmasked(client, image: str, command: list[str], label: str, *, environment, volumes, security_opt):
+    """Start a container as ``containers.run`` would, with nothing of /proc masked or
+    read-only (``docker run --security-opt systempaths=unconfined``): through the engine's
+    API, whose host config takes ``MaskedPaths`` and ``ReadonlyPaths``, where the SDK does not."""
+    host_config = client.api.create_host_config(
+        port_bindings={8000: ("127.0.0.1", None)},
+        binds={src: {"bind": v["bind"], "mode": v["mode"]} for src, v in volumes.items()},
+        security_opt=security_opt,
+    )
+    host_config.update(MaskedPaths=[], ReadonlyPaths=[])
+    made = client.api.create_container(
+        image,
+        command,
+        environment=environment,
+        labels={"envhub.test": label},
+        ports=[8000],
+        host_config=host_config,
+    )
+    container = client.containers.get(made["Id"])
+    container.start()
+    return container
+
+
 def _write(path, text):
     path.write_text(text)
     path.chmod(0o644)  # read by the container's own user
     return path
+
+
+@pytest.fixture(scope="module")
+def archives(tmp_path_factory):
+    """The bundled tasks' images, exported as a pool node without Docker gets them."""
+    from test_rootfs_sandbox import export_archives
+
+    folder = tmp_path_factory.mktemp("pod-archives")
+    folder.chmod(0o755)
+    for parent in folder.parents:  # the container's own user reads them through the bind
+        if parent.stat().st_mode & 0o005 != 0o005:
+            parent.chmod(parent.stat().st_mode | 0o005)
+    return export_archives(folder / "exp", "--all")
+
+
+def test_the_image_runs_terminal_bench_in_the_rootfs_sandbox_as_a_pod_without_docker_would(
+    image, archives, run_container, tmp_path
+):
+    """deploy/kubernetes/envhub.yaml's nodes without a Docker engine: the image's plain
+    user, no capability added, the tasks' images exported to a read-only volume. With a
+    container engine's defaults (a pod's RuntimeDefault seccomp profile and masked /proc)
+    the node does not start and says which setting to change, one at a time; with both
+    changed (Docker's seccomp=unconfined and systempaths=unconfined, a pod's seccompProfile
+    Unconfined and procMount Unmasked) both bundled tasks score 1.0, and an episode sees
+    neither the node's data, its config nor the archives."""
+    config = {
+        "environments": {"appworld": {"enabled": False}, "terminal-bench": {"warm_pool": 0}},
+        "sandboxes": {"rootfs": {"archives": ["/archives"], "upper_mb": 256, "memory_mb": 512}},
+    }
+    serve = ("serve", "--host", "0.0.0.0", "--port", "8000", "--data-dir", "/var/lib/envhub/data")
+    kw = {
+        "environment": {"ENVHUB_API_KEY": "pod-key", "ENVHUB_CONFIG": "/etc/envhub/node.yaml"},
+        "volumes": {
+            str(_write(tmp_path / "node.yaml", yaml.safe_dump(config))): {
+                "bind": "/etc/envhub/node.yaml",
+                "mode": "ro",
+            },
+            str(archives): {"bind": "/archives", "mode": "ro"},
+        },
+    }
+    client = docker.from_env()
+    label = f"envhub-test-{uuid.uuid4().hex[:12]}"
+    try:
+        for security, says in (
+            ([], "--security-opt seccomp=unconfined"),
+            (["seccomp=unconfined"], "procMount: Unmasked"),
+        ):
+            container = client.containers.run(
+                image, list(serve), detach=True, labels={"envhub.test": label}, security_opt=security, **kw
+            )
+            assert container.wait(timeout=120)["StatusCode"] != 0
+            logs = container.logs().decode()
+            assert "rootfs sandbox: this host cannot give episodes namespaces of their own" in logs, logs[-3000:]
+            assert says in logs, logs[-3000:]
+    finally:
+        for container in client.containers.list(all=True, filters={"label": f"envhub.test={label}"}):
+            container.remove(force=True)
+        client.close()
+    # systempaths=unconfined is the CLI's: to the engine's API, no masked or read-only paths.
+    container, url = run_container(image, *serve, security_opt=["seccomp=unconfined"], unmasked=True, **kw)
+    assert container.attrs["Config"]["User"] == "envhub" and not container.attrs["HostConfig"]["CapAdd"]
+    assert container.attrs["HostConfig"]["MaskedPaths"] == []
+    h = {"X-API-Key": "pod-key"}
+    for task in ("hello-envhub", "word-count"):
+        body = {"environment": "terminal-bench", "task_id": task, "params": {"oracle": True}}
+        r = httpx.post(url + "/instances", json=body, headers=h, timeout=300)
+        assert r.status_code == 201, r.text + container.logs().decode()[-3000:]
+        iid = r.json()["instance_id"]
+        look = "ls /archives /var/lib/envhub /etc/envhub 2>&1; id -u"
+        step = {"action": {"tool": "run_command", "arguments": {"command": look}}}
+        seen = httpx.post(f"{url}/instances/{iid}/step", json=step, headers=h, timeout=120).json()["observation"]
+        assert seen["stdout"].count("No such file or directory") == 3, seen
+        ev = httpx.post(f"{url}/instances/{iid}/evaluate", json={"release": True}, headers=h, timeout=300)
+        assert ev.status_code == 200 and ev.json()["reward"] == 1.0, ev.text
+    assert "terminal-bench runs in the rootfs sandbox" in container.logs().decode()
