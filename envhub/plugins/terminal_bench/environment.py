@@ -5,9 +5,12 @@ context after ``image_map`` substitution), before the episode takes a slot. Ever
 gets its own container, so concurrent episodes of one task never share a filesystem.
 
 Tools the model sees: ``run_command(command, timeout?)``, ``write_file(path, content)``,
-``read_file(path)``. Neither the tests nor the solution are in the container while the
-agent acts: ``evaluate`` copies the tests in and runs them under the task's test timeout,
-after which the episode takes no more steps.
+``read_file(path)``, and where the task's image has tmux, interactive terminals (tmux
+sessions in the container, for REPLs, editors, prompts and programs that run on:
+``terminal_send``, ``terminal_view``, ``terminal_kill``; terminals.py). Neither the tests
+nor the solution are in the container while the agent acts: ``evaluate`` copies the
+tests in and runs them under the task's test timeout, after which the episode takes no
+more steps.
 
 Grading (verifier.py runs the tests, grading.py reads their output). tb1: ``bash
 /tests/run-tests.sh`` (``TEST_DIR=/tests``), then terminal-bench's pytest short-summary
@@ -47,7 +50,7 @@ import yaml
 
 from envhub.environment import Action, EnvContext, Environment, Episode, Evaluation, StepResult, Task
 from envhub.errors import Conflict, InvalidRequest, NotFound, SandboxError, StartupError
-from envhub.plugins.terminal_bench import offline, skills, steps, templates, users, verifier
+from envhub.plugins.terminal_bench import offline, skills, steps, templates, terminals, users, verifier
 from envhub.plugins.terminal_bench.images import context_hash, grading_files_in_context, substitute_base, tree_hash
 from envhub.plugins.terminal_bench.model import ComposeService, SeparateVerifier, TaskFormatError, TbStep, TbTask
 from envhub.plugins.terminal_bench.tasks import load_dataset
@@ -173,6 +176,9 @@ class TerminalBench(Environment):
         self.command_timeout = self.config_number("command_timeout", 120)
         self.max_command_timeout = self.config_number("max_command_timeout", 600)
         self.output_limit = int(self.config_number("output_limit", 16000))
+        # Interactive terminals (terminals.py), offered where an image has tmux; known per image.
+        self.terminals = bool(self.config.get("terminals", True))
+        self._tmux: dict[str, bool] = {}
         self._tasks: dict[str, tuple[TbTask, Task]] = {}
         self._datasets: dict[str, set[str]] = {}  # task id -> the names its dataset goes by
         from_node = self.config.get("env_from_node") or []
@@ -550,6 +556,10 @@ class TerminalBench(Environment):
                 raise SandboxError(f"task {tb.id}: its {problem}")
         oracle = bool(episode.params.get("oracle"))
         system_prompt, tools = SYSTEM_PROMPT, TOOLS
+        if self.terminals and await self._has_tmux(episode):
+            episode.state["terminals"] = True
+            system_prompt += terminals.PROMPT
+            tools = [*tools, *terminals.TOOLS]
         if not tb.steps:  # a step opens them as it starts
             await users.open_logs(episode, tb.agent_user)
         if tb.steps:
@@ -557,7 +567,7 @@ class TerminalBench(Environment):
             if problem:
                 raise SandboxError(f"task {tb.id}: {problem}")
             system_prompt += steps.SYSTEM_PROMPT_STEPS.format(count=len(tb.steps))
-            tools = [*TOOLS, steps.FINISH_STEP]
+            tools = [*tools, steps.FINISH_STEP]
         elif oracle:
             episode.state["oracle"] = await self._run_oracle(episode, tb)
         found = await skills.discover(episode, tb.skills_dir) if tb.skills_dir else []
@@ -642,6 +652,8 @@ class TerminalBench(Environment):
             except InvalidRequest as e:
                 return StepResult({"content": f"error: {e.message}", "ok": False})
             return StepResult({"content": f"wrote {len(content.encode())} bytes to {path}", "ok": True})
+        if action.tool in terminals.NAMES and episode.state.get("terminals"):
+            return StepResult((await self.terminal(episode, tb, action.tool, action.arguments)).observation())
         if action.tool == "finish_step" and tb.steps:
             return await steps.finish(episode, tb, self._mode(episode), self.verifier_spec)
         if action.tool == "read_file":
@@ -662,11 +674,60 @@ class TerminalBench(Environment):
             return StepResult(
                 {"content": text[: self.output_limit], "ok": True, "truncated": more or len(text) > self.output_limit}
             )
+        offered = ["run_command", "write_file", "read_file"]
+        offered += list(terminals.NAMES) if episode.state.get("terminals") else []
+        offered += ["finish_step"] if tb.steps else []
+        why = ""
+        if action.tool in terminals.NAMES:
+            why = f": {terminals.NO_TMUX_SAYS}" if self.terminals else ": the node's config turns terminals off"
         raise InvalidRequest(
-            f"terminal-bench has no tool {action.tool!r} (tools: run_command, write_file, read_file"
-            f"{', finish_step' if tb.steps else ''})",
-            field="action.tool",
+            f"terminal-bench has no tool {action.tool!r} here{why} (tools: {', '.join(offered)})", field="action.tool"
         )
+
+    async def terminal(self, episode: Episode, tb: TbTask, tool: str, arguments: dict[str, Any]) -> terminals.Screen:
+        """One call of a terminal tool (terminals.py), as the task's agent user."""
+        session = terminals.session_name(arguments)
+        most = float(self.max_command_timeout)
+        if tool == "terminal_send":
+            text, key = arguments.get("text", ""), arguments.get("key")
+            if not isinstance(text, str):
+                raise InvalidRequest("'text' must be a string", field="action.arguments.text")
+            if key is not None and not isinstance(key, str):
+                raise InvalidRequest("'key' must be a string", field="action.arguments.key")
+            if not text and not key:
+                raise InvalidRequest("terminal_send needs 'text' or 'key'", field="action.arguments.text")
+            wait = terminals.seconds(arguments, "wait", 1.0, most)
+            script = terminals.send_script(session, text, key or None, wait)
+        elif tool == "terminal_view":
+            history = arguments.get("history", 0)
+            if not isinstance(history, int) or isinstance(history, bool) or history < 0:
+                raise InvalidRequest(
+                    "'history' must be a whole number of lines, 0 or more", field="action.arguments.history"
+                )
+            wait = terminals.seconds(arguments, "wait", 0.0, most)
+            script = terminals.view_script(session, min(history, terminals.MAX_HISTORY), wait)
+        else:
+            wait = 0.0
+            script = terminals.kill_script(session)
+        user = users.agent_user(tb, users.current_step(tb, episode.state))
+        result = await episode.exec(command_as(user, f"{cd_workdir(tb)}{script}"), timeout=wait + 30.0)
+        screen = terminals.screen_of(session, result.exit_code, result.stdout, result.stderr, result.timed_out)
+        if len(screen.text) > self.output_limit:  # the bottom of a long scrollback is what matters
+            screen.text = "[... earlier lines left out ...]\n" + screen.text[-self.output_limit :]
+        episode.state["terminal_calls"] = episode.state.get("terminal_calls", 0) + 1
+        return screen
+
+    async def _has_tmux(self, episode: Episode) -> bool:
+        """Whether the episode's image has tmux, asked once per image (a tb2 step's
+        image included: each create of it asks its own container until known)."""
+        image = episode.spec.image if episode.spec is not None else None
+        known = self._tmux.get(image) if image else None
+        if known is None:
+            found = await episode.exec("command -v tmux >/dev/null 2>&1", timeout=30)
+            known = found.exit_code == 0
+            if image and not found.timed_out:
+                self._tmux[image] = known
+        return known
 
     def _format(self, result: Any) -> str:
         parts = [result.stdout.rstrip("\n")] if result.stdout else []

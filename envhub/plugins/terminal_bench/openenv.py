@@ -6,8 +6,13 @@ episode (reward, ``done``), ``close`` releases the instance (the session keeps i
 ``finish_step`` (envhub's, for multi-step tasks: steps.py) hands the current step in: the
 step's reward and the next step's ``instruction``, or, when that ended the trial, the
 trial's grade as ``evaluate`` gives it, with ``done``.
-``write``, ``view``, ``wait`` and ``kill`` need a local terminal process and are
-unsupported, as in upstream Docker mode. A failed step is an observation
+``write``, ``view``, ``wait`` and ``kill``, and ``exec`` with ``block: false``, work on
+the terminal ``session_id`` (``tb2-session`` unless named) as upstream's local mode does
+them, through the episode's interactive terminals (terminals.py, tmux in the task's
+container): ``exec`` without blocking types the command and Enter and returns the screen
+half a second later, ``write`` types ``command`` (else ``content``) and Enter, ``view``
+returns the screen, ``wait`` waits up to ``wait_seconds`` (10 unless given) for the
+program in the foreground to end and returns the screen, ``kill`` closes the terminal. A failed step is an observation
 (``success: false`` with the error), as upstream's is. What the model reads of a grade is
 counts only: the verifier's output and the tests' names stay in the trainer's evaluate
 details and the trial log.
@@ -20,6 +25,7 @@ from typing import Any
 from envhub.environment import Task
 from envhub.errors import EnvhubError
 from envhub.openenv import Field, OpenEnvAdapter, OpenEnvSession, Wire, wire
+from envhub.plugins.terminal_bench import terminals
 from envhub.plugins.terminal_bench.environment import TOOLS, TerminalBench
 
 
@@ -113,6 +119,8 @@ class Tbench2Adapter(OpenEnvAdapter):
         return wire(obs, reward, done)
 
     async def _act(self, session: OpenEnvSession, kind: str, action: dict[str, Any]) -> tuple[Any, bool, dict]:
+        if kind in ("write", "view", "wait", "kill") or (kind == "exec" and not action["block"]):
+            return None, False, await self._terminal(session, kind, action)
         if kind == "exec":
             ran = (await session.act("run_command", {"command": action["command"]}))["observation"]
             fields = {
@@ -156,9 +164,28 @@ class Tbench2Adapter(OpenEnvAdapter):
             await session.close_episode()  # the socket is still a session: it goes on holding its slot
             session.extra["terminal_ready"] = False
             return None, True, {"output": "Closed TB2 environment."}
-        if kind in ("write", "view", "wait", "kill"):
-            return None, False, {"success": False, "error": f"Unsupported action_type in Docker mode: {kind}"}
         return None, False, {"success": False, "error": f"Unsupported action_type: {kind}"}
+
+    async def _terminal(self, session: OpenEnvSession, kind: str, action: dict[str, Any]) -> dict[str, Any]:
+        """Upstream's local-mode terminal actions on the terminal ``session_id``."""
+        name = session.extra["session_id"]
+        if not terminals.NAME.fullmatch(name):
+            return {"success": False, "error": f"session_id must be 1 to 64 letters, digits, '-' or '_' (not {name!r})"}
+        if kind in ("exec", "write"):
+            text = action["command"] if kind == "exec" or action["command"] else action["content"]
+            tool, arguments = "terminal_send", {"text": text + "\n", "session": name, "wait": 0.5}
+        elif kind == "wait":
+            waited = action["wait_seconds"]
+            tool, arguments = "terminal_view", {"session": name, "wait": 10.0 if waited is None else waited}
+        elif kind == "view":
+            tool, arguments = "terminal_view", {"session": name}
+        else:
+            tool, arguments = "terminal_kill", {"session": name}
+        seen = (await session.act(tool, arguments))["observation"]
+        if not seen.get("ok"):
+            return {"success": False, "error": str(seen.get("content", "")).removeprefix("error: ")}
+        output = seen["screen"] if kind != "kill" else f"Killed session {name}."
+        return {"output": output, "info": {"session_id": name}}
 
     async def _grade(self, session: OpenEnvSession) -> tuple[Any, bool, dict[str, Any]]:
         graded = await session.evaluate()
