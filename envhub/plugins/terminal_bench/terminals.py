@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from dataclasses import dataclass
@@ -142,7 +143,8 @@ def seconds(arguments: dict[str, Any], key: str, default: float, most: float) ->
     value = arguments.get(key, default)
     if value is None:
         return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+    # Finite too: a model's tool call (a rollout's agent parses it) may carry NaN.
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
         raise InvalidRequest(f"'{key}' must be a number of seconds, 0 or more", field=f"action.arguments.{key}")
     return float(min(value, most))
 
@@ -175,7 +177,7 @@ def send_script(session: str, text: str, key: str | None, wait: float) -> str:
         " fi\n"
     )
     send = ("tmux " + " \\; ".join(keys) + " >/dev/null || exit 1\n") if keys else ""
-    return _need_tmux() + start + send + (f"sleep {wait:g}\n" if wait else "") + _capture(pane, 0)
+    return _need_tmux() + start + send + (f"sleep {wait:.3f}\n" if wait else "") + _capture(pane, 0)
 
 
 def view_script(session: str, history: int, wait: float) -> str:
