@@ -10,7 +10,7 @@ terminal; terminals are the episode's own (another episode sees none); every bad
 argument is a 400 naming its field; an image without tmux is offered no terminal, and a
 call says why; and OpenEnv's tbench2 client, unchanged, drives the same terminals with
 upstream's local-mode actions (``exec`` without blocking, ``write``, ``view``, ``wait``,
-``kill``).
+``kill``). The same task's image, exported, runs the same way in the rootfs sandbox.
 """
 
 from __future__ import annotations
@@ -48,14 +48,20 @@ TASK = {
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("terminals")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("terminals-dataset")
     for name, text in TASK.items():
-        path = tmp / "dataset" / "interactive" / name
+        path = root / "interactive" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         if name.endswith(".sh"):
             path.chmod(0o755)
+    return root
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, dataset):
+    tmp = tmp_path_factory.mktemp("terminals")
     node_id = f"terminals-{uuid.uuid4().hex[:12]}"
     config = tmp / "node.yaml"
     config.write_text(
@@ -67,7 +73,7 @@ def node(tmp_path_factory):
                 "environments": {
                     "appworld": {"enabled": False},
                     "mbpp": {"enabled": False},
-                    "terminal-bench": {"warm_pool": 0, "datasets": ["bundled", str(tmp / "dataset")]},
+                    "terminal-bench": {"warm_pool": 0, "datasets": ["bundled", str(dataset)]},
                 },
             }
         )
@@ -215,3 +221,39 @@ def test_openenvs_tbench2_client_drives_the_terminals_with_local_mode_actions(no
         assert env.step({"command": "cat /app/answer.txt"}).observation["output"] == "42"  # blocking exec as before
         graded = env.step({"action_type": "evaluate"})
         assert graded.reward == 1.0 and graded.done is True
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rootfs node runs as root here (as nobody: test_rootfs_sandbox.py)")
+def test_the_terminals_work_the_same_in_the_rootfs_sandbox(dataset, tmp_path):
+    """Without Docker (a Slurm or Kubernetes node): the task's image exported by the
+    Docker engine, a node that finds no engine and runs terminal-bench in the rootfs
+    sandbox, whose episodes get a /dev/pts of their own for tmux's terminals."""
+    from test_rootfs_sandbox import NO_DOCKER, export_archives
+
+    archives = export_archives(tmp_path / "exp", "interactive", datasets=dataset)
+    config = tmp_path / "rootfs.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "capacity": 2,
+                "environments": {
+                    "appworld": {"enabled": False},
+                    "mbpp": {"enabled": False},
+                    "terminal-bench": {"warm_pool": 0, "datasets": [str(dataset)]},
+                },
+                "sandboxes": {"rootfs": {"archives": [str(archives)], "upper_mb": 256, "memory_mb": 512}},
+            }
+        )
+    )
+    rootfs = EnvhubProcess(tmp_path / "data", "--config", str(config), env=NO_DOCKER).start(timeout=60)
+    try:
+        ep = Episode(rootfs)
+        assert "terminal_send" in ep.tools
+        ep.see("terminal_send", text="python3\n")
+        wrote = ep.see("terminal_send", text="open('/app/answer.txt', 'w').write('42')\n", wait=0.5)
+        assert wrote["screen"].endswith("2\n>>> "), wrote
+        ep.see("terminal_send", key="C-d")
+        assert ep.release()["reward"] == 1.0
+        assert "terminal-bench runs in the rootfs sandbox" in rootfs.log()
+    finally:
+        assert rootfs.stop() == 0, rootfs.log()
