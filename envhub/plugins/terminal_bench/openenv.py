@@ -12,10 +12,10 @@ them, through the episode's interactive terminals (terminals.py, tmux in the tas
 container): ``exec`` without blocking types the command and Enter and returns the screen
 half a second later, ``write`` types ``command`` (else ``content``) and Enter, ``view``
 returns the screen, ``wait`` waits up to ``wait_seconds`` (10 unless given) for the
-program in the foreground to end and returns the screen, ``kill`` closes the terminal. A failed step is an observation
-(``success: false`` with the error), as upstream's is. What the model reads of a grade is
-counts only: the verifier's output and the tests' names stay in the trainer's evaluate
-details and the trial log.
+program in the foreground to end and returns the screen, ``kill`` closes the terminal.
+A failed step is an observation (``success: false`` with the error), as upstream's is.
+What the model reads of a grade is counts only: the verifier's output and the tests'
+names stay in the trainer's evaluate details and the trial log.
 """
 
 from __future__ import annotations

@@ -25,8 +25,10 @@ Invariants:
 - Text is typed literally (``send-keys -l``); only :data:`KEYS` are sent as keys, and a
   session name is :data:`NAME`'s, so nothing the model sends becomes a tmux command or
   leaves shell quoting.
-- An image without tmux is a tool error that says so (exit 127 of the script), not a
-  failed step; so is a session that does not exist for view and kill.
+- They are offered only where the image has tmux (environment.py asks once per image);
+  where it is gone all the same (the agent removed it) a call answers ``ok: false``
+  saying so (the script's exit 127), as it does for a view or kill of a session that
+  does not exist: never a failed step.
 """
 
 from __future__ import annotations
