@@ -625,6 +625,73 @@ def test_a_create_still_preparing_on_its_node_keeps_its_route_across_a_scheduler
                 assert p.stop() == 0, p.log()
 
 
+def test_a_release_of_a_create_still_preparing_ends_it_and_its_slot_is_never_held(tmp_path):
+    """A client that gives up on a create still queued on its node (or building its image)
+    and releases its id: the node records it released at once, and the create, once its
+    slot comes, starts nothing, gives the slot back and answers 409 (state released).
+    Before, the release answered 404 and the create went on to make an instance nobody
+    would release, holding a slot until idle_ttl. A scheduler that then forwards a create
+    of that id takes the node's 409 as the end of the route, not as a live instance."""
+    import sqlite3
+
+    full = EnvhubProcess(tmp_path / "full", "--capacity", "1", "--set", "environments.terminal-bench.enabled=false")
+    full.start()
+    nodes_yaml = tmp_path / "nodes.yaml"
+    nodes_yaml.write_text(yaml.safe_dump({"nodes": [{"url": full.url, "slots": 1}]}))
+    sched = start_scheduler(tmp_path, nodes_yaml)
+    body = {"environment": "mbpp", "task_id": "13"}
+    answers: list[httpx.Response] = []
+    waiting = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{full.url}/instances", json={**body, "instance_id": "queued"}, timeout=60)
+        )
+    )
+
+    def route_state() -> str | None:
+        with sqlite3.connect(sched.data_dir / "envhub.db") as db:
+            row = db.execute("SELECT state FROM routes WHERE instance_id = 'queued'").fetchone()
+        db.close()
+        return None if row is None else row[0]
+
+    try:
+        with sched.client() as c, full.client() as n:
+            assert n.post("/instances", json={**body, "instance_id": "held"}).status_code == 201
+            waiting.start()
+            eventually(
+                lambda: n.get("/instances/queued").status_code == 200, timeout=10, message="never shown as preparing"
+            )
+            released = n.post("/instances/queued/release")
+            assert released.status_code == 200, released.text
+            assert released.json() == {"instance_id": "queued", "released": True, "state": "released"}
+            shown = n.get("/instances/queued").json()
+            assert (shown["state"], shown["observation"]) == ("released", None), shown
+            assert n.post("/instances/queued/release").json()["released"] is False, "a second release is a no-op"
+            assert waiting.is_alive(), "the create still waits for its slot"
+
+            assert n.post("/instances/held/release").status_code == 200  # the queued create's slot comes
+            waiting.join(30)
+            assert [r.status_code for r in answers] == [409], [r.text for r in answers]
+            assert answers[0].json()["state"] == "released" and "while it was being prepared" in answers[0].text
+            health = n.get("/health").json()
+            assert (health["active"], health["free"]) == (0, 1), health
+            retried = n.post("/instances", json={**body, "instance_id": "queued"})
+            assert retried.status_code == 409 and retried.json()["state"] == "released", retried.text
+            assert n.post("/instances/never-seen/release").status_code == 404, "an id never seen is still a 404"
+
+            # Through the scheduler: the node's 409 for that id ends the route.
+            eventually(lambda: c.get("/health").json()["healthy_nodes"] == 1, timeout=10)
+            again = c.post("/instances", json={**body, "instance_id": "queued"})
+            assert again.status_code == 409 and again.json()["state"] == "released", again.text
+            assert route_state() == "ended"
+            assert c.post("/instances", json={**body, "instance_id": "fresh"}).status_code == 201, "the slot is free"
+            assert c.post("/instances/fresh/release").status_code == 200
+    finally:
+        waiting.join(60) if waiting.is_alive() else None
+        for p in (sched, full):
+            if p.proc is not None and p.proc.poll() is None:
+                assert p.stop() == 0, p.log()
+
+
 def test_nodes_yaml_edited_while_running_adds_and_removes_nodes_and_a_removed_nodes_instances_answer_410(tmp_path):
     """nodes.yaml is re-read when it changes (the file Ray's controller keeps is such a
     file): a node added takes creates, a node taken out leaves and calls for its

@@ -197,6 +197,18 @@ class Creator:
             pooled = await self._take_slot(env, task, spec_key(spec, sandbox.name), held)
         finally:
             episodes.preparing.pop(instance_id, None)
+            released = instance_id in episodes.released_preparing
+            episodes.released_preparing.discard(instance_id)
+        if released:  # a release ended it while it prepared (episodes.py): its row says so
+            try:
+                if pooled is not None:
+                    await asyncio.shield(sandbox.destroy(pooled))
+            finally:
+                episodes.slots.release()
+            raise Conflict(
+                f"instance {instance_id!r} was released while it was being prepared",
+                extra={"state": "released", "instance_id": instance_id},
+            )
         if not episodes.accepting:  # it began to drain or stop while this create built or waited
             try:
                 if pooled is not None:

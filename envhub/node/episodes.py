@@ -74,6 +74,9 @@ class Episodes:
         # Creates taken in, before their slot (a build, the queue), as GET /instances/<id>
         # shows them (state 'preparing'): no row is written until the slot is theirs.
         self.preparing: dict[str, instances.InstanceRow] = {}
+        # Of those, the ones a release ended before they started (their row says
+        # 'released'): each create checks for its id once its preparation is over.
+        self.released_preparing: set[str] = set()
         # Instances of whole rollouts that hold a slot (so are live too). Joined and left
         # together with the slot, so /health never counts a rollout twice or not at all.
         self.rollouts: set[str] = set()
@@ -272,7 +275,18 @@ class Episodes:
         live = self._live.get(instance_id)
         if live is None:
             await self.settle(instance_id)
-            row = await instances.get(self.db, instance_id)
+            row = await instances.find(self.db, instance_id)
+            preparing = self.preparing.get(instance_id)
+            if preparing is not None and (row is None or instances.never_started(row)):
+                # A client that gave up on a create still building or queued: ended now,
+                # so the create, once prepared, frees its slot instead of starting an
+                # instance nobody would release (until idle_ttl).
+                if await instances.release_unstarted(self.db, preparing, error=PREPARING_RELEASED):
+                    self.released_preparing.add(instance_id)
+                    return {"instance_id": instance_id, "released": True, "state": "released"}
+                row = await instances.find(self.db, instance_id)  # its create inserted first
+            if row is None:
+                raise NotFound(f"no instance {instance_id!r}", extra={"instance_id": instance_id})
             if row.state == "creating":
                 raise Conflict(f"instance {instance_id!r} is still being created", extra={"state": row.state})
             return {"instance_id": instance_id, "released": False, "state": row.state}
@@ -282,6 +296,9 @@ class Episodes:
                 return {"instance_id": instance_id, "released": False, "state": row.state}
             await asyncio.shield(self.end(live, reason, keep_for=keep_for))
         return {"instance_id": instance_id, "released": True, "state": reason}
+
+
+PREPARING_RELEASED = "released while it was being prepared"
 
 
 async def timed(metrics: NodeMetrics, call: str, environment: str, work: Awaitable[T]) -> T:

@@ -90,6 +90,15 @@ FAN_OUT_SLACK = (
 )
 
 
+def _released_unstarted(body: bytes) -> bool:
+    """Whether a node's 409 to a create says a release ended it before it started."""
+    try:
+        reply = jsonlib.loads(body)
+    except (ValueError, TypeError):
+        return False
+    return isinstance(reply, dict) and reply.get("state") == "released"
+
+
 def _refused(reply: peers.PeerReply) -> bool:
     """A node's 503 ``unavailable``: it takes no creates (draining or stopping) and made none."""
     if reply.status != 503:
@@ -385,7 +394,11 @@ class SchedulerService:
             )  # a node that refuses creates answers: its 503, even after the retries, settles this one
             status, mark = reply.status, reply.slots
             created = status in (200, 201)
-            if created or status == 409:  # 409: the id names an instance there already
+            if status == 409 and _released_unstarted(reply.body):
+                # A release reached the node while it prepared this create (the client gave
+                # up on it): the route ended with that release and stays so.
+                await routes.set_state(self.db, instance_id, "ended")
+            elif created or status == 409:  # 409: the id names an instance there already
                 await routes.set_state(self.db, instance_id, "live")
                 self.view.routes[instance_id] = node.url
             return reply.status, reply.body, node if _refused(reply) else None

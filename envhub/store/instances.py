@@ -174,6 +174,33 @@ async def insert(
     return _fresh(id, environment, task_id, trial, node_id, sandbox, params, state="creating", now=now)
 
 
+async def release_unstarted(db: Database, row: InstanceRow, *, error: str) -> bool:
+    """Record ``row``, a create still preparing, as ``released`` before it ever started
+    (no observation): in place of a row that :func:`never_started`, as :func:`insert`
+    would. False when the id is taken meanwhile (the create inserted its own row first),
+    so the create's own :func:`insert` later finds it taken exactly when this was True."""
+    now = time.time()
+    _, inserted = await db.write_many(
+        [
+            (trials.ENSURE_SQL, (row.trial, now)),
+            (
+                "INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, error, "
+                "created_at, last_active_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, 'released', ?, ?, ?, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET environment = excluded.environment, task_id = excluded.task_id, "
+                "trial = excluded.trial, node_id = excluded.node_id, sandbox = excluded.sandbox, "
+                "sandbox_handle = NULL, state = 'released', params = excluded.params, env_state = '{}', "
+                "step_count = 0, reward = NULL, evaluation = NULL, error = excluded.error, "
+                "created_at = excluded.created_at, last_active_at = excluded.last_active_at, "
+                "ended_at = excluded.ended_at "
+                f"WHERE instances.observation IS NULL AND instances.state IN {_UNFINISHED_CREATE_STATES!r}",
+                (row.id, row.environment, row.task_id, row.trial, row.node_id, row.sandbox)
+                + (json.dumps(row.params), error, now, now, now),
+            ),
+        ]
+    )
+    return bool(inserted)
+
+
 async def get(db: Database, instance_id: str) -> InstanceRow:
     row = await db.row("SELECT * FROM instances WHERE id = ?", (instance_id,))
     if row is None:
