@@ -679,7 +679,12 @@ def test_a_release_of_a_create_still_preparing_ends_it_and_its_slot_is_never_hel
             assert n.post("/instances/never-seen/release").status_code == 404, "an id never seen is still a 404"
 
             # Through the scheduler: the node's 409 for that id ends the route.
-            eventually(lambda: c.get("/health").json()["healthy_nodes"] == 1, timeout=10)
+            # Once its health rounds have seen the node's slot free again.
+            eventually(
+                lambda: [n["active_slots"] for n in c.get("/status").json()["nodes"]] == [0],
+                timeout=10,
+                message="the scheduler never saw the slot free",
+            )
             again = c.post("/instances", json={**body, "instance_id": "queued"})
             assert again.status_code == 409 and again.json()["state"] == "released", again.text
             assert route_state() == "ended"
