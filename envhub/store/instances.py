@@ -146,24 +146,30 @@ async def insert(
     node_id: str,
     sandbox: str,
     params: dict[str, Any],
+    ended: str | None = None,
 ) -> InstanceRow:
-    """Record a new instance in state ``creating``, in place of a row that
-    :func:`never_started`; ``Conflict`` if the id is taken."""
+    """Record a new instance in state ``creating`` (or, with ``ended``, in state
+    ``released`` with that error: a create that ended before it started, see
+    :func:`release_unstarted`), in place of a row that :func:`never_started`;
+    ``Conflict`` if the id is taken."""
     now = time.time()
+    state = "creating" if ended is None else "released"
     try:
         _, inserted = await db.write_many(
             [
                 (trials.ENSURE_SQL, (trial, now)),
                 (
-                    "INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, "
-                    "created_at, last_active_at) VALUES (?, ?, ?, ?, ?, ?, 'creating', ?, ?, ?) "
+                    "INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, error, "
+                    "created_at, last_active_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT(id) DO UPDATE SET environment = excluded.environment, task_id = excluded.task_id, "
                     "trial = excluded.trial, node_id = excluded.node_id, sandbox = excluded.sandbox, "
-                    "sandbox_handle = NULL, state = 'creating', params = excluded.params, env_state = '{}', "
-                    "step_count = 0, reward = NULL, evaluation = NULL, error = NULL, "
-                    "created_at = excluded.created_at, last_active_at = excluded.last_active_at, ended_at = NULL "
+                    "sandbox_handle = NULL, state = excluded.state, params = excluded.params, env_state = '{}', "
+                    "step_count = 0, reward = NULL, evaluation = NULL, error = excluded.error, "
+                    "created_at = excluded.created_at, last_active_at = excluded.last_active_at, "
+                    "ended_at = excluded.ended_at "
                     f"WHERE instances.observation IS NULL AND instances.state IN {_UNFINISHED_CREATE_STATES!r}",
-                    (id, environment, task_id, trial, node_id, sandbox, json.dumps(params), now, now),
+                    (id, environment, task_id, trial, node_id, sandbox, state, json.dumps(params), ended, now, now)
+                    + (None if ended is None else now,),
                 ),
             ]
         )
@@ -171,34 +177,29 @@ async def insert(
         inserted = 0
     if not inserted:
         raise Conflict(f"instance id {id!r} is already taken", extra={"instance_id": id})
-    return _fresh(id, environment, task_id, trial, node_id, sandbox, params, state="creating", now=now)
+    return _fresh(id, environment, task_id, trial, node_id, sandbox, params, state=state, now=now)
 
 
 async def release_unstarted(db: Database, row: InstanceRow, *, error: str) -> bool:
     """Record ``row``, a create still preparing, as ``released`` before it ever started
-    (no observation): in place of a row that :func:`never_started`, as :func:`insert`
-    would. False when the id is taken meanwhile (the create inserted its own row first),
-    so the create's own :func:`insert` later finds it taken exactly when this was True."""
-    now = time.time()
-    _, inserted = await db.write_many(
-        [
-            (trials.ENSURE_SQL, (row.trial, now)),
-            (
-                "INSERT INTO instances (id, environment, task_id, trial, node_id, sandbox, state, params, error, "
-                "created_at, last_active_at, ended_at) VALUES (?, ?, ?, ?, ?, ?, 'released', ?, ?, ?, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET environment = excluded.environment, task_id = excluded.task_id, "
-                "trial = excluded.trial, node_id = excluded.node_id, sandbox = excluded.sandbox, "
-                "sandbox_handle = NULL, state = 'released', params = excluded.params, env_state = '{}', "
-                "step_count = 0, reward = NULL, evaluation = NULL, error = excluded.error, "
-                "created_at = excluded.created_at, last_active_at = excluded.last_active_at, "
-                "ended_at = excluded.ended_at "
-                f"WHERE instances.observation IS NULL AND instances.state IN {_UNFINISHED_CREATE_STATES!r}",
-                (row.id, row.environment, row.task_id, row.trial, row.node_id, row.sandbox)
-                + (json.dumps(row.params), error, now, now, now),
-            ),
-        ]
-    )
-    return bool(inserted)
+    (no observation, ``error`` saying why). False when the id is taken meanwhile (the
+    create inserted its own row first), so the create's own :func:`insert` later finds
+    it taken exactly when this was True."""
+    try:
+        await insert(
+            db,
+            id=row.id,
+            environment=row.environment,
+            task_id=row.task_id,
+            trial=row.trial,
+            node_id=row.node_id,
+            sandbox=row.sandbox,
+            params=row.params,
+            ended=error,
+        )
+    except Conflict:
+        return False
+    return True
 
 
 async def get(db: Database, instance_id: str) -> InstanceRow:
