@@ -550,6 +550,22 @@ def test_a_restarted_scheduler_settles_the_creates_it_left_half_done(tmp_path):
                 p.stop()
 
 
+def queued_create(node: EnvhubProcess, body: dict, answers: list[httpx.Response]) -> threading.Thread:
+    """A thread (not started) that posts the create ``body`` to ``node`` and keeps its
+    answer in ``answers``: a create that waits there (for a slot) while the test goes on."""
+    return threading.Thread(target=lambda: answers.append(httpx.post(f"{node.url}/instances", json=body, timeout=60)))
+
+
+def route_state_of(sched: EnvhubProcess, instance_id: str) -> str | None:
+    """The state of ``instance_id``'s route in the scheduler's SQLite file."""
+    import sqlite3
+
+    with sqlite3.connect(sched.data_dir / "envhub.db") as db:
+        row = db.execute("SELECT state FROM routes WHERE instance_id = ?", (instance_id,)).fetchone()
+    db.close()
+    return None if row is None else row[0]
+
+
 def test_a_create_still_preparing_on_its_node_keeps_its_route_across_a_scheduler_restart(tmp_path):
     """A create that waits on its node (for a slot here; an image build waits alike) when
     the scheduler dies: the node shows it ``preparing`` and refuses its calls with 409,
@@ -568,17 +584,10 @@ def test_a_create_still_preparing_on_its_node_keeps_its_route_across_a_scheduler
     sched = start_scheduler(tmp_path, nodes_yaml, "--set", "affinity_window=0")
     body = {"environment": "mbpp", "task_id": "13"}
     answers: list[httpx.Response] = []
-    waiting = threading.Thread(
-        target=lambda: answers.append(
-            httpx.post(f"{full.url}/instances", json={**body, "instance_id": "queued"}, timeout=60)
-        )
-    )
+    waiting = queued_create(full, {**body, "instance_id": "queued"}, answers)
 
     def route_state() -> str | None:
-        with sqlite3.connect(sched.data_dir / "envhub.db") as db:
-            row = db.execute("SELECT state FROM routes WHERE instance_id = 'queued'").fetchone()
-        db.close()
-        return None if row is None else row[0]
+        return route_state_of(sched, "queued")
 
     try:
         with full.client() as c:
@@ -632,7 +641,6 @@ def test_a_release_of_a_create_still_preparing_ends_it_and_its_slot_is_never_hel
     Before, the release answered 404 and the create went on to make an instance nobody
     would release, holding a slot until idle_ttl. A scheduler that then forwards a create
     of that id takes the node's 409 as the end of the route, not as a live instance."""
-    import sqlite3
 
     full = EnvhubProcess(tmp_path / "full", "--capacity", "1", "--set", "environments.terminal-bench.enabled=false")
     full.start()
@@ -641,17 +649,10 @@ def test_a_release_of_a_create_still_preparing_ends_it_and_its_slot_is_never_hel
     sched = start_scheduler(tmp_path, nodes_yaml)
     body = {"environment": "mbpp", "task_id": "13"}
     answers: list[httpx.Response] = []
-    waiting = threading.Thread(
-        target=lambda: answers.append(
-            httpx.post(f"{full.url}/instances", json={**body, "instance_id": "queued"}, timeout=60)
-        )
-    )
+    waiting = queued_create(full, {**body, "instance_id": "queued"}, answers)
 
     def route_state() -> str | None:
-        with sqlite3.connect(sched.data_dir / "envhub.db") as db:
-            row = db.execute("SELECT state FROM routes WHERE instance_id = 'queued'").fetchone()
-        db.close()
-        return None if row is None else row[0]
+        return route_state_of(sched, "queued")
 
     try:
         with sched.client() as c, full.client() as n:
