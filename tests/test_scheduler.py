@@ -586,9 +586,6 @@ def test_a_create_still_preparing_on_its_node_keeps_its_route_across_a_scheduler
     answers: list[httpx.Response] = []
     waiting = queued_create(full, {**body, "instance_id": "queued"}, answers)
 
-    def route_state() -> str | None:
-        return route_state_of(sched, "queued")
-
     try:
         with full.client() as c:
             assert c.post("/instances", json={**body, "instance_id": "held"}).status_code == 201
@@ -609,14 +606,18 @@ def test_a_create_still_preparing_on_its_node_keeps_its_route_across_a_scheduler
         db.close()
         sched.start()
         time.sleep(1.0)  # several of the scheduler's rounds (0.2 s) while the node still prepares it
-        assert route_state() == "creating", "the route of a create its node still prepares is kept"
+        assert route_state_of(sched, "queued") == "creating", "the route of a create its node still prepares is kept"
         assert waiting.is_alive()
 
         with full.client() as c:
             assert c.post("/instances/held/release").status_code == 200  # the queued create gets the slot
         waiting.join(30)
         assert [r.status_code for r in answers] == [201], [r.text for r in answers]
-        eventually(lambda: route_state() == "live", timeout=10, message=lambda: f"route {route_state()}")
+        eventually(
+            lambda: route_state_of(sched, "queued") == "live",
+            timeout=10,
+            message=lambda: f"route {route_state_of(sched, 'queued')}",
+        )
         with sched.client() as c:
             retried = c.post("/instances", json={**body, "instance_id": "queued"})
             assert retried.status_code == 200, retried.text  # the node's replay: no second instance
@@ -650,9 +651,6 @@ def test_a_release_of_a_create_still_preparing_ends_it_and_its_slot_is_never_hel
     body = {"environment": "mbpp", "task_id": "13"}
     answers: list[httpx.Response] = []
     waiting = queued_create(full, {**body, "instance_id": "queued"}, answers)
-
-    def route_state() -> str | None:
-        return route_state_of(sched, "queued")
 
     try:
         with sched.client() as c, full.client() as n:
@@ -688,7 +686,7 @@ def test_a_release_of_a_create_still_preparing_ends_it_and_its_slot_is_never_hel
             )
             again = c.post("/instances", json={**body, "instance_id": "queued"})
             assert again.status_code == 409 and again.json()["state"] == "released", again.text
-            assert route_state() == "ended"
+            assert route_state_of(sched, "queued") == "ended"
             assert c.post("/instances", json={**body, "instance_id": "fresh"}).status_code == 201, "the slot is free"
             assert c.post("/instances/fresh/release").status_code == 200
     finally:
