@@ -117,12 +117,12 @@ def test_a_repl_driven_by_keystrokes_solves_the_task_and_scores(node):
     assert {"terminal_send", "terminal_view", "terminal_kill"} <= ep.tools
     started = ep.see("terminal_send", text="python3\n")
     assert started["ok"] and started["session"] == "main"
-    assert started["screen"].endswith(">>> ") and started["screen"].count("python3") == 1, started
+    assert started["content"].endswith(">>> ") and started["content"].count("python3") == 1, started
     wrote = ep.see("terminal_send", text="open('/app/answer.txt', 'w').write(str(6 * 7))\n", wait=0.5)
-    assert wrote["screen"].endswith("2\n>>> "), "write() answered its 2 characters at the prompt"
+    assert wrote["content"].endswith("2\n>>> "), "write() answered its 2 characters at the prompt"
     ep.see("terminal_send", key="C-d", wait=0.5)
     back = ep.see("terminal_view", wait=5)
-    assert back["screen"].rstrip().endswith("/app#"), back  # the shell's prompt, in the task's workdir
+    assert back["content"].rstrip().endswith("/app#"), back  # the shell's prompt, in the task's workdir
     graded = ep.release()
     assert graded["reward"] == 1.0, graded
 
@@ -132,24 +132,24 @@ def test_ctrl_c_ends_a_program_and_a_server_runs_on_in_its_own_terminal(node):
     try:
         ep.see("terminal_send", text="sleep 1000\n", wait=0.2)
         still = ep.see("terminal_view", wait=1)
-        assert still["screen"].rstrip().endswith("sleep 1000"), "a view's wait ends early only when the program does"
+        assert still["content"].rstrip().endswith("sleep 1000"), "a view's wait ends early only when the program does"
         stopped = ep.see("terminal_send", key="C-c")
-        assert "^C" in stopped["screen"] and stopped["screen"].rstrip().endswith("#"), stopped
+        assert "^C" in stopped["content"] and stopped["content"].rstrip().endswith("#"), stopped
 
         ep.see("terminal_send", text="python3 -m http.server 8123\n", session="srv", wait=1.5)
         fetch = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/').status)\""
         assert ep.see("run_command", command=fetch)["stdout"] == "200\n"
         log = ep.see("terminal_view", session="srv")
-        assert '"GET / HTTP/1.1" 200' in log["screen"], log
-        assert ep.see("terminal_view")["screen"] != log["screen"], "two terminals, each its own screen"
+        assert '"GET / HTTP/1.1" 200' in log["content"], log
+        assert ep.see("terminal_view")["content"] != log["content"], "two terminals, each its own screen"
         assert ep.see("terminal_kill", session="srv")["ok"]
         gone = ep.see("terminal_view", session="srv")
         assert gone["ok"] is False and "no terminal 'srv'" in gone["content"]
         assert ep.see("run_command", command=fetch)["exit_code"] != 0, "the server ended with its terminal"
 
         ep.see("terminal_send", text="seq 1 300\n")
-        assert ep.see("terminal_view")["screen"].count("\n") < 45, "a view is the screen"
-        scrolled = ep.see("terminal_view", history=300)["screen"]
+        assert ep.see("terminal_view")["content"].count("\n") < 45, "a view is the screen"
+        scrolled = ep.see("terminal_view", history=300)["content"]
         assert "\n1\n" in scrolled and "\n300\n" in scrolled, "and its scrollback when asked"
 
         other = Episode(node)
@@ -180,7 +180,7 @@ def test_bad_arguments_are_400s_naming_the_field_and_an_image_without_tmux_says_
         assert r.status_code == 400 and r.json()["field"] == "action.arguments.history"
         # Text is typed, never run as tmux's: a quote or a tmux separator is just text.
         typed = ep.see("terminal_send", text="echo 'a;b' \\; kill-server", wait=0.5)
-        assert typed["ok"] and "a;b" in typed["screen"]
+        assert typed["ok"] and "a;b" in typed["content"]
         assert ep.see("terminal_view")["ok"], "the tmux server still runs"
     finally:
         ep.release()
@@ -251,7 +251,7 @@ def test_the_terminals_work_the_same_in_the_rootfs_sandbox(dataset, tmp_path):
         assert "terminal_send" in ep.tools
         ep.see("terminal_send", text="python3\n")
         wrote = ep.see("terminal_send", text="open('/app/answer.txt', 'w').write('42')\n", wait=0.5)
-        assert wrote["screen"].endswith("2\n>>> "), wrote
+        assert wrote["content"].endswith("2\n>>> "), wrote
         ep.see("terminal_send", key="C-d")
         assert ep.release()["reward"] == 1.0
         assert "terminal-bench runs in the rootfs sandbox" in rootfs.log()

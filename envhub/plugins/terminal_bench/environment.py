@@ -714,7 +714,6 @@ class TerminalBench(Environment):
         screen = terminals.screen_of(session, result.exit_code, result.stdout, result.stderr, result.timed_out)
         if len(screen.text) > self.output_limit:  # the bottom of a long scrollback is what matters
             screen.text = "[... earlier lines left out ...]\n" + screen.text[-self.output_limit :]
-        episode.state["terminal_calls"] = episode.state.get("terminal_calls", 0) + 1
         return screen
 
     async def _has_tmux(self, episode: Episode) -> bool:

@@ -184,7 +184,7 @@ class Tbench2Adapter(OpenEnvAdapter):
         seen = (await session.act(tool, arguments))["observation"]
         if not seen.get("ok"):
             return {"success": False, "error": str(seen.get("content", "")).removeprefix("error: ")}
-        output = seen["screen"] if kind != "kill" else f"Killed session {name}."
+        output = seen["content"] if kind != "kill" else f"Killed session {name}."
         return {"output": output, "info": {"session_id": name}}
 
     async def _grade(self, session: OpenEnvSession) -> tuple[Any, bool, dict[str, Any]]:

@@ -126,7 +126,7 @@ class Screen:
     def observation(self) -> dict[str, Any]:
         if self.error is not None:
             return {"content": f"error: {self.error}", "ok": False, "session": self.session}
-        return {"content": self.text, "screen": self.text, "ok": True, "session": self.session}
+        return {"content": self.text, "ok": True, "session": self.session}
 
 
 def session_name(arguments: dict[str, Any], field: str = "action.arguments.session") -> str:
