@@ -44,18 +44,30 @@ fi
 # --- 3. the toolchains of /run_code's languages (tests/test_run_code*.py): Debian's, in
 # /usr, where the process sandbox's view shows them (a rustup toolchain in a home dir is
 # not offered). About 25 s and 740 MB when g++ and the JDK are there already (PHP, Ruby,
-# Lua, R and Icarus Verilog about 15 s and 120 MB more); the JDK
+# Lua, R, Icarus Verilog and pytest about 15 s and 120 MB more); the JDK
 # adds about a minute on a bare machine. skopeo too (tests/test_rootfs_images.py: what
 # `skopeo copy` writes, and a pull that fails), about 10 s; slirp4netns
 # (tests/test_rootfs_sandbox.py: an episode's network), a second.
 toolchains=()
 for pair in g++:g++ node:nodejs go:golang-go javac:default-jdk-headless rustc:rustc skopeo:skopeo \
-  slirp4netns:slirp4netns php:php-cli ruby:ruby lua:lua5.4 Rscript:r-base-core iverilog:iverilog; do
+  slirp4netns:slirp4netns php:php-cli ruby:ruby lua:lua5.4 Rscript:r-base-core iverilog:iverilog \
+  pytest:python3-pytest; do
   [[ -x /usr/bin/${pair%%:*} ]] || toolchains+=("${pair#*:}")
 done
 if (( ${#toolchains[@]} )); then
   apt_update
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${toolchains[@]}"
+fi
+
+# tsx, which runs /run_code's TypeScript as SandboxFusion does (esbuild strips the types),
+# from the npm registry into /usr/lib/node_modules (npm's global prefix is /usr), where
+# sandboxes see it. About 10 s.
+if ! [[ -x /usr/bin/tsx ]]; then
+  if ! command -v npm >/dev/null; then
+    apt_update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends npm
+  fi
+  npm install -g --prefix /usr --no-fund --no-audit tsx@4.23.15 || die "cannot install tsx from the npm registry"
 fi
 
 # --- 4. a Go that ships no compiled standard library (1.20 and later; bookworm's is 1.19),

@@ -388,6 +388,19 @@ def test_the_sandbox_fusion_client_runs_code(fleet, target):
     if "cpp" in OFFERED:
         broken = run_code(RunCodeRequest(code="int main( {", language="cpp"), endpoint=endpoint)
         assert summary_run_code_result(broken, mapping) == "compile-failed"
+    if "pytest" in OFFERED:  # a solution in a file, its tests as the code (KodCode's shape)
+        tests = "from solution import twice\n\ndef test_twice():\n    assert twice(21) == 42\n"
+        good = RunCodeRequest(code=tests, language="pytest", files={"solution.py": "dHdpY2UgPSBsYW1iZGEgeDogMiAqIHg="})
+        assert run_code(good, endpoint=endpoint).status == RunStatus.Success  # twice = lambda x: 2 * x
+        bad = RunCodeRequest(code=tests, language="pytest", files={"solution.py": "dHdpY2UgPSBsYW1iZGEgeDogeA=="})
+        assert summary_run_code_result(run_code(bad, endpoint=endpoint), mapping) == "run-failed"
+    if "typescript" in OFFERED:
+        typed = RunCodeRequest(
+            code="const n: number = Number(require('fs').readFileSync(0, 'utf8'));\nconsole.log(n * 2);\n",
+            language="typescript",
+            stdin="21\n",
+        )
+        assert run_code(typed, endpoint=endpoint).run_result.stdout == "42\n"
 
 
 def test_the_async_sandbox_fusion_client_runs_code_at_once(fleet):

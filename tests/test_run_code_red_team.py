@@ -105,6 +105,8 @@ def test_a_call_cannot_read_another_call_s_files(client):
 LEAVE_BEHIND = {
     "python": "import subprocess\nsubprocess.Popen(['sleep', '600'], start_new_session=True)\nprint('left')",
     "bash": "setsid sleep 600 &\nnohup sleep 601 >/dev/null 2>&1 &\n( trap '' HUP; sleep 602 ) &\necho left",
+    "typescript": "import { spawn } from 'child_process';\n"
+    "spawn('sleep', ['600'], { detached: true, stdio: 'ignore' }).unref();\nconsole.log('left');\n",
     "cpp": "#include <unistd.h>\n#include <cstdio>\n"
     "int main() { if (fork() == 0) { setsid(); if (fork() == 0) { sleep(600); } _exit(0); }\n"
     '  std::puts("left"); }\n',

@@ -1,11 +1,12 @@
 """The languages ``/run_code`` offers: how each is compiled and run, and which of them a
 node has the toolchain for.
 
-Names are SandboxFusion's (``python``, ``cpp``, ``nodejs``, ``go``, ``java``, ``rust``,
-``bash``, ``perl``, ``php``, ``ruby``, ``lua``, ``R``, ``verilog``), and so are the
-commands (``g++ -std=c++17``, ``go build``, ``javac`` then ``java -ea Main``, ``rustc``,
-``php -f``, ``Rscript``, ``iverilog`` then ``vvp``), so that a program scores as it did
-there; where envhub differs it says why below.
+Names are SandboxFusion's (``python``, ``pytest``, ``cpp``, ``nodejs``, ``typescript``,
+``go``, ``java``, ``rust``, ``bash``, ``perl``, ``php``, ``ruby``, ``lua``, ``R``,
+``verilog``), and so are the commands (``g++ -std=c++17``, ``go build``, ``javac`` then
+``java -ea Main``, ``rustc``, ``php -f``, ``Rscript``, ``iverilog`` then ``vvp``,
+``pytest`` with the request's ``args`` after the file, ``tsx``), so that a program scores
+as it did there; where envhub differs it says why below.
 
 Invariants:
 
@@ -64,6 +65,7 @@ class Language:
     limit_compile: bool = False
     programs: Mapping[str, str] = field(default_factory=dict)
     opening: str | None = None  # the source starts with it (leading blanks dropped), added if missing
+    takes_args: bool = False  # the request's ``args`` go after the run command (pytest's)
 
     def source_text(self, code: str) -> str:
         """What is written to ``source``: the code, with ``opening`` (PHP's ``<?php``)
@@ -115,11 +117,15 @@ class Language:
 #   memory cgroup, not RLIMIT_AS. Compilers too (rustc, g++ on a big file).
 BUILTIN: dict[str, Language] = {
     "python": Language("python", "main.py", run=("python",)),
+    # The pytest on the node's PATH, with the Python it names (Debian's: /usr/bin/python3).
+    "pytest": Language("pytest", "main.py", run=("pytest", "main.py"), takes_args=True),
     "cpp": Language(
         "cpp", "main.cpp", compile=("g++", "-std=c++17", "main.cpp", "-o", "main", "-lpthread"), artifact="main",
         run=("./main",),
     ),
     "nodejs": Language("nodejs", "main.js", run=("node", "main.js"), limit_run=False),
+    # tsx (esbuild) strips the types and runs the rest: a type error does not stop the program.
+    "typescript": Language("typescript", "main.ts", run=("tsx", "main.ts"), limit_run=False),
     "go": Language(
         "go", "main.go", compile=("go", "build", "-o", "main", "main.go"), artifact="main", run=("./main",),
         limit_run=False, env={"GOPROXY": "off", "GOTOOLCHAIN": "local"},
@@ -196,7 +202,7 @@ def configured(config: Mapping[str, Any]) -> dict[str, Language]:
                 if not isinstance(value, Mapping):
                     raise StartupError(f"{key}.env must be a mapping")
                 fields[item] = {str(k): str(v) for k, v in value.items()}
-            elif item in ("limit_run", "limit_compile"):
+            elif item in ("limit_run", "limit_compile", "takes_args"):
                 if not isinstance(value, bool):
                     raise StartupError(f"{key}.{item} must be true or false")
                 fields[item] = value

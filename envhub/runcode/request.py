@@ -4,9 +4,10 @@
 The request is SandboxFusion's ``RunCodeRequest``: ``code`` and ``language`` required;
 ``stdin`` (null or a string), ``compile_timeout`` and ``run_timeout`` (seconds, 10 each),
 ``memory_limit_MB`` (-1: the node's default), ``files`` (path -> base64, a null value
-skipped as SandboxFusion skips it), ``fetch_files`` (paths) and ``args`` (pytest's, which
-no language here takes: only an empty list passes). verl sends all of these but
-``args``; the ``sandbox-fusion`` client all but ``memory_limit_MB`` and ``args``.
+skipped as SandboxFusion skips it), ``fetch_files`` (paths) and ``args`` (strings that
+follow the file on pytest's command line; any other language takes only an empty list).
+verl sends all of these but ``args``; the ``sandbox-fusion`` client all but
+``memory_limit_MB`` and ``args``.
 
 Invariants:
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envhub.errors import InvalidRequest
-from envhub.runcode.languages import SANDBOX_FUSION
+from envhub.runcode.languages import SANDBOX_FUSION, Language
 from envhub.sandbox import StepResult, program_path
 
 FIELDS = (
@@ -74,6 +75,7 @@ class RunCodeRequest:
     memory_mb: int | None = None
     files: list[tuple[str, str, bytes]] = field(default_factory=list)
     fetch: list[tuple[str, str]] = field(default_factory=list)
+    args: tuple[str, ...] = ()
 
 
 def parse(body: Any, offered: Mapping[str, Any], bounds: Bounds) -> RunCodeRequest:
@@ -101,9 +103,7 @@ def parse(body: Any, offered: Mapping[str, Any], bounds: Bounds) -> RunCodeReque
     stdin = body.get("stdin")
     if stdin is not None and not isinstance(stdin, str):
         raise InvalidRequest("'stdin' must be a string or null", field="stdin")
-    args = body.get("args", [])
-    if args != []:
-        raise InvalidRequest("'args' is pytest's, and no language here takes it: leave it out or empty", field="args")
+    args = _args(body.get("args", []), offered[language])
     files = check_files(body.get("files", {}), bounds)
     lang = offered[language]
     for path, norm, _ in files:  # the program's own files are the call's, not the client's
@@ -122,7 +122,32 @@ def parse(body: Any, offered: Mapping[str, Any], bounds: Bounds) -> RunCodeReque
         memory_mb=_memory(body, bounds),
         files=files,
         fetch=check_fetch(body.get("fetch_files", []), bounds),
+        args=args,
     )
+
+
+MAX_ARGS = 256
+MAX_ARG_CHARS = 4096
+
+
+def _args(args: Any, lang: Language) -> tuple[str, ...]:
+    """``args``: strings for the command line of a language that takes them (pytest's,
+    after the file, as SandboxFusion runs ``pytest <file> *args``); empty for any other."""
+    if args is None or args == []:
+        return ()
+    if not lang.takes_args:
+        raise InvalidRequest(
+            f"'args' is for pytest's command line; {lang.name} takes none: leave it out or empty",
+            field="args",
+        )
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise InvalidRequest("'args' must be a list of strings", field="args")
+    if len(args) > MAX_ARGS or any(len(a) > MAX_ARG_CHARS or "\0" in a for a in args):
+        raise InvalidRequest(
+            f"'args' takes at most {MAX_ARGS} strings of at most {MAX_ARG_CHARS} characters, without NUL",
+            field="args",
+        )
+    return tuple(args)
 
 
 def _under(path: str, folder: str) -> bool:

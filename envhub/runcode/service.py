@@ -427,7 +427,7 @@ class RunCode:
 
     def _run_step(self, lang: Language, request: RunCodeRequest) -> Step:
         return Step(
-            argv=lang.argv(lang.run),
+            argv=[*lang.argv(lang.run), *request.args],
             stdin=request.stdin,
             timeout=request.run_timeout,
             env=dict(lang.env),
