@@ -44,14 +44,15 @@ fi
 # --- 3. the toolchains of /run_code's languages (tests/test_run_code*.py): Debian's, in
 # /usr, where the process sandbox's view shows them (a rustup toolchain in a home dir is
 # not offered). About 25 s and 740 MB when g++ and the JDK are there already (PHP, Ruby,
-# Lua, R, Icarus Verilog and pytest about 15 s and 120 MB more); the JDK
+# Lua, R, Icarus Verilog, pytest and ldc, the D compiler of a test's extra language, about
+# 20 s and 150 MB more); the JDK
 # adds about a minute on a bare machine. skopeo too (tests/test_rootfs_images.py: what
 # `skopeo copy` writes, and a pull that fails), about 10 s; slirp4netns
 # (tests/test_rootfs_sandbox.py: an episode's network), a second.
 toolchains=()
 for pair in g++:g++ node:nodejs go:golang-go javac:default-jdk-headless rustc:rustc skopeo:skopeo \
   slirp4netns:slirp4netns php:php-cli ruby:ruby lua:lua5.4 Rscript:r-base-core iverilog:iverilog \
-  pytest:python3-pytest; do
+  pytest:python3-pytest ldmd2:ldc; do
   [[ -x /usr/bin/${pair%%:*} ]] || toolchains+=("${pair#*:}")
 done
 if (( ${#toolchains[@]} )); then
@@ -60,8 +61,8 @@ if (( ${#toolchains[@]} )); then
 fi
 
 # tsx, which runs /run_code's TypeScript as SandboxFusion does (esbuild strips the types),
-# from the npm registry into /usr/lib/node_modules (npm's global prefix is /usr), where
-# sandboxes see it. About 10 s.
+# from the npm registry into /usr/lib/node_modules and /usr/bin (--prefix /usr, whatever
+# npm's own prefix), where sandboxes see it. About 10 s.
 if ! [[ -x /usr/bin/tsx ]]; then
   if ! command -v npm >/dev/null; then
     apt_update

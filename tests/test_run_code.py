@@ -547,6 +547,37 @@ def test_requests_waiting_for_a_slot_hold_at_most_queue_bytes(start_node):
         assert c.get("/health").json()["run_code"]["queued_bytes"] == 0
 
 
+@pytest.mark.skipif(shutil.which("ldmd2") is None, reason="needs ldc's ldmd2 (setup-test-tools.sh installs ldc)")
+def test_an_extra_language_runs_beside_the_built_in_ones(start_node):
+    """SandboxFusion's ``D_ut``, which envhub does not build in, added by config on a node
+    that has a D compiler (ldc's ldmd2, which takes the flags of SandboxFusion's ``dmd``;
+    it reads /etc/ldc2.conf, which the view shows): the program runs its unit tests and
+    not ``main`` (D's runtime does so for a program built with them), a failing one fails
+    the run, a compile error leaves no run, and the built-in languages stay offered."""
+    d_ut = "{source: main.d, compile: [ldmd2, main.d, -unittest, -of=main], artifact: main, run: [./main]}"
+    node = start_node(
+        "--set", "environments.terminal-bench.enabled=false", "--set", f"run_code.extra_languages.D_ut={d_ut}"
+    )  # fmt: skip
+    with node.client(timeout=120) as c:
+        offered = c.get("/run_code/languages").json()["languages"]
+        assert set(OFFERED) | {"D_ut"} == set(offered), offered
+        code = (
+            "import std.stdio;\nint twice(int x) { return 2 * x; }\nunittest { assert(twice(21) == 42); }\n"
+            'void main() { int a, b; readf(" %d %d", &a, &b); writeln(twice(a + b)); }\n'
+        )
+        body = {"code": code, "language": "D_ut", "stdin": "10 11\n", "compile_timeout": 60}
+        passed = c.post("/run_code", json=body).json()
+        assert passed["status"] == "Success" and passed["compile_result"]["return_code"] == 0, passed
+        assert passed["run_result"]["stdout"] == "" and "1 modules passed unittests" in passed["run_result"]["stderr"]
+        failing = c.post("/run_code", json={**body, "code": code.replace("== 42", "== 41")}).json()
+        assert failing["status"] == "Failed" and failing["run_result"]["return_code"] == 1, failing
+        assert "1/1 modules FAILED unittests" in failing["run_result"]["stderr"]
+        broken = c.post("/run_code", json={**body, "code": "void main() { undefined(); }\n"}).json()
+        assert broken["status"] == "Failed" and broken["run_result"] is None, broken
+        python = c.post("/run_code", json={"code": "print(6 * 7)", "language": "python"}).json()
+        assert python["run_result"]["stdout"] == "42\n", python
+
+
 def test_run_code_can_be_off(start_node):
     node = start_node("--set", "environments.terminal-bench.enabled=false", "--set", "run_code.enabled=false")
     with node.client() as c:

@@ -163,55 +163,76 @@ SANDBOX_FUSION = (
 
 
 def configured(config: Mapping[str, Any]) -> dict[str, Language]:
-    """The languages ``run_code.languages`` asks for: absent, every built-in one; a list,
-    those named; a mapping, those named with their ``compile``, ``run``, ``source``,
-    ``artifact``, ``env`` or limits replaced (a name not built in needs ``source`` and
-    ``run``). ``StartupError`` naming the key for anything else."""
+    """The languages run_code is to offer where their toolchains are found.
+
+    ``run_code.languages``: absent, every built-in one; a list, those named; a mapping,
+    those named, each with changes (:func:`_changed`). Then ``run_code.extra_languages``,
+    a mapping of languages added to those, or changed in them, the same way: a language
+    of SandboxFusion's that is not built in (its D, Racket or C# on a node that has them),
+    or a built-in one's command changed, without naming every other one.
+    ``StartupError`` naming the key for anything else."""
     spec = config.get("languages")
+    out: dict[str, Language]
     if spec is None:
-        return dict(BUILTIN)
-    if isinstance(spec, list):
+        out = dict(BUILTIN)
+    elif isinstance(spec, list):
         unknown = [n for n in spec if n not in BUILTIN]
         if unknown:
             raise StartupError(
                 f"run_code.languages names {', '.join(map(str, unknown))}, which envhub has no commands for "
-                f"(built in: {', '.join(BUILTIN)}); give them as a mapping with source and run"
+                f"(built in: {', '.join(BUILTIN)}); add them under run_code.extra_languages with source and run"
             )
-        return {n: BUILTIN[n] for n in spec}
-    if not isinstance(spec, Mapping):
+        out = {n: BUILTIN[n] for n in spec}
+    elif isinstance(spec, Mapping):
+        out = {
+            str(n): _changed(f"run_code.languages.{n}", str(n), over, BUILTIN.get(str(n))) for n, over in spec.items()
+        }
+    else:
         raise StartupError("run_code.languages must be a list of names or a mapping of name to commands")
-    out: dict[str, Language] = {}
-    for name, over in spec.items():
-        key = f"run_code.languages.{name}"
-        over = dict(over or {})
-        base = BUILTIN.get(str(name))
-        if base is None and not {"source", "run"} <= set(over):
-            raise StartupError(f"{key} is not built in, so it needs source and run")
-        base = base or Language(str(name), str(over["source"]), run=("true",))
-        fields: dict[str, Any] = {}
-        for item, value in over.items():
-            if item in ("compile", "run"):
-                if value is not None and not (
-                    isinstance(value, list) and value and all(isinstance(v, str) for v in value)
-                ):
-                    raise StartupError(f"{key}.{item} must be a command: a list of strings")
-                fields[item] = None if value is None else tuple(value)
-            elif item in ("source", "artifact", "opening"):
-                fields[item] = None if value is None else str(value)
-            elif item == "env":
-                if not isinstance(value, Mapping):
-                    raise StartupError(f"{key}.env must be a mapping")
-                fields[item] = {str(k): str(v) for k, v in value.items()}
-            elif item in ("limit_run", "limit_compile", "takes_args"):
-                if not isinstance(value, bool):
-                    raise StartupError(f"{key}.{item} must be true or false")
-                fields[item] = value
-            else:
-                raise StartupError(f"{key} has an unknown key {item!r}")
-        if fields.get("run") is None and "run" in fields:
-            raise StartupError(f"{key}.run cannot be empty")
-        out[str(name)] = replace(base, **fields)
+    extra = config.get("extra_languages")
+    if extra is not None:
+        if not isinstance(extra, Mapping):
+            raise StartupError("run_code.extra_languages must be a mapping of name to commands")
+        for n, over in extra.items():
+            name = str(n)
+            out[name] = _changed(f"run_code.extra_languages.{name}", name, over, out.get(name) or BUILTIN.get(name))
     return out
+
+
+def _changed(key: str, name: str, over: Any, base: Language | None) -> Language:
+    """``base`` with the changes ``over`` names: ``compile`` and ``run`` (commands),
+    ``source``, ``artifact``, ``opening``, ``env``, ``limit_run``, ``limit_compile``,
+    ``takes_args``; a language with no ``base`` needs ``source`` and ``run``."""
+    if over is None:
+        over = {}
+    if not isinstance(over, Mapping):
+        raise StartupError(f"{key} must be a mapping of changes (compile, run, source, ...) or empty")
+    if base is None and not {"source", "run"} <= set(over):
+        raise StartupError(f"{key} is not built in, so it needs source and run")
+    base = base or Language(name, str(over["source"]), run=("true",))
+    fields: dict[str, Any] = {}
+    for item, value in over.items():
+        if item in ("compile", "run"):
+            if value is not None and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+                raise StartupError(f"{key}.{item} must be a command: a list of strings")
+            fields[item] = None if value is None else tuple(value)
+        elif item in ("source", "artifact", "opening"):
+            fields[item] = None if value is None else str(value)
+        elif item == "env":
+            if not isinstance(value, Mapping):
+                raise StartupError(f"{key}.env must be a mapping")
+            fields[item] = {str(k): str(v) for k, v in value.items()}
+        elif item in ("limit_run", "limit_compile", "takes_args"):
+            if not isinstance(value, bool):
+                raise StartupError(f"{key}.{item} must be true or false")
+            fields[item] = value
+        else:
+            raise StartupError(f"{key} has an unknown key {item!r}")
+    if fields.get("run") is None and "run" in fields:
+        raise StartupError(f"{key}.run cannot be empty")
+    if (fields.get("compile", base.compile) is not None) and fields.get("artifact", base.artifact) is None:
+        raise StartupError(f"{key} compiles, so it needs the artifact its compile makes (a file or a dir)")
+    return replace(base, name=name, **fields)
 
 
 def detect(languages: Mapping[str, Language], path: str = DEFAULT_PATH) -> tuple[dict[str, Language], dict[str, str]]:

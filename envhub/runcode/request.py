@@ -103,9 +103,9 @@ def parse(body: Any, offered: Mapping[str, Any], bounds: Bounds) -> RunCodeReque
     stdin = body.get("stdin")
     if stdin is not None and not isinstance(stdin, str):
         raise InvalidRequest("'stdin' must be a string or null", field="stdin")
-    args = _args(body.get("args", []), offered[language])
-    files = check_files(body.get("files", {}), bounds)
     lang = offered[language]
+    args = _args(body.get("args", []), lang)
+    files = check_files(body.get("files", {}), bounds)
     for path, norm, _ in files:  # the program's own files are the call's, not the client's
         for own in filter(None, (lang.source, lang.artifact)):
             if norm == own or _under(norm, own) or _under(own, norm):

@@ -96,7 +96,7 @@ class Options:
         known = {
             "enabled", "slots", "queue_size", "queue_timeout", "queue_bytes", "memory_mb", "max_memory_mb",
             "max_processes", "output_limit", "max_timeout", "compile_cache_mb", "go_std", "path", "languages",
-            "sandbox",
+            "extra_languages", "sandbox",
         }  # fmt: skip
         unknown = sorted(set(config) - known)
         if unknown:

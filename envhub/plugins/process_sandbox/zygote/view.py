@@ -94,9 +94,12 @@ def readable() -> list[str]:
     paths += [os.path.join("/etc", n) for n in ETC if os.path.lexists(os.path.join("/etc", n))]
     # Debian's sitecustomize, read by a python3 that episode code starts; a JDK's config
     # (Debian's JDK links its lib/jvm.cfg and conf/ there: java starts with neither); R's
-    # (R_HOME/etc links there: Rscript does not start without it) and PHP's php.ini.
+    # (R_HOME/etc links there: Rscript does not start without it), PHP's php.ini and the
+    # D compilers' (where ldc2 and dmd find their runtime library's sources).
     paths += sorted(
-        os.path.join("/etc", n) for n in _listdir("/etc") if n.startswith(("python3", "java-")) or n in ("R", "php")
+        os.path.join("/etc", n)
+        for n in _listdir("/etc")
+        if n.startswith(("python3", "java-")) or n in ("R", "php", "ldc2.conf", "dmd.conf")
     )
     paths += [r for r in python_roots() if not any(r.startswith(s + "/") or r == s for s in SYSTEM)]
     return paths
