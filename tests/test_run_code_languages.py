@@ -80,6 +80,11 @@ def test_extra_languages_add_to_a_narrowed_list_too():
             "run_code.extra_languages.D_ut.run must be a command",
         ),
         ({"extra_languages": {"D_ut": {**D_UT, "run": None}}}, "run_code.extra_languages.D_ut.run cannot be empty"),
+        ({"languages": {"bash": {"source": None}}}, "run_code.languages.bash.source must name the file"),
+        (
+            {"extra_languages": {"D_ut": {**D_UT, "source": ""}}},
+            "run_code.extra_languages.D_ut.source must name the file",
+        ),
         (
             {"extra_languages": {"pytest": {"takes_args": "yes"}}},
             "run_code.extra_languages.pytest.takes_args must be true or false",

@@ -230,6 +230,8 @@ def _changed(key: str, name: str, over: Any, base: Language | None) -> Language:
             raise StartupError(f"{key} has an unknown key {item!r}")
     if fields.get("run") is None and "run" in fields:
         raise StartupError(f"{key}.run cannot be empty")
+    if "source" in fields and not fields["source"]:
+        raise StartupError(f"{key}.source must name the file the code is written to")
     if (fields.get("compile", base.compile) is not None) and fields.get("artifact", base.artifact) is None:
         raise StartupError(f"{key} compiles, so it needs the artifact its compile makes (a file or a dir)")
     return replace(base, name=name, **fields)
