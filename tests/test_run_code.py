@@ -703,6 +703,12 @@ def test_run_code_works_under_landlock_and_hides_the_node_s_data(scenario, tmp_p
                     json={"code": A_PLUS_B[language], "language": language, "stdin": "1 2\n", "compile_timeout": 60},
                 )
                 assert r.json()["status"] == "Success" and r.json()["run_result"]["stdout"] == "3\n", (language, r.text)
+            if "pytest" in OFFERED:  # no a + b for pytest: a test that passes and one that fails
+                tests = "def test_sum():\n    assert 1 + 2 == 3\n"
+                r = c.post("/run_code", json={"code": tests, "language": "pytest", "args": ["-q"]})
+                assert r.json()["status"] == "Success" and "1 passed" in r.json()["run_result"]["stdout"], r.text
+                r = c.post("/run_code", json={"code": tests.replace("== 3", "== 4"), "language": "pytest"})
+                assert r.json()["run_result"]["return_code"] == 1, r.text
             probe = f"import os\nfor p in ({str(data)!r}, {str(data / 'envhub.db')!r}):\n"
             probe += "    try:\n        open(p, 'rb') if p.endswith('.db') else os.listdir(p)\n        print(p)\n"
             probe += "    except OSError:\n        pass\nprint('done')\n"

@@ -137,7 +137,8 @@ def _args(args: Any, lang: Language) -> tuple[str, ...]:
         return ()
     if not lang.takes_args:
         raise InvalidRequest(
-            f"'args' is for pytest's command line; {lang.name} takes none: leave it out or empty",
+            f"'args' follow the run command of a language that takes them (pytest); {lang.name} takes none: "
+            "leave it out or empty",
             field="args",
         )
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
